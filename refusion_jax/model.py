@@ -1,0 +1,236 @@
+"""Qwen3 decoder in Flax NNX.
+
+ReFusion changes no layer of Qwen3; what matters here is that
+
+* RoPE is applied from explicit **position ids** (training inputs are
+  permuted and the KV cache is kept in commit order, so the array index is not
+  the position);
+* attention has one entry point, `forward_chunk`, where a chunk of new tokens
+  attends to a static KV buffer (per-row valid length) and to itself under a
+  given chunk mask, and the chunk's own K/V are *returned, not written*: the
+  decoder decides what to commit.
+
+Einsum letters: B batch, T chunk length, S cache length, N query heads,
+K kv heads, G query heads per kv head, H head dim, D model, F mlp, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from refusion_jax import sharding
+from refusion_jax.config import ModelConfig
+from refusion_jax.kv_cache import KVCache
+
+_NEG_INF = -1e30  # finite, so rows with nothing to attend to stay NaN-free
+
+
+def _param(rngs: nnx.Rngs, shape, axes, config: ModelConfig, std: float | None = 0.02):
+  if std is None:
+    value = jnp.ones(shape, config.weight_dtype)
+  else:
+    value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(
+        config.weight_dtype)
+  return nnx.Param(value, logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square norm, computed in float32 as Qwen3 does."""
+
+  def __init__(self, dim: int, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.scale = _param(rngs, (dim,), ("norm",), config, std=None)
+    self.eps = config.rms_eps
+
+  def __call__(self, x):
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale.value.astype(dtype) * x32.astype(dtype)
+
+
+def rope(x_btnh, positions_bt, theta: float):
+  """Rotary embedding (Qwen3's half-split layout) at the given true positions."""
+  head_dim = x_btnh.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+  angles_bth = jnp.concatenate([angles_bth, angles_bth], axis=-1)
+  cos = jnp.cos(angles_bth)[:, :, None, :]
+  sin = jnp.sin(angles_bth)[:, :, None, :]
+  x1, x2 = jnp.split(x_btnh, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  out = x_btnh.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+  return out.astype(x_btnh.dtype)
+
+
+def attend(q_btnh, k_btkh, v_btkh, chunk_mask_btt, cache_k_bskh=None, cache_v_bskh=None,
+           cache_valid_bs=None):
+  """Grouped-query attention of a chunk over [cache entries, chunk entries].
+
+  `chunk_mask_btt[b, i, j]` says whether chunk query i sees chunk key j;
+  `cache_valid_bs[b, s]` whether every chunk query sees cache entry s.
+  Softmax runs in float32 over the union of both key sets.
+  """
+  b, t, n, h = q_btnh.shape
+  kv = k_btkh.shape[2]
+  q = q_btnh.reshape(b, t, kv, n // kv, h) * (h ** -0.5)
+  scores = jnp.einsum("btkgh,bukh->bkgtu", q, k_btkh, preferred_element_type=jnp.float32)
+  scores = jnp.where(chunk_mask_btt[:, None, None, :, :], scores, _NEG_INF)
+  if cache_k_bskh is not None:
+    cache_scores = jnp.einsum("btkgh,bskh->bkgts", q, cache_k_bskh,
+                              preferred_element_type=jnp.float32)
+    cache_scores = jnp.where(cache_valid_bs[:, None, None, None, :], cache_scores, _NEG_INF)
+    scores = jnp.concatenate([cache_scores, scores], axis=-1)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_btkh.dtype)
+  if cache_k_bskh is not None:
+    s = cache_k_bskh.shape[1]
+    out = jnp.einsum("bkgts,bskh->btkgh", probs[..., :s], cache_v_bskh)
+    out = out + jnp.einsum("bkgtu,bukh->btkgh", probs[..., s:], v_btkh)
+  else:
+    out = jnp.einsum("bkgtu,bukh->btkgh", probs, v_btkh)
+  return out.reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    self.config = config
+    self.q_proj = _param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), config)
+    self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), config)
+    self.v_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), config)
+    self.o_proj = _param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), config)
+    self.q_norm = RMSNorm(h, config, rngs=rngs)
+    self.k_norm = RMSNorm(h, config, rngs=rngs)
+
+  def __call__(self, x_btd, positions_bt, chunk_mask_btt, cache_k_bskh=None, cache_v_bskh=None,
+               cache_valid_bs=None):
+    dtype = self.config.compute_dtype
+    q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj.value.astype(dtype))
+    k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj.value.astype(dtype))
+    v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj.value.astype(dtype))
+    q = rope(self.q_norm(q), positions_bt, self.config.rope_theta)
+    k = rope(self.k_norm(k), positions_bt, self.config.rope_theta)
+    q = sharding.constrain(q, ("batch", "seq", "q_heads", "head_dim"))
+    k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
+    v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    out = attend(q, k, v, chunk_mask_btt, cache_k_bskh, cache_v_bskh, cache_valid_bs)
+    y = jnp.einsum("btnh,nhd->btd", out, self.o_proj.value.astype(dtype))
+    return y, k, v
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    d, f = config.hidden_size, config.mlp_dim
+    self.config = config
+    self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), config)
+    self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), config)
+    self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), config)
+
+  def __call__(self, x_btd):
+    dtype = self.config.compute_dtype
+    gate = jnp.einsum("btd,df->btf", x_btd, self.gate_proj.value.astype(dtype))
+    up = jnp.einsum("btd,df->btf", x_btd, self.up_proj.value.astype(dtype))
+    hidden = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+    return jnp.einsum("btf,fd->btd", hidden, self.down_proj.value.astype(dtype))
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.input_norm = RMSNorm(config.hidden_size, config, rngs=rngs)
+    self.attn = Attention(config, rngs=rngs)
+    self.post_attn_norm = RMSNorm(config.hidden_size, config, rngs=rngs)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x_btd, positions_bt, chunk_mask_btt, cache_k_bskh=None, cache_v_bskh=None,
+               cache_valid_bs=None):
+    y, k, v = self.attn(self.input_norm(x_btd), positions_bt, chunk_mask_btt, cache_k_bskh,
+                        cache_v_bskh, cache_valid_bs)
+    x_btd = x_btd + y
+    x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
+    return sharding.constrain(x_btd, ("batch", "seq", "act_embed")), k, v
+
+
+def causal_mask(t: int) -> jax.Array:
+  return jnp.tril(jnp.ones((t, t), bool))
+
+
+class Qwen3(nnx.Module):
+  """Qwen3 causal LM. `model(ids, positions)` is the public full-sequence call."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"),
+                        config)
+    self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+    self.final_norm = RMSNorm(config.hidden_size, config, rngs=rngs)
+    if not config.tie_embeddings:
+      self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"),
+                            config)
+
+  def _check_inputs(self, input_ids_bt, positions_bt):
+    if input_ids_bt.ndim != 2 or positions_bt.shape != input_ids_bt.shape:
+      raise ValueError(
+          f"input_ids {input_ids_bt.shape} and positions {positions_bt.shape} must both be "
+          "[batch, length]")
+
+  def _logits(self, x_btd):
+    x_btd = self.final_norm(x_btd)
+    dtype = self.config.compute_dtype
+    if self.config.tie_embeddings:
+      logits = jnp.einsum("btd,vd->btv", x_btd, self.embed.value.astype(dtype))
+    else:
+      logits = jnp.einsum("btd,dv->btv", x_btd, self.lm_head.value.astype(dtype))
+    return sharding.constrain(logits, ("batch", "seq", "vocab"))
+
+  def _run(self, input_ids_bt, positions_bt, chunk_mask_btt, cache: KVCache | None):
+    self._check_inputs(input_ids_bt, positions_bt)
+    x = jnp.take(self.embed.value, input_ids_bt, axis=0).astype(self.config.compute_dtype)
+    x = sharding.constrain(x, ("batch", "seq", "act_embed"))
+    ks, vs = [], []
+    valid_bs = None if cache is None else cache.valid_bs()
+    for i, layer in enumerate(self.layers):
+      if cache is None:
+        x, k, v = layer(x, positions_bt, chunk_mask_btt)
+      else:
+        x, k, v = layer(x, positions_bt, chunk_mask_btt, cache.k_lbskh[i], cache.v_lbskh[i],
+                        valid_bs)
+      ks.append(k)
+      vs.append(v)
+    return self._logits(x), jnp.stack(ks), jnp.stack(vs)
+
+  def __call__(self, input_ids_bt, positions_bt, attention_mask_btt=None):
+    """Logits `[B, T, V]`.
+
+    Attention is causal in *input order* (bidirectional for an MDM config)
+    unless `attention_mask_btt` (True = may attend) is given.
+    """
+    input_ids_bt = jnp.asarray(input_ids_bt)
+    positions_bt = jnp.asarray(positions_bt)
+    b, t = input_ids_bt.shape
+    if attention_mask_btt is None:
+      if self.config.attention == "causal":
+        attention_mask_btt = causal_mask(t)[None]
+      else:
+        attention_mask_btt = jnp.ones((1, t, t), bool)
+      attention_mask_btt = jnp.broadcast_to(attention_mask_btt, (b, t, t))
+    logits, _, _ = self._run(input_ids_bt, positions_bt, attention_mask_btt, None)
+    return logits
+
+  def forward_chunk(self, input_ids_bt, positions_bt, cache: KVCache, chunk_mask_btt):
+    """A chunk of new tokens against the KV buffer; nothing is written.
+
+    Every chunk query sees the cache's live entries and the chunk keys that
+    `chunk_mask_btt` allows. Returns `(logits_btv, k_lbtkh, v_lbtkh)`: the
+    chunk's keys (RoPE already applied at `positions_bt`) and values, ready
+    for `cache.commit`.
+    """
+    return self._run(input_ids_bt, positions_bt, chunk_mask_btt, cache)
+
+
+def param_count(model: nnx.Module) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
