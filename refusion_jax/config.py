@@ -269,3 +269,75 @@ def to_hf_config(config: ModelConfig) -> dict:
     if value is not None:
       hf[theirs] = value
   return hf
+
+
+DECODE_METHODS = ("refusion", "ar", "mdm")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Static decoding settings (hashable: one compiled program per value).
+
+  ReFusion (ALGORITHM.md "Decoding"): the response area of `gen_length`
+  tokens is split into blocks of `block_size` decoded one after another, each
+  made of slots of `slot_size` tokens.
+  """
+
+  method: str = "refusion"  # "refusion", "ar" or "mdm"
+  gen_length: int = 128  # response tokens to generate (upper bound; EOS stops earlier)
+  slot_size: int = 8  # k: tokens per slot
+  block_size: int = 32  # b: tokens per serial block (multiple of slot_size)
+  slot_threshold: float = 0.9  # tau_s: plan picks slots whose first-token prob exceeds it
+  token_threshold: float = 0.4  # tau_t: verification accepts tokens whose AR prob exceeds it
+  temperature: float = 0.0  # 0 = greedy; > 0 adds Gumbel noise to drafts / samples
+  # MDM baseline: fixed tokens unmasked per step (LLaDA) unless mdm_threshold is set,
+  # in which case every masked token above it is unmasked (Fast-dLLM, at least one).
+  mdm_tokens_per_step: int = 1
+  mdm_threshold: float | None = None
+
+  def __post_init__(self):
+    if self.method not in DECODE_METHODS:
+      raise ValueError(f"decode.method must be one of {DECODE_METHODS}, got {self.method!r}")
+    for name in ("gen_length", "slot_size", "block_size", "mdm_tokens_per_step"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"decode.{name} must be a positive int, got {value!r}")
+    if self.block_size % self.slot_size:
+      raise ValueError(
+          f"decode.block_size={self.block_size} must be a multiple of "
+          f"decode.slot_size={self.slot_size}")
+    if self.gen_length % self.block_size:
+      raise ValueError(
+          f"decode.gen_length={self.gen_length} must be a multiple of "
+          f"decode.block_size={self.block_size}")
+    for name in ("slot_threshold", "token_threshold"):
+      value = getattr(self, name)
+      if not 0.0 <= value <= 1.0:
+        raise ValueError(f"decode.{name} must lie in [0, 1], got {value!r}")
+    if self.mdm_threshold is not None and not 0.0 <= self.mdm_threshold <= 1.0:
+      raise ValueError(f"decode.mdm_threshold must lie in [0, 1], got {self.mdm_threshold!r}")
+    if self.temperature < 0:
+      raise ValueError(f"decode.temperature must be >= 0, got {self.temperature!r}")
+
+  @property
+  def num_blocks(self) -> int:
+    return self.gen_length // self.block_size
+
+  @property
+  def slots_per_block(self) -> int:
+    return self.block_size // self.slot_size
+
+  def replace(self, **changes) -> "DecodeConfig":
+    return dataclasses.replace(self, **changes)
+
+  def check_fits(self, model_config: ModelConfig, prompt_len: int) -> None:
+    """Fails (before any compile) when prompt + generation exceed the model's positions."""
+    total = prompt_len + self.gen_length
+    if total > model_config.max_position_embeddings:
+      raise ValueError(
+          f"prompt length {prompt_len} + decode.gen_length {self.gen_length} = {total} exceeds "
+          f"the model's max_position_embeddings={model_config.max_position_embeddings}")
+    if self.method != "ar" and model_config.mask_token_id is None:
+      raise ValueError(
+          f"decode.method={self.method!r} needs a mask token, but the model config has "
+          "mask_token_id=None")

@@ -1,0 +1,46 @@
+"""Per-row decode counters shared by every decoder (so all compare in one harness).
+
+Every forward pass is counted (ALGORITHM.md "Honest speed counters"): a pass
+counts for a row when that row took part in it (rows that are done are frozen
+and stop counting).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class DecodeCounters:
+  plan_b: jax.Array  # ReFusion plan (diffusion) passes; MDM denoising passes
+  global_verify_b: jax.Array  # ReFusion global verification passes
+  draft_b: jax.Array  # ReFusion infill draft passes
+  verify_b: jax.Array  # ReFusion infill verify passes; AR decode passes
+  prefill_b: jax.Array  # prompt passes (not part of NFE, reported apart)
+  tokens_b: jax.Array  # generated tokens committed, up to and including EOS
+  steps_b: jax.Array  # outer loop iterations
+
+  @classmethod
+  def zeros(cls, batch: int) -> "DecodeCounters":
+    z = jnp.zeros((batch,), jnp.int32)
+    return cls(plan_b=z, global_verify_b=z, draft_b=z, verify_b=z, prefill_b=z, tokens_b=z,
+               steps_b=z)
+
+  def nfe_b(self) -> jax.Array:
+    """Forward passes over generated content (plan + verify + draft + infill verify)."""
+    return self.plan_b + self.global_verify_b + self.draft_b + self.verify_b
+
+  def add(self, active_b: jax.Array, **increments) -> "DecodeCounters":
+    """Adds each increment (scalar or [B]) to the rows where `active_b` is set."""
+    active = active_b.astype(jnp.int32)
+    changes = {name: getattr(self, name) + active * jnp.asarray(inc, jnp.int32)
+               for name, inc in increments.items()}
+    return self.replace(**changes)
+
+  def as_dict(self) -> dict:
+    d = {k: getattr(self, k) for k in ("plan_b", "global_verify_b", "draft_b", "verify_b",
+                                       "prefill_b", "tokens_b", "steps_b")}
+    d["nfe_b"] = self.nfe_b()
+    return d
