@@ -47,7 +47,7 @@ class RMSNorm(nnx.Module):
     dtype = x.dtype
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale.value.astype(dtype) * x32.astype(dtype)
+    return self.scale[...].astype(dtype) * x32.astype(dtype)
 
 
 def rope(x_btnh, positions_bt, theta: float):
@@ -107,16 +107,16 @@ class Attention(nnx.Module):
   def __call__(self, x_btd, positions_bt, chunk_mask_btt, cache_k_bskh=None, cache_v_bskh=None,
                cache_valid_bs=None):
     dtype = self.config.compute_dtype
-    q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj.value.astype(dtype))
-    k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj.value.astype(dtype))
-    v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj.value.astype(dtype))
+    q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dtype))
+    k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj[...].astype(dtype))
+    v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj[...].astype(dtype))
     q = rope(self.q_norm(q), positions_bt, self.config.rope_theta)
     k = rope(self.k_norm(k), positions_bt, self.config.rope_theta)
     q = sharding.constrain(q, ("batch", "seq", "q_heads", "head_dim"))
     k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
     out = attend(q, k, v, chunk_mask_btt, cache_k_bskh, cache_v_bskh, cache_valid_bs)
-    y = jnp.einsum("btnh,nhd->btd", out, self.o_proj.value.astype(dtype))
+    y = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dtype))
     return y, k, v
 
 
@@ -132,10 +132,10 @@ class MLP(nnx.Module):
 
   def __call__(self, x_btd):
     dtype = self.config.compute_dtype
-    gate = jnp.einsum("btd,df->btf", x_btd, self.gate_proj.value.astype(dtype))
-    up = jnp.einsum("btd,df->btf", x_btd, self.up_proj.value.astype(dtype))
+    gate = jnp.einsum("btd,df->btf", x_btd, self.gate_proj[...].astype(dtype))
+    up = jnp.einsum("btd,df->btf", x_btd, self.up_proj[...].astype(dtype))
     hidden = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return jnp.einsum("btf,fd->btd", hidden, self.down_proj.value.astype(dtype))
+    return jnp.einsum("btf,fd->btd", hidden, self.down_proj[...].astype(dtype))
 
 
 class DecoderLayer(nnx.Module):
@@ -182,14 +182,14 @@ class Qwen3(nnx.Module):
     x_btd = self.final_norm(x_btd)
     dtype = self.config.compute_dtype
     if self.config.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", x_btd, self.embed.value.astype(dtype))
+      logits = jnp.einsum("btd,vd->btv", x_btd, self.embed[...].astype(dtype))
     else:
-      logits = jnp.einsum("btd,dv->btv", x_btd, self.lm_head.value.astype(dtype))
+      logits = jnp.einsum("btd,dv->btv", x_btd, self.lm_head[...].astype(dtype))
     return sharding.constrain(logits, ("batch", "seq", "vocab"))
 
   def _run(self, input_ids_bt, positions_bt, chunk_mask_btt, cache: KVCache | None):
     self._check_inputs(input_ids_bt, positions_bt)
-    x = jnp.take(self.embed.value, input_ids_bt, axis=0).astype(self.config.compute_dtype)
+    x = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(self.config.compute_dtype)
     x = sharding.constrain(x, ("batch", "seq", "act_embed"))
     ks, vs = [], []
     valid_bs = None if cache is None else cache.valid_bs()

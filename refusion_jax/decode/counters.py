@@ -44,3 +44,13 @@ class DecodeCounters:
                                        "prefill_b", "tokens_b", "steps_b")}
     d["nfe_b"] = self.nfe_b()
     return d
+
+
+@flax.struct.dataclass
+class DecodeOutput:
+  """What every decoder returns (one row per prompt)."""
+
+  tokens_bg: jax.Array  # generated tokens in position order; pad id after the end
+  length_b: jax.Array  # generated tokens per row, up to and including EOS
+  counters: DecodeCounters
+  commit_step_bg: jax.Array  # loop step at which each position was committed (-1: never)
