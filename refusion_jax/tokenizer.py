@@ -240,6 +240,18 @@ class Tokenizer:
 
   # ------------------------------------------------------------ validation
 
+  def __getstate__(self):
+    # A compiled Jinja2 template does not pickle (grain workers pickle their
+    # transforms); it is rebuilt from its source on the other side.
+    state = dict(self.__dict__)
+    state.pop("_template")
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._template = (None if self.chat_template is None
+                      else _compile_template(self.chat_template, self.source))
+
   def check_compatible(self, model_config: Any) -> None:
     """Raises ValueError when the model cannot use this tokenizer.
 

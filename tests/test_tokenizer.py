@@ -337,3 +337,11 @@ def test_bad_arguments(tiny):
     tiny.apply_chat_template([])
   with pytest.raises(ValueError, match=r"messages\[0\]\['content'\]"):
     tiny.apply_chat_template([{"role": "user"}])
+
+
+def test_tokenizer_pickles_with_its_chat_template(tiny):
+  """Grain workers receive the tokenizer pickled; the template must survive."""
+  import pickle
+  clone = pickle.loads(pickle.dumps(tiny))
+  assert clone.encode_prompt("sort 3 1 2") == tiny.encode_prompt("sort 3 1 2")
+  assert clone.eos_id == tiny.eos_id and clone.vocab_size == tiny.vocab_size

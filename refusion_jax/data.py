@@ -1,0 +1,597 @@
+"""Query/response data: a TFDS builder for the release's JSON format and a grain loader.
+
+Input files hold ReFusion's training format, `{"query": str, "response": str}`
+per example, either as one JSON list (`[{...}, {...}]`) or as JSON lines.
+Other fields are ignored.
+
+  builder = prepare(["train.jsonl"], data_dir)      # validates, then builds once
+  source = source_of(builder, "train")              # random access, no TensorFlow
+  loader = make_loader(source, tokenizer, seq_len=256, batch_size=32, seed=0)
+  it = iter(loader)
+  batch = next(it)   # {"tokens": [b, seq_len], "prompt_len": [b], "response_len": [b]}
+
+Every row of `tokens` is `encode_prompt(query) + encode(response) + [eos]`
+right-padded with `pad_id`; `response_len` counts the EOS.
+
+Checkpointing the data position: `it.get_state()` / `it.set_state(state)` on
+the grain `DataLoaderIterator`; resuming continues with exactly the batch
+that would have come next. For orbax, grain 0.2.18 ships the handler
+`grain.checkpoint.CheckpointHandler` (also exported as
+`grain.python.PyGrainCheckpointHandler`) with the args classes
+`grain.checkpoint.CheckpointSave` / `CheckpointRestore`; this module exposes
+them as `ITERATOR_HANDLER`, `IteratorSave` and `IteratorRestore`:
+
+  manager = ocp.CheckpointManager(dir, item_handlers={
+      "params": ocp.StandardCheckpointHandler(),
+      "data": data.ITERATOR_HANDLER()})
+  manager.save(step, args=ocp.args.Composite(
+      params=ocp.args.StandardSave(params), data=data.IteratorSave(it)))
+  manager.restore(step, args=ocp.args.Composite(
+      params=ocp.args.StandardRestore(abstract), data=data.IteratorRestore(it)))
+
+The handler writes one `process_<i>-of-<n>.json` per JAX process (the
+indices come from `jax.process_index()` / `jax.process_count()`), so every
+host saves and restores its own shard's position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+from typing import Any, Iterator, Mapping, Sequence
+
+from absl import logging
+from etils import epath
+import grain
+import numpy as np
+import tensorflow_datasets as tfds
+
+ITERATOR_HANDLER = grain.checkpoint.CheckpointHandler
+IteratorSave = grain.checkpoint.CheckpointSave
+IteratorRestore = grain.checkpoint.CheckpointRestore
+
+FIELDS = ("query", "response")
+# Bump when the stored layout changes, so old builds are not reused.
+_LAYOUT_VERSION = "1"
+# Enough lines to fix a file in one go without flooding the terminal.
+_MAX_REPORTED_PROBLEMS = 50
+
+
+# ------------------------------------------------------------------ parsing
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+  """One top-level element of a data file: its line and value, or why it is bad."""
+
+  line: int
+  value: Any = None
+  problem: str | None = None
+
+
+def _line_of(text: str, index: int) -> int:
+  return text.count("\n", 0, index) + 1
+
+
+def _iter_json_list(text: str) -> Iterator[_Item]:
+  """Elements of a JSON list with the line each starts on.
+
+  json.loads would lose line numbers, so the list is walked element by
+  element with `raw_decode`.
+  """
+  decoder = json.JSONDecoder()
+  ws = " \t\n\r"
+  i = text.index("[") + 1
+  expect_value = True
+  first = True
+  while True:
+    while i < len(text) and text[i] in ws:
+      i += 1
+    if i >= len(text):
+      yield _Item(_line_of(text, i), problem="malformed JSON (the list is not closed with ']')")
+      return
+    if text[i] == "]" and (first or not expect_value):
+      i += 1
+      break
+    if not expect_value:
+      if text[i] != ",":
+        yield _Item(_line_of(text, i),
+                    problem=f"malformed JSON (expected ',' or ']' between elements, got {text[i]!r})")
+        return
+      i += 1
+      expect_value = True
+      continue
+    try:
+      value, end = decoder.raw_decode(text, i)
+    except json.JSONDecodeError as e:
+      yield _Item(e.lineno, problem=f"malformed JSON ({e.msg}, column {e.colno})")
+      return
+    yield _Item(_line_of(text, i), value)
+    i, first, expect_value = end, False, False
+  if text[i:].strip():
+    yield _Item(_line_of(text, i), problem="malformed JSON (extra data after the closing ']')")
+
+
+def _is_json_list(path: str) -> bool:
+  """Whether the first non-whitespace byte of the file is '['."""
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 16), b""):
+      stripped = block.lstrip(b" \t\r\n")
+      if stripped:
+        return stripped.startswith(b"[")
+  return False
+
+
+def _iter_file(path: str) -> Iterator[_Item]:
+  """Elements of a JSON-list or JSONL file; a leading '[' means a JSON list.
+
+  JSONL is streamed line by line, so a big file need not fit in memory; a
+  JSON list is one document and is read whole.
+  """
+  if _is_json_list(path):
+    with open(path, "rb") as f:
+      raw = f.read()
+    try:
+      text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      yield _Item(raw.count(b"\n", 0, e.start) + 1, problem=f"not UTF-8 text ({e.reason})")
+      return
+    yield from _iter_json_list(text)
+    return
+  with open(path, "rb") as f:
+    for line_no, raw_line in enumerate(f, start=1):
+      try:
+        line = raw_line.decode("utf-8")
+      except UnicodeDecodeError as e:
+        yield _Item(line_no, problem=f"not UTF-8 text ({e.reason})")
+        continue
+      if not line.strip():
+        continue
+      try:
+        yield _Item(line_no, json.loads(line))
+      except json.JSONDecodeError as e:
+        yield _Item(line_no, problem=f"malformed JSON ({e.msg}, column {e.colno})")
+
+
+def _problem(value: Any) -> str | None:
+  """Why `value` is not a usable example, or None."""
+  if not isinstance(value, dict):
+    return f"expected a JSON object with 'query' and 'response', got {type(value).__name__}"
+  for field in FIELDS:
+    if field not in value:
+      return f"missing field {field!r}"
+    if not isinstance(value[field], str):
+      return (f"field {field!r} must be a string, got {type(value[field]).__name__} "
+              f"{str(value[field])[:40]!r}")
+  if not value["response"].strip():
+    return "empty response"
+  return None
+
+
+def iter_examples(paths: Sequence[str]) -> Iterator[dict[str, str]]:
+  """Valid examples of `paths` in file order, each with `source` = 'file:line'.
+
+  Bad elements are skipped here; `validate_files` reports them.
+  """
+  for path in paths:
+    for item in _iter_file(path):
+      if item.problem is None and _problem(item.value) is None:
+        yield {"query": item.value["query"], "response": item.value["response"],
+               "source": f"{path}:{item.line}"}
+
+
+def validate_files(paths: Sequence[str]) -> int:
+  """Checks every file; returns the number of examples.
+
+  Raises:
+    ValueError: listing every problem as `file:line: reason` (malformed
+      JSON, a missing or non-string field, an empty response, a file without
+      examples), or naming a file that does not exist.
+  """
+  if isinstance(paths, (str, bytes)) or not paths:
+    raise ValueError(f"data files must be a non-empty list of paths, got {paths!r}")
+  problems, count = [], 0
+  for path in paths:
+    if not isinstance(path, str) or not os.path.isfile(path):
+      raise ValueError(f"data file {path!r} does not exist (or is not a file)")
+    in_file = 0
+    for item in _iter_file(path):
+      reason = item.problem or _problem(item.value)
+      if reason is None:
+        in_file += 1
+      else:
+        problems.append(f"{path}:{item.line}: {reason}")
+    if in_file == 0 and not any(p.startswith(f"{path}:") for p in problems):
+      problems.append(f"{path}:1: no examples in the file")
+    count += in_file
+  if problems:
+    shown = problems[:_MAX_REPORTED_PROBLEMS]
+    more = len(problems) - len(shown)
+    raise ValueError(f"{len(problems)} problem(s) in the data files:\n  " + "\n  ".join(shown)
+                     + (f"\n  ... and {more} more" if more else ""))
+  return count
+
+
+def files_digest(paths: Sequence[str]) -> str:
+  """A hash of the files' paths and contents, in order: same files, same build.
+
+  The paths count because each stored example names its `file:line`.
+  """
+  digest = hashlib.sha256(f"layout {_LAYOUT_VERSION}\n".encode())
+  for path in paths:
+    digest.update(f"file {os.path.abspath(path)} {os.path.getsize(path)}\n".encode())
+    with open(path, "rb") as f:
+      for block in iter(lambda: f.read(1 << 20), b""):
+        digest.update(block)
+  return digest.hexdigest()
+
+
+# -------------------------------------------------------------- TFDS builder
+
+@dataclasses.dataclass(eq=False)
+class QueryResponseConfig(tfds.core.BuilderConfig):
+  """A build of some JSON files. `name` is derived from their contents' hash.
+
+  Attributes:
+    split_files: ((split name, (path, ...)), ...).
+  """
+
+  split_files: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+class QueryResponse(tfds.core.GeneratorBasedBuilder):
+  """ReFusion's query/response JSON data as a TFDS dataset (array_record, no TensorFlow).
+
+  Features: `query`, `response` (text) and `source` ('file:line', for error
+  messages downstream). Construct it through `prepare`, which validates the
+  files first.
+  """
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "query/response/source text features."}
+  BUILDER_CONFIGS = []  # one config per input hash, made by `prepare`
+  # Set explicitly: TFDS's own lookup of the defining module needs the
+  # `importlib_resources` backport, which is not a dependency of ours.
+  code_path = epath.Path(os.path.abspath(__file__))
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    # DatasetInfo directly: dataset_info_from_configs would look for metadata
+    # files beside this module.
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description="Query/response pairs in the ReFusion release's JSON format.",
+        features=tfds.features.FeaturesDict({
+            "query": tfds.features.Text(),
+            "response": tfds.features.Text(),
+            "source": tfds.features.Text(),
+        }),
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # local files only
+    return {split: self._generate_examples(paths)
+            for split, paths in self.builder_config.split_files}
+
+  def _generate_examples(self, paths):
+    for example in iter_examples(paths):
+      yield example["source"], example
+
+
+def prepare(json_paths: Sequence[str] | Mapping[str, Sequence[str]],
+            data_dir: str) -> QueryResponse:
+  """Validates the JSON files and builds them into `data_dir` unless already built.
+
+  Args:
+    json_paths: a list of files (one split, "train") or {split: [files]}.
+    data_dir: TFDS data directory; the build lands in
+      `data_dir/query_response/<hash of the files>/1.0.0`, so changed files
+      get a new build and unchanged files reuse the old one.
+
+  Returns:
+    The prepared builder; read it with `source_of(builder, split)` (a
+    checkpoint-safe wrapper of `builder.as_data_source(split)`), or with
+    `tfds.data_source` / `tfds.builder_from_directory(builder.data_dir)`.
+
+  Raises:
+    ValueError: every problem in the files as `file:line: reason`, raised
+      before anything is written.
+
+  TFDS writes into a temporary folder renamed into place when complete, so
+  an interrupted build is never read as a dataset. Hosts sharing one
+  file system should build on process 0 first (then the others reuse it).
+  """
+  split_files = dict(json_paths) if isinstance(json_paths, Mapping) else {"train": json_paths}
+  if not split_files:
+    raise ValueError("prepare: json_paths names no split")
+  normalized = []
+  for split, paths in sorted(split_files.items()):
+    if not isinstance(split, str) or not split.isidentifier():
+      raise ValueError(f"prepare: split names must be identifiers, got {split!r}")
+    if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence) or not paths:
+      raise ValueError(f"prepare: files of split {split!r} must be a non-empty list of paths, "
+                       f"got {paths!r}")
+    normalized.append(
+        (split, tuple(os.path.abspath(os.fspath(p)) if isinstance(p, (str, os.PathLike)) else p
+                      for p in paths)))
+  # All files at once, so one error lists every problem of every split.
+  validate_files(list(dict.fromkeys(p for _, paths in normalized for p in paths)))
+  digest = hashlib.sha256()
+  for split, paths in normalized:
+    digest.update(f"split {split} {files_digest(paths)}\n".encode())
+  config = QueryResponseConfig(name=f"files_{digest.hexdigest()[:16]}",
+                               description="splits: " + ", ".join(
+                                   f"{s}={[os.path.basename(p) for p in ps]}"
+                                   for s, ps in normalized),
+                               split_files=tuple(normalized))
+  builder = QueryResponse(config=config, data_dir=os.path.abspath(data_dir),
+                          file_format="array_record")
+  builder.download_and_prepare()
+  return builder
+
+
+# --------------------------------------------------------------- grain loader
+
+class IdentifiedSource:
+  """A random-access source whose repr names exactly which data it holds.
+
+  grain's iterator state records `repr(source)` and `set_state` refuses a
+  state saved with another source; the identity (the build's content hash
+  and the split) makes that check catch changed data files on resume.
+  """
+
+  def __init__(self, source, identity: str):
+    self._source = source
+    self.identity = identity
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index):
+    return self._source[index]
+
+  def __repr__(self) -> str:
+    return f"IdentifiedSource({self.identity!r}, num_records={len(self._source)})"
+
+
+def source_of(builder: QueryResponse, split: str) -> IdentifiedSource:
+  """`builder.as_data_source(split)`, identified by the build's hash and the split."""
+  if split not in builder.info.splits:
+    raise ValueError(f"split {split!r} is not in the build {builder.builder_config.name} "
+                     f"(splits: {sorted(builder.info.splits)})")
+  return IdentifiedSource(builder.as_data_source(split),
+                          f"{builder.name}/{builder.builder_config.name}/{split}")
+
+
+def _text(value: Any) -> str:
+  # TFDS returns text features as bytes; plain Python sources give str.
+  return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+class DropCounter:
+  """Counts over-long examples dropped in this process (thread-safe)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.count = 0
+
+  def add(self) -> int:
+    with self._lock:
+      self.count += 1
+      return self.count
+
+  def __getstate__(self):
+    # Worker processes get their own counter; each logs its own drops.
+    return {"count": 0}
+
+  def __setstate__(self, state):
+    self._lock = threading.Lock()
+    self.count = state["count"]
+
+
+class _Tokenize(grain.transforms.Map):
+  """Record -> {"prompt", "response" (with EOS) int32 ids, "source"}."""
+
+  def __init__(self, tokenizer):
+    self._tokenizer = tokenizer
+
+  def map(self, record):
+    query, response = _text(record["query"]), _text(record["response"])
+    source = _text(record.get("source", "?"))
+    prompt = self._tokenizer.encode_prompt(query)
+    answer = self._tokenizer.encode(response) + [self._tokenizer.eos_id]
+    return {"prompt": np.asarray(prompt, np.int32), "response": np.asarray(answer, np.int32),
+            "source": source}
+
+
+class _KeepFitting(grain.transforms.Filter):
+  """Drops examples longer than seq_len (logging them), or raises."""
+
+  def __init__(self, seq_len: int, drop: bool, counter: DropCounter):
+    self._seq_len = seq_len
+    self._drop = drop
+    self._counter = counter
+
+  def filter(self, element) -> bool:
+    length = len(element["prompt"]) + len(element["response"])
+    if length <= self._seq_len:
+      return True
+    message = (f"example {element['source']} has {length} tokens "
+               f"(prompt {len(element['prompt'])} + response {len(element['response'])} "
+               f"with EOS) > seq_len={self._seq_len}")
+    if not self._drop:
+      raise ValueError(message + "; raise seq_len or set drop_overlong=True to skip it")
+    n = self._counter.add()
+    # Log the first few and then every power of two, so a bad seq_len is loud
+    # without flooding the log.
+    if n <= 5 or not n & (n - 1):
+      logging.warning("dropped %d over-long example(s) so far; latest: %s", n, message)
+    return False
+
+
+class _Pad(grain.transforms.Map):
+  """Concatenates prompt + response and right-pads to seq_len."""
+
+  def __init__(self, seq_len: int, pad_id: int):
+    self._seq_len = seq_len
+    self._pad_id = pad_id
+
+  def map(self, element):
+    prompt, response = element["prompt"], element["response"]
+    tokens = np.full((self._seq_len,), self._pad_id, np.int32)
+    tokens[:len(prompt)] = prompt
+    tokens[len(prompt):len(prompt) + len(response)] = response
+    return {"tokens": tokens, "prompt_len": np.int32(len(prompt)),
+            "response_len": np.int32(len(response))}
+
+
+@dataclasses.dataclass
+class Loader:
+  """A grain DataLoader plus the count of over-long examples it dropped.
+
+  Attributes:
+    data_loader: iterate it (`iter(loader)` gives a checkpointable
+      `grain.DataLoaderIterator`).
+    dropped: over-long examples dropped so far by this process; with
+      worker_count > 0 the drops happen (and are logged) in the workers.
+    num_records: examples in the source (before sharding and dropping).
+    per_process_batch: rows of each batch this process yields.
+  """
+
+  data_loader: grain.DataLoader
+  dropped: DropCounter
+  num_records: int
+  per_process_batch: int
+
+  def __iter__(self) -> grain.DataLoaderIterator:
+    return iter(self.data_loader)
+
+
+def _check_int(name: str, value: Any, minimum: int):
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"make_loader: {name} must be an int >= {minimum}, got {value!r}")
+
+
+def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int | None,
+                shuffle: bool = True, num_epochs: int | None = None,
+                drop_overlong: bool = True, process_index: int = 0, process_count: int = 1,
+                worker_count: int = 0, drop_remainder: bool = True) -> Loader:
+  """A seeded, sharded, checkpointable grain loader of padded token batches.
+
+  Args:
+    source: random-access source of {"query", "response"[, "source"]}
+      records (str or UTF-8 bytes), e.g. `source_of(builder, "train")`.
+    tokenizer: `refusion_jax.tokenizer.Tokenizer` (encode_prompt, encode,
+      eos_id, pad_id).
+    seq_len: length of every row; longer examples are dropped or rejected.
+    batch_size: global batch size; each process yields
+      batch_size // process_count rows.
+    seed: shuffle seed (a non-negative 32-bit int; required when shuffling).
+      The same seed gives the same batches, drops included, since dropping
+      depends only on the data.
+    shuffle: global shuffle, redrawn each epoch.
+    num_epochs: None repeats forever.
+    drop_overlong: drop (and count, and log) examples longer than seq_len;
+      False raises ValueError naming the example instead.
+    process_index, process_count: this process's shard (defaults: one
+      process). Each process reads a disjoint interleaved share of every
+      epoch's order.
+    worker_count: grain worker processes (0: read in this process). Workers
+      need absl flags parsed (run under `absl.app.run`).
+    drop_remainder: drop a last partial batch (keeps shapes static).
+
+  Returns:
+    A `Loader`; its iterator yields {"tokens": int32 [b, seq_len],
+    "prompt_len": int32 [b], "response_len": int32 [b]} numpy batches.
+  """
+  _check_int("seq_len", seq_len, 2)
+  _check_int("batch_size", batch_size, 1)
+  _check_int("process_count", process_count, 1)
+  _check_int("worker_count", worker_count, 0)
+  if isinstance(process_index, bool) or not isinstance(process_index, (int, np.integer)) \
+      or not 0 <= process_index < process_count:
+    raise ValueError(f"make_loader: process_index must be in [0, {process_count}), "
+                     f"got {process_index!r}")
+  if batch_size % process_count:
+    raise ValueError(f"make_loader: batch_size={batch_size} is not divisible by "
+                     f"process_count={process_count}")
+  if num_epochs is not None:
+    _check_int("num_epochs", num_epochs, 1)
+  if shuffle:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
+        or not 0 <= seed < 2**32:
+      raise ValueError(f"make_loader: seed must be an int in [0, 2**32) when shuffle=True, "
+                       f"got {seed!r}")
+  for name in ("eos_id", "pad_id"):
+    if not isinstance(getattr(tokenizer, name, None), (int, np.integer)):
+      raise ValueError(f"make_loader: tokenizer.{name} must be an int, "
+                       f"got {getattr(tokenizer, name, None)!r}")
+  num_records = len(source)
+  if num_records == 0:
+    raise ValueError("make_loader: the data source is empty")
+  per_process = batch_size // process_count
+  shard = grain.sharding.ShardOptions(shard_index=int(process_index),
+                                      shard_count=int(process_count), drop_remainder=True)
+  sampler = grain.samplers.IndexSampler(
+      num_records=num_records, shard_options=grain.sharding.NoSharding(), shuffle=shuffle,
+      num_epochs=num_epochs, seed=int(seed) if seed is not None else None)
+  counter = DropCounter()
+  tokenize = _Tokenize(tokenizer)
+  if worker_count:
+    tokenize.__getstate__()  # fail here, not inside a worker, when it cannot be shipped
+  operations = [
+      tokenize,
+      _KeepFitting(int(seq_len), bool(drop_overlong), counter),
+      _Pad(int(seq_len), int(tokenizer.pad_id)),
+      grain.transforms.Batch(batch_size=per_process, drop_remainder=drop_remainder),
+  ]
+  data_loader = grain.DataLoader(data_source=source, sampler=sampler, operations=operations,
+                                 shard_options=shard, worker_count=int(worker_count))
+  return Loader(data_loader, counter, num_records, per_process)
+
+
+def count_overlong(source, tokenizer, seq_len: int) -> int:
+  """Examples of `source` that exceed seq_len (a full pass; for reports and tests)."""
+  tokenize = _Tokenize(tokenizer)
+  n = 0
+  for i in range(len(source)):
+    element = tokenize.map(source[i])
+    n += len(element["prompt"]) + len(element["response"]) > seq_len
+  return n
+
+
+# ----------------------------------------------------------------- config glue
+
+def loader_from_config(data_config, tokenizer, batch_size: int, split: str = "train",
+                       process_index: int = 0, process_count: int = 1,
+                       num_epochs: int | None = None, worker_count: int = 0) -> Loader:
+  """Builds (or reuses) the TFDS build of a split's files and returns its loader.
+
+  Args:
+    data_config: `config.data` with `train_files`, `eval_files` (lists of
+      paths), `seq_len`, `tfds_dir`, `drop_overlong`, `shuffle_seed`.
+    split: "train" (shuffled, repeated unless num_epochs is set) or "eval"
+      (file order, one pass, partial last batch kept).
+  """
+  files_field = {"train": "train_files", "eval": "eval_files"}.get(split)
+  if files_field is None:
+    raise ValueError(f"loader_from_config: split must be 'train' or 'eval', got {split!r}")
+  for field in (files_field, "seq_len", "tfds_dir", "drop_overlong", "shuffle_seed"):
+    if field not in data_config:
+      raise ValueError(f"loader_from_config: config.data.{field} is missing")
+  files = list(data_config[files_field])
+  if not files:
+    raise ValueError(f"loader_from_config: config.data.{files_field} is empty")
+  if not data_config["tfds_dir"]:
+    raise ValueError("loader_from_config: config.data.tfds_dir is empty; give a folder for "
+                     "the TFDS build")
+  builder = prepare({split: files}, data_config["tfds_dir"])
+  source = source_of(builder, split)
+  training = split == "train"
+  return make_loader(
+      source, tokenizer, seq_len=data_config["seq_len"], batch_size=batch_size,
+      seed=data_config["shuffle_seed"], shuffle=training,
+      num_epochs=num_epochs if (training or num_epochs is not None) else 1,
+      drop_overlong=data_config["drop_overlong"], process_index=process_index,
+      process_count=process_count, worker_count=worker_count, drop_remainder=training)

@@ -1,0 +1,347 @@
+"""Tests of refusion_jax.data: the TFDS builder, validation and the grain loader."""
+
+import json
+import os
+
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import tensorflow_datasets as tfds
+
+from refusion_jax import data
+from refusion_jax.tokenizer import Tokenizer
+
+EXAMPLES = [
+    {"query": f"copy {i} {i + 1}", "response": f"{i} {i + 1}"} for i in range(10)
+] + [
+    {"query": "sort 3 1 2", "response": "1 2 3", "extra": "ignored"},
+    {"query": "héllo ∑", "response": "wörld"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return Tokenizer.tiny()
+
+
+def _write_jsonl(path, rows):
+  with open(path, "w", encoding="utf-8") as f:
+    for row in rows:
+      f.write((row if isinstance(row, str) else json.dumps(row, ensure_ascii=False)) + "\n")
+  return str(path)
+
+
+def _write_json_list(path, rows):
+  # One element per line after the opening bracket: element i sits on line i + 2.
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n]\n")
+  return str(path)
+
+
+def _pairs(source):
+  out = []
+  for i in range(len(source)):
+    r = source[i]
+    out.append((r["query"].decode(), r["response"].decode()))
+  return sorted(out)
+
+
+def _expected_row(tok, example, seq_len):
+  """Plain-Python oracle of one padded row."""
+  prompt = tok.encode_prompt(example["query"])
+  response = tok.encode(example["response"]) + [tok.eos_id]
+  tokens = prompt + response + [tok.pad_id] * (seq_len - len(prompt) - len(response))
+  return tokens, len(prompt), len(response)
+
+
+def _length(tok, example):
+  return len(tok.encode_prompt(example["query"])) + len(tok.encode(example["response"])) + 1
+
+
+def _take(iterator, n):
+  return [next(iterator) for _ in range(n)]
+
+
+def _same_batches(a, b):
+  return len(a) == len(b) and all(
+      set(x) == set(y) and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------ building
+
+def test_prepare_from_jsonl_and_json_list_read_back(tmp_path):
+  jsonl = _write_jsonl(tmp_path / "a.jsonl", EXAMPLES)
+  jlist = _write_json_list(tmp_path / "b.json", EXAMPLES)
+  want = sorted((e["query"], e["response"]) for e in EXAMPLES)
+  for path in (jsonl, jlist):
+    builder = data.prepare([path], str(tmp_path / "tfds"))
+    source = builder.as_data_source("train")
+    assert len(source) == len(EXAMPLES)
+    assert _pairs(source) == want
+    # The source feature points at the line each example came from.
+    offset = 1 if path == jsonl else 2
+    for i in range(len(source)):
+      record = source[i]
+      file, line = record["source"].decode().rsplit(":", 1)
+      assert file == path
+      assert EXAMPLES[int(line) - offset]["query"] == record["query"].decode()
+  # Read back by name through tfds.data_source as well (no TensorFlow needed).
+  named = tfds.data_source(f"{builder.name}/{builder.builder_config.name}:1.0.0",
+                           split="train", data_dir=str(tmp_path / "tfds"))
+  assert _pairs(named) == want
+
+
+def test_prepare_reuses_unchanged_files_and_rebuilds_changed(tmp_path):
+  path = _write_jsonl(tmp_path / "a.jsonl", EXAMPLES[:3])
+  first = data.prepare([path], str(tmp_path / "tfds"))
+  again = data.prepare([path], str(tmp_path / "tfds"))
+  assert first.data_dir == again.data_dir
+  _write_jsonl(tmp_path / "a.jsonl", EXAMPLES[:4])
+  changed = data.prepare([path], str(tmp_path / "tfds"))
+  assert changed.data_dir != first.data_dir
+  assert len(changed.as_data_source("train")) == 4
+  # Several files and named splits.
+  other = _write_jsonl(tmp_path / "b.jsonl", EXAMPLES[4:6])
+  multi = data.prepare({"train": [path, other], "eval": [other]}, str(tmp_path / "tfds"))
+  assert len(multi.as_data_source("train")) == 6
+  assert len(multi.as_data_source("eval")) == 2
+
+
+BAD_JSONL = [
+    ('{"query": "a", "response": "b"}', None),
+    ('{"query": "a", "response": ', "malformed JSON"),
+    ('{"query": "a"}', "missing field 'response'"),
+    ('{"response": "b"}', "missing field 'query'"),
+    ('{"query": 3, "response": "b"}', "field 'query' must be a string, got int"),
+    ('{"query": "a", "response": "  "}', "empty response"),
+    ('["a", "b"]', "expected a JSON object"),
+    ('', None),  # blank lines are allowed
+    ('{"query": "a", "response": "b"}', None),
+]
+
+
+def test_every_bad_line_reported_with_file_and_line(tmp_path):
+  path = _write_jsonl(tmp_path / "bad.jsonl", [row for row, _ in BAD_JSONL])
+  out = tmp_path / "tfds"
+  with pytest.raises(ValueError) as info:
+    data.prepare([path], str(out))
+  message = str(info.value)
+  expected = [(i + 1, reason) for i, (_, reason) in enumerate(BAD_JSONL) if reason]
+  assert f"{len(expected)} problem(s)" in message
+  for line, reason in expected:
+    assert f"{os.path.abspath(path)}:{line}: {reason}" in message
+  # Nothing was written.
+  assert not out.exists()
+
+
+@pytest.mark.parametrize("text,line,reason", [
+    ('[\n{"query": "a", "response": "b"},\n{"query": "a" "response": "b"}\n]', 3,
+     "malformed JSON"),
+    ('[\n{"query": "a", "response": "b"},\n{"query": "a"}\n]', 3, "missing field 'response'"),
+    ('[\n{"query": "a",\n "response": ""}\n]', 2, "empty response"),
+    ('[\n{"query": "a", "response": "b"}\n', 3, "not closed"),
+    ('[]', 1, "no examples"),
+])
+def test_json_list_errors_name_the_line(tmp_path, text, line, reason):
+  path = tmp_path / "bad.json"
+  path.write_text(text)
+  with pytest.raises(ValueError, match=rf"bad\.json:{line}: .*{reason}"):
+    data.prepare([str(path)], str(tmp_path / "tfds"))
+  assert not (tmp_path / "tfds").exists()
+
+
+def test_non_utf8_line_is_reported(tmp_path):
+  path = tmp_path / "latin.jsonl"
+  path.write_bytes(b'{"query": "a", "response": "b"}\n{"query": "caf\xe9", "response": "b"}\n')
+  with pytest.raises(ValueError, match=r"latin\.jsonl:2: not UTF-8 text"):
+    data.prepare([str(path)], str(tmp_path / "tfds"))
+
+
+def test_problems_of_all_splits_in_one_error_and_bad_split_arguments(tmp_path):
+  good = _write_jsonl(tmp_path / "good.jsonl", EXAMPLES[:2])
+  bad_a = _write_jsonl(tmp_path / "bad_a.jsonl", ['{"query": "a"}'])
+  bad_b = _write_jsonl(tmp_path / "bad_b.jsonl", ['{"query": "a", "response": ""}'])
+  # Splits are checked in name order: eval, then train.
+  with pytest.raises(ValueError, match=r"(?s)2 problem\(s\).*bad_a\.jsonl:1: missing field "
+                                       r"'response'.*bad_b\.jsonl:1: empty response"):
+    data.prepare({"train": [good, bad_b], "eval": [bad_a]}, str(tmp_path / "tfds"))
+  with pytest.raises(ValueError, match="must be a non-empty list of paths"):
+    data.prepare({"train": good}, str(tmp_path / "tfds"))
+  # pathlib paths are accepted.
+  assert len(data.prepare([tmp_path / "good.jsonl"], str(tmp_path / "tfds"))
+             .as_data_source("train")) == 2
+
+
+def test_missing_file_is_an_error(tmp_path):
+  with pytest.raises(ValueError, match="does not exist"):
+    data.prepare([str(tmp_path / "nope.jsonl")], str(tmp_path / "tfds"))
+
+
+# -------------------------------------------------------------------- loading
+
+def test_batches_hold_prompt_response_eos_and_padding(tmp_path, tok):
+  seq_len = 40
+  builder = data.prepare([_write_jsonl(tmp_path / "a.jsonl", EXAMPLES)], str(tmp_path / "tfds"))
+  source = builder.as_data_source("train")
+  loader = data.make_loader(source, tok, seq_len=seq_len, batch_size=4, seed=None,
+                            shuffle=False, num_epochs=1)
+  batches = list(loader)
+  assert len(batches) == len(EXAMPLES) // 4
+  by_query = {e["query"]: e for e in EXAMPLES}
+  # Without shuffling the rows follow the source's order.
+  for b, batch in enumerate(batches):
+    assert batch["tokens"].shape == (4, seq_len) and batch["tokens"].dtype == np.int32
+    assert batch["prompt_len"].dtype == np.int32 and batch["response_len"].dtype == np.int32
+    for r in range(4):
+      example = by_query[source[4 * b + r]["query"].decode()]
+      tokens, prompt_len, response_len = _expected_row(tok, example, seq_len)
+      assert batch["tokens"][r].tolist() == tokens
+      assert batch["prompt_len"][r] == prompt_len
+      assert batch["response_len"][r] == response_len
+      assert batch["tokens"][r, prompt_len + response_len - 1] == tok.eos_id
+
+
+def test_overlong_examples_are_dropped_and_counted(tok):
+  examples = [{"query": "q", "response": " ".join("7" * n)} for n in (1, 3, 6, 10, 2, 12, 4)]
+  # An example of exactly seq_len tokens fits (it fills the row, no padding).
+  seq_len = _length(tok, examples[2])
+  overlong = sum(_length(tok, e) > seq_len for e in examples)
+  assert overlong == 2  # the responses of 10 and 12 numbers
+  loader = data.make_loader(examples, tok, seq_len=seq_len, batch_size=1, seed=None,
+                            shuffle=False, num_epochs=1)
+  rows = [batch["response_len"][0] for batch in loader]
+  kept = [e for e in examples if _length(tok, e) <= seq_len]
+  assert rows == [len(tok.encode(e["response"])) + 1 for e in kept]
+  assert len(kept) == 5
+  assert loader.dropped.count == overlong
+  assert data.count_overlong(examples, tok, seq_len) == overlong
+
+
+def test_overlong_example_raises_when_not_dropping(tok):
+  examples = [{"query": "q", "response": "1 2", "source": "x.jsonl:1"},
+              {"query": "q", "response": " ".join("9" * 30), "source": "x.jsonl:2"}]
+  loader = data.make_loader(examples, tok, seq_len=24, batch_size=1, seed=None, shuffle=False,
+                            num_epochs=1, drop_overlong=False)
+  with pytest.raises(ValueError, match=r"x\.jsonl:2 has \d+ tokens .*> seq_len=24"):
+    list(loader)
+
+
+def test_same_seed_same_batches_and_each_epoch_a_permutation(tok):
+  examples = [{"query": f"copy {i}", "response": f"{i}"} for i in range(12)]
+  # One over-long example: dropping it must not disturb determinism.
+  examples.append({"query": "q", "response": " ".join("5" * 40)})
+  kwargs = dict(seq_len=24, batch_size=3)
+  a = _take(iter(data.make_loader(examples, tok, seed=5, **kwargs)), 8)
+  b = _take(iter(data.make_loader(examples, tok, seed=5, **kwargs)), 8)
+  c = _take(iter(data.make_loader(examples, tok, seed=6, **kwargs)), 8)
+  assert _same_batches(a, b)
+  assert not _same_batches(a, c)
+  one_epoch = list(data.make_loader(examples, tok, seed=5, num_epochs=1, **kwargs))
+  prompts = [tuple(row[:p]) for batch in one_epoch
+             for row, p in zip(batch["tokens"].tolist(), batch["prompt_len"])]
+  want = sorted(tuple(tok.encode_prompt(e["query"])) for e in examples[:12])
+  assert sorted(prompts) == want
+  assert prompts != [tuple(tok.encode_prompt(e["query"])) for e in examples[:12]]
+
+
+def test_iterator_state_resumes_at_the_next_batch(tmp_path, tok):
+  examples = [{"query": f"reverse {i} 1", "response": f"1 {i}"} for i in range(10)]
+  kwargs = dict(seq_len=24, batch_size=4, seed=3)
+  it = iter(data.make_loader(examples, tok, **kwargs))
+  _take(it, 3)
+  state = it.get_state()
+  reference = _take(it, 4)  # crosses an epoch boundary (10 examples, batches of 4)
+  resumed = iter(data.make_loader(examples, tok, **kwargs))
+  resumed.set_state(state)
+  assert _same_batches(_take(resumed, 4), reference)
+  # The same through grain's orbax handler, as the trainer saves it.
+  it = iter(data.make_loader(examples, tok, **kwargs))
+  _take(it, 3)
+  with ocp.Checkpointer(data.ITERATOR_HANDLER()) as ckptr:
+    ckptr.save(tmp_path / "ckpt", args=data.IteratorSave(it))
+    restored = iter(data.make_loader(examples, tok, **kwargs))
+    ckptr.restore(tmp_path / "ckpt", args=data.IteratorRestore(restored))
+  assert _same_batches(_take(restored, 4), reference)
+
+
+def test_resume_refuses_changed_data(tmp_path, tok):
+  path = _write_jsonl(tmp_path / "a.jsonl", EXAMPLES)
+  kwargs = dict(seq_len=40, batch_size=2, seed=0)
+  source = data.source_of(data.prepare([path], str(tmp_path / "tfds")), "train")
+  it = iter(data.make_loader(source, tok, **kwargs))
+  _take(it, 2)
+  state = it.get_state()
+  same = data.source_of(data.prepare([path], str(tmp_path / "tfds")), "train")
+  resumed = iter(data.make_loader(same, tok, **kwargs))
+  resumed.set_state(state)  # unchanged files: accepted
+  _write_jsonl(tmp_path / "a.jsonl", EXAMPLES[::-1])
+  changed = data.source_of(data.prepare([path], str(tmp_path / "tfds")), "train")
+  with pytest.raises(ValueError, match="DataSource in checkpoint does not match"):
+    iter(data.make_loader(changed, tok, **kwargs)).set_state(state)
+  with pytest.raises(ValueError, match="split 'eval' is not in the build"):
+    data.source_of(data.prepare([path], str(tmp_path / "tfds")), "eval")
+
+
+def test_two_processes_read_disjoint_halves(tok):
+  examples = [{"query": f"copy {i} {i}", "response": f"{i} {i}"} for i in range(16)]
+  by_prompt = {tuple(tok.encode_prompt(e["query"])): e["query"] for e in examples}
+  seen = []
+  for process_index in range(2):
+    loader = data.make_loader(examples, tok, seq_len=24, batch_size=4, seed=1, num_epochs=1,
+                              process_index=process_index, process_count=2)
+    batches = list(loader)
+    assert all(batch["tokens"].shape == (2, 24) for batch in batches)
+    seen.append({by_prompt[tuple(row[:p])] for batch in batches
+                 for row, p in zip(batch["tokens"].tolist(), batch["prompt_len"])})
+    assert len(seen[-1]) == 8
+  assert not seen[0] & seen[1]
+  assert seen[0] | seen[1] == {e["query"] for e in examples}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(batch_size=3, process_count=2), "not divisible"),
+    (dict(process_index=2, process_count=2), "process_index"),
+    (dict(seq_len=0), "seq_len"),
+    (dict(seed=None), "seed"),
+    (dict(seed=-1), "seed"),
+    (dict(num_epochs=0), "num_epochs"),
+])
+def test_make_loader_rejects_bad_arguments(tok, kwargs, match):
+  args = dict(seq_len=24, batch_size=4, seed=0) | kwargs
+  with pytest.raises(ValueError, match=match):
+    data.make_loader(EXAMPLES, tok, **args)
+
+
+def test_loader_from_config(tmp_path, tok):
+  config = ml_collections.ConfigDict(dict(
+      train_files=[_write_jsonl(tmp_path / "train.jsonl", EXAMPLES)],
+      eval_files=[_write_json_list(tmp_path / "eval.json", EXAMPLES[:5])],
+      seq_len=40, tfds_dir=str(tmp_path / "tfds"), drop_overlong=True, shuffle_seed=0))
+  train = data.loader_from_config(config, tok, batch_size=4, split="train",
+                                  process_index=1, process_count=2)
+  batch = next(iter(train))
+  assert batch["tokens"].shape == (2, 40)
+  evaluation = data.loader_from_config(config, tok, batch_size=2, split="eval")
+  batches = list(evaluation)
+  # One pass over every eval example, the last batch partial.
+  assert [b["tokens"].shape[0] for b in batches] == [2, 2, 1]
+  prompts = sorted(tuple(row[:p]) for b in batches
+                   for row, p in zip(b["tokens"].tolist(), b["prompt_len"]))
+  assert prompts == sorted(tuple(tok.encode_prompt(e["query"])) for e in EXAMPLES[:5])
+  del config.eval_files
+  with pytest.raises(ValueError, match="config.data.eval_files"):
+    data.loader_from_config(config, tok, batch_size=2, split="eval")
+
+
+def test_worker_process_gives_the_same_batches(tok):
+  """A grain worker process (the tokenizer pickled into it) yields identical batches."""
+  from absl import flags
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()  # grain reads its flags when it starts workers
+  examples = [{"query": f"copy {i} 9", "response": f"{i} 9"} for i in range(12)]
+  kwargs = dict(seq_len=24, batch_size=3, seed=2)
+  with_worker = iter(data.make_loader(examples, tok, worker_count=1, **kwargs))
+  got = _take(with_worker, 6)
+  del with_worker  # stops the worker process
+  assert _same_batches(got, _take(iter(data.make_loader(examples, tok, **kwargs)), 6))
