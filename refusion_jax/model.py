@@ -211,6 +211,7 @@ class Qwen3(nnx.Module):
     """
     input_ids_bt = jnp.asarray(input_ids_bt)
     positions_bt = jnp.asarray(positions_bt)
+    self._check_inputs(input_ids_bt, positions_bt)
     b, t = input_ids_bt.shape
     if attention_mask_btt is None:
       if self.config.attention == "causal":

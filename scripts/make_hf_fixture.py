@@ -1,0 +1,228 @@
+"""Builds the tiny Hugging Face Qwen3 fixture used by tests/test_model.py and tests/test_hf.py.
+
+Needs torch + transformers, which refusion_jax itself does not depend on, so it
+runs in its own environment (no hub access needed):
+
+  python3 -m venv /work/torchvenv
+  /work/torchvenv/bin/pip install torch transformers safetensors numpy
+  HF_HUB_OFFLINE=1 /work/torchvenv/bin/python scripts/make_hf_fixture.py
+
+writes, under tests/fixtures/hf_tiny/:
+
+  gqa/     4 query heads over 2 kv heads, separate lm head, RoPE theta 1e6
+  tied/    tied input/output embeddings, 2 heads over 1 kv head, RoPE theta 1e4
+           each with config.json + model.safetensors (float32) + golden.npz
+           (`input_ids`, `positions_seq` / `logits_seq`: ordinary positions,
+           `positions_perm` / `logits_perm`: randomly permuted position ids with
+           attention still causal in input order, as ReFusion's training uses)
+  configs/ hand-written config.json variants for `config.from_hf_config`
+           (transformers 4.x layout, 5.x layout, a ReFusion-8B-style one)
+
+Every weight is random, norm scales included, so a mistake in any mapping shows
+up in the logits.
+
+`--check_roundtrip DIR` runs the other direction: DIR holds `<name>/` folders
+written by our `refusion_jax.hf.save`; each is loaded with transformers'
+Qwen3ForCausalLM and its logits are compared with the golden ones. With
+`--our_python=/work/venv/bin/python` and no DIR argument, the folders are first
+produced by running `hf.load` -> `hf.save` on the fixture in that interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import transformers
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE_DIR = os.path.join(REPO, "tests", "fixtures", "hf_tiny")
+SEQ_LEN = 12
+BATCH = 2
+
+# name -> Qwen3Config fields (small: a few hundred KB of float32 weights in all).
+MODELS = {
+    "gqa": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
+    "tied": dict(vocab_size=160, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                 rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=256,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
+}
+
+
+def build_model(name: str, seed: int) -> transformers.Qwen3ForCausalLM:
+  torch.manual_seed(seed)
+  cfg = transformers.Qwen3Config(**MODELS[name], dtype="float32")
+  model = transformers.Qwen3ForCausalLM(cfg).eval()
+  with torch.no_grad():
+    for pname, p in model.named_parameters():
+      if pname.endswith("norm.weight"):
+        # Away from 1 so that a dropped or misplaced norm changes the logits.
+        p.copy_(1.0 + 0.5 * torch.randn_like(p))
+      else:
+        p.copy_(0.08 * torch.randn_like(p))
+  return model
+
+
+def logits_of(model, ids_bt: np.ndarray, positions_bt: np.ndarray) -> np.ndarray:
+  ids = torch.from_numpy(ids_bt).long()
+  pos = torch.from_numpy(positions_bt).long()
+  # An explicit all-ones padding mask: without it transformers infers "packed
+  # sequences" from non-increasing position ids and stops attention at each jump.
+  ones = torch.ones_like(ids)
+  with torch.no_grad():
+    out = model(input_ids=ids, position_ids=pos, attention_mask=ones, use_cache=False).logits
+    # Cross-check against an explicit 4D causal mask (input order), which no
+    # heuristic can reinterpret.
+    t = ids.shape[1]
+    causal = torch.tril(torch.ones(t, t, dtype=torch.bool))[None, None]
+    causal = causal.expand(ids.shape[0], 1, t, t)
+    out4d = model(input_ids=ids, position_ids=pos, attention_mask=causal, use_cache=False).logits
+  diff = (out - out4d).abs().max().item()
+  if diff > 1e-5:
+    raise AssertionError(f"padding-mask and explicit causal-mask logits differ by {diff}")
+  return out.numpy().astype(np.float32)
+
+
+def golden_inputs(vocab: int, seed: int):
+  rng = np.random.default_rng(seed)
+  ids_bt = rng.integers(0, vocab, size=(BATCH, SEQ_LEN)).astype(np.int32)
+  positions_seq = np.broadcast_to(np.arange(SEQ_LEN, dtype=np.int32), (BATCH, SEQ_LEN)).copy()
+  # Distinct positions, in a random order per row, with gaps (as after slot shuffling).
+  positions_perm = np.stack(
+      [rng.permutation(rng.choice(3 * SEQ_LEN, SEQ_LEN, replace=False)) for _ in range(BATCH)]
+  ).astype(np.int32)
+  return ids_bt, positions_seq, positions_perm
+
+
+# Hand-written config.json variants (no weights) for from_hf_config tests.
+CONFIG_VARIANTS = {
+    # transformers 4.x: top-level rope_theta, torch_dtype, list eos.
+    "qwen3_4x.json": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+        "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_scaling": None, "rope_theta": 1000000, "tie_word_embeddings": True,
+        "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+        "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": [151645, 151643],
+        "transformers_version": "4.51.0",
+    },
+    # transformers 5.x: rope_parameters, dtype.
+    "qwen3_5x.json": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "tie_word_embeddings": False, "attention_bias": False, "dtype": "float32",
+        "eos_token_id": 151645, "pad_token_id": 151643, "transformers_version": "5.0.0",
+    },
+    # ReFusion release: Qwen3-8B with the vocabulary resized to 151671 rows and
+    # the two added specials (<|beginoftext|> 151669, <|mask|> 151670).
+    "refusion.json": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151671,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000, "rope_scaling": None, "tie_word_embeddings": False,
+        "attention_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 151669,
+        "eos_token_id": 151645, "pad_token_id": 151643, "mask_token_id": 151670,
+    },
+}
+
+
+def make_fixture(out_dir: str) -> None:
+  for seed, name in enumerate(sorted(MODELS)):
+    model = build_model(name, seed=100 + seed)
+    folder = os.path.join(out_dir, name)
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    for extra in ("generation_config.json",):
+      path = os.path.join(folder, extra)
+      if os.path.exists(path):
+        os.remove(path)
+    ids_bt, positions_seq, positions_perm = golden_inputs(MODELS[name]["vocab_size"], seed)
+    logits_seq = logits_of(model, ids_bt, positions_seq)
+    # Sanity: explicit sequential position ids == transformers' default ones.
+    with torch.no_grad():
+      default = model(input_ids=torch.from_numpy(ids_bt).long()).logits.numpy()
+    assert np.abs(default - logits_seq).max() < 1e-5
+    logits_perm = logits_of(model, ids_bt, positions_perm)
+    np.savez_compressed(
+        os.path.join(folder, "golden.npz"), input_ids=ids_bt, positions_seq=positions_seq,
+        logits_seq=logits_seq, positions_perm=positions_perm, logits_perm=logits_perm)
+    print(f"wrote {folder}: {sum(p.numel() for p in model.parameters())} params")
+  configs = os.path.join(out_dir, "configs")
+  os.makedirs(configs, exist_ok=True)
+  for fname, cfg in CONFIG_VARIANTS.items():
+    with open(os.path.join(configs, fname), "w") as f:
+      json.dump(cfg, f, indent=2)
+      f.write("\n")
+
+
+_OUR_ROUNDTRIP = """
+import sys
+from refusion_jax import hf
+src, dst = sys.argv[1], sys.argv[2]
+config, model = hf.load(src)
+hf.save(config, model, dst)
+"""
+
+
+def check_roundtrip(root: str) -> float:
+  worst = 0.0
+  for name in sorted(MODELS):
+    folder = os.path.join(root, name)
+    if not os.path.isdir(folder):
+      raise FileNotFoundError(f"--check_roundtrip: no folder {folder}")
+    model = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    golden = np.load(os.path.join(FIXTURE_DIR, name, "golden.npz"))
+    for kind in ("seq", "perm"):
+      logits = logits_of(model, golden["input_ids"], golden[f"positions_{kind}"])
+      delta = float(np.abs(logits - golden[f"logits_{kind}"]).max())
+      worst = max(worst, delta)
+      print(f"{name} {kind}: transformers on our export, max |delta| = {delta:.3e}")
+  return worst
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out_dir", default=FIXTURE_DIR, help="where to write the fixture")
+  parser.add_argument("--check_roundtrip", nargs="?", const="", default=None, metavar="DIR",
+                      help="compare transformers' logits on our exported folders with golden")
+  parser.add_argument("--our_python", default=None,
+                      help="interpreter with refusion_jax installed, to export the fixture "
+                      "with hf.load -> hf.save first (when --check_roundtrip has no DIR)")
+  parser.add_argument("--tolerance", type=float, default=1e-4)
+  args = parser.parse_args()
+  if args.check_roundtrip is None:
+    make_fixture(args.out_dir)
+    return
+  root = args.check_roundtrip
+  with tempfile.TemporaryDirectory() as tmp:
+    if not root:
+      if not args.our_python:
+        parser.error("--check_roundtrip without DIR needs --our_python")
+      root = tmp
+      for name in sorted(MODELS):
+        subprocess.run([args.our_python, "-c", _OUR_ROUNDTRIP, os.path.join(FIXTURE_DIR, name),
+                        os.path.join(root, name)], check=True, cwd=REPO,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    worst = check_roundtrip(root)
+  print(f"worst max |delta| = {worst:.3e} (tolerance {args.tolerance})")
+  if worst > args.tolerance:
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,138 @@
+"""Qwen3 backbone vs Hugging Face transformers, and the KV-cache chunk path.
+
+The oracle is the committed fixture tests/fixtures/hf_tiny (random tiny
+Qwen3ForCausalLM models and their transformers logits, written by
+scripts/make_hf_fixture.py), so no torch is needed here.
+"""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from refusion_jax import hf
+from refusion_jax.config import tiny
+from refusion_jax.kv_cache import KVCache
+from refusion_jax.model import Qwen3, causal_mask
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
+NAMES = ("gqa", "tied")
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def fixture(request):
+  folder = os.path.join(FIXTURES, request.param)
+  config, model = hf.load(folder)
+  golden = dict(np.load(os.path.join(folder, "golden.npz")))
+  return request.param, config, model, golden
+
+
+@pytest.mark.parametrize("kind", ["seq", "perm"])
+def test_logits_match_transformers(fixture, kind):
+  name, config, model, golden = fixture
+  logits = np.asarray(model(golden["input_ids"], golden[f"positions_{kind}"]))
+  assert logits.shape == golden[f"logits_{kind}"].shape
+  delta = np.abs(logits - golden[f"logits_{kind}"]).max()
+  assert delta <= 1e-4, f"{name}/{kind}: max |delta| {delta}"
+
+
+def test_permuted_positions_change_logits(fixture):
+  # Guards the oracle itself: if positions were ignored both goldens would agree.
+  _, _, _, golden = fixture
+  assert np.abs(golden["logits_seq"] - golden["logits_perm"]).max() > 1e-2
+
+
+def _chunk(model, ids_bt, positions_bt, cache):
+  b, t = ids_bt.shape
+  mask = jnp.broadcast_to(causal_mask(t)[None], (b, t, t))
+  return model.forward_chunk(jnp.asarray(ids_bt), jnp.asarray(positions_bt), cache, mask)
+
+
+@pytest.mark.parametrize("shuffle_commit", [False, True])
+def test_chunk_against_cache_equals_full_call(fixture, shuffle_commit):
+  name, config, model, golden = fixture
+  ids_bt, positions_bt = golden["input_ids"], golden["positions_perm"]
+  b, t = ids_bt.shape
+  split = 7
+  cache = KVCache.init(config, b, max_len=16)
+  # Prefix: its own causal chunk over an empty cache, then committed.
+  logits_prefix, k, v = _chunk(model, ids_bt[:, :split], positions_bt[:, :split], cache)
+  pos = jnp.asarray(positions_bt[:, :split])
+  if shuffle_commit:
+    # Commit the prefix entries in a scrambled order, in two commits, so the
+    # buffer order is neither the input order nor the position order.
+    order = np.random.default_rng(0).permutation(split)
+    k, v, pos = k[:, :, order], v[:, :, order], pos[:, order]
+    first = np.zeros((b, split), bool)
+    first[:, :3] = True
+    cache = cache.commit(k, v, pos, jnp.asarray(first))
+    cache = cache.commit(k, v, pos, jnp.asarray(~first))
+    np.testing.assert_array_equal(np.asarray(cache.positions_bs[:, :split]),
+                                  positions_bt[:, :split][:, order])
+  else:
+    cache = cache.commit(k, v, pos, jnp.ones((b, split), bool))
+  assert np.asarray(cache.length_b).tolist() == [split] * b
+  logits_suffix, _, _ = _chunk(model, ids_bt[:, split:], positions_bt[:, split:], cache)
+  full = np.asarray(model(ids_bt, positions_bt))
+  np.testing.assert_allclose(np.asarray(logits_prefix), full[:, :split], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(logits_suffix), full[:, split:], atol=1e-5)
+  assert np.abs(np.asarray(logits_suffix) - golden["logits_perm"][:, split:]).max() <= 1e-4
+
+
+def test_cache_entries_beyond_length_are_ignored(fixture):
+  # Garbage in the unused part of the buffer must not leak into attention.
+  _, config, model, golden = fixture
+  ids_bt, positions_bt = golden["input_ids"], golden["positions_seq"]
+  b = ids_bt.shape[0]
+  cache = KVCache.init(config, b, max_len=16)
+  _, k, v = _chunk(model, ids_bt[:, :5], positions_bt[:, :5], cache)
+  cache = cache.commit(k, v, jnp.asarray(positions_bt[:, :5]), jnp.ones((b, 5), bool))
+  noisy = cache.replace(k_lbskh=cache.k_lbskh.at[:, :, 5:].set(7.0),
+                        v_lbskh=cache.v_lbskh.at[:, :, 5:].set(-7.0))
+  clean_logits, _, _ = _chunk(model, ids_bt[:, 5:], positions_bt[:, 5:], cache)
+  noisy_logits, _, _ = _chunk(model, ids_bt[:, 5:], positions_bt[:, 5:], noisy)
+  np.testing.assert_array_equal(np.asarray(clean_logits), np.asarray(noisy_logits))
+  assert np.abs(np.asarray(clean_logits) - golden["logits_seq"][:, 5:]).max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bfloat16_model_is_close(name):
+  folder = os.path.join(FIXTURES, name)
+  config, model = hf.load(folder, dtype="bfloat16")
+  assert config.param_dtype == "bfloat16" and config.dtype == "bfloat16"
+  assert model.embed[...].dtype == jnp.bfloat16
+  golden = np.load(os.path.join(folder, "golden.npz"))
+  logits = model(golden["input_ids"], golden["positions_perm"])
+  assert logits.dtype == jnp.bfloat16
+  delta = np.abs(np.asarray(logits.astype(jnp.float32)) - golden["logits_perm"]).max()
+  # bf16 keeps ~3 significant digits; logits here are O(1).
+  assert delta < 0.1, delta
+  assert np.isfinite(np.asarray(logits.astype(jnp.float32))).all()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_heads=3, num_kv_heads=2), "num_heads=3 must be a multiple of num_kv_heads=2"),
+    (dict(head_dim=15), "head_dim must be even"),
+    (dict(vocab_size=0), "vocab_size must be a positive int"),
+    (dict(hidden_size=64.0), "hidden_size must be a positive int"),
+    (dict(mask_token_id=512), "mask_token_id=512 is outside the vocabulary"),
+    (dict(dtype="float8"), "dtype must be one of"),
+    (dict(attention="sliding"), "attention must be one of"),
+    (dict(rope_theta=0.0), "rope_theta must be > 0"),
+])
+def test_config_validation(changes, message):
+  with pytest.raises(ValueError, match=message):
+    tiny(**changes)
+
+
+def test_model_rejects_mismatched_positions():
+  config = tiny(num_layers=1, vocab_size=32, hidden_size=16, num_heads=2, num_kv_heads=1,
+                head_dim=8, mlp_dim=32)
+  # Abstract parameters suffice: the check runs before any computation.
+  model = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=r"input_ids \(2, 5\) and positions \(2, 4\)"):
+    model(jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 4), jnp.int32))
+  with pytest.raises(ValueError, match="must both be"):
+    model(jnp.zeros((5,), jnp.int32), jnp.zeros((5,), jnp.int32))
