@@ -1,0 +1,74 @@
+"""Helpers shared by the decoders: model split/merge for jax.jit, cache, prefill."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from refusion_jax import masks
+from refusion_jax.config import ModelConfig
+from refusion_jax.kv_cache import KVCache
+
+
+def split_model(model: nnx.Module):
+  """`(graphdef, state)`: the graphdef is hashable (a static jit argument), the state a pytree."""
+  return nnx.split(model)
+
+
+def merge_model(graphdef, state) -> nnx.Module:
+  """Rebuilds the module inside a traced function from `split_model`'s halves."""
+  return nnx.merge(graphdef, state)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
+  """An empty static KV buffer of `max_len` entries per row."""
+  return KVCache.init(config, batch, max_len)
+
+
+def check_prompts(prompt_ids_bp, prompt_len_b) -> tuple[np.ndarray, np.ndarray]:
+  """Validates right-padded prompts on the host; returns them as int32 numpy arrays."""
+  ids = np.asarray(prompt_ids_bp)
+  lens = np.asarray(prompt_len_b)
+  if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+    raise ValueError(
+        f"prompt_ids_bp must be a non-empty [batch, length] array, got shape {ids.shape}")
+  if not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"prompt_ids_bp must hold integer token ids, got dtype {ids.dtype}")
+  if lens.shape != (ids.shape[0],):
+    raise ValueError(
+        f"prompt_len_b must have shape ({ids.shape[0]},) to match prompt_ids_bp, got {lens.shape}")
+  if not np.issubdtype(lens.dtype, np.integer):
+    raise ValueError(f"prompt_len_b must hold integers, got dtype {lens.dtype}")
+  bad = np.flatnonzero((lens < 1) | (lens > ids.shape[1]))
+  if bad.size:
+    raise ValueError(
+        f"prompt_len_b[{bad[0]}]={lens[bad[0]]} must lie in [1, {ids.shape[1]}] "
+        "(the padded prompt length)")
+  return ids.astype(np.int32), lens.astype(np.int32)
+
+
+def check_vocab(ids: np.ndarray, prompt_len_b: np.ndarray, vocab_size: int) -> None:
+  live = np.arange(ids.shape[1])[None, :] < prompt_len_b[:, None]
+  bad = live & ((ids < 0) | (ids >= vocab_size))
+  if bad.any():
+    b, p = np.argwhere(bad)[0]
+    raise ValueError(
+        f"prompt_ids_bp[{b}, {p}]={ids[b, p]} is outside the vocabulary [0, {vocab_size})")
+
+
+def prefill(model, cache: KVCache, prompt_ids_bp, prompt_len_b):
+  """Runs the right-padded prompts once and commits their KV entries.
+
+  Returns `(cache, last_logits_bv)`, the logits at each row's last prompt
+  token (what an autoregressive decoder samples its first token from).
+  Traceable: call it inside the decoder's jitted program.
+  """
+  b, p = prompt_ids_bp.shape
+  positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
+  mask_bpp = masks.prefix_causal_btt(prompt_len_b, p)
+  logits_bpv, k, v = model.forward_chunk(prompt_ids_bp, positions_bp, cache, mask_bpp)
+  keep_bp = jnp.arange(p)[None, :] < prompt_len_b[:, None]
+  cache = cache.commit(k, v, positions_bp, keep_bp)
+  last_bv = jnp.take_along_axis(logits_bpv, (prompt_len_b - 1)[:, None, None], axis=1)[:, 0]
+  return cache, last_bv

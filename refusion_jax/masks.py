@@ -1,0 +1,66 @@
+"""Pure attention-mask builders (True = the query may attend to the key).
+
+Chunk masks are `[B, T, T]` over the tokens of one forward chunk; the KV
+cache has its own validity mask `[B, S]` (every chunk query sees every live
+cache entry). Tokens that are "not members" of a pass (decided, unchosen or
+padding) still occupy their place in the fixed-shape chunk: they see only
+themselves, so no softmax row is empty, and no member ever sees them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def causal_tt(t: int) -> jax.Array:
+  """Lower-triangular `[T, T]`: query i sees keys 0..i."""
+  return jnp.tril(jnp.ones((t, t), bool))
+
+
+def cache_valid_bs(length_b: jax.Array, max_len: int) -> jax.Array:
+  """`[B, S]`: entry s of row b is live when s < length_b[b]."""
+  return jnp.arange(max_len)[None, :] < jnp.asarray(length_b)[:, None]
+
+
+def prefix_causal_btt(length_b: jax.Array, t: int) -> jax.Array:
+  """Causal mask over right-padded rows: keys at or past `length_b` are hidden.
+
+  Padding queries keep their diagonal so their rows are never empty.
+  """
+  valid_bt = jnp.arange(t)[None, :] < jnp.asarray(length_b)[:, None]
+  return _with_diagonal(causal_tt(t)[None] & valid_bt[:, None, :])
+
+
+def subset_causal_btt(member_bt: jax.Array) -> jax.Array:
+  """Causal attention among the member tokens only, in chunk (position) order.
+
+  Used by the plan pass (members: undecided slots) and by global verification
+  (members: chosen slots, whose drafts then form one causal concatenation).
+  """
+  member_bt = member_bt.astype(bool)
+  t = member_bt.shape[1]
+  mask = causal_tt(t)[None] & member_bt[:, :, None] & member_bt[:, None, :]
+  return _with_diagonal(mask)
+
+
+def slot_local_btt(member_bt: jax.Array, slot_size: int) -> jax.Array:
+  """Block-diagonal causal mask: a member token sees earlier tokens of its own slot.
+
+  Slots are the consecutive runs of `slot_size` chunk entries. This is the
+  infill's per-slot independence: with the committed context in the cache,
+  each chosen slot sees the context and itself, never another slot.
+  """
+  member_bt = member_bt.astype(bool)
+  t = member_bt.shape[1]
+  if t % slot_size:
+    raise ValueError(f"chunk length {t} is not a multiple of slot_size={slot_size}")
+  slot_t = jnp.arange(t) // slot_size
+  same_slot_tt = slot_t[:, None] == slot_t[None, :]
+  mask = (causal_tt(t) & same_slot_tt)[None] & member_bt[:, :, None] & member_bt[:, None, :]
+  return _with_diagonal(mask)
+
+
+def _with_diagonal(mask_btt: jax.Array) -> jax.Array:
+  t = mask_btt.shape[-1]
+  return mask_btt | jnp.eye(t, dtype=bool)[None]
