@@ -1,0 +1,37 @@
+"""Sampling from a trained model: `python -m refusion_jax.sample --config=configs/sample.py`.
+
+Override any field on the command line, e.g.
+`--config.model_dir=DIR --config.prompt="What is 2+3?" --config.decode.method=ar`.
+Exactly one of prompt / prompt_ids / prompts_file must be set.
+"""
+
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.model_dir = ""  # HF folder (config.json + safetensors) or a refusion_jax model folder
+  c.tokenizer_dir = ""  # "" = model_dir if it has tokenizer.json, else the bundled tiny one when it fits
+  c.prompt = ""  # one query, chat-templated with the tokenizer
+  c.prompt_ids = ""  # one prompt as token ids "1,2,3" (no tokenizer needed)
+  c.prompts_file = ""  # JSONL, one {"query": str} or {"prompt_ids": [int]} per line (a batch)
+  c.batch_size = 8  # rows decoded together; smaller batches are padded to a power of two
+  c.prompt_bucket = 64  # prompt length is padded up to a multiple of this (reuses the program)
+  c.seed = 0  # sampling rng (only used when decode.temperature > 0)
+  c.warmup = False  # run the first batch once untimed, so "seconds" excludes compilation
+
+  c.decode = ml_collections.ConfigDict()
+  c.decode.method = "refusion"  # "refusion", "ar" or "mdm" (MDM needs a bidirectional model)
+  c.decode.gen_length = 128  # response tokens to generate at most (EOS stops earlier)
+  c.decode.slot_size = 8  # ReFusion: tokens per slot
+  c.decode.block_size = 32  # ReFusion / MDM: tokens per serial block (multiple of slot_size)
+  c.decode.slot_threshold = 0.9  # ReFusion tau_s: plan picks slots above this first-token prob
+  c.decode.token_threshold = 0.4  # ReFusion tau_t: verification accepts tokens above this prob
+  c.decode.temperature = 0.0  # 0 = greedy; > 0 samples (Gumbel noise for the diffusion drafts)
+  c.decode.mdm_tokens_per_step = 1  # MDM (LLaDA): tokens unmasked per step
+  c.decode.mdm_threshold = ml_collections.config_dict.placeholder(float)  # MDM (Fast-dLLM): unmask all above it
+
+  c.output_json = "-"  # where the JSON list of results goes ("-" = stdout)
+  c.trace = False  # print each response coloured by the step that committed each token (stderr)
+  c.trace_html = ""  # write a self-contained HTML animation of the decoding order here ("" = none)
+  return c

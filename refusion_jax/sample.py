@@ -1,0 +1,268 @@
+"""Decode prompts with a trained model.
+
+  python -m refusion_jax.sample --config=configs/sample.py \\
+      --config.model_dir=DIR --config.prompt="What is 2+3?"
+
+The model folder is either a HF checkpoint (config.json + safetensors, read
+by `hf.load`) or a refusion_jax model folder (`checkpoint.load_model`). Mask
+and EOS ids come from the model's config. Tokenizer: `tokenizer_dir`, else
+`model_dir` when it holds a tokenizer.json, else the bundled tiny tokenizer
+when the model has `config.tiny()`'s vocabulary and special ids; otherwise
+there is none (prompts must then be token ids and "text" is null).
+
+Prompts are decoded in batches of `batch_size` rows; a shorter batch is
+padded with copies of its first prompt up to a power of two, and the prompt
+length is padded up to a multiple of `prompt_bucket`, so that new prompts
+reuse the compiled program. Results go to `output_json` (atomically) as a
+JSON list, one object per prompt; progress and timings go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from refusion_jax import checkpoint, trace
+from refusion_jax.config import DecodeConfig, ModelConfig, tiny
+from refusion_jax.decode import autoregressive, mdm, refusion
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Sampling config file (configs/sample.py).", lock_config=True)
+
+GENERATORS = {"refusion": refusion.generate, "ar": autoregressive.generate,
+              "mdm": mdm.generate}
+
+
+def _log(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def check_flags(c: ml_collections.ConfigDict) -> None:
+  """Everything that can be checked before loading anything."""
+  if not c.model_dir:
+    raise ValueError("--config.model_dir is required (a HF or refusion_jax model folder)")
+  if not os.path.isdir(c.model_dir):
+    raise FileNotFoundError(f"--config.model_dir={c.model_dir!r} does not exist")
+  given = [name for name in ("prompt", "prompt_ids", "prompts_file") if c[name]]
+  if len(given) != 1:
+    raise ValueError("set exactly one of --config.prompt, --config.prompt_ids, "
+                     f"--config.prompts_file (got {given or 'none'})")
+  if c.prompts_file and not os.path.isfile(c.prompts_file):
+    raise FileNotFoundError(f"--config.prompts_file={c.prompts_file!r} does not exist")
+  if c.tokenizer_dir and not os.path.isdir(c.tokenizer_dir):
+    raise FileNotFoundError(f"--config.tokenizer_dir={c.tokenizer_dir!r} does not exist")
+  for name in ("batch_size", "prompt_bucket"):
+    if not isinstance(c[name], int) or c[name] <= 0:
+      raise ValueError(f"--config.{name} must be a positive int, got {c[name]!r}")
+  for name in ("output_json", "trace_html"):
+    path = c[name]
+    if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+      raise FileNotFoundError(f"--config.{name}={path!r}: its folder does not exist")
+  if c.trace_html == "-":
+    raise ValueError("--config.trace_html must be a file path, not '-'")
+
+
+def decode_config_from(c: ml_collections.ConfigDict) -> DecodeConfig:
+  fields = c.decode.to_dict()
+  try:
+    return DecodeConfig(**fields)
+  except TypeError as e:
+    raise ValueError(f"--config.decode: {e}") from None
+
+
+def load_model(model_dir: str):
+  """`(config, model)` from a refusion_jax model folder or a HF checkpoint folder."""
+  if checkpoint.is_model_dir(model_dir):
+    return checkpoint.load_model(model_dir)
+  if os.path.exists(os.path.join(model_dir, "config.json")):
+    from refusion_jax import hf  # pylint: disable=import-outside-toplevel
+    return hf.load(model_dir)
+  raise FileNotFoundError(
+      f"--config.model_dir={model_dir!r} has neither model_config.json (refusion_jax) nor "
+      "config.json (HF)")
+
+
+def _is_tiny_shaped(config: ModelConfig) -> bool:
+  ref = tiny()
+  return all(getattr(config, name) == getattr(ref, name)
+             for name in ("vocab_size", "mask_token_id", "eos_token_id"))
+
+
+def load_tokenizer(c: ml_collections.ConfigDict, model_config: ModelConfig):
+  """The tokenizer to use, or None (see the module docstring for the rule)."""
+  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  if c.tokenizer_dir:
+    tok = Tokenizer.from_dir(c.tokenizer_dir)
+  elif os.path.isfile(os.path.join(c.model_dir, "tokenizer.json")):
+    tok = Tokenizer.from_dir(c.model_dir)
+  elif _is_tiny_shaped(model_config):
+    tok = Tokenizer.tiny()
+  else:
+    return None
+  tok.check_compatible(model_config)
+  return tok
+
+
+def _parse_ids(text: str, where: str) -> list[int]:
+  try:
+    ids = [int(t) for t in text.split(",") if t.strip()]
+  except ValueError:
+    raise ValueError(f"{where}={text!r}: expected comma-separated token ids like '1,2,3'") from None
+  if not ids:
+    raise ValueError(f"{where} is empty")
+  return ids
+
+
+def read_prompts(c: ml_collections.ConfigDict, tokenizer) -> list[tuple[str, list[int]]]:
+  """`[(label, prompt ids)]` from prompt, prompt_ids or prompts_file."""
+  def encode(query, where):
+    if tokenizer is None:
+      raise ValueError(f"{where}: a text query needs a tokenizer; set --config.tokenizer_dir "
+                       "or give prompt_ids")
+    if not isinstance(query, str) or not query:
+      raise ValueError(f"{where}: 'query' must be a non-empty string, got {query!r}")
+    return tokenizer.encode_prompt(query)
+
+  if c.prompt:
+    return [(c.prompt, encode(c.prompt, "--config.prompt"))]
+  if c.prompt_ids:
+    ids = _parse_ids(c.prompt_ids, "--config.prompt_ids")
+    return [(c.prompt_ids, ids)]
+  prompts = []
+  with open(c.prompts_file, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{c.prompts_file}:{number}"
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+      if not isinstance(row, dict) or ("query" in row) == ("prompt_ids" in row):
+        raise ValueError(f"{where}: expected an object with exactly one of 'query' or "
+                         "'prompt_ids'")
+      if "query" in row:
+        prompts.append((row["query"], encode(row["query"], where)))
+      else:
+        ids = row["prompt_ids"]
+        if (not isinstance(ids, list) or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+          raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of ints")
+        prompts.append((",".join(map(str, ids)), ids))
+  if not prompts:
+    raise ValueError(f"{c.prompts_file}: no prompts")
+  return prompts
+
+
+def bucket_length(longest: int, multiple: int, limit: int) -> int:
+  """Prompt width: `longest` rounded up to `multiple`, but at most `limit` (>= longest)."""
+  return max(longest, min(math.ceil(longest / multiple) * multiple, limit))
+
+
+def batch_rows(n: int, batch_size: int) -> int:
+  """Rows of a batch holding n prompts: the next power of two, at most batch_size."""
+  return min(batch_size, 1 << (n - 1).bit_length())
+
+
+def run(c: ml_collections.ConfigDict) -> list[dict]:
+  """Loads, decodes and writes the results; returns them."""
+  check_flags(c)
+  decode_config = decode_config_from(c)
+  t0 = time.perf_counter()
+  model_config, model = load_model(c.model_dir)
+  _log(f"[sample] loaded {c.model_dir} ({model_config.num_layers} layers, d="
+       f"{model_config.hidden_size}, vocab {model_config.vocab_size}) in "
+       f"{time.perf_counter() - t0:.1f}s")
+  tokenizer = load_tokenizer(c, model_config)
+  prompts = read_prompts(c, tokenizer)
+  for i, (_, ids) in enumerate(prompts):
+    bad = [t for t in ids if not 0 <= t < model_config.vocab_size]
+    if bad:
+      raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary "
+                       f"[0, {model_config.vocab_size})")
+  longest = max(len(ids) for _, ids in prompts)
+  decode_config.check_fits(model_config, longest)
+  width = bucket_length(longest, c.prompt_bucket,
+                        model_config.max_position_embeddings - decode_config.gen_length)
+  generate = GENERATORS[decode_config.method]
+  rng = jax.random.key(c.seed)
+
+  def decode_batch(chunk, key):
+    rows = batch_rows(len(chunk), c.batch_size)
+    ids_bp = np.zeros((rows, width), np.int32)
+    lens_b = np.zeros((rows,), np.int32)
+    for r in range(rows):
+      ids = chunk[r][1] if r < len(chunk) else chunk[0][1]
+      ids_bp[r, :len(ids)] = ids
+      lens_b[r] = len(ids)
+    out = generate(model, ids_bp, lens_b, decode_config, key)
+    return jax.tree.map(np.asarray, jax.block_until_ready(out))
+
+  batches = [prompts[i:i + c.batch_size] for i in range(0, len(prompts), c.batch_size)]
+  if c.warmup:
+    t = time.perf_counter()
+    decode_batch(batches[0], rng)
+    _log(f"[sample] warm-up (compile) {time.perf_counter() - t:.1f}s")
+  results, records = [], []
+  for index, chunk in enumerate(batches):
+    t = time.perf_counter()
+    out = decode_batch(chunk, jax.random.fold_in(rng, index))
+    seconds = time.perf_counter() - t
+    nfe_b = out.counters.nfe_b()
+    tokens_done = int(out.length_b[:len(chunk)].sum())
+    _log(f"[sample] batch {index + 1}/{len(batches)}: {len(chunk)} prompt(s), "
+         f"{tokens_done} tokens in {seconds:.2f}s"
+         + (" (includes compile)" if index == 0 and not c.warmup else ""))
+    for r, (label, _) in enumerate(chunk):
+      n = int(out.length_b[r])
+      tokens = [int(t) for t in out.tokens_bg[r, :n]]
+      nfe = int(nfe_b[r])
+      text = None if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
+      results.append({"prompt": label, "tokens": tokens, "text": text, "nfe": nfe,
+                      "tokens_per_forward": n / nfe if nfe else 0.0, "seconds": seconds})
+      steps = [int(s) for s in out.commit_step_bg[r, :n]]
+      if c.trace or c.trace_html:
+        pieces = trace.token_pieces(tokens, None if tokenizer is None else tokenizer.decode)
+        records.append({"prompt": label, "pieces": pieces, "steps": steps,
+                        "meta": f"{decode_config.method}: {n} tokens, {nfe} forward passes"})
+        if c.trace:
+          _log(f"[trace] prompt {len(results) - 1}: {label!r}\n" + trace.ansi(pieces, steps))
+
+  if c.trace_html:
+    trace.write_atomic(c.trace_html, trace.html(records, f"Decoding order ({decode_config.method})"))
+    _log(f"[sample] wrote {c.trace_html}")
+  text = json.dumps(results, indent=2, ensure_ascii=False) + "\n"
+  if c.output_json == "-":
+    sys.stdout.write(text)
+    sys.stdout.flush()
+  elif c.output_json:
+    trace.write_atomic(c.output_json, text)
+    _log(f"[sample] wrote {c.output_json}")
+  return results
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _CONFIG.value is None:
+    raise app.UsageError("--config=configs/sample.py is required")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+  try:
+    run(_CONFIG.value)
+  except (ValueError, FileNotFoundError, TypeError) as e:
+    _log(f"error: {e}")
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)
