@@ -58,8 +58,7 @@ def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, rng, decode_config: De
   config: ModelConfig = model.config
   b, p = prompt_ids_bp.shape
   g = decode_config.gen_length
-  # The barrier stops XLA from constant-folding the prefill over the all-zero buffer.
-  cache = jax.lax.optimization_barrier(common.init_cache(config, b, p + g))
+  cache = common.init_cache(config, b, p + g)
   eos = -1 if config.eos_token_id is None else config.eos_token_id
 
   cache, last_logits_bv = common.prefill(model, cache, prompt_ids_bp, prompt_len_b)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -22,8 +23,12 @@ def merge_model(graphdef, state) -> nnx.Module:
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
-  """An empty static KV buffer of `max_len` entries per row."""
-  return KVCache.init(config, batch, max_len)
+  """An empty static KV buffer of `max_len` entries per row.
+
+  Built inside the jitted decode; the barrier keeps XLA from constant-folding
+  the prefill over the all-zero buffer (which made compiles several times slower).
+  """
+  return jax.lax.optimization_barrier(KVCache.init(config, batch, max_len))
 
 
 def check_prompts(prompt_ids_bp, prompt_len_b) -> tuple[np.ndarray, np.ndarray]:
