@@ -20,6 +20,7 @@ TINY_TEST = os.path.join(ASSETS_DIR, "data", "tiny_test.jsonl")
 def base_config() -> ml_collections.ConfigDict:
   """The tiny ReFusion run on the bundled data; the other files start from here."""
   c = ml_collections.ConfigDict()
+  c.distributed = False  # jax.distributed.initialize() first (multi-host pods / GPU clusters)
   c.seed = 0  # parameter init and per-step rng: fold_in(key(seed), step)
   c.objective = "refusion"  # "refusion" (slot AR + MDM), "arm" or "mdm"
   c.slot_sizes = (4, 8, 16, 32)  # ReFusion draws each example's slot size from these
@@ -29,6 +30,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.preset = "tiny"  # refusion_jax.config preset; model.* fields not None override it
   c.model.dtype = "float32"  # compute dtype of activations ("bfloat16" for big runs)
   c.model.param_dtype = "float32"  # parameter / optimizer state dtype (keep float32)
+  c.model.remat = False  # recompute each layer in the backward pass (saves activation memory)
   c.model.attention = placeholder(str)  # "causal" or "bidirectional" (None = preset's)
   c.model.num_layers = placeholder(int)  # decoder layers (None = preset's)
   c.model.hidden_size = placeholder(int)  # model width (None = preset's)

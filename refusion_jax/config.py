@@ -39,6 +39,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype of activations
   param_dtype: str = "float32"  # storage dtype of parameters
   attention: str = "causal"  # "causal" or "bidirectional" (MDM baseline)
+  remat: bool = False  # recompute each layer in the backward pass (long sequences, 8B)
   mask_token_id: int | None = None
   bos_token_id: int | None = None
   eos_token_id: int | None = None
@@ -294,6 +295,13 @@ class DecodeConfig:
   # in which case every masked token above it is unmasked (Fast-dLLM, at least one).
   mdm_tokens_per_step: int = 1
   mdm_threshold: float | None = None
+  # ReFusion ablations (exact definitions in decode/refusion.py). left_to_right:
+  # one slot per step in position order, first token from a plan pass, the rest
+  # one AR pass per token; no drafting or verification, thresholds unused.
+  # recompute_kv: after a parallel infill commits two or more slots, one extra
+  # causal pass recomputes their KV (paper's Table 8) instead of reusing it.
+  left_to_right: bool = False
+  recompute_kv: bool = False
 
   def __post_init__(self):
     if self.method not in DECODE_METHODS:
@@ -318,6 +326,18 @@ class DecodeConfig:
       raise ValueError(f"decode.mdm_threshold must lie in [0, 1], got {self.mdm_threshold!r}")
     if self.temperature < 0:
       raise ValueError(f"decode.temperature must be >= 0, got {self.temperature!r}")
+    for name in ("left_to_right", "recompute_kv"):
+      value = getattr(self, name)
+      if not isinstance(value, bool):
+        raise ValueError(f"decode.{name} must be a bool, got {value!r}")
+      if value and self.method != "refusion":
+        raise ValueError(
+            f"decode.{name}=True is a ReFusion decoding ablation; it needs "
+            f"decode.method='refusion', got {self.method!r}")
+    if self.left_to_right and self.recompute_kv:
+      raise ValueError(
+          "decode.left_to_right=True and decode.recompute_kv=True cannot be combined: "
+          "left-to-right decoding has no parallel infill, so there is no KV to recompute")
 
   @property
   def num_blocks(self) -> int:

@@ -46,6 +46,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from absl import logging
 from etils import epath
 import grain
+import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
@@ -586,6 +587,13 @@ def loader_from_config(data_config, tokenizer, batch_size: int, split: str = "tr
   if not data_config["tfds_dir"]:
     raise ValueError("loader_from_config: config.data.tfds_dir is empty; give a folder for "
                      "the TFDS build")
+  if jax.process_count() > 1:
+    # Several hosts share the build folder: process 0 builds, the others wait
+    # for it and then find the finished build.
+    from jax.experimental import multihost_utils
+    if jax.process_index() == 0:
+      prepare({split: files}, data_config["tfds_dir"])
+    multihost_utils.sync_global_devices(f"refusion_jax.data.prepare.{split}")
   builder = prepare({split: files}, data_config["tfds_dir"])
   source = source_of(builder, split)
   training = split == "train"

@@ -155,6 +155,11 @@ class DecoderLayer(nnx.Module):
     return sharding.constrain(x_btd, ("batch", "seq", "act_embed")), k, v
 
 
+def _call_layer(layer, x_btd, positions_bt, chunk_mask_btt, cache_k_bskh, cache_v_bskh,
+                cache_valid_bs):
+  return layer(x_btd, positions_bt, chunk_mask_btt, cache_k_bskh, cache_v_bskh, cache_valid_bs)
+
+
 def causal_mask(t: int) -> jax.Array:
   return jnp.tril(jnp.ones((t, t), bool))
 
@@ -193,12 +198,14 @@ class Qwen3(nnx.Module):
     x = sharding.constrain(x, ("batch", "seq", "act_embed"))
     ks, vs = [], []
     valid_bs = None if cache is None else cache.valid_bs()
+    # Rematerialisation: keep only each layer's input for the backward pass.
+    run_layer = nnx.remat(_call_layer) if self.config.remat else _call_layer
     for i, layer in enumerate(self.layers):
       if cache is None:
-        x, k, v = layer(x, positions_bt, chunk_mask_btt)
+        x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, None, None, None)
       else:
-        x, k, v = layer(x, positions_bt, chunk_mask_btt, cache.k_lbskh[i], cache.v_lbskh[i],
-                        valid_bs)
+        x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, cache.k_lbskh[i],
+                            cache.v_lbskh[i], valid_bs)
       ks.append(k)
       vs.append(v)
     return self._logits(x), jnp.stack(ks), jnp.stack(vs)
