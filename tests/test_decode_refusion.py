@@ -6,7 +6,12 @@ causal entry point `model(ids, positions, attention_mask)` on the committed
 context followed by the pass's tokens. Each committed token remembers which
 context entries it attended to when it was decided, and the explicit mask
 reproduces exactly that, so the per-slot independence of the infill (and of
-the cache entries it leaves behind) is rebuilt from scratch.
+the cache entries it leaves behind) is rebuilt from scratch. The same record
+checks the decoder's final KV cache entry by entry.
+
+The two ablations (`left_to_right`, `recompute_kv`) run on a 2-layer model: with
+one layer a cache entry is a function of its token and position alone, so
+what an entry attended to could not change anything.
 """
 
 import collections
@@ -29,8 +34,8 @@ PAD_ID = 0
 SEED = 7
 
 
-def _make_model(eos_id):
-  cfg = config_lib.tiny(vocab_size=VOCAB, hidden_size=32, num_layers=1, num_heads=2,
+def _make_model(eos_id, num_layers=1):
+  cfg = config_lib.tiny(vocab_size=VOCAB, hidden_size=32, num_layers=num_layers, num_heads=2,
                         num_kv_heads=1, head_dim=16, mlp_dim=64, tie_embeddings=False,
                         max_position_embeddings=128, eos_token_id=eos_id, mask_token_id=MASK_ID,
                         pad_token_id=PAD_ID, bos_token_id=2)
@@ -119,6 +124,8 @@ class Oracle:
     self.ctx_tok, self.ctx_pos, self.ctx_vis = [], [], []
     self.canvas, self.commit_step = {}, {}
     self._commit_prompt(prompt)
+    if dc.left_to_right:
+      return self._decode_left_to_right()
     counts = collections.Counter()
     eos_found = False
     for blk in range(dc.num_blocks):
@@ -215,16 +222,51 @@ class Oracle:
             eos_found = True
         if rounds >= 2:
           self.branches["multi_round_infill"] += 1
-        # 4. Commit in position order, cut after the first EOS.
+        # 4. Commit in position order, cut after the first EOS. Each slot saw the
+        # context and itself only (one `_commit`, so no slot sees another).
+        commit_tok, commit_pos, sees = [], [], []
+        n_committed = 0
         for s in chosen:
           toks = slots[s]
           if self.eos in toks:
             toks = toks[:toks.index(self.eos) + 1]
-          self._commit(toks, slot_positions(s)[:len(toks)], self._causal(len(toks)))
+          sees += [[len(commit_tok) + c for c in range(a + 1)] for a in range(len(toks))]
+          commit_tok += toks
+          commit_pos += slot_positions(s)[:len(toks)]
+          n_committed += 1
           if self.eos in toks:
             break
+        if n_committed >= 2:
+          counts["multi_slot_infill_commits"] += 1
+          if dc.recompute_kv:
+            # Ablation: one more pass, in which the committed tokens attend causally.
+            sees = self._causal(len(commit_tok))
+            counts["recompute"] += 1
+            self.branches["recompute_kv"] += 1
+        self._commit(commit_tok, commit_pos, sees)
         undecided = [s for s in undecided if s not in chosen]
       if eos_found:
+        break
+    return self._result(counts)
+
+  def _decode_left_to_right(self):
+    """The ablation: slot after slot, the first token planned, then one AR token a pass."""
+    k = self.dc.slot_size
+    counts = collections.Counter()
+    for s in range(self.dc.gen_length // k):
+      self.step = counts["steps"]
+      counts["steps"] += 1
+      positions = [self.prompt_len + s * k + j for j in range(k)]
+      logits = self._run([self.mask] * k, positions, self._causal(k))
+      counts["plan"] += 1
+      toks = [int(logits[0].argmax())]
+      while len(toks) < k and toks[-1] != self.eos:
+        logits = self._run(toks, positions[:len(toks)], self._causal(len(toks)))
+        counts["verify"] += 1
+        toks.append(int(logits[-1].argmax()))
+      self.branches["ltr_eos_" + ("planned" if len(toks) == 1 else "ar")] += toks[-1] == self.eos
+      self._commit(toks, positions[:len(toks)], self._causal(len(toks)))
+      if toks[-1] == self.eos:
         break
     return self._result(counts)
 
@@ -295,7 +337,10 @@ def _counts_of(out, row):
   c = out.counters
   return {"plan": int(c.plan_b[row]), "global_verify": int(c.global_verify_b[row]),
           "draft": int(c.draft_b[row]), "verify": int(c.verify_b[row]),
-          "steps": int(c.steps_b[row])}
+          "steps": int(c.steps_b[row]), "recompute": int(c.recompute_b[row])}
+
+
+_PASS_KINDS = ("plan", "global_verify", "draft", "verify", "steps", "recompute")
 
 
 def test_matches_plain_python_oracle(models):
@@ -314,8 +359,7 @@ def test_matches_plain_python_oracle(models):
     assert int(out.length_b[0]) == oracle_len, where
     assert int(out.counters.tokens_b[0]) == oracle_len, where
     assert int(out.counters.prefill_b[0]) == 1, where
-    want = {name: oracle_counts[name] for name in ("plan", "global_verify", "draft", "verify",
-                                                   "steps")}
+    want = {name: oracle_counts[name] for name in _PASS_KINDS}
     assert _counts_of(out, 0) == want, where
     # The trace view: the step at which each position was committed (-1 past the end).
     assert [int(x) for x in out.commit_step_bg[0]] == oracle_counts["commit_step"], where
@@ -334,6 +378,161 @@ def test_matches_plain_python_oracle(models):
 
 def _random_prompts(rs, n, p):
   return [[int(x) for x in rs.randint(4, VOCAB, size=rs.randint(1, p + 1))] for _ in range(n)]
+
+
+def _check_row(out, row, oracle_result, where):
+  """Tokens, length, per-kind pass counts and commit steps of one row vs the oracle."""
+  tokens, length, counts = oracle_result
+  assert [int(x) for x in out.tokens_bg[row]] == tokens, where
+  assert int(out.length_b[row]) == length, where
+  assert int(out.counters.tokens_b[row]) == length, where
+  assert int(out.counters.prefill_b[row]) == 1, where
+  assert _counts_of(out, row) == {name: counts[name] for name in _PASS_KINDS}, where
+  assert [int(x) for x in out.commit_step_bg[row]] == counts["commit_step"], where
+
+
+# ----------------------------------------------------------------------------
+# The ablations, on a 2-layer model.
+
+# One 2-layer model serves every ablation group (so the oracle's forward compiles
+# once); its EOS id is picked like _GROUPS's: some texts of every group end early.
+_DEEP_EOS_ID = 55
+# Static groups as in _GROUPS: one compiled program each (reuse and recompute share
+# one: recompute_kv is a traced flag).
+_LTR_GROUPS = ((6, 16, 4, 8), (5, 24, 2, 12))
+_RECOMPUTE_GROUPS = ((6, 16, 4, 8), (6, 32, 4, 16))
+# (tau_s, tau_t): low slot and high token thresholds make multi-slot infills common.
+_RECOMPUTE_THRESHOLDS = ((0.0, 0.9), (0.3, 0.6), (0.7, 0.2))
+_KV_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def deep_model():
+  return _make_model(eos_id=_DEEP_EOS_ID, num_layers=2)
+
+
+@nnx.jit
+def _chunk_kv(model, ids_bt, positions_bt, mask_btt):
+  """K/V of one pass over an empty cache: each entry attends exactly as the mask says."""
+  empty = common.init_cache(model.config, ids_bt.shape[0], 1)
+  _, k, v = model.forward_chunk(ids_bt, positions_bt, empty, mask_btt)
+  return k, v
+
+
+def _cache_gap(model, cache, row, tokens, positions, vis):
+  """Largest |difference| between row `row` of the cache and the KV of a context.
+
+  Context entry i (token, position) attended to the entries `vis[i]` (itself
+  included); the cache (host copy) must hold exactly these entries, in this order.
+  """
+  n, width = len(tokens), _ORACLE_WIDTH
+  assert int(cache.length_b[row]) == n
+  assert [int(x) for x in cache.positions_bs[row, :n]] == list(positions)
+  ids = np.zeros((1, width), np.int32)
+  pos = np.zeros((1, width), np.int32)
+  mask = np.eye(width, dtype=bool)[None]
+  ids[0, :n] = tokens
+  pos[0, :n] = positions
+  for i, seen in enumerate(vis):
+    mask[0, i, seen] = True
+  k, v = jax.device_get(_chunk_kv(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(mask)))
+  return max(float(np.abs(cache.k_lbskh[:, row, :n] - k[:, 0, :n]).max()),
+             float(np.abs(cache.v_lbskh[:, row, :n] - v[:, 0, :n]).max()))
+
+
+def _causal_vis(n):
+  return [list(range(i + 1)) for i in range(n)]
+
+
+def test_left_to_right_matches_oracle(deep_model):
+  start = time.time()
+  rs = np.random.RandomState(21)
+  branches = collections.Counter()
+  ends = []
+  model = deep_model
+  for p, g, k, blk in _LTR_GROUPS:
+    prompts = _random_prompts(rs, 6, p)
+    # Random thresholds: they play no part left to right.
+    dc = DecodeConfig(gen_length=g, slot_size=k, block_size=blk, left_to_right=True,
+                      slot_threshold=float(rs.rand()), token_threshold=float(rs.rand()))
+    ids, lens = _pad(prompts, p)
+    # The whole group as one batch: each row must equal its own single-prompt oracle.
+    out, cache = jax.device_get(refusion._generate_with_cache(model, ids, lens, dc))
+    for row, prompt in enumerate(prompts):
+      oracle = Oracle(model, dc, branches)
+      result = oracle.decode(prompt)
+      where = f"row {row}: prompt={prompt} {dc}"
+      _check_row(out, row, result, where)
+      # One pass per token: tokens per forward is exactly 1.
+      assert int(out.counters.nfe_b()[row]) == result[1], where
+      # The cache is a causal run over the text in position order, except the newest
+      # token (it would only be fed to predict a token after the end).
+      assert oracle.ctx_vis == _causal_vis(len(oracle.ctx_tok))
+      assert oracle.ctx_pos == sorted(oracle.ctx_pos)
+      gap = _cache_gap(model, cache, row, oracle.ctx_tok[:-1], oracle.ctx_pos[:-1],
+                       oracle.ctx_vis[:-1])
+      assert gap < _KV_ATOL, (where, gap)
+      ends.append(result[1] < g)
+    # Blocks play no part either: another block size reuses the program, same output.
+    size = refusion.compiled_cache_size()
+    other = refusion.generate(model, ids, lens, dc.replace(block_size=g))
+    np.testing.assert_array_equal(other.tokens_bg, out.tokens_bg)
+    np.testing.assert_array_equal(other.counters.nfe_b(), out.counters.nfe_b())
+    assert refusion.compiled_cache_size() == size
+  print(f"\n{len(ends)} left-to-right cases, {sum(ends)} ended by EOS, branches: "
+        f"{dict(branches)}, {time.time() - start:.1f}s")
+  assert any(ends) and not all(ends), ends
+  assert branches["ltr_eos_planned"] + branches["ltr_eos_ar"] > 0
+
+
+def test_recompute_kv_matches_oracle_and_leaves_a_causal_cache(deep_model):
+  start = time.time()
+  rs = np.random.RandomState(31)
+  branches = collections.Counter()
+  n_cases = changed = reuse_not_causal = 0
+  model = deep_model
+  compiled_before = refusion.compiled_cache_size()
+  for p, g, k, blk in _RECOMPUTE_GROUPS:
+    for tau_s, tau_t in _RECOMPUTE_THRESHOLDS:
+      prompts = _random_prompts(rs, 4, p)
+      ids, lens = _pad(prompts, p)
+      texts = {}
+      for recompute in (False, True):
+        dc = DecodeConfig(gen_length=g, slot_size=k, block_size=blk, slot_threshold=tau_s,
+                          token_threshold=tau_t, recompute_kv=recompute)
+        out, cache = jax.device_get(refusion._generate_with_cache(model, ids, lens, dc))
+        for row, prompt in enumerate(prompts):
+          oracle = Oracle(model, dc, branches)
+          result = oracle.decode(prompt)
+          counts = result[2]
+          where = f"row {row}: prompt={prompt} {dc}"
+          _check_row(out, row, result, where)
+          # Entry by entry, the cache holds the committed context in commit order, each
+          # entry the KV of what the oracle says it attended to...
+          gap = _cache_gap(model, cache, row, oracle.ctx_tok, oracle.ctx_pos, oracle.ctx_vis)
+          assert gap < _KV_ATOL, (where, gap)
+          # ...which, with recomputation, is a causal run over it (a prefill of the
+          # committed text in commit order); without, it is not after a multi-slot infill.
+          causal_gap = _cache_gap(model, cache, row, oracle.ctx_tok, oracle.ctx_pos,
+                                  _causal_vis(len(oracle.ctx_tok)))
+          if recompute:
+            assert causal_gap < _KV_ATOL, (where, causal_gap)
+            assert counts["recompute"] == counts["multi_slot_infill_commits"], where
+          else:
+            multi = counts["multi_slot_infill_commits"] > 0
+            assert (causal_gap > 100 * _KV_ATOL) == multi, (where, causal_gap)
+            reuse_not_causal += multi
+          texts[recompute, row] = result[0]
+        n_cases += len(prompts)
+      changed += sum(texts[False, r] != texts[True, r] for r in range(len(prompts)))
+  print(f"\n{n_cases} prompts x (reuse, recompute), {changed} texts changed by recomputing, "
+        f"{reuse_not_causal} reuse caches not causal, branches: {dict(branches)}, "
+        f"{time.time() - start:.1f}s")
+  assert branches["recompute_kv"] > 0 and reuse_not_causal > 0
+  # Recomputed KV is what later passes attend to: the text changes, at least sometimes.
+  assert changed > 0
+  # Reuse and recompute (and every threshold) share one program per group.
+  assert refusion.compiled_cache_size() - compiled_before <= len(_RECOMPUTE_GROUPS)
 
 
 def test_batch_decodes_like_single_rows(eos_model):
@@ -392,6 +591,11 @@ def _tampered(dc, **fields):
     (dict(token_threshold=-0.1), "token_threshold"),
     # 3 prompt tokens + 128 > the test model's 128 positions.
     (dict(gen_length=128, block_size=16), "max_position_embeddings"),
+    # The ablations: both at once make no sense, flags are bools, refusion only.
+    (dict(left_to_right=True, recompute_kv=True), "cannot be combined"),
+    (dict(recompute_kv=1), "recompute_kv"),
+    (dict(left_to_right="yes"), "left_to_right"),
+    (dict(method="ar", left_to_right=True), "method"),
 ])
 def test_bad_parameters_fail_before_compiling(eos_model, fields, needle):
   fits_in_itself = needle == "max_position_embeddings"
@@ -469,3 +673,29 @@ def test_prefill_matches_the_full_causal_call(eos_model):
     np.testing.assert_allclose(last_bv[i], full[i, len(prompt) - 1], atol=1e-4, rtol=1e-4)
     np.testing.assert_array_equal(cache.positions_bs[i, :len(prompt)], np.arange(len(prompt)))
     assert (np.asarray(cache.positions_bs[i, len(prompt):]) == -1).all()
+
+
+def test_left_to_right_samples_every_token_per_rng(deep_model):
+  rs = np.random.RandomState(4)
+  p, g, k, blk = _LTR_GROUPS[0]
+  ids, lens = _pad(_random_prompts(rs, 6, p), p)
+  dc = DecodeConfig(gen_length=g, slot_size=k, block_size=blk, left_to_right=True,
+                    temperature=1.5)
+  runs = [refusion.generate(deep_model, ids, lens, dc, jax.random.PRNGKey(s)) for s in (0, 0, 1, 2)]
+  greedy = refusion.generate(deep_model, ids, lens, dc.replace(temperature=0.0))
+  runs, greedy = jax.device_get((runs, greedy))
+  np.testing.assert_array_equal(runs[0].tokens_bg, runs[1].tokens_bg)
+  assert any(not np.array_equal(runs[0].tokens_bg, r.tokens_bg) for r in runs[2:])
+  # Where a sampled text first leaves the greedy one: if only the planned first token
+  # of each slot were sampled, that would always be a slot start.
+  first_changes = set()
+  for out in runs:
+    for row in range(ids.shape[0]):
+      diff = np.flatnonzero(out.tokens_bg[row] != greedy.tokens_bg[row])
+      if diff.size:
+        first_changes.add(int(diff[0]) % k)
+      length = int(out.length_b[row])
+      assert (out.tokens_bg[row, length:] == PAD_ID).all()
+      assert (out.tokens_bg[row, :length - 1] != _DEEP_EOS_ID).all()
+    assert (out.counters.nfe_b() == out.length_b).all()
+  assert first_changes - {0}, first_changes

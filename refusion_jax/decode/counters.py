@@ -21,16 +21,22 @@ class DecodeCounters:
   prefill_b: jax.Array  # prompt passes (not part of NFE, reported apart)
   tokens_b: jax.Array  # generated tokens committed, up to and including EOS
   steps_b: jax.Array  # outer loop iterations
+  # ReFusion with recompute_kv: causal passes that recompute the KV of slots
+  # committed from a parallel infill. Last, with a zero default, so that code
+  # building counters field by field for another decoder needs no change.
+  recompute_b: jax.Array = 0
 
   @classmethod
   def zeros(cls, batch: int) -> "DecodeCounters":
     z = jnp.zeros((batch,), jnp.int32)
     return cls(plan_b=z, global_verify_b=z, draft_b=z, verify_b=z, prefill_b=z, tokens_b=z,
-               steps_b=z)
+               steps_b=z, recompute_b=z)
 
   def nfe_b(self) -> jax.Array:
-    """Forward passes over generated content (plan + verify + draft + infill verify)."""
-    return self.plan_b + self.global_verify_b + self.draft_b + self.verify_b
+    """Forward passes over generated content (plan + verify + draft + infill verify
+    + KV recomputation)."""
+    return (self.plan_b + self.global_verify_b + self.draft_b + self.verify_b
+            + self.recompute_b)
 
   def add(self, active_b: jax.Array, **increments) -> "DecodeCounters":
     """Adds each increment (scalar or [B]) to the rows where `active_b` is set."""
@@ -42,6 +48,8 @@ class DecodeCounters:
   def as_dict(self) -> dict:
     d = {k: getattr(self, k) for k in ("plan_b", "global_verify_b", "draft_b", "verify_b",
                                        "prefill_b", "tokens_b", "steps_b")}
+    # [B] even where the field kept its scalar default.
+    d["recompute_b"] = jnp.zeros_like(self.plan_b) + self.recompute_b
     d["nfe_b"] = self.nfe_b()
     return d
 

@@ -14,14 +14,42 @@ committed. One step of the outer `lax.while_loop` is one plan pass, one
 global-verification pass, an optional infill (an inner `lax.while_loop` of
 draft/verify rounds) and one cache commit. Finished rows are frozen.
 
-Thresholds, temperature and the special token ids are traced scalars, so a
-threshold sweep reuses one compiled program; shapes (batch, prompt length,
-gen_length, slot and block size) and whether to sample are static.
+Thresholds, temperature, the special token ids and `recompute_kv` are traced
+scalars, so a threshold sweep (or reuse vs recompute) reuses one compiled
+program; shapes (batch, prompt length, gen_length, slot and block size),
+whether to sample and `left_to_right` are static.
 
 Temperature: the plan step is the one place the spec samples ("argmax, with
 Gumbel noise when temperature > 0"); infill drafts are argmax as specified,
 and every probability compared with a threshold is read from the un-noised
 softmax.
+
+Two ablations of the paper are flags of `DecodeConfig`:
+
+`recompute_kv` (the paper's Table 8). After a step whose parallel infill
+commits two or more slots, one extra forward pass feeds exactly the committed
+tokens (each slot cut after EOS as usual) in position order after the
+committed context, with causal attention among them, and its KV entries are
+committed instead of the infill's (whose slots saw only the context and
+themselves). Commits from global verification are causal already, and so is
+an infill commit of a single slot (it saw the context and itself, which is
+all that precedes it): neither is recomputed. Each recomputation pass counts
+one `recompute_b` (part of `nfe_b`). Afterwards every cache entry is the KV of
+a causal run over the committed tokens in commit order.
+
+`left_to_right` (ReFusion used as a plain AR model). Slots are decoded
+strictly in position order, one slot per outer step, over the whole response
+(blocks and both thresholds play no part; the order is the same). A slot's
+first token comes from a plan pass: the slot's `k` mask tokens at their
+positions after the committed context. Each further token is the next-token
+prediction of a causal pass over the slot's tokens so far; a pass feeds only
+the newest token (its predecessors' KV are in the cache already) and commits
+its KV. The slot's last token is fed, and its KV committed, by the next
+slot's plan pass (the chunk is that token followed by the masks, causal), so
+every token costs exactly one pass: `plan_b` per slot, `verify_b` per further
+token, `nfe_b == tokens_b`. Drafting and verification never happen. An EOS
+ends the text at once (nothing after it is generated). With temperature > 0
+every token is drawn with Gumbel noise, as a sampling AR model would.
 """
 
 from __future__ import annotations
@@ -46,7 +74,8 @@ class _Static:
   gen_length: int
   slot_size: int
   block_size: int
-  sample: bool  # temperature > 0: Gumbel noise in the plan step
+  sample: bool  # temperature > 0: Gumbel noise in the plan step (every token left to right)
+  left_to_right: bool = False  # ablation: one slot per step, one token per pass
 
 
 @flax.struct.dataclass
@@ -59,6 +88,9 @@ class _Knobs:
   mask_id: jax.Array
   eos_id: jax.Array  # -1 when the model has no EOS: never matches a token
   pad_id: jax.Array
+  # Ablation flag (bool scalar): traced, so that reuse vs recompute is one program;
+  # when it is off the recomputation's cond never runs its pass.
+  recompute_kv: jax.Array
 
 
 @flax.struct.dataclass
@@ -117,7 +149,7 @@ def _prefix_within_slot(ok_bt: jax.Array, slot_size: int) -> jax.Array:
 
 
 def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, knobs: _Knobs, rng,
-            static: _Static) -> DecodeOutput:
+            static: _Static) -> tuple[DecodeOutput, KVCache]:
   model = common.merge_model(graphdef, state)
   b, p = prompt_ids_bp.shape
   g, k, blk = static.gen_length, static.slot_size, static.block_size
@@ -277,9 +309,27 @@ def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, knobs: _Knobs, rng,
     decided_bs = jnp.where(gv_eos_b1, decided_eos_bs,
                            jnp.where(gv_whole_b1, decided_whole_bs, decided_infill_bs))
     decided_bs = jnp.where(active_b[:, None], decided_bs, s.decided_bs)
+    # Ablation (recompute_kv): an infill that commits two or more slots left KV in
+    # which each slot saw only the context and itself; one causal pass over exactly
+    # the committed tokens (position order, after the context) gives a causal run's.
+    infill_slots_b = keep_infill_bt.reshape(b, n_slots, k).any(-1).sum(-1)
+    recompute_rows_b = knobs.recompute_kv & infill_b & (infill_slots_b >= 2)
+
+    def recompute(_):
+      _, r_k, r_v = model.forward_chunk(infill.tokens_bt, positions_bt, s.cache,
+                                        masks.subset_causal_btt(keep_infill_bt))
+      return r_k, r_v
+
+    # A cond, not a masked pass: steps where no row needs it cost nothing.
+    infill_k, infill_v = jax.lax.cond(recompute_rows_b.any(), recompute,
+                                      lambda _: (infill.k_lbtkh, infill.v_lbtkh), None)
+    use_r = recompute_rows_b[None, :, None, None, None]
+    infill_k = jnp.where(use_r, infill_k, infill.k_lbtkh)
+    infill_v = jnp.where(use_r, infill_v, infill.v_lbtkh)
+    counters = counters.add(recompute_rows_b, recompute_b=1)
     use_infill = infill_b[None, :, None, None, None]
-    commit_k = jnp.where(use_infill, infill.k_lbtkh, gv_k)
-    commit_v = jnp.where(use_infill, infill.v_lbtkh, gv_v)
+    commit_k = jnp.where(use_infill, infill_k, gv_k)
+    commit_v = jnp.where(use_infill, infill_v, gv_v)
     commit_tokens_bt = jnp.where(infill_b[:, None], infill.tokens_bt, draft_bt)
     cache = s.cache.commit(commit_k, commit_v, positions_bt, keep_bt)
     tokens_bg = s.tokens_bg.at[rows_b1, canvas_bt].set(
@@ -312,17 +362,20 @@ def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, knobs: _Knobs, rng,
   def outer_cond(s: _State):
     return (~s.done_b).any() & (s.step < max_steps)
 
-  final = jax.lax.while_loop(outer_cond, step_fn, _State(
-      cache=cache,
-      tokens_bg=jnp.full((b, g), knobs.pad_id, jnp.int32),
-      commit_step_bg=jnp.full((b, g), -1, jnp.int32),
-      block_b=jnp.zeros((b,), jnp.int32),
-      decided_bs=jnp.zeros((b, n_slots), bool),
-      eos_b=jnp.zeros((b,), bool),
-      done_b=jnp.zeros((b,), bool),
-      counters=counters,
-      rng=rng,
-      step=jnp.zeros((), jnp.int32)))
+  if static.left_to_right:
+    final = _left_to_right(model, cache, prompt_len_b, knobs, rng, counters, static)
+  else:
+    final = jax.lax.while_loop(outer_cond, step_fn, _State(
+        cache=cache,
+        tokens_bg=jnp.full((b, g), knobs.pad_id, jnp.int32),
+        commit_step_bg=jnp.full((b, g), -1, jnp.int32),
+        block_b=jnp.zeros((b,), jnp.int32),
+        decided_bs=jnp.zeros((b, n_slots), bool),
+        eos_b=jnp.zeros((b,), bool),
+        done_b=jnp.zeros((b,), bool),
+        counters=counters,
+        rng=rng,
+        step=jnp.zeros((), jnp.int32)))
 
   # The text is the committed tokens by position, ending at the first EOS. Every
   # position before it is committed (earlier slots are always decoded), so the
@@ -336,8 +389,120 @@ def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, knobs: _Knobs, rng,
   commit_step_bg = jnp.where(within_bg, final.commit_step_bg, -1)
   counters = final.counters.replace(
       tokens_b=(within_bg & committed_bg).sum(-1).astype(jnp.int32))
-  return DecodeOutput(tokens_bg=tokens_bg, length_b=length_b, counters=counters,
-                      commit_step_bg=commit_step_bg)
+  output = DecodeOutput(tokens_bg=tokens_bg, length_b=length_b, counters=counters,
+                        commit_step_bg=commit_step_bg)
+  # The final cache is returned for tests of its contents; `generate` drops it (it
+  # is the loop's carry, in memory anyway).
+  return output, final.cache
+
+
+def _pick_bv(logits_bv: jax.Array, key: jax.Array, temperature: jax.Array,
+             sample: bool) -> jax.Array:
+  """Argmax, with Gumbel noise at `temperature` when sampling (a categorical draw)."""
+  logits_bv = logits_bv.astype(jnp.float32)
+  if sample:
+    logits_bv = logits_bv / temperature + jax.random.gumbel(key, logits_bv.shape, jnp.float32)
+  return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+
+
+@flax.struct.dataclass
+class _LeftToRight:
+  """Carry of the left-to-right ablation (one iteration = one slot per row)."""
+
+  cache: KVCache
+  tokens_bg: jax.Array
+  commit_step_bg: jax.Array
+  done_b: jax.Array
+  counters: DecodeCounters
+  rng: jax.Array
+  step: jax.Array  # scalar; every active row decodes slot `step` of the response
+
+
+@flax.struct.dataclass
+class _ArPass:
+  """Carry of the one-token AR passes that extend the current slot."""
+
+  cache: KVCache
+  tokens_bg: jax.Array
+  commit_step_bg: jax.Array
+  run_b: jax.Array  # rows still extending the slot
+  eos_b: jax.Array  # the slot produced an EOS
+  counters: DecodeCounters
+  rng: jax.Array
+  offset: jax.Array  # scalar: slot offset of the newest token, the one fed next
+
+
+def _left_to_right(model, cache: KVCache, prompt_len_b, knobs: _Knobs, rng,
+                   counters: DecodeCounters, static: _Static) -> _LeftToRight:
+  """The `left_to_right` ablation (module docstring): one slot per outer step."""
+  b = prompt_len_b.shape[0]
+  g, k = static.gen_length, static.slot_size
+  n_slots = g // k
+  chunk_c = jnp.arange(k + 1)
+
+  def write(tokens_bg, commit_step_bg, index, new_b, keep_b, step):
+    tokens_bg = tokens_bg.at[:, index].set(jnp.where(keep_b, new_b, tokens_bg[:, index]))
+    commit_step_bg = commit_step_bg.at[:, index].set(
+        jnp.where(keep_b, step, commit_step_bg[:, index]))
+    return tokens_bg, commit_step_bg
+
+  def slot_fn(s: _LeftToRight) -> _LeftToRight:
+    active_b = ~s.done_b
+    start = s.step * k  # the slot's first index in the generated area
+    # Plan: the previous slot's last token (not yet fed, so not in the cache), then the
+    # slot as masks, causal. Only that token's KV is kept; the masks' are discarded.
+    feeds_prev_b = active_b & (s.step > 0)
+    prev_b = s.tokens_bg[:, jnp.maximum(start - 1, 0)]
+    ids_bc = jnp.concatenate(
+        [prev_b[:, None], jnp.full((b, k), knobs.mask_id, jnp.int32)], axis=1)
+    positions_bc = prompt_len_b[:, None] + start - 1 + chunk_c[None]
+    member_bc = jnp.concatenate([feeds_prev_b[:, None], jnp.ones((b, k), bool)], axis=1)
+    logits_bcv, k_lbckh, v_lbckh = model.forward_chunk(
+        ids_bc, positions_bc, s.cache, masks.subset_causal_btt(member_bc))
+    cache = s.cache.commit(k_lbckh, v_lbckh, positions_bc, member_bc & (chunk_c == 0)[None])
+    rng, key = jax.random.split(s.rng)
+    first_b = _pick_bv(logits_bcv[:, 1], key, knobs.temperature, static.sample)
+    tokens_bg, commit_step_bg = write(s.tokens_bg, s.commit_step_bg, start, first_b, active_b,
+                                      s.step)
+    first_eos_b = active_b & (first_b == knobs.eos_id)
+
+    # AR: feed the newest token, commit its KV, read the next token at its position.
+    def ar_pass(c: _ArPass) -> _ArPass:
+      positions_b1 = prompt_len_b[:, None] + start + c.offset
+      newest_b1 = c.tokens_bg[:, start + c.offset][:, None]
+      logits_b1v, k_lb1kh, v_lb1kh = model.forward_chunk(
+          newest_b1, positions_b1, c.cache, jnp.ones((b, 1, 1), bool))
+      cache = c.cache.commit(k_lb1kh, v_lb1kh, positions_b1, c.run_b[:, None])
+      rng, key = jax.random.split(c.rng)
+      next_b = _pick_bv(logits_b1v[:, 0], key, knobs.temperature, static.sample)
+      tokens_bg, commit_step_bg = write(c.tokens_bg, c.commit_step_bg, start + c.offset + 1,
+                                        next_b, c.run_b, s.step)
+      eos_now_b = c.run_b & (next_b == knobs.eos_id)
+      return _ArPass(cache=cache, tokens_bg=tokens_bg, commit_step_bg=commit_step_bg,
+                     run_b=c.run_b & ~eos_now_b & (c.offset + 2 < k),
+                     eos_b=c.eos_b | eos_now_b,
+                     counters=c.counters.add(c.run_b, verify_b=1),
+                     rng=rng, offset=c.offset + 1)
+
+    ar = jax.lax.while_loop(lambda c: c.run_b.any(), ar_pass, _ArPass(
+        cache=cache, tokens_bg=tokens_bg, commit_step_bg=commit_step_bg,
+        run_b=active_b & ~first_eos_b & (k > 1), eos_b=first_eos_b,
+        counters=s.counters.add(active_b, plan_b=1, steps_b=1),
+        rng=rng, offset=jnp.zeros((), jnp.int32)))
+    finish_b = active_b & (ar.eos_b | (s.step == n_slots - 1))
+    return _LeftToRight(cache=ar.cache, tokens_bg=ar.tokens_bg,
+                        commit_step_bg=ar.commit_step_bg, done_b=s.done_b | finish_b,
+                        counters=ar.counters, rng=ar.rng, step=s.step + 1)
+
+  return jax.lax.while_loop(
+      lambda s: (~s.done_b).any() & (s.step < n_slots), slot_fn, _LeftToRight(
+          cache=cache,
+          tokens_bg=jnp.full((b, g), knobs.pad_id, jnp.int32),
+          commit_step_bg=jnp.full((b, g), -1, jnp.int32),
+          done_b=jnp.zeros((b,), bool),
+          counters=counters,
+          rng=rng,
+          step=jnp.zeros((), jnp.int32)))
 
 
 _decode_jit = jax.jit(_decode, static_argnames=("graphdef", "static"))
@@ -368,7 +533,17 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
 
   Generated position i of row b has position id `prompt_len_b[b] + i`. The
   mask, EOS and pad ids come from `model.config`. `rng` is required when
-  `decode_config.temperature > 0`.
+  `decode_config.temperature > 0`. `decode_config.left_to_right` and
+  `recompute_kv` select the ablations of the module docstring.
+  """
+  return _generate_with_cache(model, prompt_ids_bp, prompt_len_b, decode_config, rng)[0]
+
+
+def _generate_with_cache(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
+                         rng: jax.Array | None = None) -> tuple[DecodeOutput, KVCache]:
+  """`generate`, plus the final KV cache (entries in commit order), for tests.
+
+  Same compiled program as `generate`.
   """
   config = model.config
   ids_bp, lens_b = common.check_prompts(prompt_ids_bp, prompt_len_b)
@@ -385,9 +560,14 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
       temperature=jnp.float32(decode_config.temperature if sample else 1.0),
       mask_id=jnp.int32(config.mask_token_id),
       eos_id=jnp.int32(-1 if config.eos_token_id is None else config.eos_token_id),
-      pad_id=jnp.int32(0 if config.pad_token_id is None else config.pad_token_id))
+      pad_id=jnp.int32(0 if config.pad_token_id is None else config.pad_token_id),
+      recompute_kv=jnp.bool_(decode_config.recompute_kv))
+  # Left to right, blocks play no part: one program serves every block size.
+  block_size = (decode_config.gen_length if decode_config.left_to_right
+                else decode_config.block_size)
   static = _Static(gen_length=decode_config.gen_length, slot_size=decode_config.slot_size,
-                   block_size=decode_config.block_size, sample=sample)
+                   block_size=block_size, sample=sample,
+                   left_to_right=decode_config.left_to_right)
   graphdef, state = common.split_model(model)
   return _decode_jit(graphdef, state, jnp.asarray(ids_bp), jnp.asarray(lens_b), knobs, rng,
                      static=static)
