@@ -30,6 +30,8 @@ def get_config():
   c.decode.temperature = 0.0  # 0 = greedy; > 0 samples (Gumbel noise for the diffusion drafts)
   c.decode.mdm_tokens_per_step = 1  # MDM (LLaDA): tokens unmasked per step
   c.decode.mdm_threshold = ml_collections.config_dict.placeholder(float)  # MDM (Fast-dLLM): unmask all above it
+  c.decode.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
+  c.decode.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
 
   c.output_json = "-"  # where the JSON list of results goes ("-" = stdout)
   c.trace = False  # print each response coloured by the step that committed each token (stderr)

@@ -35,9 +35,6 @@ from refusion_jax import checkpoint, trace
 from refusion_jax.config import DecodeConfig, ModelConfig, tiny
 from refusion_jax.decode import autoregressive, mdm, refusion
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Sampling config file (configs/sample.py).", lock_config=True)
-
 GENERATORS = {"refusion": refusion.generate, "ar": autoregressive.generate,
               "mdm": mdm.generate}
 
@@ -250,19 +247,27 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
   return results
 
 
-def main(argv):
+def define_flags():
+  """--config; defined only when run as a program, so this module can be imported
+  beside the other entry points (train, reproduce) without clashing flags."""
+  return config_flags.DEFINE_config_file(
+      "config", None, "Sampling config file (configs/sample.py).", lock_config=True)
+
+
+def main(argv, config_flag):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _CONFIG.value is None:
+  if config_flag.value is None:
     raise app.UsageError("--config=configs/sample.py is required")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:
-    run(_CONFIG.value)
+    run(config_flag.value)
   except (ValueError, FileNotFoundError, TypeError) as e:
     _log(f"error: {e}")
     sys.exit(2)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _config_flag = define_flags()
+  app.run(lambda argv: main(argv, _config_flag))

@@ -731,9 +731,15 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
 # ---------------------------------------------------------------------------
 # Entry point (kept thin: everything above is importable and testable).
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs and the final model go here.")
+
+def define_flags():
+  """--config and --workdir; defined only when run as a program, so this module can be
+  imported beside the other entry points (sample, reproduce) without clashing flags."""
+  config = config_flags.DEFINE_config_file("config", None, "Training config file.",
+                                           lock_config=True)
+  workdir = flags.DEFINE_string("workdir", None, "Checkpoints, logs and the final model go here.")
+  flags.mark_flags_as_required(["config", "workdir"])
+  return config, workdir
 
 
 class _QuietOrbax(std_logging.Filter):
@@ -760,14 +766,14 @@ def initialize_distributed() -> None:
   jax.distributed.initialize(**kwargs)
 
 
-def main(argv):
+def main(argv, config_flag, workdir_flag):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _CONFIG.value.get("distributed", False):
+  if config_flag.value.get("distributed", False):
     initialize_distributed()
   logging.get_absl_handler().addFilter(_QuietOrbax())
   try:
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    train_and_evaluate(config_flag.value, workdir_flag.value)
   except NonFiniteLossError as e:
     # Not a bug in the code: say what happened and exit non-zero, without a traceback.
     logging.error("%s", e)
@@ -775,5 +781,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  _config_flag, _workdir_flag = define_flags()
+  app.run(lambda argv: main(argv, _config_flag, _workdir_flag))
