@@ -29,26 +29,70 @@ PARAMS_DIR = "params"
 
 
 def save_model(directory: str, config: ModelConfig, model: nnx.Module, overwrite: bool = False):
-  """Writes `directory/model_config.json` and `directory/params` atomically."""
+  """Writes `directory/model_config.json` and `directory/params` atomically.
+
+  In a multi-process run every process must call this (orbax writes each
+  process's shards of the parameters); process 0 alone writes the config and
+  renames the folder into place, and no process returns before it is there.
+  """
   directory = os.path.abspath(directory)
   if os.path.exists(directory):
     if not overwrite:
       raise FileExistsError(f"{directory} already exists (pass overwrite=True to replace it)")
   parent = os.path.dirname(directory)
+  if jax.process_count() > 1:
+    _save_model_multiprocess(directory, parent, config, model)
+    return
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".tmp_model_", dir=parent)
   try:
-    with open(os.path.join(tmp, MODEL_CONFIG_FILE), "w") as f:
-      json.dump(dataclasses.asdict(config), f, indent=2)
-    state = nnx.state(model, nnx.Param)
-    with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(os.path.join(tmp, PARAMS_DIR), state)
-      ckptr.wait_until_finished()
+    _write_model(tmp, config, model)
     if os.path.exists(directory):
       shutil.rmtree(directory)
     os.replace(tmp, directory)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+def _write_model(tmp: str, config: ModelConfig, model: nnx.Module, write_config: bool = True):
+  if write_config:
+    with open(os.path.join(tmp, MODEL_CONFIG_FILE), "w") as f:
+      json.dump(dataclasses.asdict(config), f, indent=2)
+  state = nnx.state(model, nnx.Param)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.join(tmp, PARAMS_DIR), state)
+    ckptr.wait_until_finished()
+
+
+def _save_model_multiprocess(directory: str, parent: str, config: ModelConfig,
+                             model: nnx.Module) -> None:
+  from jax.experimental import multihost_utils  # only multi-process runs need it
+
+  # Orbax assembles one checkpoint from every process's shards, so all processes
+  # must name the same temporary folder: a per-process mkdtemp name would leave
+  # each process waiting for the others' shards in a folder nobody writes.
+  tmp = os.path.join(parent, f".tmp_model_{os.path.basename(directory)}")
+  chief = jax.process_index() == 0
+  try:
+    if chief:
+      os.makedirs(parent, exist_ok=True)
+      shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
+      os.makedirs(tmp)
+    # Nobody writes shards before the folder exists and stale files are gone.
+    multihost_utils.sync_global_devices(f"refusion_jax.save_model.begin:{directory}")
+    _write_model(tmp, config, model, write_config=chief)
+    # Every process's shards are committed before process 0 moves the folder.
+    multihost_utils.sync_global_devices(f"refusion_jax.save_model.written:{directory}")
+    if chief:
+      if os.path.exists(directory):
+        shutil.rmtree(directory)
+      os.replace(tmp, directory)
+    # A process may load the model right after this returns.
+    multihost_utils.sync_global_devices(f"refusion_jax.save_model.done:{directory}")
+  except BaseException:
+    if chief:
+      shutil.rmtree(tmp, ignore_errors=True)
     raise
 
 
@@ -65,7 +109,12 @@ def is_model_dir(directory: str) -> bool:
 
 
 def load_model(directory: str, mesh=None, rules: sharding.ShardingRules | None = None):
-  """Returns `(config, model)`, parameters placed on `mesh` when one is given."""
+  """Returns `(config, model)`, parameters placed on `mesh` when one is given.
+
+  Without a mesh the parameters keep the shardings they were saved with, or,
+  when those devices do not exist here (a multi-process run's folder), sit on
+  the first local device.
+  """
   from refusion_jax.model import Qwen3  # local: model imports are heavy-ish
 
   directory = os.path.abspath(directory)
@@ -79,10 +128,17 @@ def load_model(directory: str, mesh=None, rules: sharding.ShardingRules | None =
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state,
         shardings)
+    fallback = None
   else:
     target = abstract_state
-  with ocp.StandardCheckpointer() as ckptr:
-    state = ckptr.restore(os.path.join(directory, PARAMS_DIR), target)
+    # Arrays go back to the devices they were saved from; a folder written by a
+    # multi-process run names devices this process lacks, and then lands on
+    # one local device instead.
+    fallback = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  # The plain Checkpointer: StandardCheckpointer.restore cannot pass a fallback sharding.
+  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+    state = ckptr.restore(os.path.join(directory, PARAMS_DIR),
+                          args=ocp.args.StandardRestore(target, fallback_sharding=fallback))
   return config, nnx.merge(graphdef, state)
 
 

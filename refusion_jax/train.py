@@ -612,10 +612,19 @@ def _evaluate(trainer: Trainer, params, data_config, tokenizer) -> dict:
                                    jax.process_index(), jax.process_count())
   totals: dict[str, float] = {}
   count = 0
-  for batch in loader:
+  batches = iter(loader)
+  while True:
+    batch = next(batches, None)
     # The eval split keeps a short last batch; its shape would not shard evenly.
-    if len(batch["tokens"]) != loader.per_process_batch:
-      continue
+    full = batch is not None and len(batch["tokens"]) == loader.per_process_batch
+    if jax.process_count() > 1:
+      # Each process drops its own shard's over-long rows, so the processes may
+      # hold different numbers of full batches; eval_step is a collective that
+      # every process must run, so all stop at the first batch one lacks.
+      from jax.experimental import multihost_utils  # only multi-process runs need it
+      full = bool(np.all(multihost_utils.process_allgather(np.asarray([full]))))
+    if not full:
+      break
     metrics = jax.device_get(trainer.eval_step(params, trainer.shard_batch(batch), count))
     for k, v in metrics.items():
       totals[k] = totals.get(k, 0.0) + float(v)
