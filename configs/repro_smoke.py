@@ -1,0 +1,34 @@
+"""A seconds-long reproduction (tests/test_reproduce.py): tiny model, few steps, few problems.
+
+Checks the pipeline end to end, not the method: the numbers mean nothing.
+"""
+
+from configs import repro_tiny
+
+
+def get_config():
+  c = repro_tiny.get_config()
+  c.train.model.num_layers = 2  # decoder layers
+  c.train.model.hidden_size = 64  # model width
+  c.train.model.num_heads = 2  # query heads
+  c.train.model.num_kv_heads = 1  # key/value heads
+  c.train.model.head_dim = 32  # per-head width
+  c.train.model.mlp_dim = 128  # SwiGLU hidden width
+  c.train.num_train_steps = 4  # optimizer steps per model
+  c.train.global_batch_size = 8  # rows per step
+  c.train.optimizer.warmup_steps = 1  # linear warmup steps
+  c.train.checkpoint.every_steps = 2  # resume points
+  c.train.checkpoint.async_save = False  # simpler to reason about in a test
+  c.train.mesh.num_devices = 1  # one device: no sharding work in a smoke run
+  c.eval.per_task = 2  # problems per task for accuracy
+  c.eval.speed_per_task = 1  # problems per task timed at batch 1
+  c.eval.batch_size = 1  # rows per accuracy batch (1: the timed program is reused)
+  c.decode.gen_length = 16  # short answers only matter here
+  for name in repro_tiny.TASK_NAMES:
+    c.decode.tasks[name].block_size = 16  # one block of gen_length
+  c.sweep_grid.slot_size = (4,)  # smallest grid: thresholds are traced, no new compile
+  c.sweep_grid.slot_threshold = (0.5, 0.9)
+  c.sweep_grid.token_threshold = (0.2, 0.4)
+  c.sweep_grid.per_task = 1  # problems per task per sweep point
+  c.progress_bar = False  # quiet test output
+  return c

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The project's main command: the paper's Table 1 and Figure 1 in miniature, on a CPU.
+#
+#   bash launch/reproduce.sh [--workdir=DIR] [--dry-run] [--config.field=value ...]
+#
+# Builds (or reuses) .venv with launch/setup_env.sh, then trains the ARM, MDM and
+# ReFusion models of configs/repro_tiny.py and writes DIR/table.md and
+# DIR/speed_accuracy.png (default DIR: runs/repro_tiny). Rerunning resumes: finished
+# training and cached results are skipped. Every other argument (e.g.
+# --config.sweep=true) goes to `python -m refusion_jax.reproduce`.
+# --dry-run prints the commands instead of running them.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+workdir="runs/repro_tiny" dry=0
+extra=()
+for arg in "$@"; do
+  case "$arg" in
+    --workdir=*) workdir="${arg#*=}" ;;
+    --dry-run) dry=1 ;;
+    *) extra+=("$arg") ;;
+  esac
+done
+run() {
+  if [ "$dry" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
+cd "$root"
+if [ "$dry" = 1 ]; then
+  run bash launch/setup_env.sh
+  python=".venv/bin/python"
+else
+  python="$(bash launch/setup_env.sh | tail -n 1)/bin/python"
+fi
+# The CPU is the device here; the reproduction's timings are CPU timings.
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+run "$python" -m refusion_jax.reproduce --config=configs/repro_tiny.py --workdir="$workdir" \
+  ${extra[@]+"${extra[@]}"}

@@ -1,0 +1,368 @@
+"""Decode held-out problems with any decoder and score them by exact match.
+
+  python -m refusion_jax.evaluate --model_dir=W/models/refusion/final_model \\
+      --data=refusion_jax/assets/data/tiny_test.jsonl \\
+      --config.decode.method=refusion --config.decode.gen_length=32 [--output_json=R.json]
+
+Two measurements per task, as in the paper's tables:
+
+* accuracy: every problem decoded in fixed-size batches (rows are independent
+  at temperature 0, so batching changes no token) and scored with the task's
+  exact-match `score`;
+* speed: the first `speed_per_task` problems decoded one at a time (batch 1,
+  like the paper), after an untimed warm-up call with the same shapes so that
+  compilation is excluded. Tokens per second counts generated tokens up to and
+  including EOS over wall seconds; tokens per forward is tokens / NFE with
+  every forward pass counted (plan, verification, drafts, infill verifies).
+
+All prompts are right-padded to one width (`prompt_width`), so one compiled
+program serves every prompt of a decode config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from refusion_jax import tasks as tasks_lib
+from refusion_jax.config import DecodeConfig, ModelConfig
+from refusion_jax.decode import autoregressive, mdm, refusion
+from refusion_jax.decode.counters import DecodeOutput
+
+GENERATORS: dict[str, Callable[..., DecodeOutput]] = {
+    "refusion": refusion.generate, "ar": autoregressive.generate, "mdm": mdm.generate}
+
+
+# ---------------------------------------------------------------------------
+# Problems.
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  query: str
+  task: str
+  prompt_ids: tuple[int, ...]
+
+
+def read_problems(path: str, tokenizer, per_task: int = 0,
+                  task_names: Sequence[str] | None = None) -> list[Problem]:
+  """Problems of a `{"query": ...}` JSONL file, the first `per_task` of each task (0 = all).
+
+  Tasks come from each query's first word (refusion_jax.tasks); only
+  `task_names` are kept when given. File order is kept.
+  """
+  if not isinstance(per_task, int) or isinstance(per_task, bool) or per_task < 0:
+    raise ValueError(f"per_task must be an int >= 0 (0 = all), got {per_task!r}")
+  if task_names is not None:
+    unknown = [t for t in task_names if t not in tasks_lib.TASKS]
+    if unknown:
+      raise ValueError(f"unknown task name(s) {unknown}; known: {sorted(tasks_lib.TASKS)}")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"problem file {path!r} does not exist")
+  counts: dict[str, int] = {}
+  problems = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{path}:{number}"
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+      if not isinstance(row, dict) or not isinstance(row.get("query"), str) or not row["query"]:
+        raise ValueError(f"{where}: expected an object with a non-empty string 'query'")
+      try:
+        task = tasks_lib.task_of(row["query"]).name
+      except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+      if task_names is not None and task not in task_names:
+        continue
+      if per_task and counts.get(task, 0) >= per_task:
+        continue
+      counts[task] = counts.get(task, 0) + 1
+      problems.append(Problem(row["query"], task, tuple(tokenizer.encode_prompt(row["query"]))))
+  if not problems:
+    raise ValueError(f"{path}: no problems (task_names={task_names})")
+  return problems
+
+
+def prompt_width(problems: Sequence[Problem], model_config: ModelConfig, gen_length: int,
+                 multiple: int = 16) -> int:
+  """One padded prompt width for all problems (longest rounded up to `multiple`)."""
+  longest = max(len(p.prompt_ids) for p in problems)
+  limit = model_config.max_position_embeddings - gen_length
+  if longest > limit:
+    raise ValueError(f"the longest prompt has {longest} tokens; with gen_length={gen_length} "
+                     f"it exceeds max_position_embeddings={model_config.max_position_embeddings}")
+  if not isinstance(multiple, int) or multiple <= 0:
+    raise ValueError(f"prompt bucket multiple must be a positive int, got {multiple!r}")
+  return max(longest, min(-(-longest // multiple) * multiple, limit))
+
+
+# ---------------------------------------------------------------------------
+# Decoding.
+
+
+def _batch_arrays(prompts: Sequence[Sequence[int]], rows: int, width: int):
+  """`[rows, width]` right-padded ids and lengths; missing rows repeat the first prompt."""
+  if len(prompts) > rows:
+    raise ValueError(f"{len(prompts)} prompts do not fit in a batch of {rows}")
+  ids_bp = np.zeros((rows, width), np.int32)
+  lens_b = np.zeros((rows,), np.int32)
+  for r in range(rows):
+    ids = prompts[r] if r < len(prompts) else prompts[0]
+    if len(ids) > width:
+      raise ValueError(f"a prompt of {len(ids)} tokens is wider than prompt_width={width}")
+    ids_bp[r, :len(ids)] = ids
+    lens_b[r] = len(ids)
+  return ids_bp, lens_b
+
+
+def decode(model, prompts: Sequence[Sequence[int]], decode_config: DecodeConfig, *,
+           rows: int, width: int, rng=None) -> DecodeOutput:
+  """One `generate` call on `prompts` padded to `[rows, width]`; host numpy output."""
+  if decode_config.method not in GENERATORS:
+    raise ValueError(f"decode.method must be one of {sorted(GENERATORS)}, "
+                     f"got {decode_config.method!r}")
+  ids_bp, lens_b = _batch_arrays(prompts, rows, width)
+  out = GENERATORS[decode_config.method](model, ids_bp, lens_b, decode_config, rng)
+  return jax.tree.map(np.asarray, jax.block_until_ready(out))
+
+
+def _progress(total: int, desc: str, enabled: bool):
+  if not enabled:
+    return None
+  import tqdm  # local: only the bar needs it
+  return tqdm.tqdm(total=total, desc=desc, unit="prob", leave=False, file=sys.stderr)
+
+
+def _task_configs(problems: Sequence[Problem], decode_configs) -> dict[str, DecodeConfig]:
+  tasks = sorted({p.task for p in problems})
+  if isinstance(decode_configs, DecodeConfig):
+    return {t: decode_configs for t in tasks}
+  missing = [t for t in tasks if t not in decode_configs]
+  if missing:
+    raise ValueError(f"no decode config for task(s) {missing}")
+  for t in tasks:
+    if not isinstance(decode_configs[t], DecodeConfig):
+      raise TypeError(f"decode config of task {t!r} must be a DecodeConfig, "
+                      f"got {type(decode_configs[t]).__name__}")
+  return {t: decode_configs[t] for t in tasks}
+
+
+def evaluate(model, tokenizer, problems: Sequence[Problem],
+             decode_configs: DecodeConfig | Mapping[str, DecodeConfig], *,
+             batch_size: int = 16, speed_per_task: int = 20, width: int | None = None,
+             seed: int = 0, progress: bool = True, desc: str = "eval") -> dict:
+  """Accuracy (batched) and batch-1 speed per task; see the module docstring.
+
+  Args:
+    model: a Qwen3 whose attention fits the decoders' methods.
+    tokenizer: decodes generated ids to text for scoring.
+    problems: from `read_problems`.
+    decode_configs: one DecodeConfig, or one per task (the paper tunes them per
+      benchmark, its Table 5).
+    batch_size: rows per accuracy batch (a short last batch is padded to it).
+    speed_per_task: problems per task timed at batch 1 (0 = no timing).
+    width: padded prompt width (None: from `prompt_width`).
+    seed: rng for temperature > 0.
+
+  Returns:
+    JSON-able dict: "per_task" {task: metrics}, "average" (mean over tasks of
+    accuracy, tokens/s and tokens/forward), "decode" {task: DecodeConfig
+    fields} and "samples" (one record per problem).
+  """
+  if not problems:
+    raise ValueError("evaluate: no problems")
+  if not isinstance(batch_size, int) or batch_size <= 0:
+    raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+  if not isinstance(speed_per_task, int) or speed_per_task < 0:
+    raise ValueError(f"speed_per_task must be an int >= 0, got {speed_per_task!r}")
+  configs = _task_configs(problems, decode_configs)
+  config = model.config
+  if width is None:
+    width = prompt_width(problems, config, max(c.gen_length for c in configs.values()))
+  for c in configs.values():
+    # Checked for every task first, so a bad config fails before any compile.
+    c.check_fits(config, width)
+  rng = jax.random.key(seed)
+
+  per_task, samples = {}, []
+  for task, decode_config in configs.items():
+    task_problems = [p for p in problems if p.task == task]
+    prompts = [list(p.prompt_ids) for p in task_problems]
+    bar = _progress(len(prompts), f"{desc} {task} acc", progress)
+    tokens = nfe = correct = 0
+    for start in range(0, len(prompts), batch_size):
+      chunk = prompts[start:start + batch_size]
+      out = decode(model, chunk, decode_config, rows=batch_size, width=width,
+                   rng=jax.random.fold_in(rng, start))
+      nfe_b = out.counters.nfe_b()
+      for r, problem in enumerate(task_problems[start:start + batch_size]):
+        n = int(out.length_b[r])
+        text = tokenizer.decode(out.tokens_bg[r, :n], skip_special_tokens=True)
+        ok = bool(tasks_lib.score(problem.query, text))
+        correct += ok
+        tokens += n
+        nfe += int(nfe_b[r])
+        samples.append({"task": task, "query": problem.query, "text": text, "correct": ok,
+                        "tokens": n, "nfe": int(nfe_b[r])})
+      if bar is not None:
+        bar.update(len(chunk))
+    if bar is not None:
+      bar.close()
+
+    timed = prompts[:speed_per_task]
+    speed_tokens, seconds = 0, 0.0
+    if timed:
+      # Warm-up: the same shapes compile (and are cached) before the clock starts.
+      decode(model, timed[:1], decode_config, rows=1, width=width, rng=rng)
+      bar = _progress(len(timed), f"{desc} {task} speed", progress)
+      for i, ids in enumerate(timed):
+        t0 = time.perf_counter()
+        out = decode(model, [ids], decode_config, rows=1, width=width,
+                     rng=jax.random.fold_in(rng, i))
+        seconds += time.perf_counter() - t0
+        speed_tokens += int(out.length_b[0])
+        if bar is not None:
+          bar.update(1)
+      if bar is not None:
+        bar.close()
+    per_task[task] = {
+        "n": len(prompts), "correct": correct, "accuracy": 100.0 * correct / len(prompts),
+        "tokens": tokens, "nfe": nfe, "tokens_per_forward": tokens / nfe if nfe else 0.0,
+        "speed_n": len(timed), "speed_tokens": speed_tokens, "speed_seconds": seconds,
+        "tokens_per_sec": speed_tokens / seconds if seconds > 0 else None}
+
+  tps = [m["tokens_per_sec"] for m in per_task.values()]
+  average = {
+      "accuracy": float(np.mean([m["accuracy"] for m in per_task.values()])),
+      "tokens_per_forward": float(np.mean([m["tokens_per_forward"] for m in per_task.values()])),
+      "tokens_per_sec": float(np.mean(tps)) if all(t is not None for t in tps) else None}
+  return {"per_task": per_task, "average": average,
+          "decode": {t: dataclasses.asdict(c) for t, c in configs.items()},
+          "samples": samples}
+
+
+def write_json_atomic(path: str, value) -> None:
+  """Writes JSON to `path` via a temporary file renamed into place (no half-written file)."""
+  path = os.path.abspath(path)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(value, f, indent=1, ensure_ascii=False)
+      f.write("\n")
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def summary_lines(result: dict) -> list[str]:
+  """One human-readable line per task plus the average."""
+  lines = []
+  for task, m in result["per_task"].items():
+    tps = "n/a" if m["tokens_per_sec"] is None else f"{m['tokens_per_sec']:.1f}"
+    lines.append(f"{task:10s} acc {m['accuracy']:6.2f} ({m['correct']}/{m['n']})  "
+                 f"tok/s {tps:>8s}  tok/fwd {m['tokens_per_forward']:.2f}")
+  a = result["average"]
+  tps = "n/a" if a["tokens_per_sec"] is None else f"{a['tokens_per_sec']:.1f}"
+  lines.append(f"{'average':10s} acc {a['accuracy']:6.2f}          tok/s {tps:>8s}  "
+               f"tok/fwd {a['tokens_per_forward']:.2f}")
+  return lines
+
+
+# ---------------------------------------------------------------------------
+# Entry point (thin; everything above is importable). Its flags live in their own
+# FlagValues: refusion_jax.train and refusion_jax.sample define a global --config.
+
+
+def default_config():
+  """Settings of the command line entry point; --config.decode.* is the DecodeConfig."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+
+  c = ml_collections.ConfigDict()
+  c.per_task = 0  # problems per task from --data (0 = all)
+  c.batch_size = 16  # rows per accuracy batch
+  c.speed_per_task = 20  # problems per task timed at batch 1 (0 = no timing)
+  c.seed = 0  # rng for temperature > 0
+  c.decode = ml_collections.ConfigDict(dataclasses.asdict(DecodeConfig()))
+  c.decode.mdm_threshold = ml_collections.config_dict.placeholder(float)
+  return c
+
+
+def load_model(model_dir: str):
+  """`(config, model)` from a refusion_jax model folder or a HF checkpoint folder."""
+  from refusion_jax import checkpoint  # pylint: disable=import-outside-toplevel
+
+  if checkpoint.is_model_dir(model_dir):
+    return checkpoint.load_model(model_dir)
+  if os.path.isfile(os.path.join(model_dir, "config.json")):
+    from refusion_jax import hf  # pylint: disable=import-outside-toplevel
+    return hf.load(model_dir)
+  raise FileNotFoundError(f"--model_dir={model_dir!r} has neither model_config.json "
+                          "(refusion_jax) nor config.json (HF)")
+
+
+def main(argv: Sequence[str]) -> dict:
+  """Parses `argv` (program name first), evaluates, prints and optionally writes JSON."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+
+  fv = flags.FlagValues()
+  config_flag = config_flags.DEFINE_config_dict("config", default_config(),
+                                                "Evaluation settings.", flag_values=fv,
+                                                sys_argv=list(argv))
+  model_dir = flags.DEFINE_string("model_dir", None, "Model folder (refusion_jax or HF).",
+                                  flag_values=fv)
+  data = flags.DEFINE_string("data", None, 'JSONL of {"query": ...} held-out problems.',
+                             flag_values=fv)
+  tokenizer_dir = flags.DEFINE_string("tokenizer_dir", "", "Tokenizer folder ('' = the "
+                                      "bundled tiny one).", flag_values=fv)
+  output_json = flags.DEFINE_string("output_json", "", "Write the full result here.",
+                                    flag_values=fv)
+  rest = fv(list(argv))
+  if len(rest) > 1:
+    raise ValueError(f"unexpected arguments: {rest[1:]}")
+  if not model_dir.value or not os.path.isdir(model_dir.value):
+    raise ValueError(f"--model_dir={model_dir.value!r} is not a folder")
+  if not data.value or not os.path.isfile(data.value):
+    raise ValueError(f"--data={data.value!r} is not a file")
+  out = output_json.value
+  if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+    raise ValueError(f"--output_json={out!r}: its folder does not exist")
+  c = config_flag.value
+  try:
+    decode_config = DecodeConfig(**c.decode.to_dict())
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"--config.decode: {e}") from None
+  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  tokenizer = Tokenizer.from_dir(tokenizer_dir.value) if tokenizer_dir.value else Tokenizer.tiny()
+  problems = read_problems(data.value, tokenizer, per_task=c.per_task)
+  model_config, model = load_model(model_dir.value)
+  tokenizer.check_compatible(model_config)
+  result = evaluate(model, tokenizer, problems, decode_config, batch_size=c.batch_size,
+                    speed_per_task=c.speed_per_task, seed=c.seed, desc=decode_config.method)
+  print("\n".join(summary_lines(result)))
+  if out:
+    write_json_atomic(out, result)
+    print(f"wrote {out}", file=sys.stderr)
+  return result
+
+
+if __name__ == "__main__":
+  try:
+    main(sys.argv)
+  except (ValueError, FileNotFoundError, TypeError) as _e:
+    print(f"refusion_jax.evaluate: error: {_e}", file=sys.stderr)
+    sys.exit(2)

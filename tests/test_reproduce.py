@@ -1,0 +1,190 @@
+"""refusion_jax.reproduce: the whole pipeline on a smoke budget, resuming, and the report."""
+
+import json
+import os
+import re
+import struct
+import time
+
+import pytest
+
+from configs import repro_smoke
+from refusion_jax import reproduce
+from refusion_jax import tasks as tasks_lib
+
+TASKS = list(tasks_lib.TASKS)
+ROWS = list(reproduce.ROWS)
+CELL = re.compile(r"^\*{0,2}(\d+\.\d) / (\d+\.\d|n/a)\*{0,2}$")
+
+
+def _png_size(path):
+  """(width, height) from the PNG signature and IHDR chunk, read by hand."""
+  with open(path, "rb") as f:
+    head = f.read(24)
+  assert head[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG file"
+  assert head[12:16] == b"IHDR"
+  return struct.unpack(">II", head[16:24])
+
+
+def _table_section(text, title_prefix):
+  """Rows {name: [cells]} of the first markdown table after a line starting with the title."""
+  lines = text.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith(title_prefix))
+  rows, seen = {}, False
+  for line in lines[start + 1:]:
+    if line.startswith("|"):
+      seen = True
+      cells = [c.strip() for c in line.strip("|").split("|")]
+      rows[cells[0]] = cells[1:]
+    elif seen:
+      break
+  return rows
+
+
+def _mtimes(root):
+  out = {}
+  for dirpath, _, files in os.walk(root):
+    for name in files:
+      path = os.path.join(dirpath, name)
+      out[os.path.relpath(path, root)] = os.stat(path).st_mtime_ns
+  return out
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("repro"))
+  argv = ["reproduce", "--config=configs/repro_smoke.py", f"--workdir={workdir}"]
+  t0 = time.perf_counter()
+  first = reproduce.main(argv)
+  first_seconds = time.perf_counter() - t0
+  return workdir, argv, first, first_seconds
+
+
+def test_pipeline_writes_every_artefact(smoke_run):
+  workdir, _, first, _ = smoke_run
+  with open(os.path.join(workdir, reproduce.TABLE_FILE)) as f:
+    table = f.read()
+  assert table == first["table"]
+  # Main table: every decoder row, every task column plus Avg, cells "acc / tok/s".
+  main = _table_section(table, "# ReFusion in miniature")
+  assert main["Decoder"] == TASKS + ["Avg"]
+  available = [r for r in ROWS if "unavailable" not in first["results"][r]]
+  assert set(ROWS) <= set(main)
+  for name in ROWS:
+    assert len(main[name]) == len(TASKS) + 1
+    if name in available:
+      for cell in main[name]:
+        match = CELL.match(cell)
+        assert match, f"row {name}: cell {cell!r} is not 'accuracy / tokens per second'"
+        assert 0.0 <= float(match.group(1)) <= 100.0
+  assert "ARM-AR" in available and "ReFusion" in available
+  tpf = _table_section(table, "## Tokens per forward")
+  for name in available:
+    assert all(float(c.strip("*")) > 0 for c in tpf[name])
+  assert "Date:" in table and "Machine:" in table and "Training (each of" in table
+
+  # Results JSON: well-formed, and the table shows exactly its numbers.
+  for name in available:
+    with open(os.path.join(workdir, reproduce.RESULTS_DIR, f"{name}.json")) as f:
+      result = json.load(f)
+    assert set(result["per_task"]) == set(TASKS)
+    for i, task in enumerate(TASKS):
+      m = result["per_task"][task]
+      assert m["n"] == 2 and m["speed_n"] == 1 and 0 <= m["correct"] <= 2
+      assert m["accuracy"] == pytest.approx(100.0 * m["correct"] / m["n"])
+      assert m["tokens_per_sec"] == pytest.approx(m["speed_tokens"] / m["speed_seconds"])
+      acc, tps = CELL.match(main[name][i]).groups()
+      assert float(acc) == pytest.approx(m["accuracy"], abs=0.051)
+      assert float(tps) == pytest.approx(m["tokens_per_sec"], abs=0.051)
+    mean_acc = sum(result["per_task"][t]["accuracy"] for t in TASKS) / len(TASKS)
+    assert result["average"]["accuracy"] == pytest.approx(mean_acc)
+    assert len(result["samples"]) == 2 * len(TASKS)
+
+  # Ratios vs ARM recomputed from the JSON.
+  ratios = _table_section(table, "## Relative to ARM-AR")
+  arm = first["results"]["ARM-AR"]["average"]["tokens_per_sec"]
+  ref = first["results"]["ReFusion"]["average"]["tokens_per_sec"]
+  assert ratios["ReFusion"][1] == f"{ref / arm:.2f}x"
+  assert _png_size(os.path.join(workdir, reproduce.PLOT_FILE))[0] > 100
+
+
+def test_rerun_resumes_without_retraining_or_reevaluating(smoke_run, monkeypatch):
+  workdir, argv, first, first_seconds = smoke_run
+
+  def must_not_run(*args, **kwargs):
+    raise AssertionError("a finished run trained or loaded a model again")
+
+  monkeypatch.setattr(reproduce.train, "train_and_evaluate", must_not_run)
+  monkeypatch.setattr(reproduce.checkpoint, "load_model", must_not_run)
+  before = _mtimes(os.path.join(workdir, "models"))
+  results_before = _mtimes(os.path.join(workdir, reproduce.RESULTS_DIR))
+  t0 = time.perf_counter()
+  second = reproduce.main(argv)
+  seconds = time.perf_counter() - t0
+  assert _mtimes(os.path.join(workdir, "models")) == before  # no checkpoint or model rewritten
+  assert _mtimes(os.path.join(workdir, reproduce.RESULTS_DIR)) == results_before
+  for name in second["trained"]:
+    assert second["trained"][name]["step"] == 4
+  for name in ROWS:
+    if "unavailable" not in first["results"][name]:
+      assert second["results"][name]["average"] == first["results"][name]["average"]
+  assert seconds < first_seconds / 3
+
+
+def test_sweep_writes_its_plot_and_table(smoke_run):
+  workdir, argv, _, _ = smoke_run
+  out = reproduce.main(argv + ["--config.sweep=true"])
+  points = {(p, v) for p, v in out["sweep"]}
+  assert points == {("slot_size", 4), ("slot_threshold", 0.5), ("slot_threshold", 0.9),
+                    ("token_threshold", 0.2), ("token_threshold", 0.4)}
+  _png_size(os.path.join(workdir, reproduce.SWEEP_PLOT_FILE))
+  with open(os.path.join(workdir, reproduce.SWEEP_TABLE_FILE)) as f:
+    rows = [line for line in f if line.startswith("| slot") or line.startswith("| token")]
+  assert len(rows) == 5
+
+
+def test_bad_settings_fail_before_training(tmp_path):
+  base = ["reproduce", "--config=configs/repro_smoke.py", f"--workdir={tmp_path}"]
+  with pytest.raises(ValueError, match="config.eval.rows: unknown row 'GPT'"):
+    reproduce.main(base + ["--config.eval.rows=('ARM-AR', 'GPT')"])
+  with pytest.raises(ValueError, match="needs the 'mdm' model"):
+    reproduce.main(base + ["--config.models=('arm', 'refusion')"])
+  with pytest.raises(ValueError, match=r"config.decode.tasks.sort\): decode.block_size=16 must be "
+                     "a multiple of decode.slot_size=3"):
+    reproduce.main(base + ["--config.decode.tasks.sort.slot_size=3"])
+  with pytest.raises(ValueError, match="config.sweep_grid.slot_size=3"):
+    reproduce.main(base + ["--config.sweep=true", "--config.sweep_grid.slot_size=(4, 3)"])
+  assert os.listdir(tmp_path) == []  # nothing was trained or written
+
+
+def _fake_result(acc, tps, tpf):
+  per_task = {t: {"n": 10, "correct": 0, "accuracy": acc, "tokens_per_sec": tps,
+                  "tokens_per_forward": tpf, "speed_n": 5} for t in TASKS}
+  return {"per_task": per_task,
+          "average": {"accuracy": acc, "tokens_per_sec": tps, "tokens_per_forward": tpf}}
+
+
+def test_targets_and_unavailable_rows_in_the_report():
+  results = {"ARM-AR": _fake_result(90.0, 100.0, 1.0),
+             "MDM-LLaDA": _fake_result(60.0, 10.0, 1.0),
+             "MDM-FastdLLM": _fake_result(60.0, 20.0, 2.0),
+             "ReFusion": _fake_result(88.5, 350.0, 4.5),
+             "ReFusion-L2R": {"unavailable": "not implemented"},
+             "ReFusion-recompute-KV": _fake_result(88.0, 300.0, 4.5)}
+  verdicts = {t: met for t, _, met in reproduce.targets(results)}
+  # 3.5x ARM at 1.5 points lower; 35x and 17.5x the MDMs; 4.5 tokens/forward;
+  # reuse 1.17x faster than recompute and 0.5 points *better*.
+  assert list(verdicts.values()) == [True, True, False, True, True]
+  results["ReFusion"] = _fake_result(87.5, 350.0, 4.5)  # 2.5 points below ARM
+  assert reproduce.targets(results)[0][2] is False
+  table = reproduce.render_table(
+      repro_smoke.get_config(), results,
+      {"arm": {"budget": {"steps": 4, "global_batch_size": 8, "seq_len": 96, "tokens": 3072},
+               "num_params": 1000, "seconds": 1.0}},
+      "2026-01-01", {"platform": "Linux", "processor": "x86_64", "cpus": 2, "jax": "0",
+                     "backend": "cpu", "python": "3"})
+  main = _table_section(table, "# ReFusion in miniature")
+  assert main["ReFusion-L2R"] == ["n/a"] * (len(TASKS) + 1)
+  assert main["ReFusion"][-1] == "**87.5 / 350.0**"
+  assert "- ReFusion-L2R: not implemented" in table
+  assert _table_section(table, "## Relative to ARM-AR")["ReFusion"] == ["-2.5", "3.50x"]
