@@ -5,7 +5,8 @@
 #       [--config=configs/qwen3_8b_refusion.py] --workdir=gs://BUCKET/run [--dry-run] \
 #       [-- --config.field=value ...]
 #
-# The repository is copied to ~/refusion_jax on every worker, its environment is
+# The committed tree (git archive of HEAD: no .venv, no runs) is copied to
+# ~/refusion_jax on every worker, its environment is
 # built with jax[tpu], and `python -m refusion_jax.train` starts on all hosts at
 # once (jax.distributed discovers the pod by itself). --dry-run prints the
 # commands instead of running them.
@@ -33,12 +34,15 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 gcloud_args=(--zone="$zone" --worker=all)
 [ -n "$project" ] && gcloud_args+=(--project="$project")
 
-remote="cd ~/refusion_jax && bash launch/setup_env.sh --accelerator=tpu >/dev/null && \
+remote="rm -rf ~/refusion_jax && mkdir -p ~/refusion_jax && tar -xzf ~/refusion_jax.tar.gz -C ~/refusion_jax && \
+cd ~/refusion_jax && bash launch/setup_env.sh --accelerator=tpu >/dev/null && \
 .venv/bin/python -m refusion_jax.train --config=$config --workdir=$workdir \
 --config.distributed=true ${extra[*]:-}"
 
 run() {
   if [ "$dry" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
 }
-run gcloud compute tpus tpu-vm scp --recurse "$root" "$tpu:~/refusion_jax" "${gcloud_args[@]}"
+archive="$(mktemp -d)/refusion_jax.tar.gz"
+run git -C "$root" archive --format=tar.gz -o "$archive" HEAD
+run gcloud compute tpus tpu-vm scp "$archive" "$tpu:~/refusion_jax.tar.gz" "${gcloud_args[@]}"
 run gcloud compute tpus tpu-vm ssh "$tpu" "${gcloud_args[@]}" --command "$remote"
