@@ -15,6 +15,7 @@ def get_config():
   c.train.model.head_dim = 32  # per-head width
   c.train.model.mlp_dim = 128  # SwiGLU hidden width
   c.train.num_train_steps = 4  # optimizer steps per model
+  c.base.num_train_steps = 4  # base ARM steps the three models start from
   c.train.global_batch_size = 8  # rows per step
   c.train.optimizer.warmup_steps = 1  # linear warmup steps
   c.train.checkpoint.every_steps = 2  # resume points

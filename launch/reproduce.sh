@@ -3,10 +3,10 @@
 #
 #   bash launch/reproduce.sh [--workdir=DIR] [--dry-run] [--config.field=value ...]
 #
-# Builds (or reuses) .venv with launch/setup_env.sh, then trains the ARM, MDM and
-# ReFusion models of configs/repro_tiny.py and writes DIR/table.md and
-# DIR/speed_accuracy.png (default DIR: runs/repro_tiny). Rerunning resumes: finished
-# training and cached results are skipped. Every other argument (e.g.
+# Builds (or reuses) .venv with launch/setup_env.sh, then trains the causal ARM base of
+# configs/repro_tiny.py, fine-tunes the ARM, MDM and ReFusion models from it and writes
+# DIR/table.md and DIR/speed_accuracy.png (default DIR: runs/repro_tiny). Rerunning
+# resumes: finished training (the base included) and cached results are skipped. Every other argument (e.g.
 # --config.sweep=true) goes to `python -m refusion_jax.reproduce`.
 # --dry-run prints the commands instead of running them.
 set -euo pipefail

@@ -3,10 +3,15 @@
   python -m refusion_jax.reproduce --config=configs/repro_tiny.py --workdir=W \\
       [--config.sweep=true] [--config.field=value ...]
 
+0. Stage 1 (`config.base.num_train_steps` > 0): trains one causal ARM "base"
+   model in `W/models/base` and exports it in HF layout
+   (`W/models/base/hf`), the miniature of the paper's pretrained Qwen3 start.
 1. Trains ARM, MDM and ReFusion models of one size on the same data for the
    same number of tokens (`config.train`, only the objective and MDM's
-   bidirectional attention differ) in `W/models/<name>`; an interrupted run
-   resumes from the trainer's checkpoints, a finished one is skipped.
+   bidirectional attention differ) in `W/models/<name>`: with a base stage,
+   each is fine-tuned from the base (`init_from_hf`); without, each starts
+   from scratch. An interrupted run resumes from the trainer's checkpoints; a
+   finished stage (the base included) is skipped.
 2. Scores every decoder row on the held-out problems (`evaluate.evaluate`):
    accuracy batched, speed at batch 1 with compilation excluded. Each row's
    result is cached in `W/results/<row>.json` (written atomically, keyed by
@@ -34,6 +39,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import sys
 import time
 from typing import Callable, Mapping
@@ -44,6 +50,7 @@ import numpy as np
 
 from refusion_jax import checkpoint, evaluate, train
 from refusion_jax import tasks as tasks_lib
+from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import refusion as refusion_decoder
 
@@ -55,6 +62,8 @@ PLOT_FILE = "speed_accuracy.png"
 SWEEP_PLOT_FILE = "sweep.png"
 SWEEP_TABLE_FILE = "sweep.md"
 TRAIN_MARKER = "reproduce_train.json"
+BASE_MODEL = "base"  # W/models/base: the stage-1 causal ARM every model starts from
+BASE_HF_DIR = "hf"  # its HF export, inside W/models/base
 # The attention each objective trains with (ALGORITHM.md "Baselines").
 MODEL_ATTENTION = {"arm": "causal", "mdm": "bidirectional", "refusion": "causal"}
 REFERENCE_ROW = "ARM-AR"
@@ -143,6 +152,14 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
   if not _positive_int(steps):
     raise ValueError(f"config.train.num_train_steps must be a positive int (the models train "
                      f"for the same number of steps), got {steps!r}")
+  base_steps = config.base.num_train_steps
+  if not isinstance(base_steps, int) or isinstance(base_steps, bool) or base_steps < 0:
+    raise ValueError(f"config.base.num_train_steps must be an int >= 0 (0 = no base stage), "
+                     f"got {base_steps!r}")
+  base_lr = config.base.learning_rate
+  if base_steps and (not isinstance(base_lr, (int, float)) or isinstance(base_lr, bool)
+                     or not base_lr > 0):
+    raise ValueError(f"config.base.learning_rate must be a number > 0, got {base_lr!r}")
   rows = tuple(config.eval.rows)
   if not rows:
     raise ValueError("config.eval.rows is empty")
@@ -187,24 +204,68 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
 # Training.
 
 
-def train_config(config, model_name: str, workdir: str) -> ml_collections.ConfigDict:
-  """config.train with the model's objective and attention set."""
+def has_base(config) -> bool:
+  """Whether stage 1 (the shared causal ARM base) runs."""
+  return config.base.num_train_steps > 0
+
+
+def base_hf_dir(workdir: str) -> str:
+  return os.path.join(workdir, MODELS_DIR, BASE_MODEL, BASE_HF_DIR)
+
+
+def _common_train_config(config, workdir: str) -> ml_collections.ConfigDict:
   c = copy.deepcopy(config.train)
-  c.objective = model_name
-  c.model.attention = MODEL_ATTENTION[model_name]
   c.progress_bar = bool(config.progress_bar)
   if not c.data.tfds_dir:
-    c.data.tfds_dir = os.path.join(workdir, "tfds")  # one TFDS build for the three models
+    c.data.tfds_dir = os.path.join(workdir, "tfds")  # one TFDS build for every model
   return c
 
 
-def train_budget(config) -> dict:
-  t = config.train
-  steps = int(t.num_train_steps)
+def base_train_config(config, workdir: str) -> ml_collections.ConfigDict:
+  """Stage 1: config.train as a causal ARM with the base's steps and rate, exported to HF."""
+  c = _common_train_config(config, workdir)
+  c.objective = "arm"
+  c.model.attention = "causal"
+  c.num_train_steps = int(config.base.num_train_steps)
+  c.optimizer.learning_rate = float(config.base.learning_rate)
+  c.export_hf_dir = base_hf_dir(workdir)
+  return c
+
+
+def train_config(config, model_name: str, workdir: str) -> ml_collections.ConfigDict:
+  """config.train with the model's objective and attention set (and, with a base, its init)."""
+  c = _common_train_config(config, workdir)
+  c.objective = model_name
+  c.model.attention = MODEL_ATTENTION[model_name]
+  if has_base(config):
+    c.init_from_hf = base_hf_dir(workdir)
+    # The HF export holds weights and config.json only; the vocabulary is the bundled one.
+    # Its config.json names the tokenizer's mask id, so init_from_hf keeps the base's
+    # trained special-token rows instead of resetting them.
+    c.tokenizer_dir = c.tokenizer_dir or tokenizer_lib.TINY_TOKENIZER_DIR
+  return c
+
+
+def _budget(t, steps: int, learning_rate: float) -> dict:
   return {"steps": steps, "global_batch_size": int(t.global_batch_size),
           "seq_len": int(t.data.seq_len), "tokens": steps * int(t.global_batch_size)
-          * int(t.data.seq_len), "seed": int(t.seed),
+          * int(t.data.seq_len), "seed": int(t.seed), "learning_rate": float(learning_rate),
           "model": {k: v for k, v in t.model.to_dict().items() if v is not None}}
+
+
+def base_budget(config) -> dict | None:
+  """The stage-1 budget, or None without a base stage."""
+  if not has_base(config):
+    return None
+  return _budget(config.train, int(config.base.num_train_steps), config.base.learning_rate)
+
+
+def train_budget(config) -> dict:
+  """Each model's budget; it names the base it starts from, so a new base retrains them."""
+  t = config.train
+  budget = _budget(t, int(t.num_train_steps), t.optimizer.learning_rate)
+  budget["base"] = base_budget(config)
+  return budget
 
 
 def _read_json(path: str):
@@ -215,31 +276,59 @@ def _read_json(path: str):
     return None
 
 
-def train_models(config, workdir: str, log=print) -> dict[str, dict]:
-  """Trains (or resumes, or skips) each model; returns its marker {budget, step, seconds}."""
+def _train_stage(name: str, train_cfg, budget: dict, model_dir: str, log,
+                 ready: Callable[[], bool] = lambda: True, restart: bool = False
+                 ) -> tuple[dict, bool]:
+  """Trains (or resumes, or skips) one model; (its marker {budget, step, seconds}, trained).
+
+  `restart` (or a finished run of another budget) discards model_dir first: its
+  checkpoints belong to other settings or to an older base, never to resume from.
+  """
+  marker_path = os.path.join(model_dir, TRAIN_MARKER)
+  marker = _read_json(marker_path)
+  final = os.path.join(model_dir, train.FINAL_MODEL_DIR)
+  if (not restart and marker and marker.get("budget") == budget
+      and checkpoint.is_model_dir(final) and ready()):
+    log(f"[reproduce] {name}: already trained ({marker['step']} steps), skipped")
+    return marker, False
+  if os.path.isdir(model_dir) and (restart or (marker and marker.get("budget") != budget)):
+    log(f"[reproduce] {name}: discarding {model_dir} (another budget or an older base)")
+    shutil.rmtree(model_dir)
+  start = "fine-tuning from the base" if train_cfg.init_from_hf else "training"
+  log(f"[reproduce] {start} {name}: {budget['steps']} steps x {budget['global_batch_size']} "
+      f"rows x {budget['seq_len']} tokens")
+  t0 = time.perf_counter()
+  result = train.train_and_evaluate(train_cfg, model_dir)
+  seconds = time.perf_counter() - t0
+  marker = {"budget": budget, "step": int(result.step), "seconds": seconds,
+            "final_loss": result.last_metrics.get("loss"),
+            "num_params": result.model_config.num_params(),
+            "finished": datetime.datetime.now().isoformat(timespec="seconds")}
+  evaluate.write_json_atomic(marker_path, marker)
+  return marker, True
+
+
+def train_base(config, workdir: str, log=print) -> tuple[dict | None, bool]:
+  """Stage 1: trains (or resumes, or skips) the causal ARM base; (marker or None, trained)."""
+  budget = base_budget(config)
+  if budget is None:
+    return None, False
+  hf_config = os.path.join(base_hf_dir(workdir), "config.json")
+  return _train_stage(BASE_MODEL, base_train_config(config, workdir), budget,
+                      os.path.join(workdir, MODELS_DIR, BASE_MODEL), log,
+                      ready=lambda: os.path.isfile(hf_config))
+
+
+def train_models(config, workdir: str, log=print, restart: bool = False) -> dict[str, dict]:
+  """Stage 2 (or the only stage): each of config.models; {name: marker}.
+
+  `restart`: the base was (re)trained in this run, so any earlier model state
+  started from another base and is discarded.
+  """
   budget = train_budget(config)
-  info = {}
-  for name in config.models:
-    model_dir = os.path.join(workdir, MODELS_DIR, name)
-    marker_path = os.path.join(model_dir, TRAIN_MARKER)
-    marker = _read_json(marker_path)
-    final = os.path.join(model_dir, train.FINAL_MODEL_DIR)
-    if marker and marker.get("budget") == budget and checkpoint.is_model_dir(final):
-      log(f"[reproduce] {name}: already trained ({marker['step']} steps), skipped")
-      info[name] = marker
-      continue
-    log(f"[reproduce] training {name}: {budget['steps']} steps x {budget['global_batch_size']} "
-        f"rows x {budget['seq_len']} tokens")
-    t0 = time.perf_counter()
-    result = train.train_and_evaluate(train_config(config, name, workdir), model_dir)
-    seconds = time.perf_counter() - t0
-    marker = {"budget": budget, "step": int(result.step), "seconds": seconds,
-              "final_loss": result.last_metrics.get("loss"),
-              "num_params": result.model_config.num_params(),
-              "finished": datetime.datetime.now().isoformat(timespec="seconds")}
-    evaluate.write_json_atomic(marker_path, marker)
-    info[name] = marker
-  return info
+  return {name: _train_stage(name, train_config(config, name, workdir), budget,
+                             os.path.join(workdir, MODELS_DIR, name), log, restart=restart)[0]
+          for name in config.models}
 
 
 # ---------------------------------------------------------------------------
@@ -470,7 +559,8 @@ def targets(results: Mapping[str, dict]) -> list[tuple[str, str, bool | None]]:
 
 
 def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict],
-                 when: str, here: Mapping) -> str:
+                 when: str, here: Mapping, base: Mapping | None = None) -> str:
+  """The markdown report; `base` is the stage-1 marker (None: models trained from scratch)."""
   task_names = list(tasks_lib.TASKS)
   header = "| Decoder | " + " | ".join(task_names) + " | Avg |"
   rule = "|---" * (len(task_names) + 2) + "|"
@@ -480,12 +570,23 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
   n_acc = {t: m["n"] for t, m in any_result["per_task"].items()} if any_result else {}
   n_speed = {t: m["speed_n"] for t, m in any_result["per_task"].items()} if any_result else {}
   measured = [r["measured"] for r in results.values() if "measured" in r]
+  names = ", ".join(trained)
+  if base:
+    b = base["budget"]
+    start = [f"- Base (stage 1, shared: all of {names} start from this one model): causal "
+             f"ARM, {b['steps']} steps x {b['global_batch_size']} rows x {b['seq_len']} "
+             f"tokens = {b['tokens']:,} tokens, peak lr {b['learning_rate']:g}; wall "
+             f"{base['seconds']:.0f}s"]
+    how = f"fine-tuned from the base, peak lr {budget.get('learning_rate', float('nan')):g}"
+  else:
+    start, how = [], "from scratch"
   lines = [
       "# ReFusion in miniature: accuracy (%) / tokens per second", "",
       f"- Date: {when}" + (f" (results measured {min(measured)} to {max(measured)})"
                            if measured else ""),
       f"- Machine: {_machine_line(here)}",
-      f"- Training (each of {', '.join(trained)}): {budget['steps']} steps x "
+      *start,
+      f"- Training (each of {names}, {how}): {budget['steps']} steps x "
       f"{budget['global_batch_size']} rows x {budget['seq_len']} tokens = "
       f"{budget['tokens']:,} tokens; {params:,} parameters; wall "
       + ", ".join(f"{n} {m['seconds']:.0f}s" for n, m in trained.items()),
@@ -589,13 +690,14 @@ def run(config, workdir: str, log=print) -> dict:
   row_configs = validate(config)
   os.makedirs(workdir, exist_ok=True)
   t0 = time.perf_counter()
-  trained = train_models(config, workdir, log)
+  base, new_base = train_base(config, workdir, log)
+  trained = train_models(config, workdir, log, restart=new_base)
   train_seconds = time.perf_counter() - t0
   tokenizer = train.load_tokenizer(config.train)
   models = _Models(workdir)
   results = evaluate_rows(config, workdir, row_configs, trained, models, tokenizer, log)
   when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-  table = render_table(config, results, trained, when, machine())
+  table = render_table(config, results, trained, when, machine(), base)
   _write_text(os.path.join(workdir, TABLE_FILE), table)
   write_speed_accuracy_plot(results, os.path.join(workdir, PLOT_FILE))
   sweep = None
@@ -605,7 +707,8 @@ def run(config, workdir: str, log=print) -> dict:
   log(f"[reproduce] wrote {os.path.join(workdir, TABLE_FILE)} and "
       f"{os.path.join(workdir, PLOT_FILE)}" + (" and the sweep" if sweep else "")
       + f" (training phase {train_seconds:.0f}s, total {time.perf_counter() - t0:.0f}s)")
-  return {"results": results, "trained": trained, "table": table, "sweep": sweep}
+  return {"results": results, "trained": trained, "base": base, "table": table,
+          "sweep": sweep}
 
 
 def main(argv) -> dict:

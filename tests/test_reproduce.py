@@ -6,11 +6,14 @@ import re
 import struct
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from configs import repro_smoke
-from refusion_jax import reproduce
+from refusion_jax import checkpoint, reproduce, train
 from refusion_jax import tasks as tasks_lib
+from refusion_jax import tokenizer as tokenizer_lib
 
 TASKS = list(tasks_lib.TASKS)
 ROWS = list(reproduce.ROWS)
@@ -50,13 +53,32 @@ def _mtimes(root):
   return out
 
 
+def _flat(tree):
+  """{path: numpy array} of a parameter pytree (nnx pure dicts and states alike)."""
+  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]
+  return {jax.tree_util.keystr(path).replace(".value", "").replace("['value']", ""):
+          np.asarray(leaf) for path, leaf in leaves}
+
+
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("repro"))
   argv = ["reproduce", "--config=configs/repro_smoke.py", f"--workdir={workdir}"]
-  t0 = time.perf_counter()
-  first = reproduce.main(argv)
-  first_seconds = time.perf_counter() - t0
+  # Spy on the fine-tunes' initialisation: the parameters each one starts from.
+  inits = []
+  real_init = train.init_params_from_hf
+
+  def spy(trainer, directory, tokenizer):
+    params = real_init(trainer, directory, tokenizer)
+    inits.append((directory, trainer.model_config, _flat(params)))
+    return params
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(train, "init_params_from_hf", spy)
+    t0 = time.perf_counter()
+    first = reproduce.main(argv)
+    first_seconds = time.perf_counter() - t0
+  first["inits"] = inits
   return workdir, argv, first, first_seconds
 
 
@@ -82,6 +104,10 @@ def test_pipeline_writes_every_artefact(smoke_run):
   for name in available:
     assert all(float(c.strip("*")) > 0 for c in tpf[name])
   assert "Date:" in table and "Machine:" in table and "Training (each of" in table
+  # The header states the base stage's budget and that the three models share it.
+  assert ("- Base (stage 1, shared: all of arm, mdm, refusion start from this one model): "
+          "causal ARM, 4 steps x 8 rows x 96 tokens = 3,072 tokens") in table
+  assert "Training (each of arm, mdm, refusion, fine-tuned from the base" in table
 
   # Results JSON: well-formed, and the table shows exactly its numbers.
   for name in available:
@@ -108,6 +134,100 @@ def test_pipeline_writes_every_artefact(smoke_run):
   assert _png_size(os.path.join(workdir, reproduce.PLOT_FILE))[0] > 100
 
 
+def test_base_stage_is_exported_and_every_model_starts_from_it(smoke_run):
+  workdir, _, first, _ = smoke_run
+  base_dir = os.path.join(workdir, "models", reproduce.BASE_MODEL)
+  hf_dir = os.path.join(base_dir, reproduce.BASE_HF_DIR)
+  assert first["base"]["step"] == 4 and first["base"]["budget"]["steps"] == 4
+  with open(os.path.join(base_dir, reproduce.TRAIN_MARKER)) as f:
+    assert json.load(f)["budget"] == first["base"]["budget"]
+  # The HF export names the tokenizer's mask id: init_from_hf keeps the trained special rows.
+  tok = tokenizer_lib.Tokenizer.from_dir(tokenizer_lib.TINY_TOKENIZER_DIR)
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    hf_config = json.load(f)
+  assert hf_config["mask_token_id"] == tok.mask_id
+  assert not os.path.exists(os.path.join(hf_dir, "tokenizer.json"))  # hence tokenizer_dir
+  for name in first["trained"]:
+    assert first["trained"][name]["budget"]["base"] == first["base"]["budget"]
+
+  # Each fine-tune started from exactly the base's final weights (special rows included,
+  # not reset to the mean), with its own attention; the oracle is the base model on disk.
+  _, base_model = checkpoint.load_model(os.path.join(base_dir, train.FINAL_MODEL_DIR))
+  import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
+  want = _flat(nnx.to_pure_dict(nnx.state(base_model, nnx.Param)))
+  inits = first["inits"]
+  assert [d for d, _, _ in inits] == [hf_dir] * 3
+  assert [c.attention for _, c, _ in inits] == ["causal", "bidirectional", "causal"]
+  for _, _, got in inits:
+    assert set(got) == set(want)
+    for path, value in want.items():
+      np.testing.assert_array_equal(got[path], value, err_msg=path)
+  # The fine-tunes then moved away from it (they did train).
+  _, arm = checkpoint.load_model(os.path.join(workdir, "models", "arm", train.FINAL_MODEL_DIR))
+  moved = _flat(nnx.to_pure_dict(nnx.state(arm, nnx.Param)))
+  assert any(not np.array_equal(moved[p], want[p]) for p in want)
+
+
+def test_train_configs_of_the_two_stages(tmp_path):
+  config = repro_smoke.get_config()
+  base = reproduce.base_train_config(config, str(tmp_path))
+  assert (base.objective, base.model.attention, base.num_train_steps) == ("arm", "causal", 4)
+  assert base.optimizer.learning_rate == config.base.learning_rate
+  assert base.export_hf_dir == os.path.join(str(tmp_path), "models", "base", "hf")
+  assert base.init_from_hf == ""
+  for name, attention in (("arm", "causal"), ("mdm", "bidirectional"),
+                          ("refusion", "causal")):
+    c = reproduce.train_config(config, name, str(tmp_path))
+    assert (c.objective, c.model.attention) == (name, attention)
+    assert c.init_from_hf == base.export_hf_dir
+    assert c.tokenizer_dir == tokenizer_lib.TINY_TOKENIZER_DIR
+    assert c.optimizer.learning_rate == config.train.optimizer.learning_rate
+    assert c.export_hf_dir == ""
+  # num_train_steps=0 keeps the from-scratch behaviour: no base, no init_from_hf.
+  config.base.num_train_steps = 0
+  assert reproduce.base_budget(config) is None
+  assert reproduce.train_budget(config)["base"] is None
+  c = reproduce.train_config(config, "refusion", str(tmp_path))
+  assert c.init_from_hf == "" and c.tokenizer_dir == ""
+
+
+def test_stale_model_state_is_discarded_not_resumed(tmp_path, monkeypatch):
+  """A finished model of another budget, or any model after a new base, restarts clean."""
+  seen = []
+
+  class _Config:
+    num_params = staticmethod(lambda: 7)
+
+  class _Result:
+    step, last_metrics, model_config = 3, {"loss": 1.0}, _Config()
+
+  def fake_train(cfg, model_dir):
+    seen.append(sorted(os.listdir(model_dir)) if os.path.isdir(model_dir) else None)
+    return _Result()
+
+  monkeypatch.setattr(reproduce.train, "train_and_evaluate", fake_train)
+  config = repro_smoke.get_config()
+  cfg = reproduce.train_config(config, "arm", str(tmp_path))
+  budget = reproduce.train_budget(config)
+  model_dir = str(tmp_path / "arm")
+
+  def leave_state(budget):
+    os.makedirs(os.path.join(model_dir, "checkpoints"), exist_ok=True)
+    with open(os.path.join(model_dir, reproduce.TRAIN_MARKER), "w") as f:
+      json.dump({"budget": budget, "step": 3}, f)
+
+  leave_state(dict(budget, steps=1))  # finished under another budget
+  marker, trained = reproduce._train_stage("arm", cfg, budget, model_dir, print)
+  assert trained and seen[-1] is None and marker["budget"] == budget
+  # Same budget but no final model (interrupted): its checkpoints are resumed, kept.
+  os.makedirs(os.path.join(model_dir, "checkpoints"))
+  reproduce._train_stage("arm", cfg, budget, model_dir, print)
+  assert seen[-1] == ["checkpoints", reproduce.TRAIN_MARKER]
+  # restart (the base was retrained): everything goes, whatever the marker says.
+  reproduce._train_stage("arm", cfg, budget, model_dir, print, restart=True)
+  assert seen[-1] is None
+
+
 def test_rerun_resumes_without_retraining_or_reevaluating(smoke_run, monkeypatch):
   workdir, argv, first, first_seconds = smoke_run
 
@@ -125,6 +245,7 @@ def test_rerun_resumes_without_retraining_or_reevaluating(smoke_run, monkeypatch
   assert _mtimes(os.path.join(workdir, reproduce.RESULTS_DIR)) == results_before
   for name in second["trained"]:
     assert second["trained"][name]["step"] == 4
+  assert second["base"] == first["base"]  # the base stage was skipped too
   for name in ROWS:
     if "unavailable" not in first["results"][name]:
       assert second["results"][name]["average"] == first["results"][name]["average"]
@@ -154,6 +275,10 @@ def test_bad_settings_fail_before_training(tmp_path):
     reproduce.main(base + ["--config.decode.tasks.sort.slot_size=3"])
   with pytest.raises(ValueError, match="config.sweep_grid.slot_size=3"):
     reproduce.main(base + ["--config.sweep=true", "--config.sweep_grid.slot_size=(4, 3)"])
+  with pytest.raises(ValueError, match="config.base.num_train_steps must be an int >= 0"):
+    reproduce.main(base + ["--config.base.num_train_steps=-1"])
+  with pytest.raises(ValueError, match="config.base.learning_rate must be a number > 0"):
+    reproduce.main(base + ["--config.base.learning_rate=0.0"])
   assert os.listdir(tmp_path) == []  # nothing was trained or written
 
 
