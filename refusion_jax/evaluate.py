@@ -31,6 +31,7 @@ from typing import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from refusion_jax import fileio
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.config import DecodeConfig, ModelConfig
 from refusion_jax.decode import autoregressive, mdm, refusion
@@ -252,22 +253,6 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
           "samples": samples}
 
 
-def write_json_atomic(path: str, value) -> None:
-  """Writes JSON to `path` via a temporary file renamed into place (no half-written file)."""
-  path = os.path.abspath(path)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(value, f, indent=1, ensure_ascii=False)
-      f.write("\n")
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
-
-
 def summary_lines(result: dict) -> list[str]:
   """One human-readable line per task plus the average."""
   lines = []
@@ -355,7 +340,7 @@ def main(argv: Sequence[str]) -> dict:
                     speed_per_task=c.speed_per_task, seed=c.seed, desc=decode_config.method)
   print("\n".join(summary_lines(result)))
   if out:
-    write_json_atomic(out, result)
+    fileio.write_json_atomic(out, result)
     print(f"wrote {out}", file=sys.stderr)
   return result
 

@@ -349,7 +349,7 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
     if kind == "lm_head" and config.tie_embeddings:
       if embed is None or not _arrays_equal(t.array(), embed.array()):
         problems.append(
-            f"tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' but config.json "
+            "tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' but config.json "
             "has tie_word_embeddings=true (the head would be silently dropped; set "
             "tie_word_embeddings=false to keep it)")
       continue

@@ -48,7 +48,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from refusion_jax import checkpoint, evaluate, train
+from refusion_jax import checkpoint, evaluate, fileio, train
 from refusion_jax import tasks as tasks_lib
 from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.config import DecodeConfig
@@ -304,7 +304,7 @@ def _train_stage(name: str, train_cfg, budget: dict, model_dir: str, log,
             "final_loss": result.last_metrics.get("loss"),
             "num_params": result.model_config.num_params(),
             "finished": datetime.datetime.now().isoformat(timespec="seconds")}
-  evaluate.write_json_atomic(marker_path, marker)
+  fileio.write_json_atomic(marker_path, marker)
   return marker, True
 
 
@@ -374,7 +374,7 @@ def _cached_or_run(path: str, key: dict, run: Callable[[], dict], log) -> dict:
   result["key"] = key
   result["seconds"] = time.perf_counter() - t0
   result["measured"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-  evaluate.write_json_atomic(path, result)
+  fileio.write_json_atomic(path, result)
   return result
 
 
@@ -473,7 +473,7 @@ def run_sweep(config, workdir: str, trained: Mapping[str, dict], models: _Models
     a = r["average"]
     lines.append(f"| {param} | {value} | {a['accuracy']:.1f} | {_fmt(a['tokens_per_sec'])} | "
                  f"{a['tokens_per_forward']:.2f} |")
-  _write_text(os.path.join(workdir, SWEEP_TABLE_FILE), "\n".join(lines) + "\n")
+  fileio.write_text_atomic(os.path.join(workdir, SWEEP_TABLE_FILE), "\n".join(lines) + "\n")
   return results
 
 
@@ -506,13 +506,6 @@ def write_sweep_plot(results: Mapping[tuple[str, float], dict], path: str) -> No
 
 def _fmt(value, digits: int = 1) -> str:
   return "n/a" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
-
-
-def _write_text(path: str, text: str) -> None:
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(tmp, path)
 
 
 def _save_figure(fig, path: str) -> None:
@@ -590,7 +583,7 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
       f"{budget['global_batch_size']} rows x {budget['seq_len']} tokens = "
       f"{budget['tokens']:,} tokens; {params:,} parameters; wall "
       + ", ".join(f"{n} {m['seconds']:.0f}s" for n, m in trained.items()),
-      f"- Held-out problems per task (accuracy, batched decode): "
+      "- Held-out problems per task (accuracy, batched decode): "
       + ", ".join(f"{t} {n}" for t, n in n_acc.items()),
       f"- Speed: first {max(n_speed.values()) if n_speed else 0} problems per task decoded "
       "at batch 1, greedy, compile excluded; tokens counted up to and including EOS; "
@@ -698,7 +691,7 @@ def run(config, workdir: str, log=print) -> dict:
   results = evaluate_rows(config, workdir, row_configs, trained, models, tokenizer, log)
   when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
   table = render_table(config, results, trained, when, machine(), base)
-  _write_text(os.path.join(workdir, TABLE_FILE), table)
+  fileio.write_text_atomic(os.path.join(workdir, TABLE_FILE), table)
   write_speed_accuracy_plot(results, os.path.join(workdir, PLOT_FILE))
   sweep = None
   if config.sweep:

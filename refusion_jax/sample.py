@@ -31,7 +31,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from refusion_jax import checkpoint, trace
+from refusion_jax import checkpoint, fileio, trace
 from refusion_jax.config import DecodeConfig, ModelConfig, tiny
 from refusion_jax.decode import autoregressive, mdm, refusion
 
@@ -235,14 +235,14 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
           _log(f"[trace] prompt {len(results) - 1}: {label!r}\n" + trace.ansi(pieces, steps))
 
   if c.trace_html:
-    trace.write_atomic(c.trace_html, trace.html(records, f"Decoding order ({decode_config.method})"))
+    fileio.write_text_atomic(c.trace_html, trace.html(records, f"Decoding order ({decode_config.method})"))
     _log(f"[sample] wrote {c.trace_html}")
   text = json.dumps(results, indent=2, ensure_ascii=False) + "\n"
   if c.output_json == "-":
     sys.stdout.write(text)
     sys.stdout.flush()
   elif c.output_json:
-    trace.write_atomic(c.output_json, text)
+    fileio.write_text_atomic(c.output_json, text)
     _log(f"[sample] wrote {c.output_json}")
   return results
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import html as html_lib
 import json
-import os
-import tempfile
 from typing import Callable, Sequence
 
 # 256-colour terminal codes from blue through green to red: early steps are cool.
@@ -129,20 +127,3 @@ def html(records: Sequence[dict], title: str = "Decoding order") -> str:
   # "</" is escaped so that no token text can close the <script> element.
   data = json.dumps({"records": clean, "max_step": max_step}).replace("</", "<\\/")
   return _PAGE.format(title=html_lib.escape(title), max_step=max_step, data=data)
-
-
-def write_atomic(path: str, text: str) -> None:
-  """Writes `text` to `path` through a temporary file renamed into place."""
-  path = os.path.abspath(path)
-  folder = os.path.dirname(path)
-  if not os.path.isdir(folder):
-    raise FileNotFoundError(f"folder {folder} of {path} does not exist")
-  fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=folder)
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
-import tempfile
 from typing import Callable, Iterable, Mapping, Sequence
+
+from refusion_jax import fileio
 
 
 def normalize(text: str) -> str:
@@ -102,21 +102,12 @@ def generate(task_names: Sequence[str] | None, n: int, seed: int,
 
 def write_jsonl(path: str, examples: Iterable[Mapping[str, str]]):
   """Writes one JSON object per line, atomically (temp file renamed into place)."""
-  path = os.path.abspath(path)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".jsonl", dir=os.path.dirname(path))
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      for i, example in enumerate(examples):
-        for field in ("query", "response"):
-          if not isinstance(example.get(field), str):
-            raise ValueError(f"write_jsonl: example {i} field {field!r} must be a str, "
-                             f"got {example.get(field)!r}")
-        f.write(json.dumps({"query": example["query"], "response": example["response"]},
-                           ensure_ascii=False))
-        f.write("\n")
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  lines = []
+  for i, example in enumerate(examples):
+    for field in ("query", "response"):
+      if not isinstance(example.get(field), str):
+        raise ValueError(f"write_jsonl: example {i} field {field!r} must be a str, "
+                         f"got {example.get(field)!r}")
+    lines.append(json.dumps({"query": example["query"], "response": example["response"]},
+                            ensure_ascii=False) + "\n")
+  fileio.write_text_atomic(path, "".join(lines), make_dirs=True)

@@ -1,0 +1,35 @@
+"""Atomic file writes: a temporary file in the same folder, renamed into place.
+
+A crash or an error mid-write leaves the old file (or none), never half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+
+def write_text_atomic(path: str, text: str, make_dirs: bool = False) -> None:
+  """Writes `text` to `path`; the folder must exist unless `make_dirs`."""
+  path = os.path.abspath(path)
+  folder = os.path.dirname(path)
+  if make_dirs:
+    os.makedirs(folder, exist_ok=True)
+  elif not os.path.isdir(folder):
+    raise FileNotFoundError(f"folder {folder} of {path} does not exist")
+  fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=folder)
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def write_json_atomic(path: str, value: Any) -> None:
+  """Writes `value` as indented JSON (creating the folder)."""
+  write_text_atomic(path, json.dumps(value, indent=1, ensure_ascii=False) + "\n", make_dirs=True)
