@@ -129,11 +129,9 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
     decode_config: `DecodeConfig` with `method='ar'`.
     rng: PRNG key (used only when temperature > 0).
   """
-  config = model.config
-  ids, lens = common.check_prompts(prompt_ids_bp, prompt_len_b)
-  common.check_vocab(ids, lens, config.vocab_size)
   # Positions run up to prompt_len + gen_length - 1; right padding needs none.
-  check_config(config, decode_config, int(lens.max()))
+  ids, lens = common.checked_prompts(model, prompt_ids_bp, prompt_len_b, decode_config,
+                                     check_config)
   rng = jax.random.key(0) if rng is None else rng
   graphdef, state = common.split_model(model)
   # Fields AR ignores are reset so that, e.g., a threshold sweep reuses one program.

@@ -62,6 +62,20 @@ def check_vocab(ids: np.ndarray, prompt_len_b: np.ndarray, vocab_size: int) -> N
         f"prompt_ids_bp[{b}, {p}]={ids[b, p]} is outside the vocabulary [0, {vocab_size})")
 
 
+def checked_prompts(model, prompt_ids_bp, prompt_len_b, decode_config,
+                    check_config) -> tuple[np.ndarray, np.ndarray]:
+  """Every decoder's host-side checks, before anything compiles.
+
+  Validates the prompt arrays, then `check_config(model_config, decode_config,
+  longest_prompt)` (the decoder's own rules), then the token ids against the
+  vocabulary. Returns the prompts as int32 numpy arrays.
+  """
+  ids, lens = check_prompts(prompt_ids_bp, prompt_len_b)
+  check_config(model.config, decode_config, int(lens.max()))
+  check_vocab(ids, lens, model.config.vocab_size)
+  return ids, lens
+
+
 def prefill(model, cache: KVCache, prompt_ids_bp, prompt_len_b):
   """Runs the right-padded prompts once and commits their KV entries.
 

@@ -546,9 +546,8 @@ def _generate_with_cache(model, prompt_ids_bp, prompt_len_b, decode_config: Deco
   Same compiled program as `generate`.
   """
   config = model.config
-  ids_bp, lens_b = common.check_prompts(prompt_ids_bp, prompt_len_b)
-  validate(config, decode_config, int(lens_b.max()))
-  common.check_vocab(ids_bp, lens_b, config.vocab_size)
+  ids_bp, lens_b = common.checked_prompts(model, prompt_ids_bp, prompt_len_b, decode_config,
+                                         validate)
   sample = decode_config.temperature > 0
   if rng is None:
     if sample:
