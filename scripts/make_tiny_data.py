@@ -21,8 +21,8 @@ TEST_SEED = 1
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out_dir", default=os.path.dirname(tasks.TINY_TRAIN_FILE))
-  parser.add_argument("--n_train", type=int, default=4000)
-  parser.add_argument("--n_test", type=int, default=200)
+  parser.add_argument("--n_train", type=int, default=20000)
+  parser.add_argument("--n_test", type=int, default=210)
   args = parser.parse_args(argv)
   train = tasks.generate(None, args.n_train, seed=TRAIN_SEED)
   test = tasks.generate(None, args.n_test, seed=TEST_SEED,

@@ -6,7 +6,7 @@
 
 Inputs and outputs live in refusion_jax/assets/tiny_tokenizer/:
   corpus.txt             hand-written English sentences, then (after MARKER)
-                         synthetic arithmetic / sort / key-value lines written
+                         lines of the bundled task suite (refusion_jax.tasks) written
                          by --write_corpus from a fixed seed;
   tokenizer.json         the trained tokenizer;
   tokenizer_config.json  ChatML template, eos/pad names, added_tokens_decoder.
@@ -30,11 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ASSET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          "refusion_jax", "assets", "tiny_tokenizer")
@@ -44,7 +45,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|beginoftext|>", "<|mask|>", 
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 MARKER = "### synthetic lines below: scripts/train_tiny_tokenizer.py --write_corpus ###"
-SYNTHETIC_SEED = 0
+SYNTHETIC_SEED = 100  # not a data-split seed (scripts/make_tiny_data.py uses 0 and 1)
 SYNTHETIC_LINES_PER_KIND = 60
 
 # Qwen2/Qwen3's split: English contractions, letter runs with one leading
@@ -68,30 +69,16 @@ CHAT_TEMPLATE = (
 
 
 def synthetic_lines(seed: int = SYNTHETIC_SEED, per_kind: int = SYNTHETIC_LINES_PER_KIND):
-  """Task-shaped lines (arithmetic, sorting, key-value, copying) from a fixed seed."""
-  rng = random.Random(seed)
-  letters = "abcdefghijklmnopqrstuvwxyz"
-  lines = []
-  for _ in range(per_kind):
-    a, b = rng.randint(0, 999), rng.randint(0, 999)
-    lines.append(f"{a}+{b}={a + b}")
-    lines.append(f"{max(a, b)}-{min(a, b)}={max(a, b) - min(a, b)}")
-    c, d = rng.randint(0, 99), rng.randint(0, 9)
-    lines.append(f"{c}*{d}={c * d}")
-    values = [rng.randint(0, 99) for _ in range(rng.randint(3, 8))]
-    lines.append("sort " + " ".join(map(str, values)) + " -> " + " ".join(map(str, sorted(values))))
-    lines.append("reverse " + " ".join(map(str, values)) + " -> "
-                 + " ".join(map(str, values[::-1])))
-    keys = rng.sample(letters, rng.randint(2, 5))
-    pairs = {k: rng.randint(0, 99) for k in keys}
-    query = rng.choice(keys)
-    lines.append(" ".join(f"{k}={v}" for k, v in pairs.items()) + f" ; {query}? -> {pairs[query]}")
-    word = "".join(rng.choice(letters) for _ in range(rng.randint(3, 7)))
-    lines.append(f"copy {word} -> {word}")
-    lines.append(f"What is {a} plus {b}? The answer is {a + b}.")
-    # Chat-template headers, so that "user" and "assistant" become single tokens.
-    lines.append("<|im_start|>user")
-    lines.append("<|im_start|>assistant")
+  """Lines shaped like the bundled task suite ("<query> -> <response>"), from a fixed seed.
+
+  They come from refusion_jax.tasks (a seed the data splits do not use), so the
+  task names and template words become single tokens and prompts stay short.
+  """
+  from refusion_jax import tasks  # pylint: disable=import-outside-toplevel
+  examples = tasks.generate(None, per_kind * len(tasks.TASKS), seed=seed)
+  lines = [f"{ex['query']} -> {ex['response']}" for ex in examples]
+  # Chat-template headers, so that "user" and "assistant" become single tokens.
+  lines += ["<|im_start|>user", "<|im_start|>assistant"] * per_kind
   return lines
 
 

@@ -18,10 +18,10 @@ from refusion_jax.model import Qwen3
 from refusion_jax.tokenizer import Tokenizer
 
 ROWS = [
-    {"query": "sort 5 3 9", "response": "3 5 9"},
-    {"query": "copy 1 2", "response": "1 2"},
-    {"query": "sort 2 1", "response": "1 2"},
-    {"query": "sort 7 7 0", "response": "0 7 7"},
+    {"query": "sort 539", "response": "359"},
+    {"query": "copy 12", "response": "12"},
+    {"query": "sort 21", "response": "12"},
+    {"query": "sort 780", "response": "078"},
     {"query": "copy 4", "response": "4"},
     {"query": "lookup a=1 b=2 ? b", "response": "2"},
 ]
@@ -42,12 +42,12 @@ def _write(path, rows):
 def test_read_problems_keeps_file_order_and_limits_per_task(tmp_path, tok):
   path = _write(tmp_path / "p.jsonl", ROWS)
   problems = evaluate.read_problems(path, tok, per_task=2)
-  assert [p.query for p in problems] == ["sort 5 3 9", "copy 1 2", "sort 2 1", "copy 4",
+  assert [p.query for p in problems] == ["sort 539", "copy 12", "sort 21", "copy 4",
                                          "lookup a=1 b=2 ? b"]
   assert [p.task for p in problems] == ["sort", "copy", "sort", "copy", "lookup"]
-  assert problems[0].prompt_ids == tuple(tok.encode_prompt("sort 5 3 9"))
+  assert problems[0].prompt_ids == tuple(tok.encode_prompt("sort 539"))
   only = evaluate.read_problems(path, tok, task_names=["copy"])
-  assert [p.query for p in only] == ["copy 1 2", "copy 4"]
+  assert [p.query for p in only] == ["copy 12", "copy 4"]
 
 
 @pytest.mark.parametrize("line, needle", [
@@ -118,8 +118,8 @@ class _Oracle:
 def test_evaluate_scores_and_counts_like_a_hand_tally(tmp_path, tok, monkeypatch):
   path = _write(tmp_path / "p.jsonl", ROWS)
   problems = evaluate.read_problems(path, tok)
-  # Right answers for "sort 5 3 9", "sort 7 7 0", "copy 4", "lookup"; wrong for the others.
-  texts = {"sort 5 3 9": "3 5 9", "copy 1 2": "1 3", "sort 2 1": "2 1", "sort 7 7 0": "0 7 7",
+  # Right answers for "sort 539", "sort 780", "copy 4", "lookup"; wrong for the others.
+  texts = {"sort 539": "359", "copy 12": "13", "sort 21": "21", "sort 780": "078",
            "copy 4": "4", "lookup a=1 b=2 ? b": "2"}
   oracle = _Oracle(tok, {p.prompt_ids: texts[p.query] for p in problems}, nfe_per_row=2)
   monkeypatch.setitem(evaluate.GENERATORS, "ar", oracle)
@@ -133,13 +133,13 @@ def test_evaluate_scores_and_counts_like_a_hand_tally(tmp_path, tok, monkeypatch
   assert per_task["sort"]["accuracy"] == pytest.approx(200 / 3)
   assert per_task["copy"]["correct"] == 1 and per_task["lookup"]["accuracy"] == 100.0
   # Tokens are the answer's tokens plus EOS; two passes per row.
-  sort_tokens = sum(len(tok.encode(texts[q])) + 1 for q in ("sort 5 3 9", "sort 2 1",
-                                                             "sort 7 7 0"))
+  sort_tokens = sum(len(tok.encode(texts[q])) + 1 for q in ("sort 539", "sort 21",
+                                                             "sort 780"))
   assert per_task["sort"]["tokens"] == sort_tokens
   assert per_task["sort"]["tokens_per_forward"] == pytest.approx(sort_tokens / 6)
   # Speed: the first sort problem alone, at batch 1.
   assert per_task["sort"]["speed_n"] == 1
-  assert per_task["sort"]["speed_tokens"] == len(tok.encode("3 5 9")) + 1
+  assert per_task["sort"]["speed_tokens"] == len(tok.encode("359")) + 1
   assert per_task["sort"]["tokens_per_sec"] > 0
   assert result["average"]["accuracy"] == pytest.approx((200 / 3 + 50 + 100) / 3)
   # Every accuracy batch is padded to batch_size rows, every timed call is one row,

@@ -106,7 +106,7 @@ def test_pipeline_writes_every_artefact(smoke_run):
   assert "Date:" in table and "Machine:" in table and "Training (each of" in table
   # The header states the base stage's budget and that the three models share it.
   assert ("- Base (stage 1, shared: all of arm, mdm, refusion start from this one model): "
-          "causal ARM, 4 steps x 8 rows x 96 tokens = 3,072 tokens") in table
+          "causal ARM, 4 steps x 8 rows x 64 tokens = 2,048 tokens") in table
   assert "Training (each of arm, mdm, refusion, fine-tuned from the base" in table
 
   # Results JSON: well-formed, and the table shows exactly its numbers.

@@ -11,25 +11,28 @@ from refusion_jax.tasks import base
 
 # Hand-computed (query, answer) pairs: the oracle for every task's solver.
 HAND_CASES = [
-    ("arith 3+4; 12+5; 7*2", "7; 17; 14"),
-    ("arith 20-7; 0*9", "13; 0"),
-    ("sort 5 3 9 1", "1 3 5 9"),
-    ("sort 10 2 2 7", "2 2 7 10"),
-    ("reverse 5 3 9 1", "1 9 3 5"),
-    ("copy 42 0 7", "42 0 7"),
-    ("lookup a=3 b=7 c=1 ? b c", "7 1"),
-    ("lookup q=0 z=9 k=4 ? k", "4"),
+    ("copy 52930", "52930"),
+    ("copy 7", "7"),
+    ("reverse 52930", "03925"),
+    ("sort 52930", "02359"),
+    ("lookup a=3 b=7 c=1 ? c a", "13"),
+    ("lookup q=0 z=9 ? z z q", "990"),
+    ("arith 3+4 9-1 8+5", "07 08 13"),
+    ("arith 0-0", "00"),
+    ("fib 35 plus 0 len 8", "35831459"),
+    ("fib 35 plus 1 len 7", "3595517"),
     ("template f=sq v=x op=* n=3: def {f}({v}): return {v} {op} {n}", "def sq(x): return x * 3"),
     ("template f=g v=y op=+ n=12: for {v} in range({n}): print({v} {op} 1)",
      "for y in range(12): print(y + 1)"),
 ]
 
 WRONG = {
-    "arith 3+4; 12+5; 7*2": "7; 17; 15",
-    "sort 5 3 9 1": "1 3 9 5",
-    "reverse 5 3 9 1": "5 3 9 1",
-    "copy 42 0 7": "42 0",
-    "lookup a=3 b=7 c=1 ? b c": "1 7",
+    "copy 52930": "5293",
+    "reverse 52930": "52930",
+    "sort 52930": "2359",
+    "lookup a=3 b=7 c=1 ? c a": "31",
+    "arith 3+4 9-1 8+5": "7 8 13",
+    "fib 35 plus 0 len 8": "3583145",
     "template f=sq v=x op=* n=3: def {f}({v}): return {v} {op} {n}": "def sq(x): return x + 3",
 }
 
@@ -56,16 +59,21 @@ def test_generated_examples_match_independent_recomputation():
   examples = tasks.generate(None, 300, seed=3)
   for ex in examples:
     name, body = ex["query"].split(" ", 1)
-    if name == "arith":
-      expected = "; ".join(str(eval(e)) for e in body.split("; "))  # digits and +-* only
+    if name == "arith":  # single digits, + and - only; two-digit results
+      expected = " ".join("%02d" % eval(e) for e in body.split())
     elif name in ("sort", "reverse", "copy"):
-      nums = [int(w) for w in body.split()]
-      nums = sorted(nums) if name == "sort" else nums[::-1] if name == "reverse" else nums
-      expected = " ".join(map(str, nums))
+      assert len(set(body)) == len(body), ex  # distinct digits
+      expected = {"sort": "".join(sorted(body)), "reverse": body[::-1], "copy": body}[name]
     elif name == "lookup":
       table_text, keys = body.split(" ? ")
       table = dict(pair.split("=") for pair in table_text.split())
-      expected = " ".join(table[k] for k in keys.split())
+      expected = "".join(table[k] for k in keys.split())
+    elif name == "fib":
+      start, _, plus, _, length = body.split()
+      digits = [int(start[0]), int(start[1])]
+      for _ in range(int(length) - 2):
+        digits.append((digits[-1] + digits[-2] + int(plus)) % 10)
+      expected = "".join(map(str, digits[:int(length)]))
     else:
       assignments, template = body.split(": ", 1)
       expected = template
@@ -85,10 +93,10 @@ def test_generate_is_deterministic_per_seed():
 
 
 def test_generate_balances_tasks_and_dedups():
-  examples = tasks.generate(None, 120, seed=0)
+  examples = tasks.generate(None, 140, seed=0)
   names = [ex["query"].split()[0] for ex in examples]
   assert {n: names.count(n) for n in set(names)} == {n: 20 for n in tasks.TASKS}
-  assert len({ex["query"] for ex in examples}) == 120
+  assert len({ex["query"] for ex in examples}) == 140
 
 
 def test_train_test_disjoint_with_exclude():
@@ -114,6 +122,10 @@ def test_score_rejects_unknown_task_and_unparsable_query():
     tasks.score("divide 4 2", "2")
   with pytest.raises(ValueError, match="cannot parse"):
     tasks.score("arith 3/4", "0")
+  with pytest.raises(ValueError, match="digits"):
+    tasks.score("copy 1 2", "12")
+  with pytest.raises(ValueError, match="fib"):
+    tasks.score("fib 3 plus 1 len 4", "3")
 
 
 def test_write_jsonl_round_trip(tmp_path):
@@ -134,7 +146,7 @@ def test_bundled_tiny_data_is_valid_and_disjoint():
   for name, path in (("tiny_train", tasks.TINY_TRAIN_FILE), ("tiny_test", tasks.TINY_TEST_FILE)):
     with open(path, encoding="utf-8") as f:
       splits[name] = [json.loads(line) for line in f]
-  assert len(splits["tiny_train"]) == 4000 and len(splits["tiny_test"]) == 200
+  assert len(splits["tiny_train"]) == 20000 and len(splits["tiny_test"]) == 210
   for ex in splits["tiny_train"][:500] + splits["tiny_test"]:
     assert tasks.score(ex["query"], ex["response"])
   train_q = {ex["query"] for ex in splits["tiny_train"]}
@@ -158,4 +170,7 @@ def test_answers_are_short_with_the_tiny_tokenizer():
   tok = Tokenizer.tiny()
   examples = tasks.generate(None, 600, seed=11)
   longest = max(len(tok.encode(ex["response"])) + 1 for ex in examples)
-  assert longest <= 48
+  assert longest <= 24  # configs/repro_tiny.py: decode.gen_length
+  longest_row = max(len(tok.encode_prompt(ex["query"])) + len(tok.encode(ex["response"])) + 1
+                    for ex in examples)
+  assert longest_row <= 64  # configs/repro_tiny.py: train.data.seq_len

@@ -1,16 +1,23 @@
-"""Six miniature tasks a 4-layer, d=128 model can learn on a CPU in minutes.
+"""Seven miniature tasks a 4-layer, d=128 model can learn on a CPU in minutes.
 
-Texts are short (answers of at most ~25 tokens with a digit-splitting BPE) and
-every answer is a pure function of its query, recomputed by each task's
-`solve` from the query text for scoring.
+Every answer is a pure function of its query, recomputed by each task's
+`solve` from the query text for scoring. Qwen's pre-tokenizer splits numbers
+into single digits, so every digit is one token of the tiny tokenizer, the
+same token in the query and in the answer, and numbers in answers have a
+fixed width: an answer's token positions follow from the query. That is what
+lets parallel slot decoding pay off on the first five tasks, whose answer
+parts are mutually independent given the query; `fib` is the strongly
+sequential control, where each answer digit is a function of the two before
+it; `template` fills a small code template (answer parts of varying length).
 
-  arith    "arith 3+4; 12+5; 7*2"            -> "7; 17; 14"
-  sort     "sort 5 3 9 1"                    -> "1 3 5 9"
-  reverse  "reverse 5 3 9 1"                 -> "1 9 3 5"
-  copy     "copy 5 3 9 1"                    -> "5 3 9 1"
-  lookup   "lookup a=3 b=7 c=1 ? b c"        -> "7 1"
+  copy     "copy 5293"  (distinct digits)   -> "5293"
+  reverse  "reverse 5293"                   -> "3925"
+  sort     "sort 5293"                      -> "2359"
+  lookup   "lookup a=3 b=7 c=1 ? c a"       -> "13"
+  arith    "arith 3+4 9-1 8+5"              -> "07 08 13"     (two digits each)
+  fib      "fib 35 plus 1 len 7"            -> "3595517"      (x[i] = x[i-1] + x[i-2] + 1 mod 10)
   template "template f=sq v=x op=* n=3: def {f}({v}): return {v} {op} {n}"
-                                             -> "def sq(x): return x * 3"
+                                            -> "def sq(x): return x * 3"
 """
 
 from __future__ import annotations
@@ -21,16 +28,12 @@ import string
 
 from refusion_jax.tasks.base import Task
 
-# Operand ranges keep every result at most three digits.
-_ADD_MAX = 20
-_MUL_MAX = 9
-_ARITH_TERMS = (2, 4)
-_LIST_LEN = (3, 6)
-_SORT_MAX = 49
-_LIST_MAX = 99
-_LOOKUP_KEYS = (3, 5)
-_LOOKUP_ASK = (1, 2)
-_LOOKUP_MAX = 9
+_LETTERS = string.ascii_lowercase
+_LIST_LEN = (4, 10)  # copy / reverse / sort: distinct digits
+_LOOKUP_KEYS = (4, 8)
+_LOOKUP_ASK = (2, 6)
+_ARITH_TERMS = (2, 5)  # single-digit + and - (never negative): results 00..18
+_FIB_LEN = (5, 16)
 _FUNC_NAMES = ("f", "g", "h", "sq", "inc", "add", "mul", "step")
 _VAR_NAMES = ("x", "y", "n", "a", "b", "v")
 _OPS = ("+", "-", "*")
@@ -42,7 +45,8 @@ _TEMPLATES = (
     "{f} = lambda {v}: {n} {op} {v}",
 )
 
-_EXPR = re.compile(r"^(\d+)([+\-*])(\d+)$")
+_EXPR = re.compile(r"^(\d)([+\-])(\d)$")
+_FIB = re.compile(r"^(\d)(\d) plus (\d) len (\d+)$")
 
 
 def _body(query: str, name: str) -> str:
@@ -52,90 +56,54 @@ def _body(query: str, name: str) -> str:
   return query[len(prefix):]
 
 
-def _ints(text: str, name: str) -> list[int]:
-  words = text.split()
-  if not words or not all(w.isdigit() for w in words):
-    raise ValueError(f"{name}: expected space-separated non-negative integers, got {text!r}")
-  return [int(w) for w in words]
+def _digits(text: str, name: str) -> str:
+  if not text.isdigit() or not text.isascii():
+    raise ValueError(f"{name}: expected a string of digits, got {text!r}")
+  return text
 
 
-def _join(values) -> str:
-  return " ".join(str(v) for v in values)
+def _rand_digits(rng: random.Random, length: tuple[int, int]) -> str:
+  """Distinct digits: each occurs once, so a digit names its place in the string."""
+  return "".join(rng.sample(string.digits, rng.randint(*length)))
 
 
-def _rand_list(rng: random.Random, max_value: int) -> list[int]:
-  return [rng.randint(0, max_value) for _ in range(rng.randint(*_LIST_LEN))]
-
-
-# arith ------------------------------------------------------------------------
-
-def _make_arith(rng: random.Random) -> tuple[str, str]:
-  exprs, results = [], []
-  for _ in range(rng.randint(*_ARITH_TERMS)):
-    op = rng.choice(_OPS)
-    if op == "*":
-      a, b = rng.randint(0, _MUL_MAX), rng.randint(0, _MUL_MAX)
-      result = a * b
-    elif op == "+":
-      a, b = rng.randint(0, _ADD_MAX), rng.randint(0, _ADD_MAX)
-      result = a + b
-    else:  # Subtraction never goes negative: no minus sign to learn.
-      a = rng.randint(0, _ADD_MAX)
-      b = rng.randint(0, a)
-      result = a - b
-    exprs.append(f"{a}{op}{b}")
-    results.append(str(result))
-  return "arith " + "; ".join(exprs), "; ".join(results)
-
-
-def _solve_arith(query: str) -> str:
-  results = []
-  for expr in _body(query, "arith").split(";"):
-    match = _EXPR.match(expr.strip())
-    if match is None:
-      raise ValueError(f"arith: cannot parse expression {expr!r} in {query!r}")
-    a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
-    results.append(a + b if op == "+" else a - b if op == "-" else a * b)
-  return "; ".join(str(r) for r in results)
-
-
-# lists ------------------------------------------------------------------------
-
-def _make_sort(rng):
-  values = _rand_list(rng, _SORT_MAX)
-  return "sort " + _join(values), _join(sorted(values))
-
-
-def _solve_sort(query):
-  return _join(sorted(_ints(_body(query, "sort"), "sort")))
-
-
-def _make_reverse(rng):
-  values = _rand_list(rng, _LIST_MAX)
-  return "reverse " + _join(values), _join(values[::-1])
-
-
-def _solve_reverse(query):
-  return _join(_ints(_body(query, "reverse"), "reverse")[::-1])
-
+# digit strings -----------------------------------------------------------------
 
 def _make_copy(rng):
-  values = _rand_list(rng, _LIST_MAX)
-  return "copy " + _join(values), _join(values)
+  digits = _rand_digits(rng, _LIST_LEN)
+  return "copy " + digits, digits
 
 
 def _solve_copy(query):
-  return _join(_ints(_body(query, "copy"), "copy"))
+  return _digits(_body(query, "copy"), "copy")
+
+
+def _make_reverse(rng):
+  digits = _rand_digits(rng, _LIST_LEN)
+  return "reverse " + digits, digits[::-1]
+
+
+def _solve_reverse(query):
+  return _digits(_body(query, "reverse"), "reverse")[::-1]
+
+
+def _make_sort(rng):
+  digits = _rand_digits(rng, _LIST_LEN)
+  return "sort " + digits, "".join(sorted(digits))
+
+
+def _solve_sort(query):
+  return "".join(sorted(_digits(_body(query, "sort"), "sort")))
 
 
 # lookup -----------------------------------------------------------------------
 
 def _make_lookup(rng):
-  keys = rng.sample(string.ascii_lowercase, rng.randint(*_LOOKUP_KEYS))
-  table = {k: rng.randint(0, _LOOKUP_MAX) for k in keys}
-  asked = rng.sample(keys, rng.randint(*_LOOKUP_ASK))
+  keys = rng.sample(_LETTERS, rng.randint(*_LOOKUP_KEYS))
+  table = {k: str(rng.randint(0, 9)) for k in keys}
+  asked = [rng.choice(keys) for _ in range(rng.randint(*_LOOKUP_ASK))]
   pairs = " ".join(f"{k}={table[k]}" for k in keys)
-  return f"lookup {pairs} ? {' '.join(asked)}", _join(table[k] for k in asked)
+  return f"lookup {pairs} ? {' '.join(asked)}", "".join(table[k] for k in asked)
 
 
 def _solve_lookup(query):
@@ -152,7 +120,60 @@ def _solve_lookup(query):
   missing = [k for k in asked.split() if k not in table]
   if missing:
     raise ValueError(f"lookup: keys {missing} not in the table of {query!r}")
-  return " ".join(table[k] for k in asked.split())
+  return "".join(table[k] for k in asked.split())
+
+
+# arith ------------------------------------------------------------------------
+
+def _make_arith(rng: random.Random) -> tuple[str, str]:
+  exprs, results = [], []
+  for _ in range(rng.randint(*_ARITH_TERMS)):
+    a = rng.randint(0, 9)
+    if rng.random() < 0.5:
+      b = rng.randint(0, 9)
+      exprs.append(f"{a}+{b}")
+      results.append(a + b)
+    else:  # Subtraction never goes negative: no minus sign to learn.
+      b = rng.randint(0, a)
+      exprs.append(f"{a}-{b}")
+      results.append(a - b)
+  return "arith " + " ".join(exprs), " ".join(f"{r:02d}" for r in results)
+
+
+def _solve_arith(query: str) -> str:
+  results = []
+  for expr in _body(query, "arith").split():
+    match = _EXPR.match(expr)
+    if match is None:
+      raise ValueError(f"arith: cannot parse expression {expr!r} in {query!r}")
+    a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
+    results.append(a + b if op == "+" else a - b)
+  return " ".join(f"{r:02d}" for r in results)
+
+
+# fib --------------------------------------------------------------------------
+
+def _fib_digits(a: int, b: int, plus: int, length: int) -> str:
+  digits = [a, b]
+  while len(digits) < length:
+    digits.append((digits[-1] + digits[-2] + plus) % 10)
+  return "".join(str(d) for d in digits[:length])
+
+
+def _make_fib(rng):
+  a, b, plus = rng.randint(0, 9), rng.randint(0, 9), rng.randint(0, 9)
+  length = rng.randint(*_FIB_LEN)
+  return f"fib {a}{b} plus {plus} len {length}", _fib_digits(a, b, plus, length)
+
+
+def _solve_fib(query):
+  match = _FIB.match(_body(query, "fib"))
+  if match is None:
+    raise ValueError(f"fib: expected 'fib <digit><digit> plus <digit> len <n>', got {query!r}")
+  length = int(match.group(4))
+  if length < 2:
+    raise ValueError(f"fib: len must be at least 2, got {query!r}")
+  return _fib_digits(int(match.group(1)), int(match.group(2)), int(match.group(3)), length)
 
 
 # template ---------------------------------------------------------------------
@@ -188,11 +209,12 @@ def _solve_template(query):
 
 TASKS: dict[str, Task] = {
     task.name: task for task in (
-        Task("arith", _make_arith, _solve_arith),
-        Task("sort", _make_sort, _solve_sort),
-        Task("reverse", _make_reverse, _solve_reverse),
         Task("copy", _make_copy, _solve_copy),
+        Task("reverse", _make_reverse, _solve_reverse),
+        Task("sort", _make_sort, _solve_sort),
         Task("lookup", _make_lookup, _solve_lookup),
+        Task("arith", _make_arith, _solve_arith),
+        Task("fib", _make_fib, _solve_fib),
         Task("template", _make_template, _solve_template),
     )
 }
