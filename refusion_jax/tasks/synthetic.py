@@ -56,6 +56,17 @@ def _body(query: str, name: str) -> str:
   return query[len(prefix):]
 
 
+def _assignments(text: str, name: str, query: str) -> dict[str, str]:
+  """"k=v k=v ..." -> {k: v}; a word without "=" or with an empty key is an error."""
+  table = {}
+  for pair in text.split():
+    key, sep, value = pair.partition("=")
+    if not sep or not key:
+      raise ValueError(f"{name}: bad assignment {pair!r} in {query!r}")
+    table[key] = value
+  return table
+
+
 def _digits(text: str, name: str) -> str:
   if not text.isdigit() or not text.isascii():
     raise ValueError(f"{name}: expected a string of digits, got {text!r}")
@@ -111,12 +122,7 @@ def _solve_lookup(query):
   if " ? " not in body:
     raise ValueError(f"lookup: query needs ' ? ' between table and keys, got {query!r}")
   pairs, asked = body.split(" ? ", 1)
-  table = {}
-  for pair in pairs.split():
-    key, sep, value = pair.partition("=")
-    if not sep or not key:
-      raise ValueError(f"lookup: bad pair {pair!r} in {query!r}")
-    table[key] = value
+  table = _assignments(pairs, "lookup", query)
   missing = [k for k in asked.split() if k not in table]
   if missing:
     raise ValueError(f"lookup: keys {missing} not in the table of {query!r}")
@@ -195,12 +201,7 @@ def _solve_template(query):
   if ": " not in body:
     raise ValueError(f"template: query needs ': ' before the template, got {query!r}")
   assignments, template = body.split(": ", 1)
-  values = {}
-  for pair in assignments.split():
-    key, sep, value = pair.partition("=")
-    if not sep or not key:
-      raise ValueError(f"template: bad assignment {pair!r} in {query!r}")
-    values[key] = value
+  values = _assignments(assignments, "template", query)
   try:
     return template.format(**values)
   except (KeyError, IndexError, ValueError) as e:
