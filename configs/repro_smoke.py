@@ -23,6 +23,7 @@ def get_config():
   c.train.mesh.num_devices = 1  # one device: no sharding work in a smoke run
   c.eval.per_task = 2  # problems per task for accuracy
   c.eval.speed_per_task = 1  # problems per task timed at batch 1
+  c.eval.speed_repeats = 2  # decodes per timed problem (the fastest counts)
   c.eval.batch_size = 1  # rows per accuracy batch (1: the timed program is reused)
   c.decode.gen_length = 16  # short answers only matter here
   for name in repro_tiny.TASK_NAMES:

@@ -56,6 +56,7 @@ def get_config():
   c.eval.data = common.TINY_TEST  # JSONL of held-out {"query", "response"}
   c.eval.per_task = 0  # problems per task scored for accuracy (0 = all, 30 each)
   c.eval.speed_per_task = 20  # problems per task timed one at a time (batch 1)
+  c.eval.speed_repeats = 5  # decodes per timed problem; the fastest counts (drops load pauses)
   c.eval.batch_size = 15  # rows per batched accuracy decode (30 problems per task: 2 batches)
   c.eval.prompt_bucket = 16  # prompts padded to one width, a multiple of this
   c.eval.rows = ("ARM-AR", "MDM-LLaDA", "MDM-FastdLLM", "ReFusion", "ReFusion-L2R",

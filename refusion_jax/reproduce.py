@@ -171,7 +171,7 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
                        f"which config.models={models!r} does not train")
   if not os.path.isfile(config.eval.data):
     raise ValueError(f"config.eval.data={config.eval.data!r} is not a file")
-  for field in ("batch_size", "prompt_bucket"):
+  for field in ("batch_size", "prompt_bucket", "speed_repeats"):
     if not _positive_int(config.eval[field]):
       raise ValueError(f"config.eval.{field} must be a positive int, got {config.eval[field]!r}")
   for field in ("per_task", "speed_per_task"):
@@ -398,7 +398,8 @@ def evaluate_rows(config, workdir: str, row_configs: Mapping[str, Mapping[str, D
       continue
     key = {"row": name, "decode": {t: dataclasses.asdict(c) for t, c in configs.items()},
            "data": os.path.abspath(config.eval.data), "per_task": config.eval.per_task,
-           "speed_per_task": config.eval.speed_per_task, "batch_size": config.eval.batch_size,
+           "speed_per_task": config.eval.speed_per_task,
+           "speed_repeats": config.eval.speed_repeats, "batch_size": config.eval.batch_size,
            "width": width, "model": trained[row.model], "machine": here,
            "seed": config.seed}
     log(f"[reproduce] evaluating {name}: {row.description}")
@@ -407,7 +408,8 @@ def evaluate_rows(config, workdir: str, row_configs: Mapping[str, Mapping[str, D
       _, model = models.get(row.model)
       return evaluate.evaluate(model, tokenizer, problems, dict(configs),
                                batch_size=config.eval.batch_size,
-                               speed_per_task=config.eval.speed_per_task, width=width,
+                               speed_per_task=config.eval.speed_per_task,
+                               speed_repeats=config.eval.speed_repeats, width=width,
                                seed=config.seed, progress=config.progress_bar, desc=name)
 
     results[name] = _cached_or_run(os.path.join(workdir, RESULTS_DIR, f"{name}.json"), key, run,
@@ -453,13 +455,15 @@ def run_sweep(config, workdir: str, trained: Mapping[str, dict], models: _Models
     key = {"param": param, "value": value,
            "decode": {t: dataclasses.asdict(c) for t, c in configs.items()},
            "data": os.path.abspath(config.eval.data), "per_task": per_task, "width": width,
-           "model": trained["refusion"], "machine": here, "seed": config.seed}
+           "model": trained["refusion"], "machine": here, "seed": config.seed,
+           "speed_repeats": config.eval.speed_repeats}
     log(f"[reproduce] sweep {i + 1}/{len(points)}: {param}={value}")
 
     def run(configs=configs, param=param, value=value):
       return evaluate.evaluate(models.get("refusion")[1], tokenizer, problems, dict(configs),
                                batch_size=config.eval.batch_size, speed_per_task=per_task,
-                               width=width, seed=config.seed, progress=config.progress_bar,
+                               speed_repeats=config.eval.speed_repeats, width=width,
+                               seed=config.seed, progress=config.progress_bar,
                                desc=f"{param}={value}")
 
     path = os.path.join(workdir, RESULTS_DIR, SWEEP_DIR, f"{param}={value}.json")
@@ -586,7 +590,8 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
       "- Held-out problems per task (accuracy, batched decode): "
       + ", ".join(f"{t} {n}" for t, n in n_acc.items()),
       f"- Speed: first {max(n_speed.values()) if n_speed else 0} problems per task decoded "
-      "at batch 1, greedy, compile excluded; tokens counted up to and including EOS; "
+      f"at batch 1, greedy, compile excluded, fastest of {config.eval.speed_repeats} "
+      "decodes per problem; tokens counted up to and including EOS; "
       f"gen_length {config.decode.gen_length}",
       "", header, rule]
   notes = []

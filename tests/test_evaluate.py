@@ -127,7 +127,8 @@ def test_evaluate_scores_and_counts_like_a_hand_tally(tmp_path, tok, monkeypatch
   result = evaluate.evaluate(fake_model, tok, problems,
                              DecodeConfig(method="ar", gen_length=16, slot_size=16,
                                           block_size=16),
-                             batch_size=2, speed_per_task=1, width=32, progress=False)
+                             batch_size=2, speed_per_task=1, speed_repeats=3, width=32,
+                             progress=False)
   per_task = result["per_task"]
   assert per_task["sort"]["n"] == 3 and per_task["sort"]["correct"] == 2
   assert per_task["sort"]["accuracy"] == pytest.approx(200 / 3)
@@ -145,6 +146,9 @@ def test_evaluate_scores_and_counts_like_a_hand_tally(tmp_path, tok, monkeypatch
   # Every accuracy batch is padded to batch_size rows, every timed call is one row,
   # and all prompts share one width: one program per decode config.
   assert set(oracle.shapes) == {(2, 32), (1, 32)}
+  # Per task: one untimed warm-up, then the timed problem decoded speed_repeats times.
+  assert oracle.shapes.count((1, 32)) == 3 * (1 + 3)
+  assert per_task["sort"]["speed_repeats"] == 3
   assert [s["correct"] for s in result["samples"] if s["task"] == "sort"] == [True, False, True]
   json.dumps(result)  # JSON-able
 
@@ -161,6 +165,8 @@ def test_evaluate_rejects_bad_settings_before_decoding(tmp_path, tok):
     evaluate.evaluate(model, tok, problems, {"sort": ar}, progress=False)
   with pytest.raises(ValueError, match="batch_size must be a positive int"):
     evaluate.evaluate(model, tok, problems, ar, batch_size=0, progress=False)
+  with pytest.raises(ValueError, match="speed_repeats must be an int >= 1"):
+    evaluate.evaluate(model, tok, problems, ar, speed_repeats=0, progress=False)
 
 
 def test_batched_accuracy_decodes_like_single_prompts(tmp_path, tok):

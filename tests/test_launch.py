@@ -40,6 +40,11 @@ def test_gpu_and_reproduce_dry_runs():
   assert repro.stdout.splitlines()[-1].strip() == (
       ".venv/bin/python -m refusion_jax.reproduce --config=configs/repro_tiny.py "
       "--workdir=/tmp/r --config.sweep=true")
+  long = _launch("reproduce.sh", "--dry-run", "--config=configs/repro_long.py")
+  assert long.returncode == 0, long.stderr
+  assert long.stdout.splitlines()[-1].strip() == (
+      ".venv/bin/python -m refusion_jax.reproduce --config=configs/repro_long.py "
+      "--workdir=runs/repro_long")
 
 
 @pytest.mark.parametrize("script,args,message", [
@@ -48,6 +53,8 @@ def test_gpu_and_reproduce_dry_runs():
      "config configs/nope.py does not exist"),
     ("tpu_pod.sh", ["--tpu=t", "--bogus"], "unknown argument --bogus"),
     ("gpu.sh", ["--dry-run"], "--workdir=DIR is required"),
+    ("reproduce.sh", ["--dry-run", "--config=configs/nope.py"],
+     "config configs/nope.py does not exist"),
     ("setup_env.sh", ["--accelerator=rocm"], "--accelerator must be cpu, tpu, cuda12 or cuda13"),
 ])
 def test_bad_arguments_are_named(script, args, message):

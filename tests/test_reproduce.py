@@ -279,6 +279,8 @@ def test_bad_settings_fail_before_training(tmp_path):
     reproduce.main(base + ["--config.base.num_train_steps=-1"])
   with pytest.raises(ValueError, match="config.base.learning_rate must be a number > 0"):
     reproduce.main(base + ["--config.base.learning_rate=0.0"])
+  with pytest.raises(ValueError, match="config.eval.speed_repeats must be a positive int"):
+    reproduce.main(base + ["--config.eval.speed_repeats=0"])
   assert os.listdir(tmp_path) == []  # nothing was trained or written
 
 
