@@ -56,7 +56,7 @@ IteratorRestore = grain.checkpoint.CheckpointRestore
 
 FIELDS = ("query", "response")
 # Bump when the stored layout changes, so old builds are not reused.
-_LAYOUT_VERSION = "1"
+_LAYOUT_VERSION = "2"  # 2: record keys independent of file paths
 # Enough lines to fix a file in one go without flooding the terminal.
 _MAX_REPORTED_PROBLEMS = 50
 
@@ -276,8 +276,13 @@ class QueryResponse(tfds.core.GeneratorBasedBuilder):
             for split, paths in self.builder_config.split_files}
 
   def _generate_examples(self, paths):
-    for example in iter_examples(paths):
-      yield example["source"], example
+    # TFDS orders the stored records by a hash of these keys, so they name an
+    # example by its file's index in the split and its rank in that file, never
+    # by the file's path: the same files give the same record order (hence the
+    # same shuffled batches for a seed) wherever the checkout lives.
+    for file_index, path in enumerate(paths):
+      for rank, example in enumerate(iter_examples([path])):
+        yield f"{file_index}:{rank}", example
 
 
 def prepare(json_paths: Sequence[str] | Mapping[str, Sequence[str]],

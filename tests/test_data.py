@@ -92,6 +92,20 @@ def test_prepare_from_jsonl_and_json_list_read_back(tmp_path):
   assert _pairs(named) == want
 
 
+def test_record_order_does_not_depend_on_where_the_files_are(tmp_path):
+  """Two copies of the same files (two checkouts) give the same records in the same order."""
+  examples = [{"query": f"q{i}", "response": f"r{i}"} for i in range(40)]
+  orders = []
+  for where in ("checkout_a", "another/checkout_b"):
+    (tmp_path / where).mkdir(parents=True)
+    paths = [_write_jsonl(tmp_path / where / "x.jsonl", examples[:25]),
+             _write_jsonl(tmp_path / where / "y.jsonl", examples[25:])]
+    source = data.prepare(paths, str(tmp_path / where / "tfds")).as_data_source("train")
+    orders.append([source[i]["query"].decode() for i in range(len(source))])
+  assert orders[0] == orders[1]
+  assert sorted(orders[0]) == sorted(e["query"] for e in examples)
+
+
 def test_prepare_reuses_unchanged_files_and_rebuilds_changed(tmp_path):
   path = _write_jsonl(tmp_path / "a.jsonl", EXAMPLES[:3])
   first = data.prepare([path], str(tmp_path / "tfds"))
