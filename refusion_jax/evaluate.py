@@ -26,7 +26,6 @@ program serves every prompt of a decode config.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -73,27 +72,19 @@ def read_problems(path: str, tokenizer, per_task: int = 0,
     raise FileNotFoundError(f"problem file {path!r} does not exist")
   counts: dict[str, int] = {}
   problems = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{path}:{number}"
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e})") from None
-      if not isinstance(row, dict) or not isinstance(row.get("query"), str) or not row["query"]:
-        raise ValueError(f"{where}: expected an object with a non-empty string 'query'")
-      try:
-        task = tasks_lib.task_of(row["query"]).name
-      except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-      if task_names is not None and task not in task_names:
-        continue
-      if per_task and counts.get(task, 0) >= per_task:
-        continue
-      counts[task] = counts.get(task, 0) + 1
-      problems.append(Problem(row["query"], task, tuple(tokenizer.encode_prompt(row["query"]))))
+  for where, row in fileio.jsonl_rows(path):
+    if not isinstance(row, dict) or not isinstance(row.get("query"), str) or not row["query"]:
+      raise ValueError(f"{where}: expected an object with a non-empty string 'query'")
+    try:
+      task = tasks_lib.task_of(row["query"]).name
+    except ValueError as e:
+      raise ValueError(f"{where}: {e}") from None
+    if task_names is not None and task not in task_names:
+      continue
+    if per_task and counts.get(task, 0) >= per_task:
+      continue
+    counts[task] = counts.get(task, 0) + 1
+    problems.append(Problem(row["query"], task, tuple(tokenizer.encode_prompt(row["query"]))))
   if not problems:
     raise ValueError(f"{path}: no problems (task_names={task_names})")
   return problems

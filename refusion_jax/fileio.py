@@ -1,6 +1,7 @@
-"""Atomic file writes: a temporary file in the same folder, renamed into place.
+"""Atomic file writes and a strict JSONL reader.
 
-A crash or an error mid-write leaves the old file (or none), never half a file.
+Writes go to a temporary file in the same folder, renamed into place: a crash
+or an error mid-write leaves the old file (or none), never half a file.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
 
 def write_text_atomic(path: str, text: str, make_dirs: bool = False) -> None:
@@ -33,3 +34,20 @@ def write_text_atomic(path: str, text: str, make_dirs: bool = False) -> None:
 def write_json_atomic(path: str, value: Any) -> None:
   """Writes `value` as indented JSON (creating the folder)."""
   write_text_atomic(path, json.dumps(value, indent=1, ensure_ascii=False) + "\n", make_dirs=True)
+
+
+def jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
+  """`(where, value)` for each non-blank line of a JSONL file; `where` is 'path:line'.
+
+  Raises:
+    ValueError: `path:line: not valid JSON (...)` at the first malformed line.
+  """
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{path}:{number}"
+      try:
+        yield where, json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None

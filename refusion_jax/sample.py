@@ -135,26 +135,18 @@ def read_prompts(c: ml_collections.ConfigDict, tokenizer) -> list[tuple[str, lis
     ids = _parse_ids(c.prompt_ids, "--config.prompt_ids")
     return [(c.prompt_ids, ids)]
   prompts = []
-  with open(c.prompts_file, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{c.prompts_file}:{number}"
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e})") from None
-      if not isinstance(row, dict) or ("query" in row) == ("prompt_ids" in row):
-        raise ValueError(f"{where}: expected an object with exactly one of 'query' or "
-                         "'prompt_ids'")
-      if "query" in row:
-        prompts.append((row["query"], encode(row["query"], where)))
-      else:
-        ids = row["prompt_ids"]
-        if (not isinstance(ids, list) or not ids
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-          raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of ints")
-        prompts.append((",".join(map(str, ids)), ids))
+  for where, row in fileio.jsonl_rows(c.prompts_file):
+    if not isinstance(row, dict) or ("query" in row) == ("prompt_ids" in row):
+      raise ValueError(f"{where}: expected an object with exactly one of 'query' or "
+                       "'prompt_ids'")
+    if "query" in row:
+      prompts.append((row["query"], encode(row["query"], where)))
+    else:
+      ids = row["prompt_ids"]
+      if (not isinstance(ids, list) or not ids
+          or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of ints")
+      prompts.append((",".join(map(str, ids)), ids))
   if not prompts:
     raise ValueError(f"{c.prompts_file}: no prompts")
   return prompts
