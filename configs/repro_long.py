@@ -1,4 +1,4 @@
-"""The miniature reproduction with 4x the training budget (~40 min on 2 CPU cores).
+"""The miniature reproduction with 4x the training budget (~35 min on 2 CPU cores).
 
 Same suite, model, decoders and evaluation as repro_tiny.py; only the
 number of steps changes: 8000 base steps (8.2M tokens) and 4000 fine-tune

@@ -4,10 +4,11 @@
 #   bash launch/reproduce.sh [--config=FILE] [--workdir=DIR] [--dry-run] [--config.field=value ...]
 #
 # Builds (or reuses) .venv with launch/setup_env.sh, then trains the causal ARM base of
-# FILE (default configs/repro_tiny.py; configs/repro_long.py trains 4x longer), fine-tunes the ARM, MDM and ReFusion models from it and writes
-# DIR/table.md and DIR/speed_accuracy.png (default DIR: runs/<FILE's name>). Rerunning
-# resumes: finished training (the base included) and cached results are skipped. Every other argument (e.g.
-# --config.sweep=true) goes to `python -m refusion_jax.reproduce`.
+# FILE (default configs/repro_tiny.py; configs/repro_long.py trains 4x longer),
+# fine-tunes the ARM, MDM and ReFusion models from it and writes DIR/table.md and
+# DIR/speed_accuracy.png (default DIR: runs/<FILE's name>). Rerunning resumes:
+# finished training (the base included) and cached results are skipped. Every other
+# argument (e.g. --config.sweep=true) goes to `python -m refusion_jax.reproduce`.
 # --dry-run prints the commands instead of running them.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
