@@ -17,7 +17,9 @@ Two measurements per task, as in the paper's tables:
   pauses caused by other load on the machine). Tokens per second counts
   generated tokens up to and including EOS over the summed wall seconds;
   tokens per forward is tokens / NFE with every forward pass counted (plan,
-  verification, drafts, infill verifies).
+  verification, drafts, infill verifies); `tpf_paper` is the paper's TPF
+  (per sample the mean over steps of tokens / passes in the step, then the
+  mean over samples).
 
 All prompts are right-padded to one width (`prompt_width`), so one compiled
 program serves every prompt of a decode config.
@@ -201,11 +203,13 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
     prompts = [list(p.prompt_ids) for p in task_problems]
     bar = _progress(len(prompts), f"{desc} {task} acc", progress)
     tokens = nfe = correct = 0
+    tpf_paper = 0.0
     for start in range(0, len(prompts), batch_size):
       chunk = prompts[start:start + batch_size]
       out = decode(model, chunk, decode_config, rows=batch_size, width=width,
                    rng=jax.random.fold_in(rng, start))
       nfe_b = out.counters.nfe_b()
+      tpf_paper_b = out.counters.tpf_paper_b()
       for r, problem in enumerate(task_problems[start:start + batch_size]):
         n = int(out.length_b[r])
         text = tokenizer.decode(out.tokens_bg[r, :n], skip_special_tokens=True)
@@ -213,8 +217,10 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
         correct += ok
         tokens += n
         nfe += int(nfe_b[r])
+        tpf_paper += float(tpf_paper_b[r])
         samples.append({"task": task, "query": problem.query, "text": text, "correct": ok,
-                        "tokens": n, "nfe": int(nfe_b[r])})
+                        "tokens": n, "nfe": int(nfe_b[r]),
+                        "tpf_paper": float(tpf_paper_b[r])})
       if bar is not None:
         bar.update(len(chunk))
     if bar is not None:
@@ -242,6 +248,7 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
     per_task[task] = {
         "n": len(prompts), "correct": correct, "accuracy": 100.0 * correct / len(prompts),
         "tokens": tokens, "nfe": nfe, "tokens_per_forward": tokens / nfe if nfe else 0.0,
+        "tpf_paper": tpf_paper / len(prompts),
         "speed_n": len(timed), "speed_repeats": speed_repeats,
         "speed_tokens": speed_tokens, "speed_seconds": seconds,
         "tokens_per_sec": speed_tokens / seconds if seconds > 0 else None}
@@ -250,6 +257,7 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
   average = {
       "accuracy": float(np.mean([m["accuracy"] for m in per_task.values()])),
       "tokens_per_forward": float(np.mean([m["tokens_per_forward"] for m in per_task.values()])),
+      "tpf_paper": float(np.mean([m["tpf_paper"] for m in per_task.values()])),
       "tokens_per_sec": float(np.mean(tps)) if all(t is not None for t in tps) else None}
   return {"per_task": per_task, "average": average,
           "decode": {t: dataclasses.asdict(c) for t, c in configs.items()},

@@ -217,7 +217,8 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
       nfe = int(nfe_b[r])
       text = None if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
       results.append({"prompt": label, "tokens": tokens, "text": text, "nfe": nfe,
-                      "tokens_per_forward": n / nfe if nfe else 0.0, "seconds": seconds})
+                      "tokens_per_forward": n / nfe if nfe else 0.0,
+                      "tpf_paper": float(out.counters.tpf_paper_b()[r]), "seconds": seconds})
       steps = [int(s) for s in out.commit_step_bg[r, :n]]
       if c.trace or c.trace_html:
         pieces = trace.token_pieces(tokens, None if tokenizer is None else tokenizer.decode)

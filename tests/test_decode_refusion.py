@@ -123,6 +123,7 @@ class Oracle:
     self.prompt_len = len(prompt)
     self.ctx_tok, self.ctx_pos, self.ctx_vis = [], [], []
     self.canvas, self.commit_step = {}, {}
+    self.step_tpf = []  # per step: tokens committed / forward passes (the paper's TPF)
     self._commit_prompt(prompt)
     if dc.left_to_right:
       return self._decode_left_to_right()
@@ -173,6 +174,7 @@ class Oracle:
         eos_at = next((j for j in range(prefix) if concat[j] == self.eos), None)
         if eos_at is not None:
           self._commit(concat[:eos_at + 1], positions[:eos_at + 1], self._causal(eos_at + 1))
+          self.step_tpf.append((eos_at + 1) / 2)
           eos_slot = chosen[eos_at // k]
           done = set(chosen[:eos_at // k])
           undecided = [s for s in undecided if s < eos_slot and s not in done]
@@ -183,13 +185,25 @@ class Oracle:
         if n_whole:
           self._commit(concat[:n_whole * k], positions[:n_whole * k],
                        self._causal(n_whole * k))
+          self.step_tpf.append(n_whole * k / 2)
           undecided = [s for s in undecided if s not in chosen[:n_whole]]
           self.branches["global_verify_whole_slots"] += 1
           continue
-        # 3. Parallel infill, each chosen slot on its own.
+        # 3. Parallel infill, each chosen slot on its own, from its own accepted prefix
+        # read from the global-verification pass (for later slots, with the earlier
+        # chosen drafts in front of them).
         slots = {s: list(drafts[s]) for s in chosen}
-        accepted = {s: 1 for s in chosen}
-        accepted[chosen[0]] = prefix
+        accepted = {}
+        for i, s in enumerate(chosen):
+          a = 1
+          while a < k and probs[i * k + a - 1, concat[i * k + a]] > dc.token_threshold:
+            a += 1
+          accepted[s] = a
+          if i > 0 and a > 1:
+            self.branches["later_slot_starts_from_its_gv_prefix"] += 1
+          if i > 0 and a == k:
+            self.branches["later_slot_fully_accepted_by_gv"] += 1
+        assert accepted[chosen[0]] == prefix
         rounds = 0
         while rounds < k and any(accepted[s] < k for s in chosen):
           rounds += 1
@@ -244,6 +258,8 @@ class Oracle:
             counts["recompute"] += 1
             self.branches["recompute_kv"] += 1
         self._commit(commit_tok, commit_pos, sees)
+        passes = 2 + 2 * rounds + (1 if n_committed >= 2 and dc.recompute_kv else 0)
+        self.step_tpf.append(len(commit_tok) / passes)
         undecided = [s for s in undecided if s not in chosen]
       if eos_found:
         break
@@ -266,6 +282,7 @@ class Oracle:
         toks.append(int(logits[-1].argmax()))
       self.branches["ltr_eos_" + ("planned" if len(toks) == 1 else "ar")] += toks[-1] == self.eos
       self._commit(toks, positions[:len(toks)], self._causal(len(toks)))
+      self.step_tpf.append(1.0)  # one pass per token
       if toks[-1] == self.eos:
         break
     return self._result(counts)
@@ -288,6 +305,8 @@ class Oracle:
     assert all(i in self.canvas for i in range(length)), "the oracle left a hole before the end"
     tokens = [self.canvas[i] for i in range(length)] + [PAD_ID] * (g - length)
     counts["commit_step"] = [self.commit_step[i] for i in range(length)] + [-1] * (g - length)
+    assert len(self.step_tpf) == counts["steps"]
+    counts["tpf_paper"] = sum(self.step_tpf) / len(self.step_tpf)
     return tokens, length, counts
 
 
@@ -299,7 +318,7 @@ class Oracle:
 # per-group id costs no extra compile). The ids are tokens this random model emits
 # now and then, picked so that some texts end early in every group.
 _GROUPS = {(6, 16, 2, 4): 24, (6, 16, 4, 8): 43, (5, 24, 2, 12): 37, (6, 32, 4, 16): 73}
-_CASES_PER_GROUP = 20
+_CASES_PER_GROUP = 26
 _EOS_ID = 43  # the model of the (6, 16, 4, 8) group, shared by the other tests
 
 
@@ -363,14 +382,16 @@ def test_matches_plain_python_oracle(models):
     assert _counts_of(out, 0) == want, where
     # The trace view: the step at which each position was committed (-1 past the end).
     assert [int(x) for x in out.commit_step_bg[0]] == oracle_counts["commit_step"], where
+    assert abs(float(out.counters.tpf_paper_b()[0]) - oracle_counts["tpf_paper"]) < 1e-5, where
     eos_hits += oracle_len < dc.gen_length
     n_cases += 1
   print(f"\n{n_cases} oracle cases, {eos_hits} ended by EOS, branches: {dict(branches)}, "
         f"{time.time() - start:.1f}s")
-  assert n_cases >= 50
+  assert n_cases >= 100
   for branch in ("plan_several_slots", "plan_fallback_single_best",
                  "global_verify_whole_slots", "multi_round_infill", "eos_in_global_verify",
-                 "eos_in_infill", "undecided_before_infill_eos"):
+                 "eos_in_infill", "undecided_before_infill_eos",
+                 "later_slot_starts_from_its_gv_prefix", "later_slot_fully_accepted_by_gv"):
     assert branches[branch] > 0, f"branch {branch} never happened: {dict(branches)}"
   # One program per static group, however many prompts and thresholds it ran.
   assert refusion.compiled_cache_size() - compiled_before <= len(_GROUPS)
@@ -389,6 +410,7 @@ def _check_row(out, row, oracle_result, where):
   assert int(out.counters.prefill_b[row]) == 1, where
   assert _counts_of(out, row) == {name: counts[name] for name in _PASS_KINDS}, where
   assert [int(x) for x in out.commit_step_bg[row]] == counts["commit_step"], where
+  assert abs(float(out.counters.tpf_paper_b()[row]) - counts["tpf_paper"]) < 1e-5, where
 
 
 # ----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from refusion_jax import config as config_lib
 from refusion_jax.model import Qwen3
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REQUIRED = {"tokens", "text", "nfe", "tokens_per_forward", "seconds"}
+REQUIRED = {"tokens", "text", "nfe", "tokens_per_forward", "tpf_paper", "seconds"}
 
 
 def _save(folder, attention):

@@ -68,6 +68,7 @@ def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, rng, decode_config: De
   commit_step_bg = jnp.full((b, g), -1, jnp.int32).at[:, 0].set(0)
   ones_b = jnp.ones((b,), bool)
   counters = DecodeCounters.zeros(b).add(ones_b, prefill_b=1, verify_b=1, steps_b=1)
+  counters = counters.add_step_tpf(ones_b, ones_b, ones_b)  # one token per pass
   carry = _Carry(step=jnp.int32(1), last_b=first_b, tokens_bg=tokens_bg,
                  commit_step_bg=commit_step_bg, cache=cache,
                  done_b=(first_b == eos) | (g == 1), length_b=jnp.ones((b,), jnp.int32),
@@ -93,7 +94,8 @@ def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, rng, decode_config: De
     return _Carry(step=c.step + 1, last_b=new_b, tokens_bg=tokens_bg,
                   commit_step_bg=commit_step_bg, cache=cache, done_b=done_b,
                   length_b=c.length_b + active_b.astype(jnp.int32),
-                  counters=c.counters.add(active_b, verify_b=1, steps_b=1), rng=rng)
+                  counters=c.counters.add(active_b, verify_b=1, steps_b=1).add_step_tpf(
+                      active_b, active_b, active_b), rng=rng)
 
   c = jax.lax.while_loop(cond, body, carry)
   counters = c.counters.replace(tokens_b=c.length_b)

@@ -25,12 +25,26 @@ class DecodeCounters:
   # committed from a parallel infill. Last, with a zero default, so that code
   # building counters field by field for another decoder needs no change.
   recompute_b: jax.Array = 0
+  # The paper's TPF (ALGORITHM.md "Honest speed counters"): the sum over steps of
+  # (tokens committed in the step) / (forward passes in the step); `tpf_paper_b`
+  # divides it by the number of steps.
+  step_tpf_sum_b: jax.Array = 0.0
 
   @classmethod
   def zeros(cls, batch: int) -> "DecodeCounters":
     z = jnp.zeros((batch,), jnp.int32)
     return cls(plan_b=z, global_verify_b=z, draft_b=z, verify_b=z, prefill_b=z, tokens_b=z,
-               steps_b=z, recompute_b=z)
+               steps_b=z, recompute_b=z, step_tpf_sum_b=jnp.zeros((batch,), jnp.float32))
+
+  def tpf_paper_b(self) -> jax.Array:
+    """The paper's TPF per row: the mean over steps of tokens / passes in the step."""
+    return self.step_tpf_sum_b / jnp.maximum(self.steps_b, 1)
+
+  def add_step_tpf(self, active_b: jax.Array, tokens_b: jax.Array,
+                   passes_b: jax.Array) -> "DecodeCounters":
+    """Adds one step's tokens / passes to the rows where `active_b` is set."""
+    ratio_b = tokens_b.astype(jnp.float32) / jnp.maximum(passes_b, 1).astype(jnp.float32)
+    return self.replace(step_tpf_sum_b=self.step_tpf_sum_b + jnp.where(active_b, ratio_b, 0.0))
 
   def nfe_b(self) -> jax.Array:
     """Forward passes over generated content (plan + verify + draft + infill verify
@@ -51,6 +65,7 @@ class DecodeCounters:
     # [B] even where the field kept its scalar default.
     d["recompute_b"] = jnp.zeros_like(self.plan_b) + self.recompute_b
     d["nfe_b"] = self.nfe_b()
+    d["tpf_paper_b"] = self.tpf_paper_b()
     return d
 
 

@@ -127,7 +127,8 @@ def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, rng, decode_config: De
     done_b = c.done_b | eos_final_b | (block_b >= decode_config.num_blocks)
     return _Carry(step=c.step + 1, gen_bg=gen_bg, decided_bg=decided_bg,
                   commit_step_bg=commit_step_bg, block_b=block_b, done_b=done_b,
-                  counters=c.counters.add(active_b, plan_b=1, steps_b=1), rng=rng)
+                  counters=c.counters.add(active_b, plan_b=1, steps_b=1).add_step_tpf(
+                      active_b, chosen_bg.sum(-1), active_b), rng=rng)
 
   carry = _Carry(step=jnp.int32(0), gen_bg=jnp.full((b, g), mask_id, jnp.int32),
                  decided_bg=jnp.zeros((b, g), bool),

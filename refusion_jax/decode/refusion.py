@@ -231,10 +231,12 @@ def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, knobs: _Knobs, rng,
     keep_whole_bt = per_token(whole_bs)
     decided_whole_bs = s.decided_bs | whole_bs
 
-    # 3. Parallel infill of all chosen slots. The first chosen slot keeps the prefix
-    # accepted above (the pass saw only the context and that slot before it); the
-    # other slots start from their first token alone. The mask is block-diagonal, so
-    # slots dropped after an EOS may keep being fed: no other slot ever sees them.
+    # 3. Parallel infill of all chosen slots. Every chosen slot starts from its own
+    # accepted prefix read from the global-verification pass: its first token, then
+    # each next token while its AR probability there exceeds tau_t (for later slots
+    # those probabilities saw the earlier chosen drafts, as the release uses them).
+    # The mask is block-diagonal, so slots dropped after an EOS may keep being fed:
+    # no other slot ever sees them.
     slot_mask_btt = masks.slot_local_btt(chosen_bt, k)
 
     def infill_pending_bt(c: _Infill):
@@ -289,7 +291,7 @@ def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, knobs: _Knobs, rng,
 
     infill = jax.lax.while_loop(infill_cond, infill_round, _Infill(
         tokens_bt=draft_bt,
-        accepted_bt=chosen_bt & (first_t[None] | prefix_bt),
+        accepted_bt=chosen_bt & _prefix_within_slot(accepted_bt, k),
         chosen_bs=chosen_bs,
         removed_bs=jnp.zeros_like(chosen_bs),
         eos_b=jnp.zeros((b,), bool),
@@ -344,6 +346,8 @@ def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, knobs: _Knobs, rng,
     finish_b = block_done_b & (eos_b | (s.block_b == n_blocks - 1))
     advance_b = block_done_b & ~finish_b
     counters = counters.add(active_b, steps_b=1)
+    counters = counters.add_step_tpf(active_b, keep_bt.sum(-1),
+                                     counters.nfe_b() - s.counters.nfe_b())
     return _State(
         cache=cache,
         tokens_bg=tokens_bg,
@@ -490,9 +494,12 @@ def _left_to_right(model, cache: KVCache, prompt_len_b, knobs: _Knobs, rng,
         counters=s.counters.add(active_b, plan_b=1, steps_b=1),
         rng=rng, offset=jnp.zeros((), jnp.int32)))
     finish_b = active_b & (ar.eos_b | (s.step == n_slots - 1))
+    # Every token of the slot cost one pass (its first one the plan).
+    slot_passes_b = ar.counters.nfe_b() - s.counters.nfe_b()
+    counters = ar.counters.add_step_tpf(active_b, slot_passes_b, slot_passes_b)
     return _LeftToRight(cache=ar.cache, tokens_bg=ar.tokens_bg,
                         commit_step_bg=ar.commit_step_bg, done_b=s.done_b | finish_b,
-                        counters=ar.counters, rng=ar.rng, step=s.step + 1)
+                        counters=counters, rng=ar.rng, step=s.step + 1)
 
   return jax.lax.while_loop(
       lambda s: (~s.done_b).any() & (s.step < n_slots), slot_fn, _LeftToRight(
