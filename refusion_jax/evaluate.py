@@ -6,9 +6,11 @@
 
 Two measurements per task, as in the paper's tables:
 
-* accuracy: every problem decoded in fixed-size batches (rows are independent
-  at temperature 0, so batching changes no token) and scored with the task's
-  exact-match `score`;
+* accuracy: every problem decoded by the continuous-batching engine
+  (`decode.engine`, `batch_size` rows; each prompt decodes exactly as it would
+  alone) and scored with the task's exact-match `score`; the engine's
+  throughput (tokens over its wall time, compiles excluded) is reported as
+  `engine_tokens_per_sec`;
 * speed: the first `speed_per_task` problems decoded one at a time (batch 1,
   like the paper), after an untimed warm-up call with the same shapes so that
   compilation is excluded. Each timed problem is decoded `speed_repeats` times
@@ -39,7 +41,7 @@ import numpy as np
 from refusion_jax import fileio
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.config import DecodeConfig, ModelConfig
-from refusion_jax.decode import autoregressive, mdm, refusion
+from refusion_jax.decode import autoregressive, engine as engine_lib, mdm, refusion
 from refusion_jax.decode.counters import DecodeOutput
 
 GENERATORS: dict[str, Callable[..., DecodeOutput]] = {
@@ -201,43 +203,41 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
   for task, decode_config in configs.items():
     task_problems = [p for p in problems if p.task == task]
     prompts = [list(p.prompt_ids) for p in task_problems]
+    decoder = engine_lib.Decoder(model, decode_config)
+    eng = decoder.engine(batch_size, width=width)
+    eng.warm_up()  # compiles excluded from the engine's time
     bar = _progress(len(prompts), f"{desc} {task} acc", progress)
-    tokens = nfe = correct = 0
-    tpf_paper = 0.0
-    for start in range(0, len(prompts), batch_size):
-      chunk = prompts[start:start + batch_size]
-      out = decode(model, chunk, decode_config, rows=batch_size, width=width,
-                   rng=jax.random.fold_in(rng, start))
-      nfe_b = out.counters.nfe_b()
-      tpf_paper_b = out.counters.tpf_paper_b()
-      for r, problem in enumerate(task_problems[start:start + batch_size]):
-        n = int(out.length_b[r])
-        text = tokenizer.decode(out.tokens_bg[r, :n], skip_special_tokens=True)
-        ok = bool(tasks_lib.score(problem.query, text))
-        correct += ok
-        tokens += n
-        nfe += int(nfe_b[r])
-        tpf_paper += float(tpf_paper_b[r])
-        samples.append({"task": task, "query": problem.query, "text": text, "correct": ok,
-                        "tokens": n, "nfe": int(nfe_b[r]),
-                        "tpf_paper": float(tpf_paper_b[r])})
-      if bar is not None:
-        bar.update(len(chunk))
+    run = eng.run(prompts, rng, progress=bar)
     if bar is not None:
       bar.close()
+    tokens = nfe = correct = 0
+    tpf_paper = 0.0
+    for problem, res in zip(task_problems, run.results):
+      n = len(res.tokens)
+      text = tokenizer.decode(res.tokens, skip_special_tokens=True)
+      ok = bool(tasks_lib.score(problem.query, text))
+      correct += ok
+      tokens += n
+      nfe_r = int(res.counters["nfe_b"])
+      nfe += nfe_r
+      tpf_paper += res.counters["tpf_paper_b"]
+      samples.append({"task": task, "query": problem.query, "text": text, "correct": ok,
+                      "tokens": n, "nfe": nfe_r, "tpf_paper": res.counters["tpf_paper_b"]})
 
     timed = prompts[:speed_per_task]
     speed_tokens, seconds = 0, 0.0
     if timed:
+      def one(ids, key):
+        ids_bp, lens_b = _batch_arrays([ids], 1, width)
+        return jax.block_until_ready(decoder.generate(ids_bp, lens_b, key))
       # Warm-up: the same shapes compile (and are cached) before the clock starts.
-      decode(model, timed[:1], decode_config, rows=1, width=width, rng=rng)
+      one(timed[0], rng)
       bar = _progress(len(timed), f"{desc} {task} speed", progress)
       for i, ids in enumerate(timed):
         fastest = float("inf")
         for _ in range(speed_repeats):
           t0 = time.perf_counter()
-          out = decode(model, [ids], decode_config, rows=1, width=width,
-                       rng=jax.random.fold_in(rng, i))
+          out = one(ids, jax.random.fold_in(rng, i))
           fastest = min(fastest, time.perf_counter() - t0)
         seconds += fastest
         speed_tokens += int(out.length_b[0])
@@ -251,7 +251,10 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
         "tpf_paper": tpf_paper / len(prompts),
         "speed_n": len(timed), "speed_repeats": speed_repeats,
         "speed_tokens": speed_tokens, "speed_seconds": seconds,
-        "tokens_per_sec": speed_tokens / seconds if seconds > 0 else None}
+        "tokens_per_sec": speed_tokens / seconds if seconds > 0 else None,
+        "engine_rows": batch_size, "engine_passes": run.passes,
+        "engine_seconds": run.seconds,
+        "engine_tokens_per_sec": tokens / run.seconds if run.seconds > 0 else None}
 
   tps = [m["tokens_per_sec"] for m in per_task.values()]
   average = {

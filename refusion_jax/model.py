@@ -192,7 +192,32 @@ class Qwen3(nnx.Module):
       logits = jnp.einsum("btd,dv->btv", x_btd, self.lm_head[...].astype(dtype))
     return sharding.constrain(logits, ("batch", "seq", "vocab"))
 
+  def unembed_vd(self) -> jax.Array:
+    """The output projection as `[V, D]` in the compute dtype (the embedding when tied).
+
+    With `forward_hidden`, `einsum("btd,vd->btv", h, unembed_vd())` equals the
+    logits of `forward_chunk`; decoders use it to reduce over the vocabulary
+    chunk by chunk instead of materialising `[B, T, V]`.
+    """
+    dtype = self.config.compute_dtype
+    if self.config.tie_embeddings:
+      return self.embed[...].astype(dtype)
+    return self.lm_head[...].astype(dtype).T
+
+  def forward_hidden(self, input_ids_bt, positions_bt, cache: KVCache | None, chunk_mask_btt):
+    """`forward_chunk` without the output projection.
+
+    Returns `(hidden_btd, k_lbtkh, v_lbtkh)`, the hidden states after the final
+    norm (`cache=None`: no cache, the chunk attends to itself only).
+    """
+    x, k, v = self._run_layers(input_ids_bt, positions_bt, chunk_mask_btt, cache)
+    return self.final_norm(x), k, v
+
   def _run(self, input_ids_bt, positions_bt, chunk_mask_btt, cache: KVCache | None):
+    x, k, v = self._run_layers(input_ids_bt, positions_bt, chunk_mask_btt, cache)
+    return self._logits(x), k, v
+
+  def _run_layers(self, input_ids_bt, positions_bt, chunk_mask_btt, cache: KVCache | None):
     self._check_inputs(input_ids_bt, positions_bt)
     x = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(self.config.compute_dtype)
     x = sharding.constrain(x, ("batch", "seq", "act_embed"))
@@ -208,7 +233,7 @@ class Qwen3(nnx.Module):
                             cache.v_lbskh[i], valid_bs)
       ks.append(k)
       vs.append(v)
-    return self._logits(x), jnp.stack(ks), jnp.stack(vs)
+    return x, jnp.stack(ks), jnp.stack(vs)
 
   def __call__(self, input_ids_bt, positions_bt, attention_mask_btt=None):
     """Logits `[B, T, V]`.

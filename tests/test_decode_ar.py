@@ -85,7 +85,7 @@ def _check_against_oracle(model, prompts, eos):
     np.testing.assert_array_equal(np.asarray(out.commit_step_bg[row]),
                                   [i if i < n else -1 for i in range(GEN)])
     counters = {k: int(v[row]) for k, v in out.counters.as_dict().items()}
-    assert counters["nfe_b"] == counters["verify_b"] == counters["tokens_b"] == n
+    assert counters["nfe_b"] == counters["ar_b"] == counters["tokens_b"] == n
     assert counters["prefill_b"] == 1 and counters["plan_b"] == 0
     assert float(out.counters.tpf_paper_b()[row]) == 1.0  # one token per pass
   return out

@@ -278,7 +278,7 @@ class Oracle:
       toks = [int(logits[0].argmax())]
       while len(toks) < k and toks[-1] != self.eos:
         logits = self._run(toks, positions[:len(toks)], self._causal(len(toks)))
-        counts["verify"] += 1
+        counts["ar"] += 1
         toks.append(int(logits[-1].argmax()))
       self.branches["ltr_eos_" + ("planned" if len(toks) == 1 else "ar")] += toks[-1] == self.eos
       self._commit(toks, positions[:len(toks)], self._causal(len(toks)))
@@ -356,10 +356,11 @@ def _counts_of(out, row):
   c = out.counters
   return {"plan": int(c.plan_b[row]), "global_verify": int(c.global_verify_b[row]),
           "draft": int(c.draft_b[row]), "verify": int(c.verify_b[row]),
-          "steps": int(c.steps_b[row]), "recompute": int(c.recompute_b[row])}
+          "steps": int(c.steps_b[row]), "recompute": int(c.recompute_b[row]),
+          "ar": int(c.ar_b[row])}
 
 
-_PASS_KINDS = ("plan", "global_verify", "draft", "verify", "steps", "recompute")
+_PASS_KINDS = ("plan", "global_verify", "draft", "verify", "steps", "recompute", "ar")
 
 
 def test_matches_plain_python_oracle(models):

@@ -1,0 +1,10 @@
+"""Decoders: ReFusion's plan-and-infill and the AR and MDM baselines.
+
+Every decoder is a row program of `engine` (one protocol, one registry, one
+token picker in `heads`, one pass builder in `passes`). Entry points:
+`engine.Decoder(model, decode_config)` (`.generate`, `.engine(rows)`) or the
+per-method `generate` functions.
+"""
+
+from refusion_jax.decode import autoregressive, engine, mdm, refusion  # noqa: F401  (registers)
+from refusion_jax.decode.engine import Decoder, Engine, generate  # noqa: F401

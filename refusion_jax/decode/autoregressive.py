@@ -1,18 +1,16 @@
 """Left-to-right decoding with the static KV buffer (the ARM baseline).
 
-One compiled program per (model graph, DecodeConfig, batch and prompt shape):
-a prefill pass over the right-padded prompts, then a `lax.while_loop` that
-feeds one token per row per iteration, commits its K/V and picks the next
-token. Rows that produced EOS are frozen (their tokens, cache and counters no
-longer change) while the others go on.
+A row program of `engine` (one protocol for every decoder): admission
+prefills the prompt and picks the first token from the logits at its last
+token; then each pass feeds one token per active row (its newest), commits
+its K/V and picks the next token. A row that produced an EOS, or reached
+`gen_length`, is done; the others go on.
 
-The KV buffer (`max_len = P + gen_length`) is allocated inside the program
-rather than donated: no output could alias a donated buffer (XLA warns and
-ignores it), and inside the program XLA already updates it in place.
-
-Counters: `verify_b` counts one AR pass per generated token (the first token
-comes from the prefill logits, so `nfe == tokens`; the loop itself runs
-`tokens - 1` single-token passes), `prefill_b` is 1.
+Counters: `ar_b` counts one AR pass per generated token (the first token
+comes from the prefill logits and counts one, so `nfe == tokens`; the loop
+itself runs `tokens - 1` single-token passes), `prefill_b` is 1. At
+temperature > 0 every token is sampled (argmax of logits / temperature plus
+Gumbel noise, a categorical draw).
 """
 
 from __future__ import annotations
@@ -22,9 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from refusion_jax.config import DecodeConfig, ModelConfig
-from refusion_jax.decode import common
+from refusion_jax.decode import engine, heads, passes
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
+from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
+from refusion_jax.decode.refusion import prefill_rows
 from refusion_jax.kv_cache import KVCache
+
+DECODE = FIRST_PHASE
 
 
 def pad_id(config: ModelConfig) -> int:
@@ -32,79 +34,100 @@ def pad_id(config: ModelConfig) -> int:
   return config.pad_token_id if config.pad_token_id is not None else 0
 
 
-def pick_tokens(logits_bv, rng, temperature: float):
-  """Greedy argmax, or a sample from softmax(logits / temperature)."""
-  logits_bv = logits_bv.astype(jnp.float32)
-  if temperature == 0.0:
-    return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(rng, logits_bv / temperature, axis=-1).astype(jnp.int32)
+@flax.struct.dataclass
+class Rows:
+  phase_b: jax.Array
+  length_b: jax.Array  # live cache entries
+  prompt_len_b: jax.Array
+  key_b2: jax.Array
+  tokens_bg: jax.Array
+  commit_step_bg: jax.Array
+  n_b: jax.Array  # tokens generated
+  counters: DecodeCounters
 
 
 @flax.struct.dataclass
-class _Carry:
-  step: jax.Array  # tokens generated so far by the longest-running row
-  last_b: jax.Array  # the newest token of each row (fed next)
-  tokens_bg: jax.Array
-  commit_step_bg: jax.Array
+class State:
+  phase_b: jax.Array
+  passes: jax.Array
   cache: KVCache
-  done_b: jax.Array
-  length_b: jax.Array
-  counters: DecodeCounters
-  rng: jax.Array
+  rows: Rows
 
 
-def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, rng, decode_config: DecodeConfig):
-  model = common.merge_model(graphdef, state)
-  config: ModelConfig = model.config
-  b, p = prompt_ids_bp.shape
-  g = decode_config.gen_length
-  cache = common.init_cache(config, b, p + g)
-  eos = -1 if config.eos_token_id is None else config.eos_token_id
-
-  cache, last_logits_bv = common.prefill(model, cache, prompt_ids_bp, prompt_len_b)
-  rng, key = jax.random.split(rng)
-  first_b = pick_tokens(last_logits_bv, key, decode_config.temperature)
-  tokens_bg = jnp.full((b, g), pad_id(config), jnp.int32).at[:, 0].set(first_b)
-  commit_step_bg = jnp.full((b, g), -1, jnp.int32).at[:, 0].set(0)
-  ones_b = jnp.ones((b,), bool)
-  counters = DecodeCounters.zeros(b).add(ones_b, prefill_b=1, verify_b=1, steps_b=1)
-  counters = counters.add_step_tpf(ones_b, ones_b, ones_b)  # one token per pass
-  carry = _Carry(step=jnp.int32(1), last_b=first_b, tokens_bg=tokens_bg,
-                 commit_step_bg=commit_step_bg, cache=cache,
-                 done_b=(first_b == eos) | (g == 1), length_b=jnp.ones((b,), jnp.int32),
-                 counters=counters, rng=rng)
-
-  def cond(c: _Carry):
-    return (c.step < g) & ~jnp.all(c.done_b)
-
-  def body(c: _Carry):
-    active_b = ~c.done_b
-    # The newest token sits at position prompt_len + (step - 1).
-    pos_b1 = (prompt_len_b + c.step - 1)[:, None]
-    logits_b1v, k, v = model.forward_chunk(c.last_b[:, None], pos_b1, c.cache,
-                                           jnp.ones((b, 1, 1), bool))
-    cache = c.cache.commit(k, v, pos_b1, active_b[:, None])
-    rng, key = jax.random.split(c.rng)
-    new_b = pick_tokens(logits_b1v[:, 0], key, decode_config.temperature)
-    new_b = jnp.where(active_b, new_b, c.last_b)
-    tokens_bg = c.tokens_bg.at[:, c.step].set(jnp.where(active_b, new_b, c.tokens_bg[:, c.step]))
-    commit_step_bg = c.commit_step_bg.at[:, c.step].set(
-        jnp.where(active_b, c.step, c.commit_step_bg[:, c.step]))
-    done_b = c.done_b | (active_b & ((new_b == eos) | (c.step + 1 >= g)))
-    return _Carry(step=c.step + 1, last_b=new_b, tokens_bg=tokens_bg,
-                  commit_step_bg=commit_step_bg, cache=cache, done_b=done_b,
-                  length_b=c.length_b + active_b.astype(jnp.int32),
-                  counters=c.counters.add(active_b, verify_b=1, steps_b=1).add_step_tpf(
-                      active_b, active_b, active_b), rng=rng)
-
-  c = jax.lax.while_loop(cond, body, carry)
-  counters = c.counters.replace(tokens_b=c.length_b)
-  return DecodeOutput(tokens_bg=c.tokens_bg, length_b=c.length_b, counters=counters,
-                      commit_step_bg=c.commit_step_bg)
+def _empty_rows(spec: Spec, b: int, pad) -> Rows:
+  zi = jnp.zeros((b,), jnp.int32)
+  return Rows(phase_b=zi + FREE, length_b=zi, prompt_len_b=zi,
+              key_b2=jnp.zeros((b, 2), jnp.uint32),
+              tokens_bg=jnp.full((b, spec.gen_length), pad, jnp.int32),
+              commit_step_bg=jnp.full((b, spec.gen_length), -1, jnp.int32), n_b=zi,
+              counters=DecodeCounters.zeros(b))
 
 
-# The graph definition and the DecodeConfig are hashable: one compile per value and shape.
-_decode_jit = jax.jit(_decode, static_argnames=("graphdef", "decode_config"))
+def init(model, spec: Spec, rows: int, width: int) -> State:
+  r = _empty_rows(spec, rows, pad_id(model.config))
+  return State(phase_b=r.phase_b, passes=jnp.zeros((), jnp.int32),
+               cache=KVCache.init(model.config, rows, width + spec.gen_length), rows=r)
+
+
+def _emit(spec: Spec, r: Rows, token_b, active_b, knobs: Knobs) -> Rows:
+  """Writes each active row's next token and counts its pass."""
+  rows = jnp.arange(token_b.shape[0])
+  index = jnp.minimum(r.n_b, spec.gen_length - 1)
+  tokens = r.tokens_bg.at[rows, index].set(jnp.where(active_b, token_b, r.tokens_bg[rows, index]))
+  steps = r.commit_step_bg.at[rows, index].set(
+      jnp.where(active_b, r.n_b, r.commit_step_bg[rows, index]))
+  n_b = r.n_b + active_b.astype(jnp.int32)
+  done = active_b & ((token_b == knobs.eos_id) | (n_b >= spec.gen_length))
+  counters = r.counters.add(active_b, ar_b=1, steps_b=1).add_step_tpf(active_b, active_b,
+                                                                      active_b)
+  return r.replace(tokens_bg=tokens, commit_step_bg=steps, n_b=n_b, counters=counters,
+                   phase_b=jnp.where(done, DONE, r.phase_b))
+
+
+def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: Knobs) -> State:
+  cache, last_ad = prefill_rows(model, st.cache, ids_ap, lens_a, rows_a)
+  a = ids_ap.shape[0]
+  ones = jnp.ones((a,), bool)
+  fresh = _empty_rows(spec, a, knobs.pad_id).replace(
+      phase_b=jnp.full((a,), DECODE, jnp.int32), length_b=lens_a, prompt_len_b=lens_a,
+      key_b2=keys_a2)
+  fresh = fresh.replace(counters=fresh.counters.add(ones, prefill_b=1))
+  # The first token, from the logits at the prompt's last token (pass 0 of the prompt).
+  keys = engine.pass_keys(keys_a2, jnp.zeros((a,), jnp.int32), 1)
+  stats = heads.token_stats(last_ad[:, None], model.unembed_vd(), jnp.zeros((a, 1), jnp.int32),
+                            sample_bt=jnp.ones((a, 1), bool), temperature=knobs.temperature,
+                            keys_bt2=keys, vocab_chunk=spec.vocab_chunk)
+  fresh = _emit(spec, fresh, stats.pick_bt[:, 0], ones, knobs)
+  rows = engine.set_rows(st.rows, fresh, rows_a)
+  return st.replace(phase_b=rows.phase_b, cache=cache, rows=rows)
+
+
+def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
+  """One pass: every active row feeds its newest token and picks the next."""
+  r = st.rows
+  b = r.phase_b.shape[0]
+  active = r.phase_b == DECODE
+  rows = jnp.arange(b)
+  newest = r.tokens_bg[rows, jnp.maximum(r.n_b - 1, 0)]
+  feed = passes.Feed(fed_bn=active[:, None], ids_bn=newest[:, None],
+                     positions_bn=(r.prompt_len_b + r.n_b - 1)[:, None],
+                     group_bn=jnp.zeros((b, 1), jnp.int32), dest_bn=r.length_b[:, None],
+                     sample_bn=jnp.ones((b, 1), bool))
+  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), 1)
+  cache, out = passes.run_pass(model, st.cache, feed, (1,), temperature=knobs.temperature,
+                               keys_bn2=keys, vocab_chunk=spec.vocab_chunk)
+  r = _emit(spec, r.replace(length_b=r.length_b + active.astype(jnp.int32)), out.pick_bn[:, 0],
+            active, knobs)
+  return State(phase_b=r.phase_b, passes=st.passes + 1, cache=cache.replace(length_b=r.length_b),
+               rows=r)
+
+
+def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
+  del spec, knobs
+  r = st.rows
+  return DecodeOutput(tokens_bg=r.tokens_bg, length_b=r.n_b,
+                      counters=r.counters.replace(tokens_b=r.n_b),
+                      commit_step_bg=r.commit_step_bg)
 
 
 def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: int) -> None:
@@ -119,6 +142,11 @@ def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: i
   decode_config.check_fits(config, prompt_len)
 
 
+PROGRAM = engine.register(engine.Program(
+    name="ar", check=check_config, init=init, admit=admit, step=step, output=output,
+    needs_rng_to_sample=False))
+
+
 def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
              rng=None) -> DecodeOutput:
   """Decodes `decode_config.gen_length` tokens (or up to EOS) after each prompt.
@@ -129,21 +157,12 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
     prompt_len_b: `[B]` real prompt lengths (1..P); row b's response starts at
       position `prompt_len_b[b]`.
     decode_config: `DecodeConfig` with `method='ar'`.
-    rng: PRNG key (used only when temperature > 0).
+    rng: PRNG key (used only when temperature > 0; default key 0).
   """
-  # Positions run up to prompt_len + gen_length - 1; right padding needs none.
-  ids, lens = common.checked_prompts(model, prompt_ids_bp, prompt_len_b, decode_config,
-                                     check_config)
-  rng = jax.random.key(0) if rng is None else rng
-  graphdef, state = common.split_model(model)
-  # Fields AR ignores are reset so that, e.g., a threshold sweep reuses one program.
-  g = decode_config.gen_length
-  program_config = DecodeConfig(method="ar", gen_length=g, slot_size=g, block_size=g,
-                                temperature=decode_config.temperature)
-  return _decode_jit(graphdef, state, jnp.asarray(ids), jnp.asarray(lens), rng,
-                     decode_config=program_config)
+  check_config(model.config, decode_config, 1)
+  return engine.Decoder(model, decode_config).generate(prompt_ids_bp, prompt_len_b, rng)
 
 
 def compiled_programs() -> int:
-  """Programs compiled so far (tests use it to prove a shape bucket is reused)."""
-  return _decode_jit._cache_size()
+  """Programs compiled so far by `generate` (tests use it to prove a bucket is reused)."""
+  return engine.compiled_programs()["generate"]

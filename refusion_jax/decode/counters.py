@@ -17,7 +17,7 @@ class DecodeCounters:
   plan_b: jax.Array  # ReFusion plan (diffusion) passes; MDM denoising passes
   global_verify_b: jax.Array  # ReFusion global verification passes
   draft_b: jax.Array  # ReFusion infill draft passes
-  verify_b: jax.Array  # ReFusion infill verify passes; AR decode passes
+  verify_b: jax.Array  # ReFusion infill verify passes
   prefill_b: jax.Array  # prompt passes (not part of NFE, reported apart)
   tokens_b: jax.Array  # generated tokens committed, up to and including EOS
   steps_b: jax.Array  # outer loop iterations
@@ -29,12 +29,17 @@ class DecodeCounters:
   # (tokens committed in the step) / (forward passes in the step); `tpf_paper_b`
   # divides it by the number of steps.
   step_tpf_sum_b: jax.Array = 0.0
+  # Single-token autoregressive passes: every pass of the AR decoder (its first
+  # token is read from the prefill and counts one), and the further tokens of a
+  # slot in ReFusion's left-to-right ablation.
+  ar_b: jax.Array = 0
 
   @classmethod
   def zeros(cls, batch: int) -> "DecodeCounters":
     z = jnp.zeros((batch,), jnp.int32)
     return cls(plan_b=z, global_verify_b=z, draft_b=z, verify_b=z, prefill_b=z, tokens_b=z,
-               steps_b=z, recompute_b=z, step_tpf_sum_b=jnp.zeros((batch,), jnp.float32))
+               steps_b=z, recompute_b=z, step_tpf_sum_b=jnp.zeros((batch,), jnp.float32),
+               ar_b=z)
 
   def tpf_paper_b(self) -> jax.Array:
     """The paper's TPF per row: the mean over steps of tokens / passes in the step."""
@@ -47,10 +52,10 @@ class DecodeCounters:
     return self.replace(step_tpf_sum_b=self.step_tpf_sum_b + jnp.where(active_b, ratio_b, 0.0))
 
   def nfe_b(self) -> jax.Array:
-    """Forward passes over generated content (plan + verify + draft + infill verify
-    + KV recomputation)."""
+    """Forward passes over generated content (plan + global verification + draft
+    + infill verify + KV recomputation + single-token AR passes)."""
     return (self.plan_b + self.global_verify_b + self.draft_b + self.verify_b
-            + self.recompute_b)
+            + self.recompute_b + self.ar_b)
 
   def add(self, active_b: jax.Array, **increments) -> "DecodeCounters":
     """Adds each increment (scalar or [B]) to the rows where `active_b` is set."""
@@ -64,6 +69,7 @@ class DecodeCounters:
                                        "prefill_b", "tokens_b", "steps_b")}
     # [B] even where the field kept its scalar default.
     d["recompute_b"] = jnp.zeros_like(self.plan_b) + self.recompute_b
+    d["ar_b"] = jnp.zeros_like(self.plan_b) + self.ar_b
     d["nfe_b"] = self.nfe_b()
     d["tpf_paper_b"] = self.tpf_paper_b()
     return d

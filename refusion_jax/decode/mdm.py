@@ -24,6 +24,11 @@ counted. Without an EOS a row stops after its last block.
 
 Counters: `plan_b` counts denoising passes (one per step while the row is
 active), `prefill_b` is 0 (there is no separate prompt pass).
+
+A row program of `engine`: admission writes the prompt and the masks into
+the row's canvas; each pass re-runs every canvas. Whether the fixed count or
+the threshold rule applies, the count, the threshold and the temperature are
+traced knobs (one program for LLaDA and Fast-dLLM settings).
 """
 
 from __future__ import annotations
@@ -33,21 +38,32 @@ import jax
 import jax.numpy as jnp
 
 from refusion_jax.config import DecodeConfig, ModelConfig
-from refusion_jax.decode import common
+from refusion_jax.decode import engine, heads
 from refusion_jax.decode.autoregressive import pad_id
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
+from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
+
+DENOISE = FIRST_PHASE
 
 
 @flax.struct.dataclass
-class _Carry:
-  step: jax.Array
+class Rows:
+  phase_b: jax.Array
+  prompt_len_b: jax.Array
+  key_b2: jax.Array
+  prompt_bp: jax.Array  # the prompt, right-padded to the bucket width
   gen_bg: jax.Array  # response tokens (mask id where undecided)
   decided_bg: jax.Array
   commit_step_bg: jax.Array
   block_b: jax.Array  # index of each row's current block
-  done_b: jax.Array
   counters: DecodeCounters
-  rng: jax.Array
+
+
+@flax.struct.dataclass
+class State:
+  phase_b: jax.Array
+  passes: jax.Array
+  rows: Rows
 
 
 def confidence_rank_bg(conf_bg, candidate_bg):
@@ -71,83 +87,88 @@ def first_eos_b(tokens_bg, decided_bg, eos: int):
   return first_b, final_b
 
 
-def _decode(graphdef, state, prompt_ids_bp, prompt_len_b, rng, decode_config: DecodeConfig):
-  model = common.merge_model(graphdef, state)
-  config: ModelConfig = model.config
-  b, p = prompt_ids_bp.shape
-  g = decode_config.gen_length
-  total = p + g
-  mask_id = config.mask_token_id
-  eos = -1 if config.eos_token_id is None else config.eos_token_id
-  fill = pad_id(config)
+def _empty_rows(spec: Spec, b: int, width: int, mask_id) -> Rows:
+  g = spec.gen_length
+  zi = jnp.zeros((b,), jnp.int32)
+  return Rows(phase_b=zi + FREE, prompt_len_b=zi + 1, key_b2=jnp.zeros((b, 2), jnp.uint32),
+              prompt_bp=jnp.zeros((b, width), jnp.int32),
+              gen_bg=jnp.full((b, g), mask_id, jnp.int32), decided_bg=jnp.zeros((b, g), bool),
+              commit_step_bg=jnp.full((b, g), -1, jnp.int32), block_b=zi,
+              counters=DecodeCounters.zeros(b))
 
+
+def init(model, spec: Spec, rows: int, width: int) -> State:
+  mask = model.config.mask_token_id
+  r = _empty_rows(spec, rows, width, -1 if mask is None else mask)
+  return State(phase_b=r.phase_b, passes=jnp.zeros((), jnp.int32), rows=r)
+
+
+def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: Knobs) -> State:
+  del model
+  a, p = ids_ap.shape
+  fresh = _empty_rows(spec, a, p, knobs.mask_id).replace(
+      phase_b=jnp.full((a,), DENOISE, jnp.int32), prompt_len_b=lens_a, key_b2=keys_a2,
+      prompt_bp=jnp.where(jnp.arange(p)[None] < lens_a[:, None], ids_ap, knobs.pad_id))
+  rows = engine.set_rows(st.rows, fresh, rows_a)
+  return st.replace(phase_b=rows.phase_b, rows=rows)
+
+
+def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
+  """One denoising pass over every canvas; each active row unmasks in its block."""
+  r = st.rows
+  b, p = r.prompt_bp.shape
+  g = spec.gen_length
+  total = p + g
+  active_b = r.phase_b == DENOISE
   cols_l = jnp.arange(total)
-  gen_col_bg = prompt_len_b[:, None] + jnp.arange(g)[None, :]
-  base_bl = jnp.concatenate([prompt_ids_bp, jnp.full((b, g), fill, jnp.int32)], axis=1)
-  base_bl = jnp.where(cols_l[None] < prompt_len_b[:, None], base_bl, fill)
-  key_live_bl = cols_l[None] < (prompt_len_b + g)[:, None]
+  gen_col_bg = r.prompt_len_b[:, None] + jnp.arange(g)[None, :]
+  rows_bg = jnp.broadcast_to(jnp.arange(b)[:, None], (b, g))
+  seq_bl = jnp.concatenate([r.prompt_bp, jnp.full((b, g), knobs.pad_id, jnp.int32)], axis=1)
+  seq_bl = seq_bl.at[rows_bg, gen_col_bg].set(r.gen_bg)
+  key_live_bl = cols_l[None] < (r.prompt_len_b + g)[:, None]
   # Padding queries keep their own key so that no softmax row is empty.
   attn_bll = key_live_bl[:, None, :] | jnp.eye(total, dtype=bool)[None]
   positions_bl = jnp.broadcast_to(cols_l[None].astype(jnp.int32), (b, total))
-  rows_bg = jnp.broadcast_to(jnp.arange(b)[:, None], (b, g))
-  block_of_g = jnp.arange(g) // decode_config.block_size
+  h_bld, _, _ = model.forward_hidden(seq_bl, positions_bl, None, attn_bll)
+  h_bgd = jnp.take_along_axis(h_bld, gen_col_bg[:, :, None], axis=1)
+  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), g)
+  stats = heads.token_stats(h_bgd, model.unembed_vd(), jnp.zeros((b, g), jnp.int32),
+                            sample_bt=jnp.ones((b, g), bool), temperature=knobs.temperature,
+                            keys_bt2=keys, banned_id=knobs.mask_id, vocab_chunk=spec.vocab_chunk)
+  draft_bg, conf_bg = stats.pick_bt, stats.p_pick_bt
 
-  def cond(c: _Carry):
-    return (c.step < g) & ~jnp.all(c.done_b)
+  block_of_g = jnp.arange(g) // spec.block_size
+  in_block_bg = block_of_g[None, :] == r.block_b[:, None]
+  candidate_bg = in_block_bg & ~r.decided_bg & active_b[:, None]
+  rank_bg = confidence_rank_bg(conf_bg, candidate_bg)
+  chosen_bg = candidate_bg & jnp.where(knobs.mdm_threshold >= 0,
+                                       (conf_bg > knobs.mdm_threshold) | (rank_bg == 0),
+                                       rank_bg < knobs.mdm_tokens_per_step)
+  gen_bg = jnp.where(chosen_bg, draft_bg, r.gen_bg)
+  decided_bg = r.decided_bg | chosen_bg
+  commit_step_bg = jnp.where(chosen_bg, r.counters.steps_b[:, None], r.commit_step_bg)
+  block_left_b = jnp.any(in_block_bg & ~decided_bg, axis=1)
+  block_b = r.block_b + (active_b & ~block_left_b).astype(jnp.int32)
+  _, eos_final_b = first_eos_b(gen_bg, decided_bg, knobs.eos_id)
+  done_b = active_b & (eos_final_b | (block_b >= g // spec.block_size))
+  counters = r.counters.add(active_b, plan_b=1, steps_b=1).add_step_tpf(
+      active_b, chosen_bg.sum(-1), active_b)
+  r = r.replace(phase_b=jnp.where(done_b, DONE, r.phase_b), gen_bg=gen_bg, decided_bg=decided_bg,
+                commit_step_bg=commit_step_bg, block_b=block_b, counters=counters)
+  return State(phase_b=r.phase_b, passes=st.passes + 1, rows=r)
 
-  def body(c: _Carry):
-    active_b = ~c.done_b
-    seq_bl = base_bl.at[rows_bg, gen_col_bg].set(c.gen_bg)
-    logits_blv = model(seq_bl, positions_bl, attn_bll)
-    logits_bgv = jnp.take_along_axis(logits_blv, gen_col_bg[:, :, None], axis=1)
-    logits_bgv = logits_bgv.astype(jnp.float32).at[:, :, mask_id].set(-jnp.inf)
-    rng, key = jax.random.split(c.rng)
-    if decode_config.temperature == 0.0:
-      draft_bg = jnp.argmax(logits_bgv, axis=-1).astype(jnp.int32)
-    else:
-      draft_bg = jax.random.categorical(key, logits_bgv / decode_config.temperature,
-                                        axis=-1).astype(jnp.int32)
-    probs_bgv = jax.nn.softmax(logits_bgv, axis=-1)
-    conf_bg = jnp.take_along_axis(probs_bgv, draft_bg[:, :, None], axis=-1)[:, :, 0]
 
-    in_block_bg = block_of_g[None, :] == c.block_b[:, None]
-    candidate_bg = in_block_bg & ~c.decided_bg & active_b[:, None]
-    rank_bg = confidence_rank_bg(conf_bg, candidate_bg)
-    if decode_config.mdm_threshold is None:
-      chosen_bg = candidate_bg & (rank_bg < decode_config.mdm_tokens_per_step)
-    else:
-      chosen_bg = candidate_bg & ((conf_bg > decode_config.mdm_threshold) | (rank_bg == 0))
-
-    gen_bg = jnp.where(chosen_bg, draft_bg, c.gen_bg)
-    decided_bg = c.decided_bg | chosen_bg
-    commit_step_bg = jnp.where(chosen_bg, c.step, c.commit_step_bg)
-    block_left_b = jnp.any(in_block_bg & ~decided_bg, axis=1)
-    block_b = c.block_b + (active_b & ~block_left_b).astype(jnp.int32)
-    _, eos_final_b = first_eos_b(gen_bg, decided_bg, eos)
-    done_b = c.done_b | eos_final_b | (block_b >= decode_config.num_blocks)
-    return _Carry(step=c.step + 1, gen_bg=gen_bg, decided_bg=decided_bg,
-                  commit_step_bg=commit_step_bg, block_b=block_b, done_b=done_b,
-                  counters=c.counters.add(active_b, plan_b=1, steps_b=1).add_step_tpf(
-                      active_b, chosen_bg.sum(-1), active_b), rng=rng)
-
-  carry = _Carry(step=jnp.int32(0), gen_bg=jnp.full((b, g), mask_id, jnp.int32),
-                 decided_bg=jnp.zeros((b, g), bool),
-                 commit_step_bg=jnp.full((b, g), -1, jnp.int32),
-                 block_b=jnp.zeros((b,), jnp.int32), done_b=jnp.zeros((b,), bool),
-                 counters=DecodeCounters.zeros(b), rng=rng)
-  c = jax.lax.while_loop(cond, body, carry)
-
-  first_b, _ = first_eos_b(c.gen_bg, c.decided_bg, eos)
+def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
+  r = st.rows
+  g = spec.gen_length
+  first_b, _ = first_eos_b(r.gen_bg, r.decided_bg, knobs.eos_id)
   length_b = jnp.minimum(first_b + 1, g).astype(jnp.int32)
   kept_bg = jnp.arange(g)[None, :] < length_b[:, None]
-  tokens_bg = jnp.where(kept_bg & c.decided_bg, c.gen_bg, fill)
-  commit_step_bg = jnp.where(kept_bg, c.commit_step_bg, -1)
-  counters = c.counters.replace(tokens_b=length_b)
-  return DecodeOutput(tokens_bg=tokens_bg, length_b=length_b, counters=counters,
+  tokens_bg = jnp.where(kept_bg & r.decided_bg, r.gen_bg, knobs.pad_id)
+  commit_step_bg = jnp.where(kept_bg, r.commit_step_bg, -1)
+  return DecodeOutput(tokens_bg=tokens_bg, length_b=length_b,
+                      counters=r.counters.replace(tokens_b=length_b),
                       commit_step_bg=commit_step_bg)
-
-
-_decode_jit = jax.jit(_decode, static_argnames=("graphdef", "decode_config"))
 
 
 def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: int) -> None:
@@ -164,6 +185,11 @@ def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: i
   decode_config.check_fits(config, prompt_len)
 
 
+PROGRAM = engine.register(engine.Program(
+    name="mdm", check=check_config, init=init, admit=admit, step=step, output=output,
+    needs_rng_to_sample=False))
+
+
 def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
              rng=None) -> DecodeOutput:
   """Decodes up to `decode_config.gen_length` tokens after each prompt by unmasking.
@@ -173,23 +199,12 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
     prompt_ids_bp: `[B, P]` right-padded prompt ids.
     prompt_len_b: `[B]` real prompt lengths (1..P).
     decode_config: `DecodeConfig` with `method='mdm'`.
-    rng: PRNG key (used only when temperature > 0).
+    rng: PRNG key (used only when temperature > 0; default key 0).
   """
-  # Positions run up to prompt_len + gen_length - 1; right padding needs none.
-  ids, lens = common.checked_prompts(model, prompt_ids_bp, prompt_len_b, decode_config,
-                                     check_config)
-  rng = jax.random.key(0) if rng is None else rng
-  graphdef, state = common.split_model(model)
-  # ReFusion's slot size and thresholds do not matter here: reset them so they share a program.
-  program_config = DecodeConfig(
-      method="mdm", gen_length=decode_config.gen_length, slot_size=decode_config.block_size,
-      block_size=decode_config.block_size, temperature=decode_config.temperature,
-      mdm_tokens_per_step=decode_config.mdm_tokens_per_step,
-      mdm_threshold=decode_config.mdm_threshold)
-  return _decode_jit(graphdef, state, jnp.asarray(ids), jnp.asarray(lens), rng,
-                     decode_config=program_config)
+  check_config(model.config, decode_config, 1)
+  return engine.Decoder(model, decode_config).generate(prompt_ids_bp, prompt_len_b, rng)
 
 
 def compiled_programs() -> int:
-  """Programs compiled so far (tests use it to prove a shape bucket is reused)."""
-  return _decode_jit._cache_size()
+  """Programs compiled so far by `generate` (tests use it to prove a bucket is reused)."""
+  return engine.compiled_programs()["generate"]

@@ -1,0 +1,441 @@
+"""One protocol for every decoder, and a continuous-batching engine over it.
+
+Each decoding method (`refusion`, `ar`, `mdm`) is a *row program*: a fixed
+number of rows, each holding one prompt (or nothing), each in its own phase.
+A program provides
+
+* `init(model, spec, rows, width)`: every row free, the KV buffer empty;
+* `admit(model, spec, state, ids_ap, lens_a, rows_a, keys_a2, knobs)`:
+  prefills prompts into the given rows (row index `rows` = padding, ignored);
+* `step(model, spec, state, knobs)`: **one forward pass** in which every
+  active row advances by its own phase;
+* `output(spec, state, knobs)`: a `DecodeOutput` of every row.
+
+Row phases share two values: `FREE` (no prompt) and `DONE` (finished, result
+not yet taken); a program's own phases are >= `FIRST_PHASE`.
+
+What a program compiles for is split in two. `Spec` is static (shapes and
+structure: method, gen_length, slot and block size, the left-to-right
+ablation, the vocabulary chunk); `Knobs` is traced (thresholds, temperature,
+recompute_kv, the MDM settings and the special token ids), so a threshold
+sweep or a new temperature reuses every compiled program of every method.
+
+Randomness is per prompt: prompt i of a call draws from
+`fold_in(rng, i)` and, within it, from the row's own pass count, so a prompt
+decodes the same whether alone, in a batch, or admitted mid-run into any row.
+
+`generate` decodes one batch in one compiled program (admit all, loop until
+every row is done). `Engine` serves many prompts through a fixed number of
+rows: when a row finishes, its result is taken and the next prompt is
+prefilled into it, without recompiling; prompts are bucketed by length (one
+program per bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import common, heads
+from refusion_jax.decode.counters import DecodeOutput
+
+FREE, DONE, FIRST_PHASE = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What a decode program is compiled for (hashable)."""
+
+  method: str
+  gen_length: int
+  slot_size: int
+  block_size: int
+  left_to_right: bool = False
+  vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK
+
+
+@flax.struct.dataclass
+class Knobs:
+  """Traced settings: changing them never recompiles."""
+
+  slot_threshold: jax.Array
+  token_threshold: jax.Array
+  temperature: jax.Array
+  recompute_kv: jax.Array
+  mdm_threshold: jax.Array  # < 0: off (LLaDA's fixed count per step)
+  mdm_tokens_per_step: jax.Array
+  mask_id: jax.Array
+  eos_id: jax.Array  # -1 when the model has no EOS: never matches a token
+  pad_id: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A decoding method as a row program (module docstring)."""
+
+  name: str
+  check: Callable  # (model_config, decode_config, longest_prompt) -> None, raises
+  init: Callable
+  admit: Callable
+  step: Callable
+  output: Callable
+  needs_rng_to_sample: bool = True
+
+
+_PROGRAMS: dict[str, Program] = {}
+
+
+def register(program: Program) -> Program:
+  _PROGRAMS[program.name] = program
+  return program
+
+
+def program(method: str) -> Program:
+  if method not in _PROGRAMS:
+    raise ValueError(f"decode.method={method!r}: known decoders are {sorted(_PROGRAMS)}")
+  return _PROGRAMS[method]
+
+
+def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK) -> Spec:
+  """The static part of a DecodeConfig; fields a method ignores are normalised
+  so that they share one program."""
+  dc, g = decode_config, decode_config.gen_length
+  if dc.method == "ar":
+    return Spec("ar", g, g, g, False, vocab_chunk)
+  if dc.method == "mdm":
+    return Spec("mdm", g, dc.block_size, dc.block_size, False, vocab_chunk)
+  if dc.left_to_right:  # blocks play no part left to right
+    return Spec("refusion", g, dc.slot_size, g, True, vocab_chunk)
+  return Spec("refusion", g, dc.slot_size, dc.block_size, False, vocab_chunk)
+
+
+def knobs_of(model_config, decode_config: DecodeConfig) -> Knobs:
+  dc = decode_config
+  return Knobs(
+      slot_threshold=jnp.float32(dc.slot_threshold),
+      token_threshold=jnp.float32(dc.token_threshold),
+      temperature=jnp.float32(dc.temperature),
+      recompute_kv=jnp.bool_(dc.recompute_kv),
+      mdm_threshold=jnp.float32(-1.0 if dc.mdm_threshold is None else dc.mdm_threshold),
+      mdm_tokens_per_step=jnp.int32(dc.mdm_tokens_per_step),
+      mask_id=jnp.int32(-1 if model_config.mask_token_id is None else model_config.mask_token_id),
+      eos_id=jnp.int32(-1 if model_config.eos_token_id is None else model_config.eos_token_id),
+      pad_id=jnp.int32(0 if model_config.pad_token_id is None else model_config.pad_token_id))
+
+
+def raw_key(rng) -> jax.Array:
+  """A uint32[2] key from either key flavour."""
+  rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(rng)
+  return rng
+
+
+def prompt_keys(rng, prompt_ids_a) -> jax.Array:
+  """`[A, 2]` per-prompt keys: `fold_in(rng, prompt id)`."""
+  return jax.vmap(lambda i: jax.random.fold_in(rng, i))(prompt_ids_a)
+
+
+def pass_keys(key_b2, pass_b, n: int) -> jax.Array:
+  """`[B, n, 2]` keys for the n layout entries of each row's current pass."""
+  def row(key, count):
+    k = jax.random.fold_in(key, count)
+    return jax.vmap(lambda i: jax.random.fold_in(k, i))(jnp.arange(n))
+  return jax.vmap(row)(key_b2, pass_b)
+
+
+def set_rows(full, new, rows_a):
+  """Writes the `[A, ...]` leaves of `new` into rows `rows_a` of `full` (index B: dropped)."""
+  return jax.tree.map(lambda f, x: f.at[rows_a].set(x.astype(f.dtype), mode="drop"), full, new)
+
+
+# --- the compiled programs ----------------------------------------------------------------
+
+
+def _loop(model, prog: Program, spec: Spec, state, knobs: Knobs, stop_on_done):
+  def cond(s):
+    active = (s.phase_b >= FIRST_PHASE).any()
+    return active & ~(stop_on_done & (s.phase_b == DONE).any())
+  return jax.lax.while_loop(cond, lambda s: prog.step(model, spec, s, knobs), state)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def _generate(graphdef, params, ids_bp, lens_b, rng, knobs: Knobs, spec: Spec):
+  model = nnx.merge(graphdef, params)
+  prog = program(spec.method)
+  b, p = ids_bp.shape
+  state = prog.init(model, spec, b, p)
+  rows = jnp.arange(b)
+  state = prog.admit(model, spec, state, ids_bp, lens_b, rows, prompt_keys(rng, rows), knobs)
+  state = _loop(model, prog, spec, state, knobs, jnp.bool_(False))
+  return prog.output(spec, state, knobs), state
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "rows", "width"))
+def _engine_init(graphdef, params, spec: Spec, rows: int, width: int):
+  return program(spec.method).init(nnx.merge(graphdef, params), spec, rows, width)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
+def _engine_admit(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, knobs, spec):
+  model = nnx.merge(graphdef, params)
+  return program(spec.method).admit(model, spec, state, ids_ap, lens_a, rows_a,
+                                    prompt_keys(rng, pids_a), knobs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
+def _engine_run(graphdef, params, state, knobs, stop_on_done, spec):
+  model = nnx.merge(graphdef, params)
+  return _loop(model, program(spec.method), spec, state, knobs, stop_on_done)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _engine_output(state, knobs, spec):
+  return program(spec.method).output(spec, state, knobs), state.phase_b
+
+
+def compiled_programs() -> dict[str, int]:
+  """Compiled programs so far, per entry point (tests prove reuse with it)."""
+  return {"generate": _generate._cache_size(), "run": _engine_run._cache_size(),
+          "admit": _engine_admit._cache_size()}
+
+
+# --- host side ----------------------------------------------------------------------------
+
+
+class Decoder:
+  """A model and a DecodeConfig, split and checked once; every call after is a dispatch.
+
+  `generate(ids_bp, lens_b, rng)` decodes a batch in one compiled program;
+  `with_config(dc)` gives a decoder with other traced knobs (never a recompile
+  unless the static part changes).
+  """
+
+  def __init__(self, model, decode_config: DecodeConfig, *,
+               vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK):
+    if not isinstance(decode_config, DecodeConfig):
+      raise TypeError(f"decode_config must be a DecodeConfig, got "
+                      f"{type(decode_config).__name__}")
+    decode_config.replace()  # re-runs DecodeConfig's own field checks
+    self.model = model
+    self.config = decode_config
+    self.program = program(decode_config.method)
+    self.program.check(model.config, decode_config, 1)
+    self.spec = spec_of(decode_config, vocab_chunk)
+    self.knobs = knobs_of(model.config, decode_config)
+    self.graphdef, self.params = nnx.split(model)
+
+  def with_config(self, decode_config: DecodeConfig) -> "Decoder":
+    other = object.__new__(Decoder)
+    other.__dict__.update(self.__dict__)
+    decode_config.replace()
+    self.program.check(self.model.config, decode_config, 1)
+    if decode_config.method != self.config.method:
+      raise ValueError("with_config cannot change decode.method")
+    other.config = decode_config
+    other.spec = spec_of(decode_config, self.spec.vocab_chunk)
+    other.knobs = knobs_of(self.model.config, decode_config)
+    return other
+
+  def _rng(self, rng):
+    if rng is None:
+      if self.config.temperature > 0 and self.program.needs_rng_to_sample:
+        raise ValueError(f"decode.temperature={self.config.temperature} > 0 needs an rng key")
+      rng = jax.random.PRNGKey(0)
+    return raw_key(rng)
+
+  def check_prompts(self, prompt_ids_bp, prompt_len_b):
+    ids, lens = common.check_prompts(prompt_ids_bp, prompt_len_b)
+    self.program.check(self.model.config, self.config, int(lens.max()))
+    common.check_vocab(ids, lens, self.model.config.vocab_size)
+    return ids, lens
+
+  def generate(self, prompt_ids_bp, prompt_len_b, rng=None, *, with_state: bool = False):
+    ids, lens = self.check_prompts(prompt_ids_bp, prompt_len_b)
+    out, state = _generate(self.graphdef, self.params, jnp.asarray(ids), jnp.asarray(lens),
+                           self._rng(rng), self.knobs, spec=self.spec)
+    return (out, state) if with_state else out
+
+  def engine(self, rows: int, **kwargs) -> "Engine":
+    return Engine(self, rows, **kwargs)
+
+
+def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig, rng=None):
+  """Decodes right-padded prompts `[B, P]` with `decode_config.method`."""
+  return Decoder(model, decode_config).generate(prompt_ids_bp, prompt_len_b, rng)
+
+
+@dataclasses.dataclass
+class PromptResult:
+  """One prompt's decode, as the engine hands it back."""
+
+  index: int
+  tokens: list[int]  # generated tokens up to and including EOS
+  counters: dict[str, float]  # per-prompt counters (DecodeCounters.as_dict, per row)
+  commit_steps: list[int]
+  seconds: float  # wall time from its admission to the end of the call that finished it
+
+
+@dataclasses.dataclass
+class EngineRun:
+  results: list[PromptResult]  # in input order
+  passes: int  # forward passes of the whole run (every row advanced by each)
+  seconds: float  # wall time of the whole run, compiles excluded when warmed up
+  admissions: int  # admit calls (prefill passes)
+
+
+def bucket_width(length: int, minimum: int = 8) -> int:
+  """Prompt buckets: powers of two from `minimum`."""
+  return max(minimum, 1 << max(0, math.ceil(math.log2(max(1, length)))))
+
+
+class Engine:
+  """Continuous batching over a fixed number of rows (module docstring).
+
+  `run(prompts)` decodes a list of token-id lists and returns their results in
+  input order. Within a length bucket, the rows run one compiled loop that
+  returns to the host whenever a row finishes while prompts still wait; the
+  host takes that row's result and prefills the next prompt into it (the
+  other rows keep their state). `admit` lets at most `admit_max` prompts in at a
+  time (powers of two up to it, one small program each).
+  """
+
+  def __init__(self, decoder: Decoder, rows: int, *, width: int | None = None,
+               min_bucket: int = 8, admit_max: int | None = None):
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+      raise ValueError(f"engine rows must be a positive int, got {rows!r}")
+    if width is not None and (not isinstance(width, int) or width < 1):
+      raise ValueError(f"engine width must be a positive int or None, got {width!r}")
+    self.decoder = decoder
+    self.rows = rows
+    self.width = width  # one bucket of this width for every prompt (None: power-of-two buckets)
+    self.min_bucket = min_bucket
+    self.admit_max = rows if admit_max is None else max(1, min(admit_max, rows))
+
+  def _bucket(self, length: int) -> int:
+    if self.width is not None:
+      if length > self.width:
+        raise ValueError(f"a prompt of {length} tokens is wider than the engine's width "
+                         f"{self.width}")
+      return self.width
+    return bucket_width(length, self.min_bucket)
+
+  def warm_up(self, lengths: Sequence[int] = ()) -> None:
+    """Compiles every program a run over prompts of these lengths can call (with a
+    fixed `width`: that bucket), so that timed runs exclude compilation."""
+    d = self.decoder
+    widths = {self._bucket(n) for n in lengths} or ({self.width} if self.width else set())
+    sizes, a = set(), 1
+    while True:
+      sizes.add(self._admit_size(a))
+      if a >= self.admit_max:
+        break
+      a *= 2
+    for width in sorted(widths):
+      state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=self.rows, width=width)
+      for a in sorted(sizes):  # padding rows only: nothing is admitted
+        state = _engine_admit(d.graphdef, d.params, state, jnp.zeros((a, width), jnp.int32),
+                              jnp.ones((a,), jnp.int32), jnp.full((a,), self.rows, jnp.int32),
+                              jnp.zeros((a,), jnp.int32), raw_key(jax.random.PRNGKey(0)), d.knobs,
+                              spec=d.spec)
+      for stop in (True, False):
+        state = _engine_run(d.graphdef, d.params, state, d.knobs, jnp.bool_(stop), spec=d.spec)
+      jax.block_until_ready(_engine_output(state, d.knobs, spec=d.spec))
+      jax.block_until_ready(_release_done(state))
+
+  def _admit_size(self, n: int) -> int:
+    return min(self.admit_max, 1 << math.ceil(math.log2(max(1, n))))
+
+  def run(self, prompts: Sequence[Sequence[int]], rng=None, *, progress: Any = None
+          ) -> EngineRun:
+    d = self.decoder
+    if len(prompts) == 0:
+      return EngineRun(results=[], passes=0, seconds=0.0, admissions=0)
+    lens = np.asarray([len(p) for p in prompts], np.int64)
+    width = max(1, int(lens.max()))
+    ids = np.zeros((len(prompts), width), np.int64)
+    for i, p in enumerate(prompts):
+      ids[i, :len(p)] = np.asarray(p, np.int64)
+    ids, lens = d.check_prompts(ids, lens)
+    rng = d._rng(rng)  # pylint: disable=protected-access
+    results: list[PromptResult | None] = [None] * len(prompts)
+    total_passes, admissions = 0, 0
+    start = time.perf_counter()
+    buckets: dict[int, list[int]] = {}
+    for i, n in enumerate(lens):
+      buckets.setdefault(self._bucket(int(n)), []).append(i)
+    for width in sorted(buckets):
+      order = buckets[width]
+      passes, adm = self._run_bucket(order, ids, lens, width, rng, results, progress)
+      total_passes += passes
+      admissions += adm
+    return EngineRun(results=results, passes=total_passes,
+                     seconds=time.perf_counter() - start, admissions=admissions)
+
+  def _run_bucket(self, order, ids, lens, width, rng, results, progress):
+    d = self.decoder
+    b = self.rows
+    state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=b, width=width)
+    queue = list(order)
+    row_prompt = [-1] * b
+    row_start = [0.0] * b
+    passes = 0
+    admissions = 0
+    while True:
+      free = [r for r in range(b) if row_prompt[r] < 0]
+      if queue and free:
+        n = min(len(free), len(queue), self.admit_max)
+        a = self._admit_size(n)
+        take, queue = queue[:n], queue[n:]
+        ids_ap = np.zeros((a, width), np.int32)
+        lens_a = np.ones((a,), np.int32)
+        rows_a = np.full((a,), b, np.int32)  # index b: padding, dropped
+        pids_a = np.zeros((a,), np.int32)
+        now = time.perf_counter()
+        for j, i in enumerate(take):
+          ids_ap[j, :lens[i]] = ids[i, :lens[i]]
+          lens_a[j], rows_a[j], pids_a[j] = lens[i], free[j], i
+          row_prompt[free[j]] = i
+          row_start[free[j]] = now
+        state = _engine_admit(d.graphdef, d.params, state, jnp.asarray(ids_ap),
+                              jnp.asarray(lens_a), jnp.asarray(rows_a), jnp.asarray(pids_a),
+                              rng, d.knobs, spec=d.spec)
+        admissions += 1
+        if queue and len(free) > n:
+          continue  # more free rows: admit again before running
+      if all(p < 0 for p in row_prompt):
+        return passes, admissions
+      before = int(state.passes)
+      state = _engine_run(d.graphdef, d.params, state, d.knobs, jnp.bool_(bool(queue)),
+                          spec=d.spec)
+      out, phase = jax.device_get(_engine_output(state, d.knobs, spec=d.spec))
+      passes += int(state.passes) - before
+      now = time.perf_counter()
+      for r in range(b):
+        i = row_prompt[r]
+        if i >= 0 and phase[r] == DONE:
+          n = int(out.length_b[r])
+          counters = {k: float(v[r]) for k, v in out.counters.as_dict().items()}
+          results[i] = PromptResult(index=i, tokens=[int(t) for t in out.tokens_bg[r, :n]],
+                                    counters=counters,
+                                    commit_steps=[int(s) for s in out.commit_step_bg[r, :n]],
+                                    seconds=now - row_start[r])
+          row_prompt[r] = -1
+          if progress is not None:
+            progress.update(1)
+      state = _release_done(state)
+
+
+@jax.jit
+def _release_done(state):
+  return state.replace(phase_b=jnp.where(state.phase_b == DONE, FREE, state.phase_b))

@@ -1,0 +1,147 @@
+"""The one token picker every decoder uses, reduced over the vocabulary in the pass.
+
+A decoding pass needs three numbers per fed token, never the distribution
+itself: the picked token (argmax of the logits, with Gumbel noise at the
+temperature where the token is sampled), the picked token's probability under
+the *un-noised* softmax, and the probability of one given token (the next fed
+token, for verification). `token_stats` computes them from the final hidden
+states and the output projection; with a vocabulary larger than
+`vocab_chunk` it walks the vocabulary in chunks with an online log-sum-exp, so
+no `[B, T, V]` float32 array exists (Qwen3's 151,671 tokens at batch 16 x
+block 128 would be 1.2 GB per pass).
+
+Noise is drawn per token from its own key (`keys_bt2`), chunk by chunk, so a
+token's draw does not depend on how many other tokens share the pass or on
+its place in the pass: a row decoded inside a batch equals the row decoded
+alone even when sampling.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+DEFAULT_VOCAB_CHUNK = 32768
+
+
+@flax.struct.dataclass
+class TokenStats:
+  pick_bt: jax.Array  # argmax (noisy where sampled), int32
+  p_pick_bt: jax.Array  # its probability under the plain softmax
+  p_given_bt: jax.Array  # probability of `given_bt` under the plain softmax
+
+
+def _logits(h_btd, unembed_vd):
+  logits = jnp.einsum("btd,vd->btv", h_btd, unembed_vd)
+  # Same rounding as the model's logits: the compute dtype first, then float32.
+  return logits.astype(jnp.float32)
+
+
+def _noise(keys_bt2, chunk_index, width):
+  """Gumbel noise `[B, T, width]` for one vocabulary chunk, one key per token."""
+  def one(key):
+    return jax.random.gumbel(jax.random.fold_in(key, chunk_index), (width,), jnp.float32)
+  b, t = keys_bt2.shape[:2]
+  flat = jax.vmap(one)(keys_bt2.reshape(b * t, -1))
+  return flat.reshape(b, t, width)
+
+
+def token_stats(h_btd, unembed_vd, given_bt, *, sample_bt=None, temperature=None,
+                keys_bt2=None, banned_id=None, vocab_chunk: int = DEFAULT_VOCAB_CHUNK
+                ) -> TokenStats:
+  """Per-token pick and probabilities from hidden states `[B, T, D]`.
+
+  Args:
+    h_btd: hidden states after the final norm.
+    unembed_vd: the output projection `[V, D]` (`Qwen3.unembed_vd()`).
+    given_bt: token whose probability `p_given_bt` reports.
+    sample_bt: where the pick is a sample (argmax of logits / temperature +
+      Gumbel noise); elsewhere, and everywhere when `temperature <= 0`, it is
+      the plain argmax. Traced: a new temperature does not recompile.
+    temperature: traced float scalar.
+    keys_bt2: raw uint32 PRNG key per token (needed when `sample_bt` is given).
+    banned_id: a token id never picked, whose probability mass is removed
+      before the softmax (MDM never drafts the mask token). Static or traced.
+    vocab_chunk: vocabulary columns reduced at a time (static).
+  """
+  v = unembed_vd.shape[0]
+  sampling = sample_bt is not None
+  if sampling:
+    any_sample = (temperature > 0) & sample_bt.any()
+    inv_t = 1.0 / jnp.where(temperature > 0, temperature, 1.0)
+
+  def chunk_terms(logits_btc, cols_c, chunk_index, with_noise):
+    if banned_id is not None:
+      logits_btc = jnp.where(cols_c[None, None] == banned_id, -jnp.inf, logits_btc)
+    score = logits_btc
+    if with_noise:
+      noise = _noise(keys_bt2, chunk_index, logits_btc.shape[-1])
+      score = jnp.where(sample_bt[..., None], logits_btc * inv_t + noise, logits_btc)
+    return logits_btc, score
+
+  if v <= vocab_chunk:
+    logits = _logits(h_btd, unembed_vd)
+    cols = jnp.arange(v)
+
+    def reduce_all(with_noise):
+      logits_b, score = chunk_terms(logits, cols, 0, with_noise)
+      pick = jnp.argmax(score, axis=-1).astype(jnp.int32)
+      lse = jax.nn.logsumexp(logits_b, axis=-1)
+      pick_logit = jnp.take_along_axis(logits_b, pick[..., None], axis=-1)[..., 0]
+      given_logit = jnp.take_along_axis(logits_b, given_bt[..., None], axis=-1)[..., 0]
+      return pick, jnp.exp(pick_logit - lse), jnp.exp(given_logit - lse)
+
+    if sampling:
+      pick, p_pick, p_given = jax.lax.cond(any_sample, lambda: reduce_all(True),
+                                           lambda: reduce_all(False))
+    else:
+      pick, p_pick, p_given = reduce_all(False)
+    return TokenStats(pick_bt=pick, p_pick_bt=p_pick, p_given_bt=p_given)
+
+  # Chunked: an online reduction over vocabulary chunks. The last chunk is read
+  # from a clamped start (`dynamic_slice` needs a full chunk); the columns it
+  # shares with the previous chunk are masked out, so each column counts once.
+  n_chunks = -(-v // vocab_chunk)
+  b, t = given_bt.shape
+
+  def reduce_chunks(with_noise):
+    def body(carry, c):
+      m, s, best, best_idx, best_logit, given_logit = carry
+      start = jnp.minimum(c * vocab_chunk, v - vocab_chunk)
+      w_cd = jax.lax.dynamic_slice_in_dim(unembed_vd, start, vocab_chunk, axis=0)
+      cols = start + jnp.arange(vocab_chunk)
+      logits = _logits(h_btd, w_cd)
+      logits = jnp.where(cols[None, None] >= c * vocab_chunk, logits, -jnp.inf)
+      logits, score = chunk_terms(logits, cols, c, with_noise)
+      score = jnp.where(cols[None, None] >= c * vocab_chunk, score, -jnp.inf)
+      c_max = logits.max(-1)
+      new_m = jnp.maximum(m, c_max)
+      safe_m = jnp.where(jnp.isfinite(new_m), new_m, 0.0)
+      s = s * jnp.exp(m - safe_m) + jnp.exp(logits - safe_m[..., None]).sum(-1)
+      c_idx = jnp.argmax(score, axis=-1)
+      c_best = jnp.take_along_axis(score, c_idx[..., None], axis=-1)[..., 0]
+      c_logit = jnp.take_along_axis(logits, c_idx[..., None], axis=-1)[..., 0]
+      better = c_best > best  # strict: ties keep the lower column, as argmax does
+      best_idx = jnp.where(better, start + c_idx, best_idx)
+      best_logit = jnp.where(better, c_logit, best_logit)
+      best = jnp.where(better, c_best, best)
+      hit = (given_bt >= c * vocab_chunk) & (given_bt < start + vocab_chunk)
+      g_local = jnp.clip(given_bt - start, 0, vocab_chunk - 1)
+      g_logit = jnp.take_along_axis(logits, g_local[..., None], axis=-1)[..., 0]
+      given_logit = jnp.where(hit, g_logit, given_logit)
+      return (new_m, s, best, best_idx, best_logit, given_logit), None
+
+    neg = jnp.full((b, t), -jnp.inf, jnp.float32)
+    init = (neg, jnp.zeros((b, t), jnp.float32), neg, jnp.zeros((b, t), jnp.int32), neg, neg)
+    (m, s, _, best_idx, best_logit, given_logit), _ = jax.lax.scan(
+        body, init, jnp.arange(n_chunks))
+    lse = m + jnp.log(s)
+    return (best_idx.astype(jnp.int32), jnp.exp(best_logit - lse), jnp.exp(given_logit - lse))
+
+  if sampling:
+    pick, p_pick, p_given = jax.lax.cond(any_sample, lambda: reduce_chunks(True),
+                                         lambda: reduce_chunks(False))
+  else:
+    pick, p_pick, p_given = reduce_chunks(False)
+  return TokenStats(pick_bt=pick, p_pick_bt=p_pick, p_given_bt=p_given)
