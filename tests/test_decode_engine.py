@@ -1,0 +1,353 @@
+"""The shared decoder protocol: engine, mixed-phase batches, traced knobs, the
+token picker and ReFusion's named phase functions on hand-made cases."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from refusion_jax import config as config_lib
+from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import engine, heads, passes, refusion
+from refusion_jax.decode.counters import DecodeCounters
+from refusion_jax.model import Qwen3
+
+VOCAB, MASK, PAD = 64, 3, 0
+
+
+def _model(attention="causal", eos=None, seed=0, scale=4.0):
+  cfg = config_lib.tiny(num_layers=2, vocab_size=VOCAB, hidden_size=32, num_heads=2,
+                        num_kv_heads=1, head_dim=16, mlp_dim=64, tie_embeddings=False,
+                        eos_token_id=eos, mask_token_id=MASK, pad_token_id=PAD,
+                        attention=attention, max_position_embeddings=96)
+  model = Qwen3(cfg, rngs=nnx.Rngs(seed))
+  nnx.update(model, jax.tree.map(lambda x: x * scale, nnx.state(model, nnx.Param)))
+  return model
+
+
+def _eos_for(model, dc, prompts):
+  """A token that some texts (not all) emit after their first token: as EOS it ends
+  them early, so the texts end unevenly."""
+  run = engine.Decoder(model, dc).engine(4).run(prompts)
+  texts = [set(r.tokens[1:]) for r in run.results]
+  best, best_n = None, 0
+  for tok in range(4, VOCAB):
+    n = sum(tok in t for t in texts)
+    if best_n < n < len(texts):
+      best, best_n = tok, n
+  assert best is not None
+  return best
+
+
+_CONFIGS = {
+    "refusion": DecodeConfig(gen_length=16, slot_size=4, block_size=8, slot_threshold=0.5,
+                             token_threshold=0.3),
+    "ar": DecodeConfig(method="ar", gen_length=12, slot_size=4, block_size=4),
+    "mdm": DecodeConfig(method="mdm", gen_length=8, slot_size=4, block_size=4,
+                        mdm_threshold=0.4),
+}
+
+
+def _prompts(rs, n):
+  # Mixed lengths across two buckets (<= 8 and 9..16 tokens).
+  return [[int(x) for x in rs.randint(4, VOCAB, size=rs.choice([2, 5, 8, 11, 14]))]
+          for _ in range(n)]
+
+
+def _single(model, dc, prompt, rng=None):
+  ids = np.asarray([prompt], np.int32)
+  out = engine.Decoder(model, dc).generate(ids, np.asarray([len(prompt)], np.int32), rng)
+  out = jax.device_get(out)
+  n = int(out.length_b[0])
+  counters = {k: float(v[0]) for k, v in out.counters.as_dict().items()}
+  return [int(t) for t in out.tokens_bg[0, :n]], counters
+
+
+@pytest.fixture(scope="module")
+def models():
+  rs = np.random.RandomState(0)
+  probe = _prompts(rs, 8)
+  out = {}
+  for method, dc in _CONFIGS.items():
+    attention = "bidirectional" if method == "mdm" else "causal"
+    base = _model(attention)
+    eos = _eos_for(base, dc, probe)
+    out[method] = _model(attention, eos=eos)
+  return out
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_engine_equals_single_decodes_in_input_order(models, method):
+  model, dc = models[method], _CONFIGS[method]
+  rs = np.random.RandomState(1)
+  prompts = _prompts(rs, 11)
+  eng = engine.Decoder(model, dc).engine(3)
+  before = engine.compiled_programs()["run"]
+  run = eng.run(prompts)
+  buckets = {engine.bucket_width(len(p)) for p in prompts}
+  assert len(buckets) == 2
+  # One run program per bucket, and a second run compiles nothing.
+  assert engine.compiled_programs()["run"] - before <= len(buckets)
+  compiled = engine.compiled_programs()
+  again = eng.run(prompts)
+  assert engine.compiled_programs() == compiled
+  lengths = []
+  for i, prompt in enumerate(prompts):
+    tokens, counters = _single(model, dc, prompt)
+    assert run.results[i].index == i
+    assert run.results[i].tokens == tokens, (method, i)
+    assert run.results[i].counters == counters, (method, i)
+    assert again.results[i].tokens == tokens
+    lengths.append(len(tokens))
+  assert min(lengths) < dc.gen_length, lengths  # some texts end early: rows are refilled
+  # Every pass advanced several rows: far fewer passes than one prompt at a time.
+  own = sum(r.counters["nfe_b"] for r in run.results)
+  assert run.passes < own
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_engine_sampling_equals_the_batch_decode(models, method):
+  # Per-prompt keys: prompt i draws from fold_in(rng, i) whichever row it lands in.
+  model, dc = models[method], _CONFIGS[method].replace(temperature=1.3)
+  rs = np.random.RandomState(2)
+  prompts = [p[:8] for p in _prompts(rs, 7)]
+  rng = jax.random.PRNGKey(5)
+  dec = engine.Decoder(model, dc)
+  run = dec.engine(2, width=8).run(prompts, rng)
+  ids = np.zeros((len(prompts), 8), np.int32)
+  for i, p in enumerate(prompts):
+    ids[i, :len(p)] = p
+  out = jax.device_get(dec.generate(ids, np.asarray([len(p) for p in prompts]), rng))
+  for i in range(len(prompts)):
+    assert run.results[i].tokens == [int(t) for t in out.tokens_bg[i, :int(out.length_b[i])]]
+  greedy = engine.Decoder(model, dc.replace(temperature=0.0)).engine(2, width=8).run(prompts)
+  assert any(a.tokens != b.tokens for a, b in zip(run.results, greedy.results))
+
+
+def test_engine_passes_close_to_the_ideal(models):
+  model, dc = models["refusion"], _CONFIGS["refusion"]
+  rs = np.random.RandomState(3)
+  prompts = [p[:8] for p in _prompts(rs, 40)]
+  run = engine.Decoder(model, dc).engine(4, width=8).run(prompts)
+  own = sum(r.counters["nfe_b"] for r in run.results)
+  # Rows are refilled as soon as they finish: only the tail of the run is not full.
+  assert run.passes <= 1.15 * own / 4 + dc.gen_length, (run.passes, own / 4)
+
+
+def test_mixed_phase_batch_equals_rows_alone(models):
+  model, dc = models["refusion"], _CONFIGS["refusion"]
+  rs = np.random.RandomState(4)
+  prompts = [p[:8] for p in _prompts(rs, 6)]
+  dec = engine.Decoder(model, dc)
+  ids = np.zeros((6, 8), np.int32)
+  for i, p in enumerate(prompts):
+    ids[i, :len(p)] = p
+  lens = np.asarray([len(p) for p in prompts], np.int32)
+  state = engine._engine_init(dec.graphdef, dec.params, spec=dec.spec, rows=6, width=8)
+  state = engine._engine_admit(dec.graphdef, dec.params, state, jnp.asarray(ids),
+                               jnp.asarray(lens), jnp.arange(6), jnp.arange(6),
+                               engine.raw_key(jax.random.PRNGKey(0)), dec.knobs, spec=dec.spec)
+  step = jax.jit(lambda s: refusion.step(nnx.merge(dec.graphdef, dec.params), dec.spec, s,
+                                         dec.knobs))
+  mixed = 0
+  while bool((state.phase_b >= engine.FIRST_PHASE).any()):
+    phases = set(np.asarray(state.phase_b)[np.asarray(state.phase_b) >= engine.FIRST_PHASE])
+    mixed += len(phases) >= 2
+    state = step(state)
+  assert mixed > 0  # some passes fed rows in different phases
+  out = jax.device_get(refusion.output(dec.spec, state, dec.knobs))
+  for i, p in enumerate(prompts):
+    tokens, counters = _single(model, dc, p)
+    assert [int(t) for t in out.tokens_bg[i, :int(out.length_b[i])]] == tokens
+    assert int(out.counters.nfe_b()[i]) == counters["nfe_b"]
+
+
+@pytest.mark.parametrize("method, changes", [
+    ("refusion", [dict(temperature=0.8), dict(slot_threshold=0.1, token_threshold=0.9),
+                  dict(recompute_kv=True)]),
+    ("ar", [dict(temperature=0.8), dict(temperature=2.0)]),
+    ("mdm", [dict(temperature=0.8), dict(mdm_threshold=None, mdm_tokens_per_step=2),
+             dict(mdm_threshold=0.9)]),
+])
+def test_knobs_never_recompile(models, method, changes):
+  model, dc = models[method], _CONFIGS[method]
+  ids, lens = np.asarray([[5, 6, 7, 0]], np.int32), np.asarray([3], np.int32)
+  dec = engine.Decoder(model, dc)
+  eng = dec.engine(2, width=4)
+  jax.block_until_ready(dec.generate(ids, lens))
+  eng.run([[5, 6, 7], [9, 9]])
+  compiled = engine.compiled_programs()
+  results = []
+  for change in changes:
+    other = engine.Decoder(model, dc.replace(**change))
+    results.append(jax.device_get(other.generate(ids, lens, jax.random.PRNGKey(1))))
+    other.engine(2, width=4).run([[5, 6, 7], [9, 9]], jax.random.PRNGKey(1))
+  assert engine.compiled_programs() == compiled
+
+
+# ----------------------------------------------------------------------------
+# The token picker.
+
+
+def test_token_stats_chunked_equals_full_softmax():
+  rs = np.random.RandomState(0)
+  h = jnp.asarray(rs.randn(2, 5, 8), jnp.float32)
+  w = jnp.asarray(rs.randn(100, 8) * 2, jnp.float32)
+  given = jnp.asarray(rs.randint(0, 100, size=(2, 5)), jnp.int32)
+  logits = np.einsum("btd,vd->btv", np.asarray(h), np.asarray(w)).astype(np.float64)
+  for banned in (None, 7):
+    ref = logits.copy()
+    if banned is not None:
+      ref[..., banned] = -np.inf
+    probs = np.exp(ref - ref.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want_pick = probs.argmax(-1)
+    for chunk in (128, 32, 30):  # one piece; four with a clamped last; 30 with overlap
+      s = heads.token_stats(h, w, given, banned_id=banned, vocab_chunk=chunk)
+      np.testing.assert_array_equal(s.pick_bt, want_pick)
+      np.testing.assert_allclose(s.p_pick_bt, probs.max(-1), rtol=1e-5)
+      np.testing.assert_allclose(s.p_given_bt, np.take_along_axis(probs, np.asarray(given)[
+          ..., None], -1)[..., 0], rtol=1e-5, atol=1e-12)
+
+
+def test_token_stats_sampling_is_per_token_and_respects_the_ban():
+  rs = np.random.RandomState(1)
+  h = jnp.asarray(rs.randn(1, 4, 8) * 0.01, jnp.float32)  # near-uniform: samples vary
+  w = jnp.asarray(rs.randn(50, 8), jnp.float32)
+  given = jnp.zeros((1, 4), jnp.int32)
+  keys = engine.pass_keys(jnp.asarray([[0, 1]], jnp.uint32), jnp.asarray([0]), 4)
+  sample = jnp.asarray([[True, True, False, True]])
+  for chunk in (64, 16):
+    a = heads.token_stats(h, w, given, sample_bt=sample, temperature=jnp.float32(1.0),
+                          keys_bt2=keys, banned_id=3, vocab_chunk=chunk)
+    b = heads.token_stats(h, w, given, sample_bt=sample, temperature=jnp.float32(1.0),
+                          keys_bt2=keys, banned_id=3, vocab_chunk=chunk)
+    cold = heads.token_stats(h, w, given, sample_bt=sample, temperature=jnp.float32(0.0),
+                             keys_bt2=keys, banned_id=3, vocab_chunk=chunk)
+    np.testing.assert_array_equal(a.pick_bt, b.pick_bt)
+    # The unsampled token is the argmax; a token's draw does not depend on the others.
+    assert int(a.pick_bt[0, 2]) == int(cold.pick_bt[0, 2])
+    alone = heads.token_stats(h[:, :1], w, given[:, :1], sample_bt=sample[:, :1],
+                              temperature=jnp.float32(1.0), keys_bt2=keys[:, :1], banned_id=3,
+                              vocab_chunk=chunk)
+    assert int(alone.pick_bt[0, 0]) == int(a.pick_bt[0, 0])
+  draws = []
+  for i in range(200):
+    k = engine.pass_keys(jnp.asarray([[i, 7]], jnp.uint32), jnp.asarray([0]), 4)
+    draws += np.asarray(heads.token_stats(h, w, given, sample_bt=sample,
+                                          temperature=jnp.float32(1.0), keys_bt2=k,
+                                          banned_id=3, vocab_chunk=16).pick_bt[0]).tolist()
+  assert 3 not in draws and len(set(draws)) > 20
+
+
+def test_width_index_picks_the_smallest_width_that_holds_every_row():
+  widths = (4, 8, 16, 24)
+  assert [int(passes.width_index(jnp.int32(n), widths)) for n in (0, 1, 4, 5, 9, 17, 24)] == [
+      0, 0, 0, 1, 2, 3, 3]
+  assert refusion.widths(engine.Spec("refusion", 48, 4, 24)) == (4, 8, 16, 24)
+  assert refusion.widths(engine.Spec("refusion", 48, 4, 48, left_to_right=True)) == (1, 5)
+
+
+# ----------------------------------------------------------------------------
+# ReFusion's phase functions on hand-made rows (k=2, block of 3 slots).
+
+_SPEC = engine.Spec("refusion", 12, 2, 6)
+_KNOBS = engine.Knobs(slot_threshold=jnp.float32(0.5), token_threshold=jnp.float32(0.4),
+                      temperature=jnp.float32(0.0), recompute_kv=jnp.bool_(False),
+                      mdm_threshold=jnp.float32(-1), mdm_tokens_per_step=jnp.int32(1),
+                      mask_id=jnp.int32(MASK), eos_id=jnp.int32(9), pad_id=jnp.int32(PAD))
+
+
+def _row(**fields):
+  r = refusion._empty_rows(_SPEC, 1, PAD).replace(
+      phase_b=jnp.asarray([refusion.PLAN]), length_b=jnp.asarray([5]),
+      prompt_len_b=jnp.asarray([5]))
+  r = r.replace(counters=DecodeCounters.zeros(1))
+  return r.replace(**{k: jnp.asarray([v]) for k, v in fields.items()})
+
+
+def _out(pick=(0,) * 6, p_pick=(0.0,) * 6, p_prev=(0.0,) * 6):
+  return passes.PassOut(pick_bn=jnp.asarray([pick], jnp.int32),
+                        p_pick_bn=jnp.asarray([p_pick], jnp.float32),
+                        p_prev_bn=jnp.asarray([p_prev], jnp.float32))
+
+
+_LAY = refusion._Layout(_SPEC)
+
+
+def _np(x):
+  return np.asarray(x)[0].tolist()
+
+
+def test_plan_chooses_confident_slots_or_the_best_one():
+  r = _row(decided_bs=[True, False, False])
+  out = _out(pick=(1, 2, 3, 4, 5, 6), p_pick=(0.9, 0, 0.6, 0, 0.3, 0))
+  new = refusion.plan(_LAY, r, out, _KNOBS)
+  assert _np(new.chosen_bs) == [False, True, False]  # slot 0 is decided already
+  assert _np(new.draft_bt) == [1, 2, 3, 4, 5, 6] and _np(new.stage_bs)[1] == 0
+  assert int(new.phase_b[0]) == refusion.GLOBAL and int(new.counters.plan_b[0]) == 1
+  low = refusion.plan(_LAY, r, _out(p_pick=(0.9, 0, 0.2, 0, 0.3, 0)), _KNOBS)
+  assert _np(low.chosen_bs) == [False, False, True]  # none above tau_s: the best one
+
+
+def test_global_verify_commits_whole_slots_or_starts_each_slot_from_its_prefix():
+  r = _row(phase_b=refusion.GLOBAL, chosen_bs=[True, False, True], draft_bt=[1, 2, 3, 4, 5, 6],
+           stage_bs=[0, 0, 1])
+  # Slot 0 whole (p(2|1) = 0.8): committed, KV staged at length..length+1.
+  whole = refusion.global_verify(_LAY, r, _out(p_prev=(1, 0.8, 0, 0, 1, 0.1)), _KNOBS)
+  assert int(whole.length_b[0]) == 7 and _np(whole.decided_bs) == [True, False, False]
+  assert _np(whole.tokens_bg)[:2] == [1, 2] and int(whole.phase_b[0]) == refusion.PLAN
+  # Slot 0 rejected at its second token; slot 2's second token accepted there: the infill
+  # starts slot 0 from [1] and slot 2 from [5, 6].
+  infill = refusion.global_verify(_LAY, r, _out(p_prev=(1, 0.1, 0, 0, 1, 0.7)), _KNOBS)
+  assert int(infill.phase_b[0]) == refusion.DRAFT and int(infill.length_b[0]) == 5
+  assert _np(infill.accepted_bt) == [True, False, False, False, True, True]
+  # An EOS (9) inside the accepted prefix ends the text there.
+  eos = refusion.global_verify(_LAY, r.replace(draft_bt=jnp.asarray([[9, 2, 3, 4, 5, 6]])),
+                               _out(p_prev=(1, 0.9, 0, 0, 1, 0.9)), _KNOBS)
+  assert int(eos.length_b[0]) == 6 and bool(eos.eos_b[0])
+  assert _np(eos.decided_bs) == [True, True, True] and int(eos.phase_b[0]) == engine.DONE
+
+
+def test_infill_draft_and_verify_round():
+  r = _row(phase_b=refusion.DRAFT, chosen_bs=[True, False, True], draft_bt=[1, 2, 3, 4, 5, 6],
+           accepted_bt=[True, False, False, False, True, True], stage_bs=[0, 0, 1])
+  drafted = refusion.infill_draft(_LAY, r, _out(pick=(7, 8, 7, 7, 7, 7)), _KNOBS)
+  assert _np(drafted.draft_bt) == [1, 8, 3, 4, 5, 6]  # only the pending token changes
+  assert _np(drafted.verify_bs) == [True, False, True]  # first round: every chosen slot
+  assert int(drafted.phase_b[0]) == refusion.VERIFY
+  feed = refusion.infill_verify_feed(_LAY, drafted, _KNOBS)
+  # Staging: slot 0 at length+0.., slot 2 (rank 1) at length+2..
+  assert _np(feed.dest_bn) == [5, 6, -1, -1, 7, 8] and _np(feed.group_bn)[4] == 2
+  done = refusion.infill_verify(_LAY, drafted, _out(p_prev=(1, 0.1, 0, 0, 1, 1)), _KNOBS)
+  # The first pending token is accepted whatever its probability: both slots complete.
+  assert int(done.phase_b[0]) == refusion.PLAN and int(done.length_b[0]) == 9
+  assert _np(done.tokens_bg)[:6] == [1, 8, PAD, PAD, 5, 6]
+  assert int(done.counters.verify_b[0]) == 1 and int(done.counters.steps_b[0]) == 1
+  # With recompute_kv, two committed slots go through one more causal pass.
+  knobs = _KNOBS.replace(recompute_kv=jnp.bool_(True))
+  again = refusion.infill_verify(_LAY, drafted, _out(p_prev=(1, 0.1, 0, 0, 1, 1)), knobs)
+  assert int(again.phase_b[0]) == refusion.RECOMPUTE and int(again.length_b[0]) == 5
+  feed = refusion.recompute_feed(_LAY, again, refusion._infill_outcome(_LAY, again, knobs)[0])
+  assert _np(feed.dest_bn) == [5, 6, -1, -1, 7, 8] and _np(feed.group_bn) == [0] * 6
+  committed = refusion.recompute(_LAY, again, _out(), knobs)
+  assert int(committed.length_b[0]) == 9 and int(committed.counters.recompute_b[0]) == 1
+
+
+def test_infill_eos_drops_later_slots_and_commit_ends_the_block():
+  r = _row(phase_b=refusion.VERIFY, chosen_bs=[True, True, True], draft_bt=[1, 9, 3, 4, 5, 6],
+           accepted_bt=[True, False, True, False, True, False], stage_bs=[0, 1, 2],
+           verify_bs=[True, True, True])
+  new = refusion.infill_verify(_LAY, r, _out(p_prev=(1, 0.0, 1, 0.0, 1, 0.0)), _KNOBS)
+  # EOS accepted in slot 0: slots 1, 2 removed, the text ends after [1, 9].
+  assert int(new.length_b[0]) == 7 and bool(new.eos_b[0]) and int(new.phase_b[0]) == engine.DONE
+  assert _np(new.tokens_bg)[:3] == [1, 9, PAD]
+  # commit: a finished block moves on; the last block (or an EOS) finishes the row.
+  c = refusion.commit(_LAY, _row(), jnp.asarray([[True] * 6]), jnp.asarray([[1] * 6]),
+                      jnp.asarray([[True] * 3]), jnp.asarray([False]))
+  assert int(c.block_b[0]) == 1 and _np(c.decided_bs) == [False] * 3
+  assert int(c.phase_b[0]) == refusion.PLAN and int(c.length_b[0]) == 11
+  last = refusion.commit(_LAY, _row(block_b=1), jnp.asarray([[True] * 6]), jnp.asarray([[1] * 6]),
+                         jnp.asarray([[True] * 3]), jnp.asarray([False]))
+  assert int(last.phase_b[0]) == engine.DONE
