@@ -33,10 +33,18 @@ from flax import nnx  # noqa: E402
 
 from refusion_jax import checkpoint  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
-from refusion_jax.decode import autoregressive, mdm, refusion  # noqa: E402
+from refusion_jax.decode import engine  # noqa: E402  (registers every decoder)
 from refusion_jax.model import Qwen3  # noqa: E402
 
-MODULES = {"refusion": refusion, "ar": autoregressive, "mdm": mdm}
+METHODS = ("refusion", "ar", "mdm")
+# The release's tiny test model (2 layers, d=64, 4 query / 2 KV heads, vocab 256).
+PRESETS = {"release_tiny": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                                head_dim=16, mlp_dim=128, vocab_size=256, tie_embeddings=False),
+           # Qwen3-0.6B's shapes (random weights), bf16: for accelerators.
+           "qwen3_0_6b": dict(num_layers=28, hidden_size=1024, num_heads=16, num_kv_heads=8,
+                              head_dim=128, mlp_dim=3072, vocab_size=151936,
+                              tie_embeddings=True, max_position_embeddings=4096,
+                              dtype="bfloat16", param_dtype="bfloat16")}
 
 
 def parse_args(argv=None):
@@ -48,7 +56,14 @@ def parse_args(argv=None):
   parser.add_argument("--ar_dir", default="", help="model folder for method ar")
   parser.add_argument("--mdm_dir", default="", help="bidirectional model folder for mdm")
   parser.add_argument("--methods", default="refusion,ar,mdm", help="comma-separated")
-  parser.add_argument("--batch_sizes", default="1,4,16,32", help="comma-separated")
+  parser.add_argument("--batch_sizes", default="1,4,16,64", help="comma-separated")
+  parser.add_argument("--preset", default="", choices=["", *PRESETS],
+                      help="random model of a named shape (default: config.tiny())")
+  parser.add_argument("--task_prompts", default="",
+                      help="JSONL of the task suite ({\"query\": ...}); prompts are its queries, "
+                           "chat-templated with the bundled tiny tokenizer, instead of random ids")
+  parser.add_argument("--engine_prompts", type=int, default=4,
+                      help="engine run per batch size > 1: this many prompts per row (0: none)")
   parser.add_argument("--prompt_len", type=int, default=32,
                       help="padded prompt width (rows get random lengths in [len/2, len])")
   parser.add_argument("--gen_length", type=int, default=64)
@@ -63,8 +78,8 @@ def parse_args(argv=None):
   args = parser.parse_args(argv)
   args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
   for m in args.methods:
-    if m not in MODULES:
-      parser.error(f"--methods: unknown method {m!r}; choose from {sorted(MODULES)}")
+    if m not in METHODS:
+      parser.error(f"--methods: unknown method {m!r}; choose from {sorted(METHODS)}")
   try:
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
   except ValueError:
@@ -98,13 +113,26 @@ def load_models(args):
     else:
       attention = "bidirectional" if method == "mdm" else "causal"
       if attention not in shared:
-        shared[attention] = Qwen3(config_lib.tiny(attention=attention),
+        shape = PRESETS.get(args.preset, {})
+        shared[attention] = Qwen3(config_lib.tiny(attention=attention, **shape),
                                   rngs=nnx.Rngs(args.seed))
       models[method] = shared[attention]
   return models
 
 
+_TASK_PROMPTS: list = []
+
+
 def make_prompts(config, batch: int, width: int, seed: int):
+  if _TASK_PROMPTS:  # task queries, in file order from a seed-dependent start, cycled
+    start = seed % len(_TASK_PROMPTS)
+    chosen = [_TASK_PROMPTS[(start + i) % len(_TASK_PROMPTS)] for i in range(batch)]
+    ids_bp = np.zeros((batch, width), np.int32)
+    for b, ids in enumerate(chosen):
+      if len(ids) > width:
+        raise ValueError(f"a task prompt has {len(ids)} tokens; raise --prompt_len")
+      ids_bp[b, :len(ids)] = ids
+    return ids_bp, np.asarray([len(ids) for ids in chosen], np.int32)
   rng = np.random.default_rng(seed)
   specials = {config.mask_token_id, config.eos_token_id, config.bos_token_id,
               config.pad_token_id}
@@ -114,31 +142,6 @@ def make_prompts(config, batch: int, width: int, seed: int):
   for b in range(batch):
     ids_bp[b, :lens_b[b]] = rng.choice(ordinary, size=lens_b[b])
   return ids_bp, lens_b
-
-
-@contextlib.contextmanager
-def _capture_program(module, sink: list):
-  """Records the compiled program's memory analysis of the next decode call.
-
-  The decoders keep their jitted program in `module._decode_jit`; lowering it
-  with the same arguments gives XLA's buffer assignment without running it.
-  """
-  jitted = module._decode_jit  # pylint: disable=protected-access
-
-  class _Proxy:
-
-    def __call__(self, *a, **kw):
-      sink.append(jitted.lower(*a, **kw).compile().memory_analysis())
-      return jitted(*a, **kw)
-
-    def __getattr__(self, name):
-      return getattr(jitted, name)
-
-  module._decode_jit = _Proxy()  # pylint: disable=protected-access
-  try:
-    yield
-  finally:
-    module._decode_jit = jitted  # pylint: disable=protected-access
 
 
 def program_bytes(stats) -> int:
@@ -155,40 +158,80 @@ def device_peak() -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
-def bench_one(method, model, batch, args):
-  dc = config_lib.DecodeConfig(
+def _decode_config(method, args):
+  return config_lib.DecodeConfig(
       method=method, gen_length=args.gen_length, slot_size=args.slot_size,
       block_size=args.block_size, slot_threshold=args.slot_threshold,
       token_threshold=args.token_threshold, mdm_tokens_per_step=args.mdm_tokens_per_step,
       mdm_threshold=args.mdm_threshold)
-  module = MODULES[method]
+
+
+def fixed_cost_ms(decoder, repeats: int = 50) -> float:
+  """Wall time of one call of the decode loop that runs no pass (dispatch, launch, sync)."""
+  d = decoder
+  state = engine._engine_init(d.graphdef, d.params, spec=d.spec, rows=1, width=8)  # pylint: disable=protected-access
+  stop = jax.numpy.bool_(False)
+  run = engine._engine_run  # pylint: disable=protected-access
+  state = jax.block_until_ready(run(d.graphdef, d.params, state, d.knobs, stop, spec=d.spec))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    state = jax.block_until_ready(run(d.graphdef, d.params, state, d.knobs, stop, spec=d.spec))
+    times.append(time.perf_counter() - t)
+  return 1e3 * statistics.median(times)
+
+
+def bench_one(method, model, batch, args):
+  dc = _decode_config(method, args)
+  decoder = engine.Decoder(model, dc)
   ids_bp, lens_b = make_prompts(model.config, batch, args.prompt_len, args.seed + batch)
   rng = jax.random.PRNGKey(args.seed)
-  sink = []
   t = time.perf_counter()
-  with _capture_program(module, sink):
-    jax.block_until_ready(module.generate(model, ids_bp, lens_b, dc, rng))  # compile + warm-up
+  lowered = engine._generate.lower(  # pylint: disable=protected-access
+      decoder.graphdef, decoder.params, jax.numpy.asarray(ids_bp), jax.numpy.asarray(lens_b),
+      engine.raw_key(rng), decoder.knobs, spec=decoder.spec)
+  memory = lowered.compile().memory_analysis()
   compile_s = time.perf_counter() - t
+  jax.block_until_ready(decoder.generate(ids_bp, lens_b, rng))  # warm-up
   times = []
   for _ in range(args.repeats):
     t = time.perf_counter()
-    out = jax.block_until_ready(module.generate(model, ids_bp, lens_b, dc, rng))
+    out, state = jax.block_until_ready(decoder.generate(ids_bp, lens_b, rng, with_state=True))
     times.append(time.perf_counter() - t)
   seconds = statistics.median(times)
   tokens = int(np.asarray(out.counters.tokens_b).sum())
   nfe_b = np.asarray(out.counters.nfe_b())
-  return {
+  passes = int(state.passes)
+  row = {
       "method": method, "batch": batch, "seconds": seconds, "compile_s": compile_s,
       "tokens": tokens, "tok_s": tokens / seconds, "tpf": tokens / max(int(nfe_b.sum()), 1),
-      "nfe_row": float(nfe_b.mean()), "loop_passes": int(nfe_b.max()),
-      "program_mb": program_bytes(sink[0] if sink else None) / 2**20,
+      "nfe_row": float(nfe_b.mean()), "loop_passes": passes,
+      "pass_ms": 1e3 * seconds / max(passes, 1),
+      "program_mb": program_bytes(memory) / 2**20,
       "device_peak_mb": (device_peak() or 0) / 2**20,
   }
+  if args.engine_prompts and batch > 1:
+    n = args.engine_prompts * batch
+    ids_np, lens_np = make_prompts(model.config, n, args.prompt_len, args.seed + 1000 + batch)
+    prompts = [list(ids_np[i, :lens_np[i]]) for i in range(n)]
+    eng = decoder.engine(batch, width=args.prompt_len)
+    eng.warm_up()
+    run = eng.run(prompts, rng)
+    own = sum(r.counters["nfe_b"] for r in run.results)
+    row.update(engine_tok_s=sum(len(r.tokens) for r in run.results) / run.seconds,
+               engine_pass_ratio=run.passes / (own / batch), engine_prompts=n)
+  return row
 
 
 def main(argv=None):
   args = parse_args(argv)
   models = load_models(args)
+  if args.task_prompts:
+    from refusion_jax import evaluate, tokenizer  # pylint: disable=import-outside-toplevel
+    tok = tokenizer.Tokenizer.tiny()
+    problems = evaluate.read_problems(args.task_prompts, tok)
+    rs = np.random.default_rng(args.seed)
+    _TASK_PROMPTS.extend(list(problems[i].prompt_ids) for i in rs.permutation(len(problems)))
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}), {jax.device_count()} device(s)")
   for method, model in models.items():
@@ -210,13 +253,16 @@ def main(argv=None):
             flush=True)
   gpu = any(r["device_peak_mb"] for r in rows)
   header = (f"{'method':9s}{'batch':>6s}{'tokens':>8s}{'tok/s':>11s}{'tok/fwd':>9s}"
-            f"{'NFE/row':>9s}{'passes':>8s}{'sec':>9s}{'prog MB':>9s}"
-            + (f"{'peak MB':>9s}" if gpu else ""))
+            f"{'NFE/row':>9s}{'passes':>8s}{'ms/pass':>9s}{'sec':>9s}{'compile':>9s}"
+            f"{'prog MB':>9s}{'eng tok/s':>11s}{'eng pass':>9s}" + (f"{'peak MB':>9s}" if gpu else ""))
   print(header)
   print("-" * len(header))
   for r in rows:
+    eng = (f"{r['engine_tok_s']:>11.1f}{r['engine_pass_ratio']:>9.2f}" if "engine_tok_s" in r
+           else f"{'-':>11s}{'-':>9s}")
     print(f"{r['method']:9s}{r['batch']:>6d}{r['tokens']:>8d}{r['tok_s']:>11.1f}{r['tpf']:>9.2f}"
-          f"{r['nfe_row']:>9.1f}{r['loop_passes']:>8d}{r['seconds']:>9.3f}{r['program_mb']:>9.1f}"
+          f"{r['nfe_row']:>9.1f}{r['loop_passes']:>8d}{r['pass_ms']:>9.3f}{r['seconds']:>9.3f}"
+          f"{r['compile_s']:>9.1f}{r['program_mb']:>9.1f}{eng}"
           + (f"{r['device_peak_mb']:>9.1f}" if gpu else ""))
   by = {(r["method"], r["batch"]): r for r in rows}
   print()
@@ -228,12 +274,20 @@ def main(argv=None):
         print(f"batch {batch}: refusion / {other} tokens/s = {ref['tok_s'] / o['tok_s']:.2f}x, "
               f"memory = {ref['program_mb'] / o['program_mb']:.2f}x")
   for method in args.methods:
-    first, last = by.get((method, args.batch_sizes[0])), by.get((method, args.batch_sizes[-1]))
-    if first and last and first is not last:
-      print(f"{method}: batch {last['batch']} / batch {first['batch']} tokens/s = "
-            f"{last['tok_s'] / first['tok_s']:.2f}x")
+    first = by.get((method, args.batch_sizes[0]))
+    for batch in args.batch_sizes[1:]:
+      last = by.get((method, batch))
+      if first and last:
+        print(f"{method}: batch {batch} / batch {first['batch']} tokens/s = "
+              f"{last['tok_s'] / first['tok_s']:.2f}x")
+  for method in args.methods:
+    print(f"{method}: fixed cost of a call (dispatch + launch + sync, no pass) "
+          f"{fixed_cost_ms(engine.Decoder(models[method], _decode_config(method, args))):.3f} ms")
   print("\nprog MB: XLA buffer assignment of the compiled decode program (parameters, prompts, "
-        "outputs and peak temporaries, KV cache included).")
+        "outputs and peak temporaries, KV cache included). passes: forward passes of the batch "
+        "(loop iterations); ms/pass = sec / passes. eng tok/s: the continuous-batching engine "
+        f"with as many rows as the batch, {args.engine_prompts} prompts per row, compiles "
+        "excluded; eng pass = its passes / (sum of each prompt's own passes / rows).")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ def get_config():
   c.prompt = ""  # one query, chat-templated with the tokenizer
   c.prompt_ids = ""  # one prompt as token ids "1,2,3" (no tokenizer needed)
   c.prompts_file = ""  # JSONL, one {"query": str} or {"prompt_ids": [int]} per line (a batch)
-  c.batch_size = 8  # rows decoded together; smaller batches are padded to a power of two
+  c.batch_size = 8  # engine rows (continuous batching); fewer prompts: the next power of two
   c.prompt_bucket = 64  # prompt length is padded up to a multiple of this (reuses the program)
   c.seed = 0  # sampling rng (only used when decode.temperature > 0)
-  c.warmup = False  # run the first batch once untimed, so "seconds" excludes compilation
+  c.warmup = False  # compile every engine program first, so "seconds" excludes compilation
 
   c.decode = ml_collections.ConfigDict()
   c.decode.method = "refusion"  # "refusion", "ar" or "mdm" (MDM needs a bidirectional model)

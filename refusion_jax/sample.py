@@ -10,11 +10,16 @@ and EOS ids come from the model's config. Tokenizer: `tokenizer_dir`, else
 when the model has `config.tiny()`'s vocabulary and special ids; otherwise
 there is none (prompts must then be token ids and "text" is null).
 
-Prompts are decoded in batches of `batch_size` rows; a shorter batch is
-padded with copies of its first prompt up to a power of two, and the prompt
-length is padded up to a multiple of `prompt_bucket`, so that new prompts
-reuse the compiled program. Results go to `output_json` (atomically) as a
-JSON list, one object per prompt; progress and timings go to stderr.
+Prompts go through the continuous-batching engine (`decode.engine`) with
+`batch_size` rows (fewer when there are fewer prompts): when a row finishes,
+the next prompt is prefilled into it, without recompiling. Every prompt is
+padded to one width, its length rounded up to a multiple of `prompt_bucket`,
+so that new prompts reuse the compiled programs. Each prompt decodes exactly
+as it would alone (at temperature > 0 it draws from `fold_in(seed key, its
+index)`). Results go to `output_json` (atomically) as a JSON list, one object
+per prompt in input order, with its own counters and `seconds` (from its
+admission to the end of the engine call that finished it); progress and
+timings go to stderr.
 """
 
 from __future__ import annotations
@@ -33,10 +38,7 @@ from ml_collections import config_flags
 
 from refusion_jax import checkpoint, fileio, trace
 from refusion_jax.config import DecodeConfig, ModelConfig, tiny
-from refusion_jax.decode import autoregressive, mdm, refusion
-
-GENERATORS = {"refusion": refusion.generate, "ar": autoregressive.generate,
-              "mdm": mdm.generate}
+from refusion_jax.decode import engine as engine_lib
 
 
 def _log(message: str) -> None:
@@ -182,50 +184,42 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
   decode_config.check_fits(model_config, longest)
   width = bucket_length(longest, c.prompt_bucket,
                         model_config.max_position_embeddings - decode_config.gen_length)
-  generate = GENERATORS[decode_config.method]
+  rows = batch_rows(len(prompts), c.batch_size)
+  decoder = engine_lib.Decoder(model, decode_config)
+  eng = decoder.engine(rows, width=width)
   rng = jax.random.key(c.seed)
-
-  def decode_batch(chunk, key):
-    rows = batch_rows(len(chunk), c.batch_size)
-    ids_bp = np.zeros((rows, width), np.int32)
-    lens_b = np.zeros((rows,), np.int32)
-    for r in range(rows):
-      ids = chunk[r][1] if r < len(chunk) else chunk[0][1]
-      ids_bp[r, :len(ids)] = ids
-      lens_b[r] = len(ids)
-    out = generate(model, ids_bp, lens_b, decode_config, key)
-    return jax.tree.map(np.asarray, jax.block_until_ready(out))
-
-  batches = [prompts[i:i + c.batch_size] for i in range(0, len(prompts), c.batch_size)]
   if c.warmup:
     t = time.perf_counter()
-    decode_batch(batches[0], rng)
+    eng.warm_up()
     _log(f"[sample] warm-up (compile) {time.perf_counter() - t:.1f}s")
+  bar = None
+  if len(prompts) > 1:
+    import tqdm  # pylint: disable=import-outside-toplevel
+    bar = tqdm.tqdm(total=len(prompts), desc="sample", unit="prompt", leave=False,
+                    file=sys.stderr)
+  run_ = eng.run([ids for _, ids in prompts], rng, progress=bar)
+  if bar is not None:
+    bar.close()
+  tokens_done = sum(len(r.tokens) for r in run_.results)
+  _log(f"[sample] {len(prompts)} prompt(s) through {rows} row(s): {tokens_done} tokens, "
+       f"{run_.passes} forward passes in {run_.seconds:.2f}s"
+       + ("" if c.warmup else " (includes compile)"))
   results, records = [], []
-  for index, chunk in enumerate(batches):
-    t = time.perf_counter()
-    out = decode_batch(chunk, jax.random.fold_in(rng, index))
-    seconds = time.perf_counter() - t
-    nfe_b = out.counters.nfe_b()
-    tokens_done = int(out.length_b[:len(chunk)].sum())
-    _log(f"[sample] batch {index + 1}/{len(batches)}: {len(chunk)} prompt(s), "
-         f"{tokens_done} tokens in {seconds:.2f}s"
-         + (" (includes compile)" if index == 0 and not c.warmup else ""))
-    for r, (label, _) in enumerate(chunk):
-      n = int(out.length_b[r])
-      tokens = [int(t) for t in out.tokens_bg[r, :n]]
-      nfe = int(nfe_b[r])
-      text = None if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
-      results.append({"prompt": label, "tokens": tokens, "text": text, "nfe": nfe,
-                      "tokens_per_forward": n / nfe if nfe else 0.0,
-                      "tpf_paper": float(out.counters.tpf_paper_b()[r]), "seconds": seconds})
-      steps = [int(s) for s in out.commit_step_bg[r, :n]]
-      if c.trace or c.trace_html:
-        pieces = trace.token_pieces(tokens, None if tokenizer is None else tokenizer.decode)
-        records.append({"prompt": label, "pieces": pieces, "steps": steps,
-                        "meta": f"{decode_config.method}: {n} tokens, {nfe} forward passes"})
-        if c.trace:
-          _log(f"[trace] prompt {len(results) - 1}: {label!r}\n" + trace.ansi(pieces, steps))
+  for (label, _), res in zip(prompts, run_.results):
+    tokens = res.tokens
+    n = len(tokens)
+    nfe = int(res.counters["nfe_b"])
+    text = None if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
+    results.append({"prompt": label, "tokens": tokens, "text": text, "nfe": nfe,
+                    "tokens_per_forward": n / nfe if nfe else 0.0,
+                    "tpf_paper": res.counters["tpf_paper_b"], "seconds": res.seconds})
+    steps = res.commit_steps
+    if c.trace or c.trace_html:
+      pieces = trace.token_pieces(tokens, None if tokenizer is None else tokenizer.decode)
+      records.append({"prompt": label, "pieces": pieces, "steps": steps,
+                      "meta": f"{decode_config.method}: {n} tokens, {nfe} forward passes"})
+      if c.trace:
+        _log(f"[trace] prompt {len(results) - 1}: {label!r}\n" + trace.ansi(pieces, steps))
 
   if c.trace_html:
     fileio.write_text_atomic(c.trace_html, trace.html(records, f"Decoding order ({decode_config.method})"))

@@ -232,12 +232,13 @@ def test_token_stats_sampling_is_per_token_and_respects_the_ban():
                               temperature=jnp.float32(1.0), keys_bt2=keys[:, :1], banned_id=3,
                               vocab_chunk=chunk)
     assert int(alone.pick_bt[0, 0]) == int(a.pick_bt[0, 0])
-  draws = []
-  for i in range(200):
-    k = engine.pass_keys(jnp.asarray([[i, 7]], jnp.uint32), jnp.asarray([0]), 4)
-    draws += np.asarray(heads.token_stats(h, w, given, sample_bt=sample,
-                                          temperature=jnp.float32(1.0), keys_bt2=k,
-                                          banned_id=3, vocab_chunk=16).pick_bt[0]).tolist()
+  # 200 prompts' keys in one call: the ban holds and the draws spread.
+  many = jnp.asarray([[i, 7] for i in range(200)], jnp.uint32)
+  k = engine.pass_keys(many, jnp.zeros((200,), jnp.int32), 4)
+  draws = np.asarray(heads.token_stats(
+      jnp.broadcast_to(h, (200, 4, 8)), w, jnp.zeros((200, 4), jnp.int32),
+      sample_bt=jnp.broadcast_to(sample, (200, 4)), temperature=jnp.float32(1.0), keys_bt2=k,
+      banned_id=3, vocab_chunk=16).pick_bt).ravel().tolist()
   assert 3 not in draws and len(set(draws)) > 20
 
 

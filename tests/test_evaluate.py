@@ -4,6 +4,7 @@ import json
 import os
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from flax import nnx
 from refusion_jax import checkpoint, evaluate
 from refusion_jax import config as config_lib
 from refusion_jax.config import DecodeConfig
-from refusion_jax.decode import autoregressive
+from refusion_jax.decode import autoregressive, engine
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.model import Qwen3
 from refusion_jax.tokenizer import Tokenizer
@@ -115,6 +116,50 @@ class _Oracle:
                         counters=counters, commit_step_bg=jnp.zeros((b, g), jnp.int32))
 
 
+class _FakeDecoder:
+  """Stands in for `engine.Decoder`: its engine decodes `rows` prompts per oracle call."""
+
+  oracle = None
+
+  def __init__(self, model, decode_config):
+    self.model, self.config = model, decode_config
+
+  def generate(self, ids_bp, lens_b, rng=None):
+    return self.oracle(self.model, ids_bp, lens_b, self.config, rng)
+
+  def engine(self, rows, width):
+    decoder = self
+
+    class _Engine:
+
+      def warm_up(self):
+        pass
+
+      def run(self, prompts, rng=None, progress=None):
+        del rng
+        results = []
+        for start in range(0, len(prompts), rows):
+          chunk = prompts[start:start + rows]
+          ids = np.zeros((rows, width), np.int32)
+          lens = np.ones((rows,), np.int32)
+          for r in range(rows):  # missing rows repeat the first prompt
+            p = chunk[r] if r < len(chunk) else chunk[0]
+            ids[r, :len(p)], lens[r] = p, len(p)
+          out = jax.device_get(decoder.generate(ids, lens))
+          counters = {k: np.asarray(v) for k, v in out.counters.as_dict().items()}
+          for r in range(len(chunk)):
+            n = int(out.length_b[r])
+            results.append(engine.PromptResult(
+                index=start + r, tokens=[int(t) for t in out.tokens_bg[r, :n]],
+                counters={k: float(v[r]) for k, v in counters.items()},
+                commit_steps=[0] * n, seconds=0.0))
+          if progress is not None:
+            progress.update(len(chunk))
+        return engine.EngineRun(results=results, passes=0, seconds=1.0, admissions=0)
+
+    return _Engine()
+
+
 def test_evaluate_scores_and_counts_like_a_hand_tally(tmp_path, tok, monkeypatch):
   path = _write(tmp_path / "p.jsonl", ROWS)
   problems = evaluate.read_problems(path, tok)
@@ -122,7 +167,8 @@ def test_evaluate_scores_and_counts_like_a_hand_tally(tmp_path, tok, monkeypatch
   texts = {"sort 539": "359", "copy 12": "13", "sort 21": "21", "sort 780": "078",
            "copy 4": "4", "lookup a=1 b=2 ? b": "2"}
   oracle = _Oracle(tok, {p.prompt_ids: texts[p.query] for p in problems}, nfe_per_row=2)
-  monkeypatch.setitem(evaluate.GENERATORS, "ar", oracle)
+  monkeypatch.setattr(_FakeDecoder, "oracle", staticmethod(oracle))
+  monkeypatch.setattr(evaluate.engine_lib, "Decoder", _FakeDecoder)
   fake_model = types.SimpleNamespace(config=config_lib.tiny())  # the oracle never runs it
   result = evaluate.evaluate(fake_model, tok, problems,
                              DecodeConfig(method="ar", gen_length=16, slot_size=16,
@@ -143,8 +189,8 @@ def test_evaluate_scores_and_counts_like_a_hand_tally(tmp_path, tok, monkeypatch
   assert per_task["sort"]["speed_tokens"] == len(tok.encode("359")) + 1
   assert per_task["sort"]["tokens_per_sec"] > 0
   assert result["average"]["accuracy"] == pytest.approx((200 / 3 + 50 + 100) / 3)
-  # Every accuracy batch is padded to batch_size rows, every timed call is one row,
-  # and all prompts share one width: one program per decode config.
+  # The engine runs batch_size rows, every timed call is one row, and all prompts
+  # share one width: one program per decode config.
   assert set(oracle.shapes) == {(2, 32), (1, 32)}
   # Per task: one untimed warm-up, then the timed problem decoded speed_repeats times.
   assert oracle.shapes.count((1, 32)) == 3 * (1 + 3)

@@ -421,11 +421,12 @@ class Engine:
       out, phase = jax.device_get(_engine_output(state, d.knobs, spec=d.spec))
       passes += int(state.passes) - before
       now = time.perf_counter()
+      counter_arrays = {k: np.asarray(v) for k, v in out.counters.as_dict().items()}
       for r in range(b):
         i = row_prompt[r]
         if i >= 0 and phase[r] == DONE:
           n = int(out.length_b[r])
-          counters = {k: float(v[r]) for k, v in out.counters.as_dict().items()}
+          counters = {k: float(v[r]) for k, v in counter_arrays.items()}
           results[i] = PromptResult(index=i, tokens=[int(t) for t in out.tokens_bg[r, :n]],
                                     counters=counters,
                                     commit_steps=[int(s) for s in out.commit_step_bg[r, :n]],
