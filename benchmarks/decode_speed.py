@@ -19,7 +19,6 @@ meaningful tokens-per-forward figures.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys

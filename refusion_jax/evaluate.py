@@ -33,7 +33,7 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -41,11 +41,7 @@ import numpy as np
 from refusion_jax import fileio
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.config import DecodeConfig, ModelConfig
-from refusion_jax.decode import autoregressive, engine as engine_lib, mdm, refusion
-from refusion_jax.decode.counters import DecodeOutput
-
-GENERATORS: dict[str, Callable[..., DecodeOutput]] = {
-    "refusion": refusion.generate, "ar": autoregressive.generate, "mdm": mdm.generate}
+from refusion_jax.decode import engine as engine_lib
 
 
 # ---------------------------------------------------------------------------
@@ -124,17 +120,6 @@ def _batch_arrays(prompts: Sequence[Sequence[int]], rows: int, width: int):
     ids_bp[r, :len(ids)] = ids
     lens_b[r] = len(ids)
   return ids_bp, lens_b
-
-
-def decode(model, prompts: Sequence[Sequence[int]], decode_config: DecodeConfig, *,
-           rows: int, width: int, rng=None) -> DecodeOutput:
-  """One `generate` call on `prompts` padded to `[rows, width]`; host numpy output."""
-  if decode_config.method not in GENERATORS:
-    raise ValueError(f"decode.method must be one of {sorted(GENERATORS)}, "
-                     f"got {decode_config.method!r}")
-  ids_bp, lens_b = _batch_arrays(prompts, rows, width)
-  out = GENERATORS[decode_config.method](model, ids_bp, lens_b, decode_config, rng)
-  return jax.tree.map(np.asarray, jax.block_until_ready(out))
 
 
 def _progress(total: int, desc: str, enabled: bool):

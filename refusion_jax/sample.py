@@ -32,7 +32,6 @@ import time
 
 import jax
 import ml_collections
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 

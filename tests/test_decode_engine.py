@@ -151,8 +151,9 @@ def test_mixed_phase_batch_equals_rows_alone(models):
   step = jax.jit(lambda s: refusion.step(nnx.merge(dec.graphdef, dec.params), dec.spec, s,
                                          dec.knobs))
   mixed = 0
-  while bool((state.phase_b >= engine.FIRST_PHASE).any()):
-    phases = set(np.asarray(state.phase_b)[np.asarray(state.phase_b) >= engine.FIRST_PHASE])
+  while bool((state.rows.phase_b >= engine.FIRST_PHASE).any()):
+    phase_b = np.asarray(state.rows.phase_b)
+    phases = set(phase_b[phase_b >= engine.FIRST_PHASE])
     mixed += len(phases) >= 2
     state = step(state)
   assert mixed > 0  # some passes fed rows in different phases

@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from refusion_jax.config import DecodeConfig, ModelConfig
-from refusion_jax.decode import engine, heads, passes
+from refusion_jax.decode import common, engine, heads, passes
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
-from refusion_jax.decode.refusion import prefill_rows
 from refusion_jax.kv_cache import KVCache
 
 DECODE = FIRST_PHASE
@@ -48,7 +47,6 @@ class Rows:
 
 @flax.struct.dataclass
 class State:
-  phase_b: jax.Array
   passes: jax.Array
   cache: KVCache
   rows: Rows
@@ -65,7 +63,7 @@ def _empty_rows(spec: Spec, b: int, pad) -> Rows:
 
 def init(model, spec: Spec, rows: int, width: int) -> State:
   r = _empty_rows(spec, rows, pad_id(model.config))
-  return State(phase_b=r.phase_b, passes=jnp.zeros((), jnp.int32),
+  return State(passes=jnp.zeros((), jnp.int32),
                cache=KVCache.init(model.config, rows, width + spec.gen_length), rows=r)
 
 
@@ -85,7 +83,7 @@ def _emit(spec: Spec, r: Rows, token_b, active_b, knobs: Knobs) -> Rows:
 
 
 def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: Knobs) -> State:
-  cache, last_ad = prefill_rows(model, st.cache, ids_ap, lens_a, rows_a)
+  cache, last_ad = common.prefill_rows(model, st.cache, ids_ap, lens_a, rows_a)
   a = ids_ap.shape[0]
   ones = jnp.ones((a,), bool)
   fresh = _empty_rows(spec, a, knobs.pad_id).replace(
@@ -99,7 +97,7 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
                             keys_bt2=keys, vocab_chunk=spec.vocab_chunk)
   fresh = _emit(spec, fresh, stats.pick_bt[:, 0], ones, knobs)
   rows = engine.set_rows(st.rows, fresh, rows_a)
-  return st.replace(phase_b=rows.phase_b, cache=cache, rows=rows)
+  return st.replace(cache=cache, rows=rows)
 
 
 def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
@@ -118,7 +116,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
                                keys_bn2=keys, vocab_chunk=spec.vocab_chunk)
   r = _emit(spec, r.replace(length_b=r.length_b + active.astype(jnp.int32)), out.pick_bn[:, 0],
             active, knobs)
-  return State(phase_b=r.phase_b, passes=st.passes + 1, cache=cache.replace(length_b=r.length_b),
+  return State(passes=st.passes + 1, cache=cache.replace(length_b=r.length_b),
                rows=r)
 
 
@@ -159,8 +157,8 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
     decode_config: `DecodeConfig` with `method='ar'`.
     rng: PRNG key (used only when temperature > 0; default key 0).
   """
-  check_config(model.config, decode_config, 1)
-  return engine.Decoder(model, decode_config).generate(prompt_ids_bp, prompt_len_b, rng)
+  return engine.Decoder(model, decode_config, method="ar").generate(
+      prompt_ids_bp, prompt_len_b, rng)
 
 
 def compiled_programs() -> int:

@@ -76,18 +76,33 @@ def checked_prompts(model, prompt_ids_bp, prompt_len_b, decode_config,
   return ids, lens
 
 
-def prefill(model, cache: KVCache, prompt_ids_bp, prompt_len_b):
-  """Runs the right-padded prompts once and commits their KV entries.
+def prefill_rows(model, cache: KVCache, ids_ap, lens_a, rows_a) -> tuple[KVCache, jax.Array]:
+  """Prefills prompts into cache rows `rows_a` (index B: dropped); returns the cache
+  and the final hidden state at each prompt's last token `[A, D]`."""
+  a, p = ids_ap.shape
+  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (a, p))
+  h, k, v = model.forward_hidden(ids_ap, positions, None, masks.prefix_causal_btt(lens_a, p))
+  keep = jnp.arange(p)[None] < lens_a[:, None]
+  dst = jnp.where(keep, jnp.arange(p)[None], cache.max_len)
+  rows_ap = jnp.broadcast_to(rows_a[:, None], (a, p))
+  s = jnp.arange(cache.max_len)[None]
+  cache = KVCache(
+      k_lbskh=cache.k_lbskh.at[:, rows_ap, dst].set(k.astype(cache.k_lbskh.dtype), mode="drop"),
+      v_lbskh=cache.v_lbskh.at[:, rows_ap, dst].set(v.astype(cache.v_lbskh.dtype), mode="drop"),
+      positions_bs=cache.positions_bs.at[rows_a].set(
+          jnp.where(s < lens_a[:, None], s, -1).astype(jnp.int32), mode="drop"),
+      length_b=cache.length_b.at[rows_a].set(lens_a, mode="drop"))
+  last = jnp.take_along_axis(h, (lens_a - 1)[:, None, None], axis=1)[:, 0]
+  return cache, last
 
-  Returns `(cache, last_logits_bv)`, the logits at each row's last prompt
+
+def prefill(model, cache: KVCache, prompt_ids_bp, prompt_len_b):
+  """Prefills right-padded prompts into every row (`prefill_rows` over all rows).
+
+  Returns `(cache, last_logits_bv)`, the float32 logits at each row's last prompt
   token (what an autoregressive decoder samples its first token from).
   Traceable: call it inside the decoder's jitted program.
   """
-  b, p = prompt_ids_bp.shape
-  positions_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
-  mask_bpp = masks.prefix_causal_btt(prompt_len_b, p)
-  logits_bpv, k, v = model.forward_chunk(prompt_ids_bp, positions_bp, cache, mask_bpp)
-  keep_bp = jnp.arange(p)[None, :] < prompt_len_b[:, None]
-  cache = cache.commit(k, v, positions_bp, keep_bp)
-  last_bv = jnp.take_along_axis(logits_bpv, (prompt_len_b - 1)[:, None, None], axis=1)[:, 0]
-  return cache, last_bv
+  rows_b = jnp.arange(prompt_ids_bp.shape[0])
+  cache, last_bd = prefill_rows(model, cache, prompt_ids_bp, prompt_len_b, rows_b)
+  return cache, jnp.einsum("bd,vd->bv", last_bd, model.unembed_vd()).astype(jnp.float32)

@@ -11,8 +11,10 @@ A program provides
   active row advances by its own phase;
 * `output(spec, state, knobs)`: a `DecodeOutput` of every row.
 
-Row phases share two values: `FREE` (no prompt) and `DONE` (finished, result
-not yet taken); a program's own phases are >= `FIRST_PHASE`.
+A program's state has `passes` (forward passes run) and `rows`, whose
+`phase_b` the engine reads and writes. Row phases share two values: `FREE`
+(no prompt) and `DONE` (finished, result not yet taken); a program's own
+phases are >= `FIRST_PHASE`.
 
 What a program compiles for is split in two. `Spec` is static (shapes and
 structure: method, gen_length, slot and block size, the left-to-right
@@ -47,7 +49,6 @@ from flax import nnx
 
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import common, heads
-from refusion_jax.decode.counters import DecodeOutput
 
 FREE, DONE, FIRST_PHASE = 0, 1, 2
 
@@ -164,8 +165,8 @@ def set_rows(full, new, rows_a):
 
 def _loop(model, prog: Program, spec: Spec, state, knobs: Knobs, stop_on_done):
   def cond(s):
-    active = (s.phase_b >= FIRST_PHASE).any()
-    return active & ~(stop_on_done & (s.phase_b == DONE).any())
+    phase_b = s.rows.phase_b
+    return (phase_b >= FIRST_PHASE).any() & ~(stop_on_done & (phase_b == DONE).any())
   return jax.lax.while_loop(cond, lambda s: prog.step(model, spec, s, knobs), state)
 
 
@@ -201,7 +202,7 @@ def _engine_run(graphdef, params, state, knobs, stop_on_done, spec):
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _engine_output(state, knobs, spec):
-  return program(spec.method).output(spec, state, knobs), state.phase_b
+  return program(spec.method).output(spec, state, knobs), state.rows.phase_b, state.passes
 
 
 def compiled_programs() -> dict[str, int]:
@@ -217,35 +218,24 @@ class Decoder:
   """A model and a DecodeConfig, split and checked once; every call after is a dispatch.
 
   `generate(ids_bp, lens_b, rng)` decodes a batch in one compiled program;
-  `with_config(dc)` gives a decoder with other traced knobs (never a recompile
-  unless the static part changes).
+  `engine(rows)` serves many prompts. `method` names the decoder a caller
+  expects (its own check then refuses a DecodeConfig of another method);
+  by default it is `decode_config.method`.
   """
 
-  def __init__(self, model, decode_config: DecodeConfig, *,
+  def __init__(self, model, decode_config: DecodeConfig, *, method: str | None = None,
                vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK):
     if not isinstance(decode_config, DecodeConfig):
       raise TypeError(f"decode_config must be a DecodeConfig, got "
                       f"{type(decode_config).__name__}")
+    self.program = program(decode_config.method if method is None else method)
     decode_config.replace()  # re-runs DecodeConfig's own field checks
+    self.program.check(model.config, decode_config, 1)
     self.model = model
     self.config = decode_config
-    self.program = program(decode_config.method)
-    self.program.check(model.config, decode_config, 1)
     self.spec = spec_of(decode_config, vocab_chunk)
     self.knobs = knobs_of(model.config, decode_config)
     self.graphdef, self.params = nnx.split(model)
-
-  def with_config(self, decode_config: DecodeConfig) -> "Decoder":
-    other = object.__new__(Decoder)
-    other.__dict__.update(self.__dict__)
-    decode_config.replace()
-    self.program.check(self.model.config, decode_config, 1)
-    if decode_config.method != self.config.method:
-      raise ValueError("with_config cannot change decode.method")
-    other.config = decode_config
-    other.spec = spec_of(decode_config, self.spec.vocab_chunk)
-    other.knobs = knobs_of(self.model.config, decode_config)
-    return other
 
   def _rng(self, rng):
     if rng is None:
@@ -255,10 +245,10 @@ class Decoder:
     return raw_key(rng)
 
   def check_prompts(self, prompt_ids_bp, prompt_len_b):
-    ids, lens = common.check_prompts(prompt_ids_bp, prompt_len_b)
-    self.program.check(self.model.config, self.config, int(lens.max()))
-    common.check_vocab(ids, lens, self.model.config.vocab_size)
-    return ids, lens
+    """The prompts' own checks; the config was checked once, in `__init__`, so only
+    whether the longest prompt fits is left."""
+    return common.checked_prompts(self.model, prompt_ids_bp, prompt_len_b, self.config,
+                                  lambda mc, dc, longest: dc.check_fits(mc, longest))
 
   def generate(self, prompt_ids_bp, prompt_len_b, rng=None, *, with_state: bool = False):
     ids, lens = self.check_prompts(prompt_ids_bp, prompt_len_b)
@@ -415,11 +405,10 @@ class Engine:
           continue  # more free rows: admit again before running
       if all(p < 0 for p in row_prompt):
         return passes, admissions
-      before = int(state.passes)
       state = _engine_run(d.graphdef, d.params, state, d.knobs, jnp.bool_(bool(queue)),
                           spec=d.spec)
-      out, phase = jax.device_get(_engine_output(state, d.knobs, spec=d.spec))
-      passes += int(state.passes) - before
+      out, phase, total = jax.device_get(_engine_output(state, d.knobs, spec=d.spec))
+      passes = int(total)  # the bucket's state counts its passes from zero
       now = time.perf_counter()
       counter_arrays = {k: np.asarray(v) for k, v in out.counters.as_dict().items()}
       for r in range(b):
@@ -439,4 +428,5 @@ class Engine:
 
 @jax.jit
 def _release_done(state):
-  return state.replace(phase_b=jnp.where(state.phase_b == DONE, FREE, state.phase_b))
+  phase_b = state.rows.phase_b
+  return state.replace(rows=state.rows.replace(phase_b=jnp.where(phase_b == DONE, FREE, phase_b)))

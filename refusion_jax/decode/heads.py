@@ -92,12 +92,7 @@ def token_stats(h_btd, unembed_vd, given_bt, *, sample_bt=None, temperature=None
       given_logit = jnp.take_along_axis(logits_b, given_bt[..., None], axis=-1)[..., 0]
       return pick, jnp.exp(pick_logit - lse), jnp.exp(given_logit - lse)
 
-    if sampling:
-      pick, p_pick, p_given = jax.lax.cond(any_sample, lambda: reduce_all(True),
-                                           lambda: reduce_all(False))
-    else:
-      pick, p_pick, p_given = reduce_all(False)
-    return TokenStats(pick_bt=pick, p_pick_bt=p_pick, p_given_bt=p_given)
+    return _dispatch(reduce_all, sampling and any_sample)
 
   # Chunked: an online reduction over vocabulary chunks. The last chunk is read
   # from a clamped start (`dynamic_slice` needs a full chunk); the columns it
@@ -139,9 +134,15 @@ def token_stats(h_btd, unembed_vd, given_bt, *, sample_bt=None, temperature=None
     lse = m + jnp.log(s)
     return (best_idx.astype(jnp.int32), jnp.exp(best_logit - lse), jnp.exp(given_logit - lse))
 
-  if sampling:
-    pick, p_pick, p_given = jax.lax.cond(any_sample, lambda: reduce_chunks(True),
-                                         lambda: reduce_chunks(False))
+  return _dispatch(reduce_chunks, sampling and any_sample)
+
+
+def _dispatch(reduce, any_sample) -> TokenStats:
+  """`reduce(with_noise)` behind a `lax.cond` when some token may be sampled (no noise is
+  drawn otherwise); `any_sample` is False when nothing is ever sampled."""
+  if any_sample is False:
+    pick, p_pick, p_given = reduce(False)
   else:
-    pick, p_pick, p_given = reduce_chunks(False)
+    pick, p_pick, p_given = jax.lax.cond(any_sample, lambda: reduce(True),
+                                         lambda: reduce(False))
   return TokenStats(pick_bt=pick, p_pick_bt=p_pick, p_given_bt=p_given)

@@ -39,7 +39,6 @@ import jax.numpy as jnp
 
 from refusion_jax.config import DecodeConfig, ModelConfig
 from refusion_jax.decode import engine, heads
-from refusion_jax.decode.autoregressive import pad_id
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
 
@@ -61,7 +60,6 @@ class Rows:
 
 @flax.struct.dataclass
 class State:
-  phase_b: jax.Array
   passes: jax.Array
   rows: Rows
 
@@ -100,7 +98,7 @@ def _empty_rows(spec: Spec, b: int, width: int, mask_id) -> Rows:
 def init(model, spec: Spec, rows: int, width: int) -> State:
   mask = model.config.mask_token_id
   r = _empty_rows(spec, rows, width, -1 if mask is None else mask)
-  return State(phase_b=r.phase_b, passes=jnp.zeros((), jnp.int32), rows=r)
+  return State(passes=jnp.zeros((), jnp.int32), rows=r)
 
 
 def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: Knobs) -> State:
@@ -110,7 +108,7 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
       phase_b=jnp.full((a,), DENOISE, jnp.int32), prompt_len_b=lens_a, key_b2=keys_a2,
       prompt_bp=jnp.where(jnp.arange(p)[None] < lens_a[:, None], ids_ap, knobs.pad_id))
   rows = engine.set_rows(st.rows, fresh, rows_a)
-  return st.replace(phase_b=rows.phase_b, rows=rows)
+  return st.replace(rows=rows)
 
 
 def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
@@ -155,7 +153,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
       active_b, chosen_bg.sum(-1), active_b)
   r = r.replace(phase_b=jnp.where(done_b, DONE, r.phase_b), gen_bg=gen_bg, decided_bg=decided_bg,
                 commit_step_bg=commit_step_bg, block_b=block_b, counters=counters)
-  return State(phase_b=r.phase_b, passes=st.passes + 1, rows=r)
+  return State(passes=st.passes + 1, rows=r)
 
 
 def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
@@ -201,8 +199,8 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
     decode_config: `DecodeConfig` with `method='mdm'`.
     rng: PRNG key (used only when temperature > 0; default key 0).
   """
-  check_config(model.config, decode_config, 1)
-  return engine.Decoder(model, decode_config).generate(prompt_ids_bp, prompt_len_b, rng)
+  return engine.Decoder(model, decode_config, method="mdm").generate(
+      prompt_ids_bp, prompt_len_b, rng)
 
 
 def compiled_programs() -> int:

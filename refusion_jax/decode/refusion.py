@@ -64,9 +64,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from refusion_jax import masks
 from refusion_jax.config import DecodeConfig
-from refusion_jax.decode import engine, passes
+from refusion_jax.decode import common, engine, passes
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
 from refusion_jax.kv_cache import KVCache
@@ -105,7 +104,6 @@ class Rows:
 
 @flax.struct.dataclass
 class State:
-  phase_b: jax.Array  # mirror of rows.phase_b (the engine reads it)
   passes: jax.Array  # scalar: forward passes run (loop iterations)
   cache: KVCache
   rows: Rows
@@ -445,38 +443,18 @@ def init(model, spec: Spec, rows: int, width: int) -> State:
   cache = KVCache.init(model.config, rows, width + spec.gen_length)
   pad = 0 if model.config.pad_token_id is None else model.config.pad_token_id
   r = _empty_rows(spec, rows, pad)
-  return State(phase_b=r.phase_b, passes=jnp.zeros((), jnp.int32), cache=cache, rows=r)
-
-
-def prefill_rows(model, cache: KVCache, ids_ap, lens_a, rows_a) -> tuple[KVCache, jax.Array]:
-  """Prefills prompts into cache rows `rows_a` (index B: dropped); returns the cache
-  and the final hidden state at each prompt's last token `[A, D]`."""
-  a, p = ids_ap.shape
-  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (a, p))
-  h, k, v = model.forward_hidden(ids_ap, positions, None, masks.prefix_causal_btt(lens_a, p))
-  keep = jnp.arange(p)[None] < lens_a[:, None]
-  dst = jnp.where(keep, jnp.arange(p)[None], cache.max_len)
-  rows_ap = jnp.broadcast_to(rows_a[:, None], (a, p))
-  s = jnp.arange(cache.max_len)[None]
-  cache = KVCache(
-      k_lbskh=cache.k_lbskh.at[:, rows_ap, dst].set(k.astype(cache.k_lbskh.dtype), mode="drop"),
-      v_lbskh=cache.v_lbskh.at[:, rows_ap, dst].set(v.astype(cache.v_lbskh.dtype), mode="drop"),
-      positions_bs=cache.positions_bs.at[rows_a].set(
-          jnp.where(s < lens_a[:, None], s, -1).astype(jnp.int32), mode="drop"),
-      length_b=cache.length_b.at[rows_a].set(lens_a, mode="drop"))
-  last = jnp.take_along_axis(h, (lens_a - 1)[:, None, None], axis=1)[:, 0]
-  return cache, last
+  return State(passes=jnp.zeros((), jnp.int32), cache=cache, rows=r)
 
 
 def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: Knobs) -> State:
-  cache, _ = prefill_rows(model, st.cache, ids_ap, lens_a, rows_a)
+  cache, _ = common.prefill_rows(model, st.cache, ids_ap, lens_a, rows_a)
   a = ids_ap.shape[0]
   fresh = _empty_rows(spec, a, knobs.pad_id).replace(
       phase_b=jnp.full((a,), LTR_PLAN if spec.left_to_right else PLAN, jnp.int32),
       length_b=lens_a, prompt_len_b=lens_a, key_b2=keys_a2)
   fresh = fresh.replace(counters=fresh.counters.add(jnp.ones((a,), bool), prefill_b=1))
   rows = engine.set_rows(st.rows, fresh, rows_a)
-  return st.replace(phase_b=rows.phase_b, cache=cache, rows=rows)
+  return st.replace(cache=cache, rows=rows)
 
 
 def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
@@ -514,7 +492,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
          (phase == VERIFY, infill_verify(lay, r, out, knobs)),
          (phase == RECOMPUTE, recompute(lay, r, out, knobs))], r)
   cache = cache.replace(length_b=new.length_b)
-  return State(phase_b=new.phase_b, passes=st.passes + 1, cache=cache, rows=new)
+  return State(passes=st.passes + 1, cache=cache, rows=new)
 
 
 def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
@@ -562,16 +540,15 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
   `decode_config.temperature > 0`. `decode_config.left_to_right` and
   `recompute_kv` select the ablations of the module docstring.
   """
-  validate(model.config, decode_config, 1)
-  return engine.Decoder(model, decode_config).generate(prompt_ids_bp, prompt_len_b, rng)
+  return engine.Decoder(model, decode_config, method="refusion").generate(
+      prompt_ids_bp, prompt_len_b, rng)
 
 
 def _generate_with_cache(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
                          rng: jax.Array | None = None) -> tuple[DecodeOutput, KVCache]:
   """`generate`, plus the final KV cache (entries in commit order), for tests."""
-  validate(model.config, decode_config, 1)
-  out, state = engine.Decoder(model, decode_config).generate(prompt_ids_bp, prompt_len_b, rng,
-                                                             with_state=True)
+  out, state = engine.Decoder(model, decode_config, method="refusion").generate(
+      prompt_ids_bp, prompt_len_b, rng, with_state=True)
   return out, state.cache
 
 
