@@ -1,8 +1,13 @@
-"""Decode held-out problems with any decoder and score them by exact match.
+"""Evaluation entry point: the paper's benchmarks, or the bundled suite.
 
-  python -m refusion_jax.evaluate --model_dir=W/models/refusion/final_model \\
-      --data=refusion_jax/assets/data/tiny_test.jsonl \\
-      --config.decode.method=refusion --config.decode.gen_length=32 [--output_json=R.json]
+  python -m refusion_jax.evaluate --config=configs/eval/<benchmark>.py \\
+      --config.model_dir=DIR --config.output_dir=OUT
+  python -m refusion_jax.evaluate --config=configs/eval/synthetic.py \\
+      --config.model_dir=W/models/refusion/final_model --config.decode.gen_length=32
+
+The seven benchmarks of the paper's Table 1 run through lm-eval
+(refusion_jax/lmeval/run.py). The rest of this module is the bundled suite:
+held-out problems decoded with any decoder and scored by exact match.
 
 Two measurements per task, as in the paper's tables:
 
@@ -271,79 +276,60 @@ def summary_lines(result: dict) -> list[str]:
 # FlagValues: refusion_jax.train and refusion_jax.sample define a global --config.
 
 
-def default_config():
-  """Settings of the command line entry point; --config.decode.* is the DecodeConfig."""
-  import ml_collections  # pylint: disable=import-outside-toplevel
-
-  c = ml_collections.ConfigDict()
-  c.per_task = 0  # problems per task from --data (0 = all)
-  c.batch_size = 16  # rows per accuracy batch
-  c.speed_per_task = 20  # problems per task timed at batch 1 (0 = no timing)
-  c.speed_repeats = 5  # decodes per timed problem, the fastest counted
-  c.seed = 0  # rng for temperature > 0
-  c.decode = ml_collections.ConfigDict(dataclasses.asdict(DecodeConfig()))
-  c.decode.mdm_threshold = ml_collections.config_dict.placeholder(float)
-  return c
-
-
 def load_model(model_dir: str):
   """`(config, model)` from a refusion_jax model folder or a HF checkpoint folder."""
-  from refusion_jax import checkpoint  # pylint: disable=import-outside-toplevel
-
-  if checkpoint.is_model_dir(model_dir):
-    return checkpoint.load_model(model_dir)
-  if os.path.isfile(os.path.join(model_dir, "config.json")):
-    from refusion_jax import hf  # pylint: disable=import-outside-toplevel
-    return hf.load(model_dir)
-  raise FileNotFoundError(f"--model_dir={model_dir!r} has neither model_config.json "
-                          "(refusion_jax) nor config.json (HF)")
+  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  return sample.load_model(model_dir)
 
 
-def main(argv: Sequence[str]) -> dict:
-  """Parses `argv` (program name first), evaluates, prints and optionally writes JSON."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-
-  fv = flags.FlagValues()
-  config_flag = config_flags.DEFINE_config_dict("config", default_config(),
-                                                "Evaluation settings.", flag_values=fv,
-                                                sys_argv=list(argv))
-  model_dir = flags.DEFINE_string("model_dir", None, "Model folder (refusion_jax or HF).",
-                                  flag_values=fv)
-  data = flags.DEFINE_string("data", None, 'JSONL of {"query": ...} held-out problems.',
-                             flag_values=fv)
-  tokenizer_dir = flags.DEFINE_string("tokenizer_dir", "", "Tokenizer folder ('' = the "
-                                      "bundled tiny one).", flag_values=fv)
-  output_json = flags.DEFINE_string("output_json", "", "Write the full result here.",
-                                    flag_values=fv)
-  rest = fv(list(argv))
-  if len(rest) > 1:
-    raise ValueError(f"unexpected arguments: {rest[1:]}")
-  if not model_dir.value or not os.path.isdir(model_dir.value):
-    raise ValueError(f"--model_dir={model_dir.value!r} is not a folder")
-  if not data.value or not os.path.isfile(data.value):
-    raise ValueError(f"--data={data.value!r} is not a file")
-  out = output_json.value
-  if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-    raise ValueError(f"--output_json={out!r}: its folder does not exist")
-  c = config_flag.value
+def run_synthetic(c) -> dict:
+  """The bundled suite (`configs/eval/synthetic.py`): prints a summary, writes results.json."""
+  if not c.model_dir or not os.path.isdir(c.model_dir):
+    raise ValueError(f"--config.model_dir={c.model_dir!r} is not a folder")
+  if not c.data or not os.path.isfile(c.data):
+    raise ValueError(f"--config.data={c.data!r} is not a file")
   try:
     decode_config = DecodeConfig(**c.decode.to_dict())
   except (TypeError, ValueError) as e:
     raise ValueError(f"--config.decode: {e}") from None
   from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-  tokenizer = Tokenizer.from_dir(tokenizer_dir.value) if tokenizer_dir.value else Tokenizer.tiny()
-  problems = read_problems(data.value, tokenizer, per_task=c.per_task)
-  model_config, model = load_model(model_dir.value)
+  tokenizer = Tokenizer.from_dir(c.tokenizer_dir) if c.tokenizer_dir else Tokenizer.tiny()
+  problems = read_problems(c.data, tokenizer, per_task=c.per_task)
+  model_config, model = load_model(c.model_dir)
   tokenizer.check_compatible(model_config)
   result = evaluate(model, tokenizer, problems, decode_config, batch_size=c.batch_size,
                     speed_per_task=c.speed_per_task, speed_repeats=c.speed_repeats,
                     seed=c.seed, desc=decode_config.method)
   print("\n".join(summary_lines(result)))
-  if out:
+  if c.output_dir:
+    os.makedirs(c.output_dir, exist_ok=True)
+    out = os.path.join(c.output_dir, "results.json")
     fileio.write_json_atomic(out, result)
     print(f"wrote {out}", file=sys.stderr)
   return result
+
+
+def main(argv: Sequence[str]) -> dict:
+  """Parses `argv` (program name first) and runs the evaluation its --config names."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+
+  fv = flags.FlagValues()
+  config_flag = config_flags.DEFINE_config_file(
+      "config", None, "Evaluation config: configs/eval/<benchmark>.py (one of the paper's "
+      "seven) or configs/eval/synthetic.py (the bundled suite).", flag_values=fv,
+      lock_config=True, sys_argv=list(argv))
+  rest = fv(list(argv))
+  if len(rest) > 1:
+    raise ValueError(f"unexpected arguments: {rest[1:]}")
+  c = config_flag.value
+  if c is None:
+    raise ValueError("--config=configs/eval/<benchmark>.py is required (mmlu_pro, arc_c, "
+                     "gsm8k, math, gpqa, humaneval, mbpp, or synthetic for the bundled suite)")
+  if c.benchmark == "synthetic":
+    return run_synthetic(c)
+  from refusion_jax.lmeval import run  # pylint: disable=import-outside-toplevel
+  return run.run(c)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.model import Qwen3
 from refusion_jax.tokenizer import Tokenizer
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 ROWS = [
     {"query": "sort 539", "response": "359"},
     {"query": "copy 12", "response": "12"},
@@ -241,18 +243,22 @@ def test_command_line_writes_a_json_result(tmp_path, tok):
   model_dir = str(tmp_path / "model")
   checkpoint.save_model(model_dir, config, Qwen3(config, rngs=nnx.Rngs(0)))
   data = _write(tmp_path / "p.jsonl", ROWS[:2])
-  out = str(tmp_path / "r.json")
-  evaluate.main(["evaluate", f"--model_dir={model_dir}", f"--data={data}",
-                 "--config.decode.method=ar", "--config.decode.gen_length=8",
-                 "--config.decode.slot_size=8", "--config.decode.block_size=8",
-                 "--config.speed_per_task=1", "--config.batch_size=2", f"--output_json={out}"])
-  with open(out) as f:
+  out_dir = tmp_path / "out"
+  synthetic = os.path.join(REPO, "configs", "eval", "synthetic.py")
+  evaluate.main(["evaluate", f"--config={synthetic}", f"--config.model_dir={model_dir}",
+                 f"--config.data={data}", "--config.decode.method=ar",
+                 "--config.decode.gen_length=8", "--config.decode.slot_size=8",
+                 "--config.decode.block_size=8", "--config.speed_per_task=1",
+                 "--config.batch_size=2", f"--config.output_dir={out_dir}"])
+  with open(out_dir / "results.json") as f:
     result = json.load(f)
   assert set(result["per_task"]) == {"sort", "copy"}
   assert result["decode"]["sort"]["method"] == "ar"
   assert all(m["speed_n"] == 1 and m["tokens_per_sec"] > 0 for m in result["per_task"].values())
-  assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]  # nothing half-written left
+  assert not [n for n in os.listdir(out_dir) if ".tmp" in n]  # nothing half-written left
   with pytest.raises(ValueError, match="--config.decode: decode.block_size=8 must be a multiple"):
-    evaluate.main(["evaluate", f"--model_dir={model_dir}", f"--data={data}",
-                   "--config.decode.slot_size=3", "--config.decode.block_size=8",
-                   "--config.decode.gen_length=8"])
+    evaluate.main(["evaluate", f"--config={synthetic}", f"--config.model_dir={model_dir}",
+                   f"--config.data={data}", "--config.decode.slot_size=3",
+                   "--config.decode.block_size=8", "--config.decode.gen_length=8"])
+  with pytest.raises(ValueError, match="--config=configs/eval/<benchmark>.py is required"):
+    evaluate.main(["evaluate"])

@@ -1,0 +1,53 @@
+"""Settings shared by the evaluation configs (`python -m refusion_jax.evaluate`).
+
+`configs/eval/<benchmark>.py` is one of the paper's seven benchmarks with its
+Table 5 decoding settings (refusion_jax/lmeval/benchmarks.py);
+`configs/eval/synthetic.py` is the bundled miniature suite. Any field can be
+overridden on the command line, e.g. `--config.decode.method=ar`.
+"""
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+
+def decode_fields(method: str = "refusion", gen_length: int = 512, slot_size: int = 32,
+                  block_size: int = 128, slot_threshold: float = 0.9,
+                  token_threshold: float = 0.4) -> ml_collections.ConfigDict:
+  d = ml_collections.ConfigDict()
+  d.method = method  # "refusion", "ar" (the AR row of Table 1) or "mdm"
+  d.gen_length = gen_length  # response tokens at most (EOS stops earlier)
+  d.slot_size = slot_size  # ReFusion k: tokens per slot
+  d.block_size = block_size  # b: tokens per serial block (multiple of slot_size)
+  d.slot_threshold = slot_threshold  # tau_s: plan picks slots above this first-token prob
+  d.token_threshold = token_threshold  # tau_t: verification accepts tokens above this prob
+  d.temperature = 0.0  # 0 = greedy (the paper)
+  d.mdm_tokens_per_step = 1  # MDM (LLaDA): tokens unmasked per step
+  d.mdm_threshold = placeholder(float)  # MDM (Fast-dLLM): unmask every token above it
+  d.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
+  d.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
+  return d
+
+
+def benchmark_config(name: str) -> ml_collections.ConfigDict:
+  """One of the paper's benchmarks, run as the paper ran it."""
+  from refusion_jax.lmeval import benchmarks  # pylint: disable=import-outside-toplevel
+  b = benchmarks.get(name)
+  c = ml_collections.ConfigDict()
+  c.benchmark = b.name  # which benchmark (refusion_jax/lmeval/benchmarks.py)
+  c.model_dir = ""  # required unless `completions`: refusion_jax model folder or HF Qwen3 folder
+  c.tokenizer_dir = ""  # "" = model_dir's tokenizer.json (else the bundled tiny one when it fits)
+  c.output_dir = ""  # required: results.json and samples.jsonl are written here
+  c.data_dir = ""  # local copies of the hub datasets, DATA_DIR/<owner>/<name>; "" = the HF hub
+  c.limit = placeholder(int)  # only the first N documents (of each subtask of a group)
+  c.completions = ""  # JSONL of {"task_id" or "doc_id", "completion"}: score these, no model
+  c.batch_size = 1  # engine rows; the paper times batch 1 (answers do not depend on it)
+  c.enable_thinking = True  # chat template argument (the release evaluates with thinking on)
+  c.seed = 0  # decode rng (only used when decode.temperature > 0)
+  c.distributed = False  # jax.distributed.initialize() first; processes split the requests
+  c.progress = True  # progress bars on stderr
+  c.sandbox_allow_network = False  # code benchmarks: run samples WITHOUT a network namespace
+  c.sandbox_wall_seconds = 10.0  # code benchmarks: wall-clock limit per program
+  c.decode = decode_fields(gen_length=b.gen_length, slot_size=b.slot_size,
+                           block_size=b.block_size, slot_threshold=b.slot_threshold,
+                           token_threshold=b.token_threshold)
+  return c
