@@ -107,15 +107,18 @@ done
 
 name_pattern='^[a-z0-9]([-a-z0-9]*[a-z0-9])?$'
 [ -n "$tpu" ] || die "--tpu=NAME is required"
-[[ $tpu =~ $name_pattern ]] || die "--tpu=$tpu: a TPU name is lowercase letters, digits and hyphens"
+[[ $tpu =~ $name_pattern ]] \
+  || die "--tpu=$tpu: a TPU name is lowercase letters, digits and hyphens"
 [ -n "$zone" ] || die "--zone=ZONE is required"
-[[ $zone =~ $name_pattern ]] || die "--zone=$zone: a zone is lowercase letters, digits and hyphens (e.g. us-east5-a)"
+[[ $zone =~ $name_pattern ]] \
+  || die "--zone=$zone: a zone is lowercase letters, digits and hyphens (e.g. us-east5-a)"
 
 # A config given relative to the repository root must be committed: setup copies HEAD.
 check_config() {
   [ -f "$root/$1" ] || die "config $1 does not exist (give it relative to the repository root)"
   git -C "$root" cat-file -e "HEAD:$1" 2>/dev/null \
-    || die "config $1 is not committed; setup copies only HEAD to the workers (commit it, rerun setup)"
+    || die "config $1 is not committed; setup copies only HEAD to the workers" \
+           "(commit it, rerun setup)"
 }
 case "$sub" in
   create)
@@ -141,7 +144,8 @@ case "$sub" in
     [ -n "$model_dir" ] || die "eval: --model-dir=DIR is required (a folder every worker can read)"
     [ -n "$output_dir" ] || die "eval: --output-dir=DIR is required (results.json goes there)" ;;
   sample)
-    [ -n "$model_dir" ] || die "sample: --model-dir=DIR is required (a folder every worker can read)"
+    [ -n "$model_dir" ] \
+      || die "sample: --model-dir=DIR is required (a folder every worker can read)"
     config="${config:-configs/sample.py}"
     check_config "$config" ;;
   logs)
@@ -175,26 +179,27 @@ where=(--zone="$zone")
 
 # job NAME ARG...: the command line a worker runs for train/eval/sample: ARG... in
 # ~/refusion_jax, its output in logs/NAME-UTCTIME.log (and on the terminal unless
-# --detach). The $(...) and $log parts are expanded by the worker's shell.
+# --detach). The remote command lines here and below are single-quoted on purpose:
+# their $(...), $log, $py and ~ are for the worker's shell to expand.
+# shellcheck disable=SC2016,SC2088
 job() {
   local name="$1" cmd ready start
   shift
   cmd="$(quote_all "$@")"
-  # shellcheck disable=SC2016
-  ready='cd ~/refusion_jax 2>/dev/null && test -x .venv/bin/python || { echo "$(hostname): ~/refusion_jax/.venv is missing; run launch/tpu_pod.sh setup first" >&2; exit 1; }'
-  # shellcheck disable=SC2016
-  start='mkdir -p logs && log="logs/'"$name"'-$(date -u +%Y%m%d-%H%M%S).log" && ln -sfn "${log#logs/}" logs/last.log'
+  ready='cd ~/refusion_jax 2>/dev/null && test -x .venv/bin/python || { echo "$(hostname): '
+  ready+='~/refusion_jax/.venv is missing; run launch/tpu_pod.sh setup first" >&2; exit 1; }'
+  start='mkdir -p logs && log="logs/'"$name"'-$(date -u +%Y%m%d-%H%M%S).log"'
+  start+=' && ln -sfn "${log#logs/}" logs/last.log'
   if [ "$detach" = 1 ]; then
-    # shellcheck disable=SC2016
-    printf '%s; %s && { nohup %s >"$log" 2>&1 </dev/null & } && echo "$(hostname): %s started (pid $!), log ~/refusion_jax/$log"' \
-      "$ready" "$start" "$cmd" "$name"
+    printf '%s; %s && { nohup %s >"$log" 2>&1 </dev/null & } && %s' "$ready" "$start" "$cmd" \
+      'echo "$(hostname): '"$name"' started (pid $!), log ~/refusion_jax/$log"'
   else
-    # shellcheck disable=SC2016
     printf '%s; %s && set -o pipefail && %s 2>&1 | tee "$log"' "$ready" "$start" "$cmd"
   fi
 }
 python=.venv/bin/python
 
+# shellcheck disable=SC2016,SC2088
 case "$sub" in
   create)
     create=("${gcloud_tpu[@]}" create "$tpu" "${where[@]}" --accelerator-type="$accelerator_type"
@@ -208,9 +213,13 @@ case "$sub" in
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' EXIT
     archive="$tmp/refusion_jax.tar.gz"
-    # shellcheck disable=SC2016
-    python_ready='{ py=python3.11; python3 -c "import sys; sys.exit(sys.version_info < (3, 11))" 2>/dev/null && py=python3; $py -c "import ensurepip" 2>/dev/null || { sudo apt-get update -qq && sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $py $py-venv; }; }'
-    unpack='mkdir -p ~/refusion_jax && cd ~/refusion_jax && find . -mindepth 1 -maxdepth 1 ! -name .venv ! -name logs -exec rm -rf {} + && tar -xzf ~/refusion_jax.tar.gz && rm -f ~/refusion_jax.tar.gz'
+      python_ready='{ py=python3.11; python3 -c "import sys; sys.exit(sys.version_info < (3, 11))"'
+    python_ready+=' 2>/dev/null && py=python3; $py -c "import ensurepip" 2>/dev/null || {'
+    python_ready+=' sudo apt-get update -qq && sudo env DEBIAN_FRONTEND=noninteractive'
+    python_ready+=' apt-get install -y -qq $py $py-venv; }; }'
+    unpack='mkdir -p ~/refusion_jax && cd ~/refusion_jax && find . -mindepth 1 -maxdepth 1'
+    unpack+=' ! -name .venv ! -name logs -exec rm -rf {} + && tar -xzf ~/refusion_jax.tar.gz'
+    unpack+=' && rm -f ~/refusion_jax.tar.gz'
     run git -C "$root" archive --format=tar.gz -o "$archive" HEAD
     run "${gcloud_tpu[@]}" scp "$archive" "$tpu:~/refusion_jax.tar.gz" "${where[@]}" --worker=all
     run "${gcloud_tpu[@]}" ssh "$tpu" "${where[@]}" --worker=all --command \
@@ -231,8 +240,10 @@ case "$sub" in
   logs)
     tail_flags="-n $lines"
     [ "$follow" = 1 ] && tail_flags="$tail_flags -F"
-    # shellcheck disable=SC2016
-    show='cd ~/refusion_jax/logs 2>/dev/null && test -e last.log || { echo "$(hostname): no run log yet (train, eval and sample write ~/refusion_jax/logs/)" >&2; exit 1; }; echo "==> $(hostname): ~/refusion_jax/logs/$(readlink last.log) <=="; tail '"$tail_flags"' last.log'
+      show='cd ~/refusion_jax/logs 2>/dev/null && test -e last.log || { echo "$(hostname): no run'
+    show+=' log yet (train, eval and sample write ~/refusion_jax/logs/)" >&2; exit 1; };'
+    show+=' echo "==> $(hostname): ~/refusion_jax/logs/$(readlink last.log) <==";'
+    show+=" tail $tail_flags last.log"
     run "${gcloud_tpu[@]}" ssh "$tpu" "${where[@]}" --worker="$worker" --command "$show" ;;
   delete)
     run "${gcloud_tpu[@]}" delete "$tpu" "${where[@]}" --quiet ;;

@@ -267,8 +267,8 @@ def test_worker_detached_run_returns_at_once(tmp_path):
                           "--output-dir=/o", "--detach")[0])
   done = _on_worker(evaluate, str(tmp_path))
   assert done.returncode == 0, done.stderr
-  assert re.fullmatch(r".*: eval started \(pid \d+\), log ~/refusion_jax/logs/eval-\d{8}-\d{6}\.log",
-                      done.stdout.strip()), done.stdout
+  started = r".*: eval started \(pid \d+\), log ~/refusion_jax/logs/eval-\d{8}-\d{6}\.log"
+  assert re.fullmatch(started, done.stdout.strip()), done.stdout
   log = tmp_path / "refusion_jax" / "logs" / "last.log"
   deadline = time.monotonic() + 30
   while "to stderr" not in (log.read_text() if log.exists() else ""):
@@ -354,7 +354,8 @@ EVAL = ["eval", *TPU, "--model-dir=m", "--output-dir=o"]
     ("tpu_pod.sh", ["logs", *TPU, "--lines=0"], "--lines=0 must be a positive integer"),
     ("gpu.sh", ["--dry-run"], "--workdir=DIR is required"),
     ("gpu.sh", ["serve", "--dry-run"], "unknown subcommand 'serve' (one of: train eval sample)"),
-    ("gpu.sh", ["--workdir=w", "--config=configs/nope.py"], "config configs/nope.py does not exist"),
+    ("gpu.sh", ["--workdir=w", "--config=configs/nope.py"],
+     "config configs/nope.py does not exist"),
     ("gpu.sh", ["--workdir=w", "--cuda=rocm"], "--cuda must be cuda12 or cuda13, got rocm"),
     ("gpu.sh", ["eval", "--workdir=w"], "--workdir is not a flag of 'eval' (it belongs to: train)"),
     ("gpu.sh", ["eval", "--benchmark=hellaswag", "--model-dir=m", "--output-dir=o"],

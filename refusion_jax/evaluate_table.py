@@ -1,0 +1,301 @@
+"""The paper's Table 1 from evaluation results files.
+
+  python -m refusion_jax.evaluate_table OUT_DIR_OR_results.json ... \\
+      [--output=table.md] [--baseline=LABEL] [--notpf]
+
+Each input is a `results.json` written by `python -m refusion_jax.evaluate` (or
+the folder holding one: its `--config.output_dir`). One row per (model, method)
+pair, labelled with the model's name, or "NAME (method)" when that name has
+rows for several methods; rows are ordered ar, mdm, refusion (the paper's
+order), then by first appearance. Columns are the paper's seven benchmarks in
+its order, each cell "accuracy (%) / tokens per second" with two decimals;
+a benchmark a row lacks is "–". Avg is the mean over the benchmarks the row has
+and is marked "(k/7)" when it covers k < 7 of them. A run made with `limit` is
+marked "†" and listed under the table.
+
+Speed-up is each row's mean tokens per second over the baseline row's, both
+taken over the benchmarks the two rows share. The baseline is the row given
+by --baseline (its label, or "NAME (method)"), else the one row whose method
+is "ar"; with no such row, or several, there is no speed-up column (a note
+says why). A second table (left out with --notpf) gives tokens per forward
+pass (every pass counted) / the paper's TPF per benchmark.
+
+The markdown goes to stdout and, with --output, to that file (written
+atomically). A file that is missing, not JSON, lacks a required field, has a
+field of the wrong type or an unknown benchmark or method, or repeats another
+file's (model, method, benchmark) is an error naming the file(s) and field;
+the exit status is then 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, Iterable, Mapping, Sequence
+
+from absl import app, flags
+
+from refusion_jax import fileio
+
+BENCHMARKS = ("mmlu_pro", "arc_c", "gsm8k", "math", "gpqa", "humaneval", "mbpp")
+TITLES = {"mmlu_pro": "MMLU-Pro", "arc_c": "ARC-C", "gsm8k": "GSM8K", "math": "MATH",
+          "gpqa": "GPQA", "humaneval": "HumanEval", "mbpp": "MBPP"}
+METHODS = ("ar", "mdm", "refusion")  # also the row order
+RESULTS_FILE = "results.json"
+MISSING = "–"
+LIMITED = "†"
+
+# Required fields and what they must hold. `limit` is optional (absent = null).
+_NUMBER_FIELDS = ("accuracy", "tokens_per_second", "tokens_per_forward", "tpf_paper")
+_REQUIRED = ("benchmark", "model", "method", "samples") + _NUMBER_FIELDS
+
+
+def _where(result: Mapping[str, Any], index: int) -> str:
+  return result.get("source") or f"result #{index}"
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_result(result: Any, where: str) -> None:
+  """Raises ValueError naming `where` and the field when `result` is not a usable result."""
+  if not isinstance(result, dict):
+    raise ValueError(f"{where}: expected a JSON object, got {type(result).__name__}")
+  for field in _REQUIRED:
+    if field not in result:
+      raise ValueError(f"{where}: required field {field!r} is missing")
+  if result["benchmark"] not in BENCHMARKS:
+    raise ValueError(f"{where}: field 'benchmark' is {result['benchmark']!r}, not one of "
+                     f"{', '.join(BENCHMARKS)}")
+  if result["method"] not in METHODS:
+    raise ValueError(f"{where}: field 'method' is {result['method']!r}, not one of "
+                     f"{', '.join(METHODS)}")
+  if not isinstance(result["model"], str) or not result["model"].strip():
+    raise ValueError(f"{where}: field 'model' must be a non-empty string, got "
+                     f"{result['model']!r}")
+  for field in _NUMBER_FIELDS:
+    value = result[field]
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+        or not math.isfinite(value) or value < 0):
+      raise ValueError(f"{where}: field {field!r} must be a finite number >= 0, got {value!r}")
+  if result["accuracy"] > 100:
+    raise ValueError(f"{where}: field 'accuracy' is {result['accuracy']!r}; it is a percentage "
+                     "(0 to 100)")
+  if not _is_int(result["samples"]) or result["samples"] < 0:
+    raise ValueError(f"{where}: field 'samples' must be an int >= 0, got {result['samples']!r}")
+  limit = result.get("limit")
+  if limit is not None and (not _is_int(limit) or limit <= 0):
+    raise ValueError(f"{where}: field 'limit' must be null or an int > 0, got {limit!r}")
+
+
+def _check_unique(results: Sequence[Mapping[str, Any]]) -> None:
+  seen: dict[tuple[str, str, str], int] = {}
+  for i, r in enumerate(results):
+    key = (r["model"], r["method"], r["benchmark"])
+    if key in seen:
+      j = seen[key]
+      raise ValueError(
+          f"{_where(results[j], j)} and {_where(r, i)} both hold model {key[0]!r}, method "
+          f"{key[1]!r}, benchmark {key[2]!r}: give one of them")
+    seen[key] = i
+
+
+def results_path(path: str) -> str:
+  """`path` itself, or `path/results.json` when `path` is a folder."""
+  if os.path.isdir(path):
+    inside = os.path.join(path, RESULTS_FILE)
+    if not os.path.isfile(inside):
+      raise FileNotFoundError(f"{path} is a folder without a {RESULTS_FILE}")
+    return inside
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} does not exist (expected a {RESULTS_FILE} or the "
+                            "evaluation output folder holding one)")
+  return path
+
+
+def load_results(paths: Iterable[str]) -> list[dict]:
+  """The checked results of each path (a results.json or its folder), in order.
+
+  Each result gets a "source" field: the file it was read from.
+  """
+  results, files = [], []
+  for path in paths:
+    file = results_path(path)
+    if os.path.realpath(file) in (os.path.realpath(f) for f in files):
+      raise ValueError(f"{file} is given more than once")
+    files.append(file)
+    with open(file, encoding="utf-8") as f:
+      try:
+        result = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    check_result(result, file)
+    results.append({**result, "source": file})
+  if not results:
+    raise ValueError("no results files given")
+  _check_unique(results)
+  return results
+
+
+def _md(text: str) -> str:
+  """`text` safe inside a markdown table cell."""
+  return text.replace("|", "\\|")
+
+
+def _mean(values: Sequence[float]) -> float:
+  return sum(values) / len(values)
+
+
+def _rows(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Mapping[str, Any]]]:
+  """{label: {benchmark: result}} in table order."""
+  keys: list[tuple[str, str]] = []
+  for r in results:
+    if (r["model"], r["method"]) not in keys:
+      keys.append((r["model"], r["method"]))
+  keys.sort(key=lambda k: METHODS.index(k[1]))  # stable: first appearance within a method
+  methods_of: dict[str, int] = {}
+  for model, _ in keys:
+    methods_of[model] = methods_of.get(model, 0) + 1
+  label = {k: k[0] if methods_of[k[0]] == 1 else f"{k[0]} ({k[1]})" for k in keys}
+  if len(set(label.values())) < len(label):  # a name like "M (ar)" beside model M's rows
+    label = {k: f"{k[0]} ({k[1]})" for k in keys}
+  rows: dict[str, dict[str, Mapping[str, Any]]] = {label[k]: {} for k in keys}
+  for r in results:
+    rows[label[(r["model"], r["method"])]][r["benchmark"]] = r
+  return rows
+
+
+def _pick_baseline(rows: Mapping[str, Mapping[str, Mapping[str, Any]]],
+                   baseline: str | None) -> tuple[str | None, str | None]:
+  """(baseline label or None, a note saying why there is none)."""
+  if baseline is not None:
+    for name, cells in rows.items():
+      first = next(iter(cells.values()))
+      if baseline in (name, f"{first['model']} ({first['method']})"):
+        return name, None
+    raise ValueError(f"--baseline={baseline!r} is not a row; rows: "
+                     + ", ".join(repr(n) for n in rows))
+  ar = [name for name, cells in rows.items() if next(iter(cells.values()))["method"] == "ar"]
+  if len(ar) == 1:
+    return ar[0], None
+  if not ar:
+    return None, "No speed-up column: no row has method ar; pick one with --baseline=LABEL."
+  return None, (f"No speed-up column: {len(ar)} rows have method ar ({', '.join(ar)}); "
+                "pick one with --baseline=LABEL.")
+
+
+def _speed_up(cells: Mapping[str, Mapping[str, Any]],
+              base: Mapping[str, Mapping[str, Any]]) -> str:
+  shared = [b for b in BENCHMARKS if b in cells and b in base]
+  if not shared:
+    return MISSING
+  base_tps = _mean([base[b]["tokens_per_second"] for b in shared])
+  if base_tps == 0:
+    return MISSING
+  return f"{_mean([cells[b]['tokens_per_second'] for b in shared]) / base_tps:.2f}×"
+
+
+def _table(rows: Mapping[str, Mapping[str, Mapping[str, Any]]], fields: tuple[str, str],
+           extra_header: Sequence[str] = (),
+           extra_cells: Mapping[str, Sequence[str]] | None = None) -> list[str]:
+  header = ["Model", *(TITLES[b] for b in BENCHMARKS), "Avg", *extra_header]
+  lines = ["| " + " | ".join(header) + " |",
+           "|:---|" + "---:|" * (len(header) - 1)]
+  for name, cells in rows.items():
+    out = [_md(name)]
+    for b in BENCHMARKS:
+      r = cells.get(b)
+      if r is None:
+        out.append(MISSING)
+      else:
+        mark = LIMITED if r.get("limit") is not None else ""
+        out.append(f"{r[fields[0]]:.2f} / {r[fields[1]]:.2f}{mark}")
+    present = [cells[b] for b in BENCHMARKS if b in cells]
+    avg = (f"{_mean([r[fields[0]] for r in present]):.2f} / "
+           f"{_mean([r[fields[1]] for r in present]):.2f}")
+    if len(present) < len(BENCHMARKS):
+      avg += f" ({len(present)}/{len(BENCHMARKS)})"
+    out.append(avg)
+    out.extend((extra_cells or {}).get(name, ()))
+    lines.append("| " + " | ".join(out) + " |")
+  return lines
+
+
+def table_markdown(results: Sequence[Mapping[str, Any]], baseline: str | None = None,
+                   tpf: bool = True) -> str:
+  """Table 1 (and, with `tpf`, the tokens-per-forward table) as markdown.
+
+  `results` are results.json objects (as `load_results` returns them; hand-made
+  ones are checked the same way). `baseline` is a row label (see the module
+  docstring); None picks the one ar row.
+  """
+  if not results:
+    raise ValueError("no results to tabulate")
+  for i, r in enumerate(results):
+    check_result(r, _where(r, i) if isinstance(r, dict) else f"result #{i}")
+  _check_unique(results)
+  rows = _rows(results)
+  base, no_base = _pick_baseline(rows, baseline)
+  extra_header, extra_cells = [], None
+  if base is not None:
+    extra_header = [f"Speed-up vs {_md(base)}"]
+    extra_cells = {name: [_speed_up(cells, rows[base])] for name, cells in rows.items()}
+  lines = ["## Table 1: accuracy (%) / tokens per second", ""]
+  lines += _table(rows, ("accuracy", "tokens_per_second"), extra_header, extra_cells)
+
+  notes = []
+  if any(len(cells) < len(BENCHMARKS) for cells in rows.values()):
+    notes.append(f"Avg is the mean over the benchmarks a row has; (k/{len(BENCHMARKS)}) marks "
+                 f"a row with k of the {len(BENCHMARKS)}.")
+  if base is not None:
+    notes.append(f"Speed-up: the row's mean tokens per second over {base}'s, both over the "
+                 "benchmarks the two rows share.")
+  if no_base:
+    notes.append(no_base)
+  limited = [f"{name} {TITLES[b]}: limit {r['limit']}, {r['samples']} samples"
+             for name, cells in rows.items() for b in BENCHMARKS
+             if b in cells and (r := cells[b]).get("limit") is not None]
+  if limited:
+    notes.append(f"{LIMITED} Run on the first N samples only (`limit` N; for MMLU-Pro, of "
+                 "each subject): " + "; ".join(limited) + ".")
+  if notes:
+    lines += [""] + [f"- {n}" for n in notes]
+  if tpf:
+    lines += ["", "## Tokens per forward pass (every pass counted) / the paper's TPF", ""]
+    lines += _table(rows, ("tokens_per_forward", "tpf_paper"))
+  return "\n".join(lines) + "\n"
+
+
+def define_flags() -> tuple[flags.FlagHolder, flags.FlagHolder, flags.FlagHolder]:
+  """--output, --baseline, --tpf; defined only when run as a program, so this module
+  can be imported beside the other entry points without clashing flags."""
+  return (
+      flags.DEFINE_string("output", None, "Also write the markdown to this file (atomically)."),
+      flags.DEFINE_string("baseline", None, "Label of the speed-up baseline row (default: the "
+                          "one row whose method is ar)."),
+      flags.DEFINE_bool("tpf", True, "Add the tokens-per-forward / paper TPF table."),
+  )
+
+
+def main(argv: Sequence[str], output: flags.FlagHolder, baseline: flags.FlagHolder,
+         tpf: flags.FlagHolder) -> None:
+  if len(argv) < 2:
+    raise app.UsageError("give one or more results.json files or evaluation output folders")
+  try:
+    text = table_markdown(load_results(argv[1:]), baseline=baseline.value, tpf=tpf.value)
+    if output.value:
+      fileio.write_text_atomic(output.value, text)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"refusion_jax.evaluate_table: error: {e}", file=sys.stderr)
+    sys.exit(2)
+  sys.stdout.write(text)
+  if output.value:
+    print(f"wrote {output.value}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  _flags = define_flags()
+  app.run(lambda argv: main(argv, *_flags))
