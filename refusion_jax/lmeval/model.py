@@ -35,6 +35,7 @@ import time
 from typing import Any, Iterable, Sequence
 
 import jax
+import lm_eval.models  # noqa: F401  (lm-eval's own models first: it loads them only into an empty registry)
 import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
