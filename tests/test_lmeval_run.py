@@ -1,0 +1,149 @@
+"""`python -m refusion_jax.evaluate --config=configs/eval/<benchmark>.py`: results.json,
+samples.jsonl, limit, completions, errors (a tiny random model, hand-made GSM8K data)."""
+
+import importlib.util
+import json
+import os
+
+import datasets
+import huggingface_hub
+import pytest
+from flax import nnx
+
+from refusion_jax import checkpoint, evaluate
+from refusion_jax import config as config_lib
+from refusion_jax.model import Qwen3
+from tests.test_lmeval_benchmarks import _gsm8k
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K = os.path.join(REPO, "configs", "eval", "gsm8k.py")
+SMALL = ["--config.decode.gen_length=16", "--config.decode.slot_size=4",
+         "--config.decode.block_size=8", "--config.progress=false"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline(tmp_path_factory):
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("HF_DATASETS_OFFLINE", "1")
+    mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    mp.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.mktemp("hf_cache"))
+    yield
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  root = str(tmp_path_factory.mktemp("hub"))
+  _gsm8k(root)
+  return root
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  config = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
+                           head_dim=16, mlp_dim=64, max_position_embeddings=256)
+  path = str(tmp_path_factory.mktemp("run") / "model")
+  checkpoint.save_model(path, config, Qwen3(config, rngs=nnx.Rngs(1)))
+  return path
+
+
+def _read(out):
+  with open(os.path.join(out, "results.json")) as f:
+    result = json.load(f)
+  with open(os.path.join(out, "samples.jsonl")) as f:
+    samples = [json.loads(line) for line in f]
+  return result, samples
+
+
+def test_benchmark_run_writes_results_and_samples(tmp_path, data_dir, model_dir):
+  out = str(tmp_path / "out")
+  returned = evaluate.main(["evaluate", f"--config={GSM8K}", f"--config.model_dir={model_dir}",
+                            f"--config.output_dir={out}", f"--config.data_dir={data_dir}",
+                            "--config.limit=3", "--config.batch_size=2",
+                            "--config.enable_thinking=false", *SMALL])
+  result, samples = _read(out)
+  assert returned == result
+  assert result["benchmark"] == "gsm8k" and result["task"] == "gsm8k_cot"
+  assert result["metric"] == "exact_match,flexible-extract"
+  assert result["method"] == "refusion" and result["model"] == "model"
+  assert result["samples"] == 3 == len(samples) and result["limit"] == 3
+  assert result["settings"]["decode"]["gen_length"] == 16
+  assert result["settings"]["decode"]["slot_threshold"] == 0.9  # Table 5's GSM8K setting
+  assert result["settings"]["num_fewshot"] == 0 and result["settings"]["batch_size"] == 2
+  # The statistics are the samples' own, summed.
+  assert result["tokens"] == sum(s["tokens"] for s in samples) > 0
+  assert result["accuracy"] == pytest.approx(100 * sum(s["correct"] for s in samples) / 3)
+  assert result["tokens_per_second"] == pytest.approx(result["tokens"] / result["seconds"])
+  assert result["tokens_per_forward"] == pytest.approx(
+      result["tokens"] / sum(s["passes"] for s in samples))
+  assert result["tpf_paper"] == pytest.approx(sum(s["tpf_paper"] for s in samples) / 3)
+  assert result["avg_length"] == pytest.approx(result["tokens"] / 3)
+  assert result["latency"] == pytest.approx(sum(s["seconds"] for s in samples) / 3)
+  for s in samples:
+    assert s["task"] == "gsm8k_cot" and s["prompt"].startswith("<|im_start|>user")
+    assert set(s) >= {"completion", "extracted", "target", "correct", "tokens", "passes",
+                      "seconds", "generation"}
+  assert [s["doc_id"] for s in samples] == [0, 1, 2]
+  assert not [n for n in os.listdir(out) if ".tmp" in n]
+
+  # The samples file is a completions file: re-scored without a model, same accuracy.
+  again = str(tmp_path / "again")
+  rescored = evaluate.main(["evaluate", f"--config={GSM8K}", f"--config.output_dir={again}",
+                            f"--config.data_dir={data_dir}",
+                            f"--config.completions={os.path.join(out, 'samples.jsonl')}"])
+  assert rescored["accuracy"] == result["accuracy"] and rescored["samples"] == 3
+  assert rescored["tokens_per_second"] is None and rescored["method"] == "completions"
+
+
+def test_completions_are_scored_by_the_tasks_filters(tmp_path, data_dir):
+  answers = tmp_path / "answers.jsonl"
+  # Docs 0-2 of the hand-made test split: answers 42, 1,000 and 18.
+  answers.write_text("".join(json.dumps(r) + "\n" for r in [
+      {"doc_id": 0, "completion": "40 + 2 = 42. The answer is 42."},
+      {"doc_id": 1, "completion": "So it costs $1,000 in total."},
+      {"doc_id": 2, "completion": "Half of it: 17"},
+  ]))
+  out = str(tmp_path / "out")
+  result = evaluate.main(["evaluate", f"--config={GSM8K}", f"--config.output_dir={out}",
+                          f"--config.data_dir={data_dir}", f"--config.completions={answers}"])
+  assert result["accuracy"] == pytest.approx(200 / 3)
+  _, samples = _read(out)
+  assert [s["correct"] for s in samples] == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    ([], "--config.output_dir=OUT is required"),
+    (["--config.output_dir=/tmp/x", "--config.model_dir=/nonexistent"], "is not a folder"),
+    (["--config.output_dir=/tmp/x", "--config.completions=/nonexistent.jsonl"], "is not a file"),
+    (["--config.output_dir=/tmp/x", "--config.completions={c}", "--config.limit=0"],
+     "--config.limit must be a positive int"),
+    (["--config.output_dir=/tmp/x", "--config.model_dir={m}", "--config.decode.slot_size=5"],
+     "--config.decode: decode.block_size=128 must be a multiple"),
+    (["--config.output_dir=/tmp/x", "--config.model_dir={m}", "--config.batch_size=0"],
+     "--config.batch_size must be a positive int"),
+])
+def test_bad_settings_are_named_before_any_work(tmp_path, model_dir, flags, needle):
+  completions = tmp_path / "c.jsonl"
+  completions.write_text('{"doc_id": 0, "completion": "1"}\n')
+  flags = [f.format(c=completions, m=model_dir) for f in flags]
+  with pytest.raises((ValueError, FileNotFoundError), match=needle):
+    evaluate.main(["evaluate", f"--config={GSM8K}", *flags])
+
+
+def test_every_benchmark_config_has_table_5_settings():
+  expected = {"mmlu_pro": (16, 128, 0.9, 0.4), "arc_c": (8, 8, 0.8, 0.1),
+              "gsm8k": (32, 128, 0.9, 0.4), "math": (32, 64, 0.8, 0.6),
+              "gpqa": (8, 16, 0.8, 0.2), "humaneval": (32, 128, 0.9, 0.4),
+              "mbpp": (32, 128, 0.9, 0.3)}
+  for name, (k, b, ts, tt) in expected.items():
+    path = os.path.join(REPO, "configs", "eval", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"eval_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    d = c.decode
+    assert (c.benchmark, d.gen_length, d.slot_size, d.block_size, d.slot_threshold,
+            d.token_threshold, d.method, d.temperature) == (name, 512, k, b, ts, tt,
+                                                            "refusion", 0.0)
+    assert c.batch_size == 1 and c.enable_thinking is True
