@@ -1,0 +1,601 @@
+"""Runs untrusted programs (a model's HumanEval/MBPP answers) in a sandbox.
+
+Each program runs in its own process tree, never in the evaluating process:
+
+    evaluator --Popen(new session)--> unshare --fork--> launcher (root, PID 1)
+                                                          --fork--> sample
+
+* `unshare` (util-linux) gives the launcher new mount, PID, IPC and UTS
+  namespaces and, unless `allow_network=True`, a new network namespace whose
+  only interface is a loopback that is down: nothing on this machine or
+  beyond can be reached, not even 127.0.0.1 of the host.
+* The launcher is this file run as a script (`python -I -S sandbox.py SPEC`,
+  standard library only). In its private mount namespace it makes every mount
+  read-only, puts fresh size-capped tmpfs over /tmp, /var/tmp and /dev/shm,
+  and mounts a fresh tmpfs, owned by the sample's uid, at the sample's folder
+  (which holds only the program). Folders the interpreter needs but that the
+  sample's uid could not enter (a Python under /root, say) are bound back,
+  read-only, over a tmpfs that hides everything else there. Whatever the
+  sample writes lives in these tmpfs and disappears with the namespace.
+* The sample is forked by the launcher, gets its resource limits (CPU time,
+  address space, processes, file size, no core files), drops every group,
+  switches to a uid of its own (random, from a range nothing else uses, so
+  the process cap counts only its processes and no file outside its folder
+  is its), sets no_new_privs (no setuid binary can give privileges back), and
+  execs `python -I program.py` with a stripped environment (PATH, HOME = its
+  folder, LANG and thread caps for numerical libraries: none of the
+  evaluator's variables).
+* The launcher waits for the sample with its own wall-clock timer, reports
+  how it ended through a pipe the sample cannot write to, and exits; being
+  PID 1 of the namespace, its exit makes the kernel kill every process the
+  sample left behind (children that outlive it, a fork bomb, a process that
+  called setsid). The evaluator also kills the whole process group when the
+  wall-clock limit plus a grace period has passed, so a stuck sandbox never
+  blocks the evaluation.
+
+This needs root (CAP_SYS_ADMIN to create namespaces and mount, CAP_SETUID to
+switch uid); elsewhere `run_program` raises `SandboxError` saying so. Before
+the first run the evaluator checks once that a network namespace can be
+created; where the platform refuses, `SandboxError` names the opt-out
+`allow_network=True` (`--config.sandbox_allow_network=true` on the command
+line), which runs samples with the host's network and means accepting that
+risk.
+
+Settings for code scored inside lm-eval (whose metric functions take no
+sandbox arguments) are set once per process with `configure` and read with
+`settings`.
+"""
+
+from __future__ import annotations
+
+# The launcher runs this file as a script and stops at the `__main__` check
+# below: it needs only these light modules, and each program's sandbox starts
+# that much faster (the evaluator's imports follow the check).
+import json
+import os
+import signal
+import stat
+import sys
+
+PROGRAM_NAME = "program.py"
+
+# Folders where any uid may write: each gets a fresh tmpfs in the sandbox.
+_SCRATCH_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+# --- launcher side (runs as root inside the new namespaces, standard library only) -------
+
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND = 32, 1024, 2048, 4096
+_MS_RELATIME, _MS_STRICTATIME = 1 << 21, 1 << 24
+_PR_SET_NO_NEW_PRIVS = 38
+# Per-mount flags a remount must restate, or the kernel clears (or refuses to clear) them.
+_MOUNT_OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
+                       "noatime": _MS_NOATIME, "nodiratime": _MS_NODIRATIME,
+                       "relatime": _MS_RELATIME, "strictatime": _MS_STRICTATIME}
+
+
+def _libc():
+  import ctypes
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                         ctypes.c_char_p]
+  libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                         ctypes.c_ulong]
+  return libc, ctypes.get_errno
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int,
+           data: str | None = None) -> None:
+  libc, get_errno = _libc()
+  enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
+  if libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
+    errno = get_errno()
+    raise OSError(errno, f"mount({source!r}, {target!r}, {fstype!r}): {os.strerror(errno)}")
+
+
+def _unescape_mountinfo(field: str) -> str:
+  # mountinfo writes space, tab, newline and backslash as octal escapes.
+  for escaped, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+    field = field.replace(escaped, char)
+  return field
+
+
+def _make_all_mounts_read_only() -> None:
+  with open("/proc/self/mountinfo") as f:
+    mounts = []
+    for line in f:
+      fields = line.split()
+      mounts.append((_unescape_mountinfo(fields[4]), fields[5].split(",")))
+  for point, options in sorted(mounts, key=lambda m: m[0].count("/")):
+    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
+    for option in options:
+      flags |= _MOUNT_OPTION_FLAGS.get(option, 0)
+    try:
+      _mount(None, point, None, flags)
+    except OSError as e:
+      import errno
+      # A mount point hidden under a later mount (the host's /proc/* under our
+      # fresh /proc) cannot be reached by the sample either.
+      if e.errno not in (errno.EINVAL, errno.ENOENT):
+        raise
+
+
+def _first_closed_ancestor(path: str) -> str | None:
+  """The shallowest folder on `path` that a uid with no rights of owner or
+  group cannot enter (None when every folder is open)."""
+  current = "/"
+  for part in [p for p in path.split("/") if p]:
+    current = os.path.join(current, part)
+    if not os.stat(current).st_mode & stat.S_IXOTH:
+      return current
+  return None
+
+
+def _within(path: str, folder: str) -> bool:
+  return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _prepare_filesystem(spec: dict[str, Any]) -> None:
+  """Builds the sample's view of the file system (module docstring)."""
+  folder, limits = spec["folder"], spec["limits"]
+  with open(os.path.join(folder, PROGRAM_NAME), encoding="utf-8") as f:
+    source = f.read()
+  scratch = [d for d in _SCRATCH_FOLDERS if os.path.isdir(d) and not os.path.islink(d)]
+  # Interpreter folders to bind back after they are hidden; opened now,
+  # while they are still visible.
+  expose = []
+  for path in spec["expose"]:
+    if any(_within(path, e) for e in expose):
+      continue
+    expose.append(path)
+  hidden = set()
+  for path in expose:
+    if not any(_within(path, s) for s in scratch):
+      closed = _first_closed_ancestor(path)
+      if closed is not None:
+        hidden.add(closed)
+  hidden = sorted(h for h in hidden if not any(h != o and _within(h, o) for o in hidden))
+  handles = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in expose}
+
+  _make_all_mounts_read_only()
+  size = int(limits["scratch_bytes"])
+  for folder_ in scratch:
+    _mount("tmpfs", folder_, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size},mode=1777")
+  for folder_ in hidden:
+    _mount("tmpfs", folder_, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
+  for path, handle in handles.items():
+    if any(_within(path, f) for f in [*scratch, *hidden]):
+      os.makedirs(path, mode=0o755, exist_ok=True)
+      _mount(f"/proc/self/fd/{handle}", path, None, _MS_BIND)
+      _mount(None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    os.close(handle)
+
+  # The sample's folder: a fresh tmpfs at the same path, holding only the program.
+  os.makedirs(folder, mode=0o755, exist_ok=True)
+  _mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV,
+         f"size={size},mode=0700,uid={spec['uid']},gid={spec['gid']}")
+  program = os.path.join(folder, PROGRAM_NAME)
+  with open(program, "w", encoding="utf-8") as f:
+    f.write(source)
+  os.chown(program, spec["uid"], spec["gid"])
+
+
+def _enter_sample(spec: dict[str, Any]) -> None:
+  """In the forked child: limits, an unprivileged identity, then the program."""
+  import resource
+  limits = spec["limits"]
+  cpu = int(limits["cpu_seconds"])
+  # The soft CPU limit sends SIGXCPU; the hard one, a second later, SIGKILL
+  # for a program that ignores it. Set as root so the sample cannot raise them.
+  for which, soft, hard in (
+      (resource.RLIMIT_CPU, cpu, cpu + 1),
+      (resource.RLIMIT_AS, limits["memory_bytes"], limits["memory_bytes"]),
+      (resource.RLIMIT_NPROC, limits["processes"], limits["processes"]),
+      (resource.RLIMIT_FSIZE, limits["file_bytes"], limits["file_bytes"]),
+      (resource.RLIMIT_CORE, 0, 0)):
+    resource.setrlimit(which, (int(soft), int(hard)))
+  os.setgroups([])
+  os.setgid(spec["gid"])
+  os.setuid(spec["uid"])
+  libc, get_errno = _libc()
+  if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    raise OSError(get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+  try:
+    os.chdir(spec["folder"])
+  except PermissionError as e:
+    raise PermissionError(
+        f"the sample's folder {spec['folder']} is not reachable by an unprivileged uid: "
+        "every folder above it must be world-searchable (o+x); set TMPDIR to such a "
+        "folder, e.g. /tmp") from e
+  python = spec["python"]
+  os.execve(python, [python, "-I", os.path.join(spec["folder"], PROGRAM_NAME)], spec["env"])
+
+
+def _launch(spec: dict[str, Any]) -> int:
+  status_fd = spec["status_fd"]
+  os.set_inheritable(status_fd, False)  # the sample must not inherit it
+
+  def report(**fields: Any) -> None:
+    os.write(status_fd, (json.dumps(fields) + "\n").encode())
+
+  try:
+    os.umask(0o022)
+    _prepare_filesystem(spec)
+    pid = os.fork()
+    if pid == 0:
+      try:
+        _enter_sample(spec)
+      except BaseException as e:  # noqa: BLE001 (the child must never return)
+        report(error=f"{type(e).__name__}: {e}")
+      finally:
+        os._exit(127)
+
+    timed_out = []
+
+    def on_alarm(signum, frame):
+      # From PID 1, kill(-1) reaches every other process of the namespace
+      # and nothing outside it; wait4 then returns.
+      timed_out.append(True)
+      os.kill(-1, signal.SIGKILL)
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, float(spec["limits"]["wall_seconds"]))
+    _, status, usage = os.wait4(pid, 0)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    cpu = usage.ru_utime + usage.ru_stime
+    if timed_out:
+      report(timeout=True, cpu=cpu)
+    elif os.WIFSIGNALED(status):
+      report(signal=os.WTERMSIG(status), cpu=cpu)
+    else:
+      report(exit=os.WEXITSTATUS(status), cpu=cpu)
+    return 0  # exiting, PID 1 takes every process left in the namespace with it
+  except Exception as e:  # noqa: BLE001 (reported to the evaluator, which raises)
+    report(error=f"{type(e).__name__}: {e}")
+    return 1
+
+
+if __name__ == "__main__":
+  sys.exit(_launch(json.loads(sys.argv[1])))
+
+
+# --- evaluator side ---------------------------------------------------------------------
+
+import dataclasses  # noqa: E402  (after the launcher's exit: module comment above)
+import math  # noqa: E402
+import secrets  # noqa: E402
+import select  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from concurrent import futures  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
+
+_OUTPUT_NAME = "output.txt"
+DETAIL_CHARS = 2000
+
+# Sample uids are drawn at random from [UID_BASE, UID_BASE + UID_SPAN): above
+# the ranges that distributions hand to users, systemd's dynamic users and
+# containers' subordinate ids, so no file or process on the machine is expected
+# to have one, and two samples running at once share one with odds ~1e-7.
+UID_BASE = 0x70000000
+UID_SPAN = 1 << 24
+
+# Seconds the evaluator waits beyond the wall-clock limit (namespace and
+# interpreter start-up, a loaded machine) before it kills the process group.
+_SETUP_GRACE_SECONDS = 5.0
+
+# The command whose success shows that this platform lets us create a network
+# namespace (a module attribute so that tests can simulate a refusal).
+NETWORK_PROBE = ("unshare", "--net", "--", "true")
+
+_ENV_ESSENTIALS = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    # One thread per numerical library: the process cap counts threads, and
+    # a BLAS sizing its pool to a large machine's cores would exceed it.
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+class SandboxError(RuntimeError):
+  """The sandbox cannot run programs here (a platform or setup problem, never
+  a verdict on the program)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What one program may use."""
+
+  wall_seconds: float = 10.0  # per program, then the whole process tree is killed
+  cpu_seconds: int = 10  # RLIMIT_CPU of each process
+  memory_bytes: int = 2 << 30  # RLIMIT_AS (address space) of each process
+  processes: int = 32  # RLIMIT_NPROC of the sample's own uid (threads count too)
+  file_bytes: int = 16 << 20  # RLIMIT_FSIZE: the largest file it may write (output included)
+  scratch_bytes: int = 64 << 20  # size of each tmpfs it may write: its folder, /tmp, ...
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      integral = field.type in ("int", int)
+      kinds = (int,) if integral else (int, float)
+      if isinstance(value, bool) or not isinstance(value, kinds):
+        kind = "an integer" if integral else "a number"
+        raise ValueError(f"Limits.{field.name}={value!r}: must be {kind}")
+      if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"Limits.{field.name}={value!r}: must be positive and finite")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """How one program ended."""
+
+  passed: bool  # exit status 0 within the limits
+  status: str  # "passed" | "failed" (non-zero exit) | "timeout" (wall or CPU) | "killed" (a signal)
+  detail: str  # the last DETAIL_CHARS characters of its output (stdout and stderr), plus a note
+  seconds: float  # wall-clock seconds, sandbox start-up included
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Sandbox settings for code scored where no arguments reach (lm-eval metrics)."""
+
+  limits: Limits = Limits()
+  allow_network: bool = False
+  workers: int = 2
+  progress: bool = False
+
+
+_settings = Settings()
+
+
+def configure(limits: Limits | None = None, *, allow_network: bool = False, workers: int = 2,
+              progress: bool = False) -> Settings:
+  """Sets the process-wide sandbox settings that the lm-eval tasks' filters use
+  (the evaluation entry point calls this before running the tasks)."""
+  global _settings
+  if workers < 1:
+    raise ValueError(f"workers={workers}: must be at least 1")
+  _settings = Settings(limits or Limits(), bool(allow_network), int(workers), bool(progress))
+  return _settings
+
+
+def settings() -> Settings:
+  """The settings last given to `configure` (the defaults before)."""
+  return _settings
+
+
+_probe_lock = threading.Lock()
+_probe_results: dict[tuple[str, ...], str | None] = {}
+
+
+def _network_namespace_refusal() -> str | None:
+  """Why a network namespace cannot be created here (None when it can); the
+  probe runs once per process (per probe command)."""
+  command = tuple(NETWORK_PROBE)
+  with _probe_lock:
+    if command not in _probe_results:
+      try:
+        done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=30, env=dict(_ENV_ESSENTIALS))
+        refusal = None if done.returncode == 0 else (
+            f"`{' '.join(command)}` exited with status {done.returncode}: "
+            f"{done.stderr.decode(errors='replace').strip() or 'no message'}")
+      except (OSError, subprocess.SubprocessError) as e:
+        refusal = f"`{' '.join(command)}` could not run: {e}"
+      _probe_results[command] = refusal
+    return _probe_results[command]
+
+
+def _check_platform(allow_network: bool) -> str:
+  """The unshare binary to use; raises SandboxError where the sandbox cannot work."""
+  if not sys.platform.startswith("linux"):
+    raise SandboxError(f"the code sandbox needs Linux namespaces; this is {sys.platform}")
+  if os.geteuid() != 0:
+    raise SandboxError(
+        "the code sandbox needs root: it runs each program under a uid of its own inside "
+        "new mount, PID and network namespaces (CAP_SYS_ADMIN, CAP_SETUID); run the "
+        f"evaluation as root, e.g. in its container (euid here: {os.geteuid()})")
+  unshare = shutil.which("unshare", path=_ENV_ESSENTIALS["PATH"]) or shutil.which("unshare")
+  if unshare is None:
+    raise SandboxError("the code sandbox needs util-linux's `unshare`, which is not installed")
+  if not allow_network:
+    refusal = _network_namespace_refusal()
+    if refusal is not None:
+      raise SandboxError(
+          "the code sandbox cannot create a network namespace on this platform, so programs "
+          f"under evaluation could reach the network ({refusal}). To run them with the host's "
+          "network anyway, accepting that risk, pass allow_network=True "
+          "(--config.sandbox_allow_network=true)")
+  return unshare
+
+
+def _interpreter_paths() -> list[str]:
+  """Folders the sample's interpreter reads: its prefixes and every folder on
+  the chain of symbolic links to its binary."""
+  paths = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
+  link = os.path.abspath(sys.executable)
+  for _ in range(40):  # the kernel's own bound on nested links
+    paths.add(os.path.dirname(link))
+    if not os.path.islink(link):
+      break
+    link = os.path.join(os.path.dirname(link), os.readlink(link))
+  return sorted({os.path.realpath(p) for p in paths if os.path.isdir(p)})
+
+
+def _tail(path: str, chars: int = DETAIL_CHARS) -> str:
+  with open(path, "rb") as f:
+    f.seek(0, os.SEEK_END)
+    f.seek(max(0, f.tell() - 4 * chars))
+    return f.read().decode("utf-8", errors="replace")[-chars:]
+
+
+def _read_reports(fd: int) -> list[dict[str, Any]]:
+  os.set_blocking(fd, False)
+  chunks = []
+  while True:
+    try:
+      chunk = os.read(fd, 1 << 16)
+    except BlockingIOError:
+      break
+    if not chunk:
+      break
+    chunks.append(chunk)
+  reports = []
+  for line in b"".join(chunks).decode(errors="replace").splitlines():
+    try:
+      reports.append(json.loads(line))
+    except json.JSONDecodeError:
+      reports.append({"error": f"unreadable launcher report {line!r}"})
+  return reports
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> None:
+  """`proc.wait(timeout)` without its polling: sleeps on a pidfd until the
+  process ends (Popen's timed wait checks every 50 ms, a delay that adds up
+  over hundreds of short programs). Raises subprocess.TimeoutExpired."""
+  try:
+    pidfd = os.pidfd_open(proc.pid)
+  except (AttributeError, OSError):  # Linux < 5.3 or Python < 3.9
+    proc.wait(timeout=timeout)
+    return
+  try:
+    ready, _, _ = select.select([pidfd], [], [], timeout)
+  finally:
+    os.close(pidfd)
+  if not ready:
+    raise subprocess.TimeoutExpired(proc.args, timeout)
+  proc.wait()
+
+
+def _kill_group(pgid: int) -> None:
+  try:
+    os.killpg(pgid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+
+
+def run_program(source: str, limits: Limits = Limits(), *, allow_network: bool = False) -> Outcome:
+  """Runs `python -I` on `source` in the sandbox (module docstring); returns
+  how it ended. Raises SandboxError when the sandbox cannot run here."""
+  if not isinstance(source, str):
+    raise TypeError(f"run_program: source must be a str, got {type(source).__name__}")
+  unshare = _check_platform(allow_network)
+  uid = UID_BASE + secrets.randbelow(UID_SPAN)
+  folder = tempfile.mkdtemp(prefix="refusion-sandbox-")
+  read_fd, write_fd = os.pipe()
+  try:
+    with open(os.path.join(folder, PROGRAM_NAME), "w", encoding="utf-8") as f:
+      f.write(source)
+    output_path = os.path.join(folder, _OUTPUT_NAME)
+    spec = {
+        "folder": folder, "uid": uid, "gid": uid, "status_fd": write_fd,
+        "python": sys.executable, "expose": _interpreter_paths(),
+        "limits": dataclasses.asdict(limits), "env": {**_ENV_ESSENTIALS, "HOME": folder},
+    }
+    command = [unshare, "--mount", "--propagation", "private", "--pid", "--fork",
+               "--kill-child", "--mount-proc", "--ipc", "--uts"]
+    if not allow_network:
+      command.append("--net")
+    command += ["--", sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(spec)]
+    start = time.monotonic()
+    with open(output_path, "wb") as output:
+      proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output,
+                              stderr=subprocess.STDOUT, env=dict(_ENV_ESSENTIALS), cwd=folder,
+                              start_new_session=True, pass_fds=(write_fd,))
+    os.close(write_fd)
+    write_fd = -1
+    killed_by_us = False
+    try:
+      _wait(proc, limits.wall_seconds + _SETUP_GRACE_SECONDS)
+    except BaseException:
+      # Past the limit (or interrupted): the group's processes, the launcher
+      # among them, die; the kernel then kills the rest of the namespace.
+      # Only while `proc` is unreaped, so its id cannot name another group.
+      killed_by_us = True
+      _kill_group(proc.pid)
+      proc.wait()
+      if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+        raise
+    seconds = time.monotonic() - start
+    reports = _read_reports(read_fd)
+    output_tail = _tail(output_path)
+  finally:
+    os.close(read_fd)
+    if write_fd >= 0:
+      os.close(write_fd)
+    shutil.rmtree(folder, ignore_errors=True)
+  return _outcome(reports, output_tail, seconds, limits, killed_by_us, proc.returncode)
+
+
+def _outcome(reports: list[dict[str, Any]], output_tail: str, seconds: float, limits: Limits,
+             killed_by_us: bool, returncode: int) -> Outcome:
+  errors = [r["error"] for r in reports if "error" in r]
+  if errors:
+    raise SandboxError(f"the code sandbox failed to start a program: {'; '.join(errors)}\n"
+                       f"{output_tail[-500:]}")
+  ended = [r for r in reports if "exit" in r or "signal" in r or "timeout" in r]
+  if killed_by_us or (ended and "timeout" in ended[-1]):
+    note = f"[sandbox] wall-clock limit of {limits.wall_seconds:g} s reached"
+    return Outcome(False, "timeout", _with_note(output_tail, note), seconds)
+  if not ended:
+    raise SandboxError(
+        f"the code sandbox ended (status {returncode}) without a report from its launcher; "
+        f"its output: {output_tail[-1000:]!r}")
+  report = ended[-1]
+  cpu = float(report.get("cpu", 0.0))
+  if "exit" in report:
+    code = int(report["exit"])
+    if code == 0:
+      return Outcome(True, "passed", output_tail, seconds)
+    return Outcome(False, "failed", _with_note(output_tail, f"[sandbox] exit status {code}"),
+                   seconds)
+  number = int(report["signal"])
+  try:
+    name = signal.Signals(number).name
+  except ValueError:
+    name = f"signal {number}"
+  if number == signal.SIGXCPU or (number == signal.SIGKILL and cpu >= limits.cpu_seconds):
+    note = f"[sandbox] CPU-time limit of {limits.cpu_seconds} s reached ({name})"
+    return Outcome(False, "timeout", _with_note(output_tail, note), seconds)
+  return Outcome(False, "killed", _with_note(output_tail, f"[sandbox] killed by {name}"), seconds)
+
+
+def _with_note(text: str, note: str) -> str:
+  joined = f"{text}\n{note}" if text and not text.endswith("\n") else text + note
+  return joined[-DETAIL_CHARS:]
+
+
+def run_programs(sources: Sequence[str], limits: Limits = Limits(), *, allow_network: bool = False,
+                 workers: int = 2, progress: bool = False) -> list[Outcome]:
+  """`run_program` on each source, `workers` at a time (threads only wait on
+  the sandboxes); outcomes in input order; a progress bar on stderr when
+  `progress`."""
+  if workers < 1:
+    raise ValueError(f"run_programs: workers={workers} must be at least 1")
+  sources = list(sources)
+  _check_platform(allow_network)  # fail before starting any work
+  bar = None
+  if progress:
+    from tqdm import tqdm  # the launcher imports this module without site-packages
+    bar = tqdm(total=len(sources), file=sys.stderr, desc="sandbox", unit="program")
+
+  def one(source: str) -> Outcome:
+    outcome = run_program(source, limits, allow_network=allow_network)
+    if bar is not None:
+      bar.update(1)
+    return outcome
+
+  pool = futures.ThreadPoolExecutor(max_workers=workers)
+  try:
+    return list(pool.map(one, sources))
+  finally:
+    # After an error or an interrupt, programs not yet started never start.
+    pool.shutdown(wait=True, cancel_futures=True)
+    if bar is not None:
+      bar.close()
