@@ -106,21 +106,6 @@ def test_humaneval_program_cuts_the_completion_at_its_first_fence(problems):
   assert problem["test"] in program
 
 
-def test_humaneval_canonical_solutions_pass_and_truncated_ones_mostly_fail(problems):
-  canonical = [code.humaneval_program(p, p["canonical_solution"]) for p in problems]
-  truncated = [code.humaneval_program(p, _drop_last_line(p["canonical_solution"]))
-               for p in problems]
-  start = time.monotonic()
-  outcomes = sandbox.run_programs(canonical + truncated, workers=2)
-  seconds = time.monotonic() - start
-  right, cut = outcomes[:164], outcomes[164:]
-  failures = [(p["task_id"], o.status, o.detail[-300:]) for p, o in zip(problems, right)
-              if not o.passed]
-  assert failures == []  # pass@1 = 100%
-  assert sum(o.passed for o in cut) / 164 < 0.5
-  print(f"\n328 HumanEval programs through the sandbox with 2 workers: {seconds:.1f} s")
-
-
 def test_mbpp_programs_score_right_and_wrong_answers():
   programs = [code.mbpp_program(doc, doc["code"]) for doc in MBPP_DOCS]
   programs += [code.mbpp_program(doc, MBPP_WRONG[doc["task_id"]]) for doc in MBPP_DOCS]

@@ -147,3 +147,52 @@ def test_every_benchmark_config_has_table_5_settings():
             d.token_threshold, d.method, d.temperature) == (name, 512, k, b, ts, tt,
                                                             "refusion", 0.0)
     assert c.batch_size == 1 and c.enable_thinking is True
+
+
+def _drop_last_line(body: str) -> str:
+  lines = body.rstrip("\n").split("\n")
+  return "\n".join(lines[:-1]) + "\n"
+
+
+def test_humaneval_canonical_solutions_score_100_through_completions(tmp_path):
+  from refusion_jax.lmeval import code  # pylint: disable=import-outside-toplevel
+  problems = code.humaneval_problems()
+  humaneval = os.path.join(REPO, "configs", "eval", "humaneval.py")
+  scores = {}
+  for name, edit in (("canonical", lambda b: b), ("truncated", _drop_last_line)):
+    answers = tmp_path / f"{name}.jsonl"
+    answers.write_text("".join(
+        json.dumps({"task_id": p["task_id"], "completion": edit(p["canonical_solution"])}) + "\n"
+        for p in problems))
+    out = str(tmp_path / name)
+    scores[name] = evaluate.main(["evaluate", f"--config={humaneval}",
+                                  f"--config.output_dir={out}", f"--config.completions={answers}",
+                                  "--config.progress=false"])
+    _, samples = _read(out)
+    assert len(samples) == 164
+  assert scores["canonical"]["accuracy"] == 100.0 and scores["canonical"]["samples"] == 164
+  assert scores["truncated"]["accuracy"] < 50.0
+
+
+def test_mbpp_completions_run_their_three_tests(tmp_path):
+  from tests.test_code_eval import MBPP_DOCS, MBPP_WRONG  # pylint: disable=import-outside-toplevel
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet  # pylint: disable=import-outside-toplevel,unused-import
+  repo = tmp_path / "hub" / "google-research-datasets" / "mbpp"
+  (repo / "full").mkdir(parents=True)
+  pa.parquet.write_table(pa.Table.from_pylist(MBPP_DOCS), str(repo / "full" / "test-0.parquet"))
+  (repo / "README.md").write_text(
+      "---\nconfigs:\n- config_name: full\n  data_files:\n  - split: test\n"
+      "    path: full/test-*\n---\n")
+  answers = tmp_path / "answers.jsonl"
+  rows = [{"task_id": d["task_id"], "completion": d["code"]} for d in MBPP_DOCS[:3]]
+  rows += [{"task_id": d["task_id"], "completion": MBPP_WRONG[d["task_id"]]} for d in MBPP_DOCS[3:]]
+  rows.append({"task_id": MBPP_DOCS[0]["task_id"], "completion": MBPP_WRONG[9001]})
+  answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  mbpp = os.path.join(REPO, "configs", "eval", "mbpp.py")
+  result = evaluate.main(["evaluate", f"--config={mbpp}", f"--config.output_dir={tmp_path / 'o'}",
+                          f"--config.data_dir={tmp_path / 'hub'}",
+                          f"--config.completions={answers}", "--config.progress=false"])
+  # Doc 9001: one right, one wrong answer (0.5); 9002, 9003 right; 9004, 9005 wrong.
+  assert result["accuracy"] == pytest.approx(100 * 2.5 / 5)
+  assert result["samples"] == 5 and result["completions_scored"] == 6

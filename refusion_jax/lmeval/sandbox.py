@@ -392,7 +392,7 @@ def _network_namespace_refusal() -> str | None:
     return _probe_results[command]
 
 
-def _check_platform(allow_network: bool) -> str:
+def check_platform(allow_network: bool) -> str:
   """The unshare binary to use; raises SandboxError where the sandbox cannot work."""
   if not sys.platform.startswith("linux"):
     raise SandboxError(f"the code sandbox needs Linux namespaces; this is {sys.platform}")
@@ -485,7 +485,7 @@ def run_program(source: str, limits: Limits = Limits(), *, allow_network: bool =
   how it ended. Raises SandboxError when the sandbox cannot run here."""
   if not isinstance(source, str):
     raise TypeError(f"run_program: source must be a str, got {type(source).__name__}")
-  unshare = _check_platform(allow_network)
+  unshare = check_platform(allow_network)
   uid = UID_BASE + secrets.randbelow(UID_SPAN)
   folder = tempfile.mkdtemp(prefix="refusion-sandbox-")
   read_fd, write_fd = os.pipe()
@@ -579,7 +579,7 @@ def run_programs(sources: Sequence[str], limits: Limits = Limits(), *, allow_net
   if workers < 1:
     raise ValueError(f"run_programs: workers={workers} must be at least 1")
   sources = list(sources)
-  _check_platform(allow_network)  # fail before starting any work
+  check_platform(allow_network)  # fail before starting any work
   bar = None
   if progress:
     from tqdm import tqdm  # the launcher imports this module without site-packages
