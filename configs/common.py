@@ -15,6 +15,8 @@ import refusion_jax
 ASSETS_DIR = os.path.join(os.path.dirname(refusion_jax.__file__), "assets")
 TINY_TRAIN = os.path.join(ASSETS_DIR, "data", "tiny_train.jsonl")
 TINY_TEST = os.path.join(ASSETS_DIR, "data", "tiny_test.jsonl")
+TINY_VALID = os.path.join(ASSETS_DIR, "data", "tiny_valid.jsonl")
+BASE_TINY_DIR = os.path.join(ASSETS_DIR, "base_tiny")  # the shipped pretrained base (HF layout)
 
 
 def base_config() -> ml_collections.ConfigDict:

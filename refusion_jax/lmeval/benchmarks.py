@@ -42,7 +42,9 @@ from lm_eval.defaults import DEFAULT_RANDOM_SEED
 from lm_eval.tasks._factory import TaskFactory
 from lm_eval.tasks._index import Kind
 
-TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
+from refusion_jax.lmeval import code
+
+TASKS_DIR = code.task_dir()  # our task YAMLs (humaneval_instruct_noprefix, mbpp_zeroshot)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,13 +41,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from refusion_jax.config import DecodeConfig
+from refusion_jax.lmeval import GenerativeOnlyError
 
 FENCE_OPEN = "```python\n"
 FENCE = "```"
-
-
-class GenerativeOnlyError(ValueError):
-  """A task asked for log-likelihoods; this model only generates."""
 
 
 def cut_at_stop(text: str, until: Iterable[str]) -> str:

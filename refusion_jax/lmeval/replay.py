@@ -29,11 +29,8 @@ import lm_eval.tasks
 from lm_eval.api.model import LM
 
 from refusion_jax import fileio
+from refusion_jax.lmeval import GenerativeOnlyError
 from refusion_jax.lmeval import benchmarks as benchmarks_lib
-
-
-class GenerativeOnlyError(ValueError):
-  """A task asked ReplayLM for log-likelihoods; replayed completions only answer generate_until."""
 
 
 class ReplayLM(LM):
