@@ -160,9 +160,18 @@ def test_bundled_files_are_what_the_script_writes(tmp_path):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   module.main(["--out_dir", str(tmp_path)])
-  for path in (tasks.TINY_TRAIN_FILE, tasks.TINY_TEST_FILE):
+  valid_file = os.path.join(os.path.dirname(tasks.TINY_TEST_FILE), "tiny_valid.jsonl")
+  for path in (tasks.TINY_TRAIN_FILE, tasks.TINY_TEST_FILE, valid_file):
     with open(path, "rb") as f:
       assert (tmp_path / os.path.basename(path)).read_bytes() == f.read()
+  queries = {name: {json.loads(line)["query"] for line in open(tmp_path / f"{name}.jsonl")}
+             for name in ("tiny_train", "tiny_test", "tiny_valid")}
+  assert len(queries["tiny_valid"]) == 210
+  assert not queries["tiny_valid"] & (queries["tiny_train"] | queries["tiny_test"])
+  # The base corpus shares no query with the held-out splits.
+  module.main(["--base_out", str(tmp_path / "base.jsonl"), "--n_base", "700"])
+  base = {json.loads(line)["query"] for line in open(tmp_path / "base.jsonl")}
+  assert len(base) == 700 and not base & (queries["tiny_valid"] | queries["tiny_test"])
 
 
 def test_answers_are_short_with_the_tiny_tokenizer():
