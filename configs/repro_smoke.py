@@ -15,7 +15,9 @@ def get_config():
   c.train.model.head_dim = 32  # per-head width
   c.train.model.mlp_dim = 128  # SwiGLU hidden width
   c.train.num_train_steps = 4  # optimizer steps per model
+  c.base.pretrained = ""  # the shipped base has another shape: stage 1 trains one here
   c.base.num_train_steps = 4  # base ARM steps the three models start from
+  c.select.per_task = 1  # validation problems per task per candidate setting
   c.train.global_batch_size = 8  # rows per step
   c.train.optimizer.warmup_steps = 1  # linear warmup steps
   c.train.checkpoint.every_steps = 2  # resume points

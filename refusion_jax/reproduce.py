@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import hashlib
 import inspect
 import json
 import math
@@ -152,6 +153,12 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
   if not _positive_int(steps):
     raise ValueError(f"config.train.num_train_steps must be a positive int (the models train "
                      f"for the same number of steps), got {steps!r}")
+  pretrained = config.base.get("pretrained", "")
+  if pretrained:
+    check_pretrained_base(pretrained)
+    if config.base.num_train_steps:
+      raise ValueError("config.base.pretrained and config.base.num_train_steps > 0 both ask "
+                       "for a base: set one (pretrained='' trains stage 1 instead)")
   base_steps = config.base.num_train_steps
   if not isinstance(base_steps, int) or isinstance(base_steps, bool) or base_steps < 0:
     raise ValueError(f"config.base.num_train_steps must be an int >= 0 (0 = no base stage), "
@@ -190,6 +197,17 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
       except (TypeError, ValueError) as e:
         raise ValueError(f"decode settings of row {name!r}, task {task!r} "
                          f"(config.decode / config.decode.tasks.{task}): {e}") from None
+  if select_enabled(config):
+    if "refusion" not in models:
+      raise ValueError("config.select.enabled=true needs the 'refusion' model in config.models")
+    if not os.path.isfile(config.select.data):
+      raise ValueError(f"config.select.data={config.select.data!r} is not a file")
+    if os.path.abspath(config.select.data) == os.path.abspath(config.eval.data):
+      raise ValueError("config.select.data is the test split (config.eval.data): decode "
+                       "settings must be chosen on a validation split")
+    for param in SWEEP_PARAMS:
+      if not tuple(config.sweep_grid[param]):
+        raise ValueError(f"config.sweep_grid.{param} is empty")
   if config.sweep:
     if "refusion" not in models:
       raise ValueError("config.sweep=true needs the 'refusion' model in config.models")
@@ -205,12 +223,43 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
 
 
 def has_base(config) -> bool:
-  """Whether stage 1 (the shared causal ARM base) runs."""
-  return config.base.num_train_steps > 0
+  """Whether the models start from a base (the shipped one, or one stage 1 trains)."""
+  return bool(config.base.get("pretrained", "")) or config.base.num_train_steps > 0
 
 
 def base_hf_dir(workdir: str) -> str:
   return os.path.join(workdir, MODELS_DIR, BASE_MODEL, BASE_HF_DIR)
+
+
+def base_init_dir(config, workdir: str) -> str:
+  """The HF folder every model starts from: the shipped base, or stage 1's export."""
+  return config.base.get("pretrained", "") or base_hf_dir(workdir)
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+def check_pretrained_base(folder: str) -> str:
+  """The SHA-256 of a shipped base's weights, checked against its checksum file."""
+  weights = os.path.join(folder, "model.safetensors")
+  listed = weights + ".sha256"
+  for path in (os.path.join(folder, "config.json"), weights, listed):
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"config.base.pretrained={folder!r}: {os.path.basename(path)} is "
+                              "missing (bash launch/train_base.sh makes the shipped base)")
+  with open(listed, encoding="utf-8") as f:
+    expected = (f.read().split() or [""])[0]
+  actual = _sha256(weights)
+  if actual != expected:
+    raise ValueError(f"config.base.pretrained={folder!r}: model.safetensors has SHA-256 "
+                     f"{actual}, its checksum file says {expected!r} (a damaged or "
+                     "replaced file; restore it or rerun launch/train_base.sh)")
+  return actual
 
 
 def _common_train_config(config, workdir: str) -> ml_collections.ConfigDict:
@@ -238,7 +287,7 @@ def train_config(config, model_name: str, workdir: str) -> ml_collections.Config
   c.objective = model_name
   c.model.attention = MODEL_ATTENTION[model_name]
   if has_base(config):
-    c.init_from_hf = base_hf_dir(workdir)
+    c.init_from_hf = base_init_dir(config, workdir)
     # The HF export holds weights and config.json only; the vocabulary is the bundled one.
     # Its config.json names the tokenizer's mask id, so init_from_hf keeps the base's
     # trained special-token rows instead of resetting them.
@@ -254,9 +303,12 @@ def _budget(t, steps: int, learning_rate: float) -> dict:
 
 
 def base_budget(config) -> dict | None:
-  """The stage-1 budget, or None without a base stage."""
+  """The stage-1 budget (for a shipped base: its folder and checksum), or None."""
   if not has_base(config):
     return None
+  if config.base.get("pretrained", ""):
+    folder = config.base.pretrained
+    return {"pretrained": folder, "sha256": check_pretrained_base(folder)}
   return _budget(config.train, int(config.base.num_train_steps), config.base.learning_rate)
 
 
@@ -313,6 +365,10 @@ def train_base(config, workdir: str, log=print) -> tuple[dict | None, bool]:
   budget = base_budget(config)
   if budget is None:
     return None, False
+  if "pretrained" in budget:
+    log(f"[reproduce] base: the shipped pretrained base {budget['pretrained']} "
+        f"(sha256 {budget['sha256'][:12]}...)")
+    return {"budget": budget}, False
   hf_config = os.path.join(base_hf_dir(workdir), "config.json")
   return _train_stage(BASE_MODEL, base_train_config(config, workdir), budget,
                       os.path.join(workdir, MODELS_DIR, BASE_MODEL), log,
@@ -415,6 +471,73 @@ def evaluate_rows(config, workdir: str, row_configs: Mapping[str, Mapping[str, D
     results[name] = _cached_or_run(os.path.join(workdir, RESULTS_DIR, f"{name}.json"), key, run,
                                    log)
   return results
+
+
+# ---------------------------------------------------------------------------
+# Decode settings chosen on the validation split (the paper's Table 5 picks
+# them per benchmark; never on the test split).
+
+SELECT_DIR = "select"
+
+
+def select_enabled(config) -> bool:
+  return bool(config.get("select", {}).get("enabled", False))
+
+
+def select_settings(config, workdir: str, trained: Mapping[str, dict], models: _Models,
+                    tokenizer, log=print) -> dict[str, dict]:
+  """{task: {slot_size, block_size, slot_threshold, token_threshold}} for ReFusion.
+
+  Coordinate search on the validation split: each parameter of SWEEP_PARAMS
+  in turn takes every value of `config.sweep_grid` with the others at the
+  settings chosen so far, and each task keeps the value with the highest
+  validation accuracy, ties going to the higher tokens per forward. Accuracy
+  only (batched), no timing; every evaluation is cached in W/results/select.
+  """
+  problems = evaluate.read_problems(config.select.data, tokenizer,
+                                    per_task=config.select.per_task)
+  model_config = checkpoint.read_model_config(
+      os.path.join(workdir, MODELS_DIR, "refusion", train.FINAL_MODEL_DIR))
+  width = evaluate.prompt_width(problems, model_config, config.decode.gen_length,
+                                config.eval.prompt_bucket)
+  chosen = {t: {k: config.decode.tasks[t][k] for k in
+                ("slot_size", "block_size", "slot_threshold", "token_threshold")}
+            for t in tasks_lib.TASKS}
+  here = machine()
+  for param in SWEEP_PARAMS:
+    per_value = {}
+    for value in tuple(config.sweep_grid[param]):
+      configs = {t: DecodeConfig(method="refusion", gen_length=config.decode.gen_length,
+                                 **{**chosen[t], param: value}) for t in tasks_lib.TASKS}
+      key = {"select": param, "value": value,
+             "decode": {t: dataclasses.asdict(c) for t, c in configs.items()},
+             "data": os.path.abspath(config.select.data), "per_task": config.select.per_task,
+             "width": width, "model": trained["refusion"], "machine": here,
+             "seed": config.seed, "batch_size": config.eval.batch_size}
+      log(f"[reproduce] choosing on the validation split: {param}={value}")
+
+      def run(configs=configs, param=param, value=value):
+        return evaluate.evaluate(models.get("refusion")[1], tokenizer, problems, dict(configs),
+                                 batch_size=config.eval.batch_size, speed_per_task=0,
+                                 width=width, seed=config.seed, progress=config.progress_bar,
+                                 desc=f"valid {param}={value}")
+
+      path = os.path.join(workdir, RESULTS_DIR, SELECT_DIR, f"{param}={value}.json")
+      per_value[value] = _cached_or_run(path, key, run, log)["per_task"]
+    for t in tasks_lib.TASKS:
+      chosen[t][param] = max(per_value, key=lambda v, t=t: (per_value[v][t]["accuracy"],
+                                                            per_value[v][t]["tokens_per_forward"]))
+  return chosen
+
+
+def with_task_settings(config, chosen: Mapping[str, Mapping]) -> ml_collections.ConfigDict:
+  """A copy of `config` whose decode.tasks are `chosen`."""
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    for t, settings in chosen.items():
+      for k, v in settings.items():
+        c.decode.tasks[t][k] = v
+  return c
 
 
 # ---------------------------------------------------------------------------
@@ -568,7 +691,13 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
   n_speed = {t: m["speed_n"] for t, m in any_result["per_task"].items()} if any_result else {}
   measured = [r["measured"] for r in results.values() if "measured" in r]
   names = ", ".join(trained)
-  if base:
+  if base and "pretrained" in base["budget"]:
+    b = base["budget"]
+    start = [f"- Base (shared: all of {names} start from this one model): the shipped "
+             f"pretrained causal ARM {b['pretrained']} (configs/base_tiny.py, "
+             f"sha256 {b['sha256'][:12]}...)"]
+    how = f"fine-tuned from the base, peak lr {budget.get('learning_rate', float('nan')):g}"
+  elif base:
     b = base["budget"]
     start = [f"- Base (stage 1, shared: all of {names} start from this one model): causal "
              f"ARM, {b['steps']} steps x {b['global_batch_size']} rows x {b['seq_len']} "
@@ -593,6 +722,14 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
       f"at batch 1, greedy, compile excluded, fastest of {config.eval.speed_repeats} "
       "decodes per problem; tokens counted up to and including EOS; "
       f"gen_length {config.decode.gen_length}",
+      "- ReFusion settings per task (k, b, tau_s, tau_t), "
+      + ("chosen on the validation split "
+         f"({os.path.basename(config.select.data)}; each of {', '.join(SWEEP_PARAMS)} in turn "
+         "over config.sweep_grid, best accuracy, ties to more tokens per forward): "
+         if select_enabled(config) else "as configured: ")
+      + "; ".join(f"{t} {d.slot_size}, {d.block_size}, {d.slot_threshold:g}, "
+                  f"{d.token_threshold:g}" for t, d in
+                  ((t, config.decode.tasks[t]) for t in task_names)),
       "", header, rule]
   notes = []
   for name, r in results.items():
@@ -693,6 +830,11 @@ def run(config, workdir: str, log=print) -> dict:
   train_seconds = time.perf_counter() - t0
   tokenizer = train.load_tokenizer(config.train)
   models = _Models(workdir)
+  chosen = None
+  if select_enabled(config):
+    chosen = select_settings(config, workdir, trained, models, tokenizer, log)
+    config = with_task_settings(config, chosen)
+    row_configs = validate(config)
   results = evaluate_rows(config, workdir, row_configs, trained, models, tokenizer, log)
   when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
   table = render_table(config, results, trained, when, machine(), base)
@@ -706,7 +848,7 @@ def run(config, workdir: str, log=print) -> dict:
       f"{os.path.join(workdir, PLOT_FILE)}" + (" and the sweep" if sweep else "")
       + f" (training phase {train_seconds:.0f}s, total {time.perf_counter() - t0:.0f}s)")
   return {"results": results, "trained": trained, "base": base, "table": table,
-          "sweep": sweep}
+          "sweep": sweep, "chosen": chosen}
 
 
 def main(argv) -> dict:

@@ -1,8 +1,10 @@
 """refusion_jax.reproduce: the whole pipeline on a smoke budget, resuming, and the report."""
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 import time
 
@@ -315,3 +317,73 @@ def test_targets_and_unavailable_rows_in_the_report():
   assert main["ReFusion"][-1] == "**87.5 / 350.0**"
   assert "- ReFusion-L2R: not implemented" in table
   assert _table_section(table, "## Relative to ARM-AR")["ReFusion"] == ["-2.5", "3.50x"]
+
+
+def test_refusion_settings_are_chosen_on_the_validation_split(smoke_run):
+  workdir, _, first, _ = smoke_run
+  chosen = first["chosen"]
+  assert set(chosen) == set(TASKS)
+  config = repro_smoke.get_config()
+  # Oracle: redo the coordinate search from the cached validation results.
+  start = {t: {k: config.decode.tasks[t][k] for k in ("slot_size", "block_size",
+                                                      "slot_threshold", "token_threshold")}
+           for t in TASKS}
+  for param in reproduce.SWEEP_PARAMS:
+    per_value = {}
+    for value in config.sweep_grid[param]:
+      path = os.path.join(workdir, reproduce.RESULTS_DIR, reproduce.SELECT_DIR,
+                          f"{param}={value}.json")
+      with open(path) as f:
+        result = json.load(f)
+      for t in TASKS:
+        d = result["decode"][t]
+        assert d[param] == value and all(d[k] == start[t][k] for k in start[t] if k != param)
+        assert result["per_task"][t]["speed_n"] == 0  # accuracy only
+      per_value[value] = result["per_task"]
+    for t in TASKS:
+      best = max(per_value, key=lambda v: (per_value[v][t]["accuracy"],
+                                           per_value[v][t]["tokens_per_forward"]))
+      start[t][param] = best
+  assert chosen == start
+  # The test rows decode with the chosen settings, and the table says so.
+  with open(os.path.join(workdir, reproduce.RESULTS_DIR, "ReFusion.json")) as f:
+    decode = json.load(f)["decode"]
+  for t in TASKS:
+    assert {k: decode[t][k] for k in chosen[t]} == chosen[t]
+  assert "chosen on the validation split (tiny_valid.jsonl" in first["table"]
+
+
+def test_select_refuses_the_test_split():
+  config = repro_smoke.get_config()
+  config.select.data = config.eval.data
+  with pytest.raises(ValueError, match="must be chosen on a validation split"):
+    reproduce.validate(config)
+
+
+def test_a_shipped_base_is_checked_and_every_model_starts_from_it(smoke_run, tmp_path):
+  workdir = smoke_run[0]
+  shipped = tmp_path / "base"
+  shutil.copytree(os.path.join(workdir, "models", reproduce.BASE_MODEL, reproduce.BASE_HF_DIR),
+                  shipped)
+  digest = hashlib.sha256((shipped / "model.safetensors").read_bytes()).hexdigest()
+  (shipped / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
+  config = repro_smoke.get_config()
+  config.base.pretrained = str(shipped)
+  config.base.num_train_steps = 0
+  reproduce.validate(config)
+  assert reproduce.base_budget(config) == {"pretrained": str(shipped), "sha256": digest}
+  assert reproduce.train_budget(config)["base"]["sha256"] == digest
+  for name in ("arm", "mdm", "refusion"):
+    assert reproduce.train_config(config, name, str(tmp_path)).init_from_hf == str(shipped)
+  marker, trained = reproduce.train_base(config, str(tmp_path), log=lambda _: None)
+  assert not trained and marker["budget"]["sha256"] == digest
+  config.base.num_train_steps = 3
+  with pytest.raises(ValueError, match="both ask for a base"):
+    reproduce.validate(config)
+  config.base.num_train_steps = 0
+  (shipped / "model.safetensors.sha256").write_text("0" * 64 + "  model.safetensors\n")
+  with pytest.raises(ValueError, match="its checksum file says"):
+    reproduce.validate(config)
+  os.remove(shipped / "model.safetensors.sha256")
+  with pytest.raises(FileNotFoundError, match="model.safetensors.sha256 is missing"):
+    reproduce.validate(config)
