@@ -62,7 +62,8 @@ class Corrupted:
       `kind_bt` is KIND_IGNORE (a valid id, so the gather in the loss is safe).
     kind_bt: int8 [B, L] KIND_IGNORE (0), KIND_AR (1) or KIND_MDM (2).
     p_b: float32 [B] masking probability of the example (the MDM weight 1/p).
-    response_len_b: int32 [B] response length (the MDM normaliser).
+    response_len_b: int32 [B] response length (the MDM normaliser; for the MDM
+      baseline the EOS-padded length L - prompt_len, see `mdm_corrupt`).
     slot_size_b: int32 [B] slot size k of the example (1 for the MDM baseline,
       whose token-level masking is masking slots of one token).
   """
@@ -352,12 +353,24 @@ def arm_loss(logits_btv, tokens_bt, prompt_len_b, response_len_b):
   return loss, _metrics(loss, loss, jnp.zeros((), jnp.float32), count, jnp.zeros((), jnp.int32))
 
 
-def mdm_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, *, mask_id: int, pad_id: int,
-                eps: float = DEFAULT_EPS) -> Corrupted:
-  """LLaDA corruption: every response token masked with prob p = (1 - eps) t + eps.
+def mdm_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, *, mask_id: int, eos_id: int,
+                pad_id: int, eps: float = DEFAULT_EPS) -> Corrupted:
+  """LLaDA corruption: the response, EOS-padded to the row's end, masked token by token.
 
-  Nothing moves; positions are 0..L-1. Masked tokens are labelled with their
-  own token (KIND_MDM); everything else is ignored.
+  As in LLaDA's SFT, every position after the response's EOS is filled with
+  further EOS tokens and belongs to the response: it is masked, labelled and
+  counted in the normaliser like any answer token. The model thus learns to
+  fill the positions after the answer with EOS. The decoder's canvas is the
+  prompt followed by `gen_length` masks, longer than most answers; a model
+  that only ever saw exactly `response_len` masks (the padding hidden) has no
+  way to tell where its answer should end and fills the whole canvas with
+  text, which breaks every exact answer.
+
+  Each response position (EOS padding included) is masked with probability
+  p = (1 - eps) t + eps. Nothing moves; positions are 0..L-1. Masked tokens
+  are labelled with their own token (KIND_MDM); everything else is ignored.
+  `response_len_b` of the result is the padded length L - prompt_len, the
+  loss's normaliser. `pad_id` labels the ignored positions.
   """
   eps = _check_eps(eps)
   tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
@@ -367,23 +380,22 @@ def mdm_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, *, mask_id: int, p
   t_b = jax.random.uniform(t_rng, (b,), jnp.float32)
   p_b = (1.0 - eps) * t_b + eps
   index_1t = jnp.arange(l, dtype=jnp.int32)[None]
-  in_resp_bt = (index_1t >= prompt_len_b[:, None]) & (
-      index_1t < (prompt_len_b + response_len_b)[:, None])
+  in_resp_bt = index_1t >= prompt_len_b[:, None]  # the answer and its EOS padding
+  tail_bt = index_1t >= (prompt_len_b + response_len_b)[:, None]
+  clean_bt = jnp.where(tail_bt, eos_id, tokens_bt)
   masked_bt = in_resp_bt & (jax.random.uniform(m_rng, (b, l), jnp.float32) < p_b[:, None])
-  live_bt = index_1t < (prompt_len_b + response_len_b)[:, None]
-  ids_bt = jnp.where(masked_bt, mask_id, jnp.where(live_bt, tokens_bt, pad_id))
   return Corrupted(
-      input_ids_bt=ids_bt,
+      input_ids_bt=jnp.where(masked_bt, mask_id, clean_bt),
       positions_bt=jnp.broadcast_to(index_1t, (b, l)),
-      labels_bt=jnp.where(masked_bt, tokens_bt, pad_id),
+      labels_bt=jnp.where(masked_bt, clean_bt, pad_id),
       kind_bt=jnp.where(masked_bt, KIND_MDM, KIND_IGNORE).astype(jnp.int8),
       p_b=p_b,
-      response_len_b=response_len_b,
+      response_len_b=l - prompt_len_b,
       slot_size_b=jnp.ones((b,), jnp.int32))
 
 
 def mdm_loss(logits_btv, corrupted: Corrupted):
-  """LLaDA loss: sum over masked tokens of CE / t / len(response), batch mean."""
+  """LLaDA loss: sum over masked tokens of CE / t / len(padded response), batch mean."""
   ce_bt = token_cross_entropy(logits_btv, corrupted.labels_bt)
   mdm_bt = corrupted.kind_bt == KIND_MDM
   loss = _mdm_term(ce_bt, mdm_bt, corrupted.p_b, corrupted.response_len_b)
@@ -391,25 +403,16 @@ def mdm_loss(logits_btv, corrupted: Corrupted):
                         jnp.sum(mdm_bt))
 
 
-def padding_attention_mask(prompt_len_b, response_len_b, seq_len: int):
-  """Bidirectional mask [B, T, T] (True = may attend) that hides padding keys.
-
-  Each query also sees itself, so a padding query (whose output is ignored)
-  never has an empty row.
-  """
-  live_b = jnp.asarray(prompt_len_b, jnp.int32) + jnp.asarray(response_len_b, jnp.int32)
-  index_t = jnp.arange(seq_len, dtype=jnp.int32)
-  key_live_b1t = (index_t[None, :] < live_b[:, None])[:, None, :]
-  return key_live_b1t | (index_t[:, None] == index_t[None, :])[None]
-
-
 # --------------------------------------------------------------------------
 # The trainer's entry point.
 
 
 def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: int, pad_id: int,
-            slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS):
+            slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS, eos_id: int | None = None):
   """Loss and metrics of `objective` ("refusion", "arm" or "mdm") on one batch.
+
+  `eos_id` (MDM only: the token that pads the response to the row's end)
+  defaults to the model config's `eos_token_id`.
 
   Meant to run inside `nnx.value_and_grad` / `jax.jit`; all checks of
   arguments, shapes and the model's attention kind happen at trace time, in
@@ -422,6 +425,13 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
   vocab = getattr(config, "vocab_size", None)
   mask_id = _check_token_id("mask_id", mask_id, vocab)
   pad_id = _check_token_id("pad_id", pad_id, vocab)
+  if objective == "mdm":
+    if eos_id is None:
+      eos_id = getattr(config, "eos_token_id", None)
+    if eos_id is None:
+      raise ValueError("objective='mdm' pads responses with EOS: pass eos_id or use a model "
+                       "whose ModelConfig.eos_token_id is set")
+    eos_id = _check_token_id("eos_id", eos_id, vocab)
   want = "bidirectional" if objective == "mdm" else "causal"
   attention = getattr(config, "attention", want)
   if attention != want:
@@ -443,7 +453,7 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
     logits_btv = model(tokens_bt, positions_bt)
     return arm_loss(logits_btv, tokens_bt, prompt_len_b, response_len_b)
   corrupted = mdm_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, mask_id=mask_id,
-                          pad_id=pad_id, eps=eps)
-  mask_btt = padding_attention_mask(prompt_len_b, response_len_b, l)
-  logits_btv = model(corrupted.input_ids_bt, corrupted.positions_bt, mask_btt)
+                          eos_id=eos_id, pad_id=pad_id, eps=eps)
+  # Every position is live (the response runs to the row's end): full bidirectional attention.
+  logits_btv = model(corrupted.input_ids_bt, corrupted.positions_bt)
   return mdm_loss(logits_btv, corrupted)

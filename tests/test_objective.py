@@ -15,6 +15,7 @@ from refusion_jax.model import Qwen3
 
 MASK = 3
 PAD = 0
+EOS = 1
 
 
 # ---------------------------------------------------------------- oracles
@@ -73,6 +74,8 @@ def corrupt_jit(slot_sizes):
 
 from_draws_jit = jax.jit(functools.partial(obj.refusion_corrupt_from_draws, mask_id=MASK,
                                            pad_id=PAD))
+mdm_corrupt_jit = jax.jit(functools.partial(obj.mdm_corrupt, mask_id=MASK, eos_id=EOS,
+                                            pad_id=PAD))
 
 
 # ------------------------------------------------------- hand-worked cases
@@ -300,33 +303,52 @@ def test_arm_loss_matches_numpy():
 def test_mdm_corrupt_and_loss_match_numpy():
   np_rng = np.random.default_rng(7)
   tokens, p, r = random_batch(np_rng, 8, 20, vocab=17)
-  c = jax.device_get(jax.jit(functools.partial(obj.mdm_corrupt, mask_id=MASK, pad_id=PAD))(
-      tokens, p, r, jax.random.key(9)))
+  c = jax.device_get(mdm_corrupt_jit(tokens, p, r, jax.random.key(9)))
   np.testing.assert_array_equal(c.positions_bt, np.broadcast_to(np.arange(20), (8, 20)))
+  np.testing.assert_array_equal(c.response_len_b, 20 - p)  # the EOS-padded length
   for b in range(8):
     live = p[b] + r[b]
     assert c.input_ids_bt[b, :p[b]].tolist() == tokens[b, :p[b]].tolist()  # prompt untouched
-    assert (c.input_ids_bt[b, live:] == PAD).all() and (c.kind_bt[b, live:] == 0).all()
-    resp = slice(p[b], live)
+    assert (c.kind_bt[b, :p[b]] == 0).all()
+    # The response runs to the row's end: the answer, then EOS in place of the padding.
+    clean = np.concatenate([tokens[b, p[b]:live], np.full(20 - live, EOS)])
+    resp = slice(p[b], 20)
     m = c.input_ids_bt[b, resp] == MASK
     assert (c.kind_bt[b, resp] == np.where(m, 2, 0)).all()
-    assert (np.where(m, c.labels_bt[b, resp], c.input_ids_bt[b, resp]) == tokens[b, resp]).all()
+    assert (np.where(m, c.labels_bt[b, resp], c.input_ids_bt[b, resp]) == clean).all()
   logits = np_rng.normal(size=(8, 20, 17)).astype(np.float32)
   loss, _ = jax.jit(obj.mdm_loss)(logits, c)
   want = 0.0
   for b in range(8):
     for i in range(20):
       if c.kind_bt[b, i] == 2:
-        want += np_ce(logits[b, i], c.labels_bt[b, i]) / float(c.p_b[b]) / int(r[b])
+        want += np_ce(logits[b, i], c.labels_bt[b, i]) / float(c.p_b[b]) / int(20 - p[b])
   np.testing.assert_allclose(float(loss), want / 8, rtol=1e-5)
+
+
+def test_mdm_masks_the_eos_padding_like_the_answer():
+  # LLaDA's SFT: the positions after the answer are EOS tokens the model must learn to
+  # produce, masked at the same rate as the answer. Without them the model never sees a
+  # canvas longer than its answer and cannot tell where the answer ends.
+  batch, seq_len, p, r = 2048, 64, 8, 6
+  tokens = np.full((batch, seq_len), PAD, np.int32)
+  tokens[:, :p + r] = 9
+  c = jax.device_get(mdm_corrupt_jit(tokens, np.full(batch, p, np.int32),
+                                     np.full(batch, r, np.int32), jax.random.key(11)))
+  tail = slice(p + r, seq_len)
+  assert ((c.kind_bt[:, tail] == 2) == (c.input_ids_bt[:, tail] == MASK)).all()
+  assert (np.where(c.kind_bt[:, tail] == 2, c.labels_bt[:, tail], c.input_ids_bt[:, tail])
+          == EOS).all()
+  frac = (c.kind_bt[:, tail] == 2).mean(axis=1)
+  assert abs(float(np.mean(frac - c.p_b))) < 0.01
+  assert np.corrcoef(frac, c.p_b)[0, 1] > 0.9
 
 
 def test_mdm_masked_fraction_tracks_t():
   batch, seq_len = 2048, 64
   tokens = np.full((batch, seq_len), 9, np.int32)
-  corrupt = jax.jit(functools.partial(obj.mdm_corrupt, mask_id=MASK, pad_id=PAD))
-  c = jax.device_get(corrupt(tokens, np.full(batch, 8, np.int32), np.full(batch, 56, np.int32),
-                             jax.random.key(11)))
+  c = jax.device_get(mdm_corrupt_jit(tokens, np.full(batch, 8, np.int32),
+                                     np.full(batch, 56, np.int32), jax.random.key(11)))
   frac = (c.kind_bt == 2).sum(axis=1) / 56
   assert abs(float(np.mean(frac - c.p_b))) < 0.01
   assert np.corrcoef(frac, c.p_b)[0, 1] > 0.95
@@ -378,32 +400,31 @@ def test_loss_fn_refusion_and_arm_match_numpy_on_model_logits():
   np.testing.assert_allclose(float(loss), np.mean(terms), rtol=1e-5)
 
 
-def test_mdm_padding_keys_are_invisible():
+def test_loss_fn_mdm_trains_the_eos_tail_with_full_attention():
   model = tiny_model("bidirectional")
-  p, r = np.array([3, 2], np.int32), np.array([5, 9], np.int32)
-  rng = np.random.default_rng(13)
-  tokens = np.full((2, 16), PAD, np.int32)
-  for b in range(2):
-    tokens[b, :p[b] + r[b]] = rng.integers(4, 64, p[b] + r[b])
-  mask = np.asarray(obj.padding_attention_mask(p, r, 16))
-  # Oracle for the mask: key j visible iff j is live, plus the diagonal.
-  for b in range(2):
-    want = np.array([[j < p[b] + r[b] or i == j for j in range(16)] for i in range(16)])
-    np.testing.assert_array_equal(mask[b], want)
-  pos = np.broadcast_to(np.arange(16), (2, 16))
-  padded = np.asarray(forward(model, tokens, pos, mask))
-  for b in range(2):
-    live = p[b] + r[b]
-    alone = np.asarray(forward(model, tokens[b:b + 1, :live], pos[b:b + 1, :live]))
-    np.testing.assert_allclose(padded[b, :live], alone[0], atol=1e-5)
-  # Changing the padding's contents changes nothing in the MDM loss.
-  batch = {"tokens": tokens, "prompt_len": p, "response_len": r}
-  noisy = dict(batch, tokens=np.where(tokens == PAD, 41, tokens))
+  batch = small_batch(seed=14, batch=4)
   key = jax.random.key(5)
-  a, _ = jit_loss_fn(model, batch, key, "mdm")
-  b_, _ = jit_loss_fn(model, noisy, key, "mdm")
-  np.testing.assert_allclose(float(a), float(b_), rtol=1e-6)
-  assert float(a) > 0
+  loss, m = jit_loss_fn(model, batch, key, "mdm")
+  c = jax.device_get(mdm_corrupt_jit(batch["tokens"], batch["prompt_len"],
+                                     batch["response_len"], key))
+  # Oracle: every position attends to every other one (no key hidden) and the masked
+  # positions of the EOS tail count like the answer's.
+  logits = np.asarray(forward(model, c.input_ids_bt, c.positions_bt,
+                              np.ones((4, 16, 16), bool)))
+  want = 0.0
+  for b in range(4):
+    for i in range(16):
+      if c.kind_bt[b, i] == 2:
+        want += np_ce(logits[b, i], c.labels_bt[b, i]) / float(c.p_b[b]) / int(
+            16 - batch["prompt_len"][b])
+  np.testing.assert_allclose(float(loss), want / 4, rtol=1e-5)
+  tail = np.arange(16)[None] >= (batch["prompt_len"] + batch["response_len"])[:, None]
+  assert (c.kind_bt[tail] == 2).any()  # the draw does mask some EOS padding
+  assert float(m["mdm_tokens"]) == int((c.kind_bt == 2).sum())
+  # Whatever the padding held, the tail is EOS: its contents change nothing.
+  noisy = dict(batch, tokens=np.where(tail, 41, batch["tokens"]))
+  np.testing.assert_allclose(float(jit_loss_fn(model, noisy, key, "mdm")[0]), float(loss),
+                             rtol=1e-6)
 
 
 def test_loss_fn_grad_jits_once_per_shape():
@@ -448,6 +469,8 @@ def test_bad_arguments_raise_before_compiling():
     obj.loss_fn(model, batch, key, objective="mdm", **kw)
   with pytest.raises(ValueError, match="attention"):
     obj.loss_fn(tiny_model("bidirectional"), batch, key, objective="refusion", **kw)
+  with pytest.raises(ValueError, match="eos_id"):
+    obj.loss_fn(tiny_model("bidirectional"), batch, key, objective="mdm", eos_id=64, **kw)
   with pytest.raises(ValueError, match="mask_id"):
     obj.loss_fn(model, batch, key, objective="refusion", mask_id=64, pad_id=PAD)
   with pytest.raises(ValueError, match="eps"):
