@@ -751,6 +751,20 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
     cells.append(f"**{r['average']['tokens_per_forward']:.2f}**")
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
 
+  lines += ["", "## The paper's TPF (per answer, mean over plan steps of tokens / passes "
+            "in the step) / engine tokens per second "
+            f"({config.eval.batch_size} rows, continuous batching)", "", header, rule]
+  for name, r in results.items():
+    if "unavailable" in r:
+      lines.append(f"| {name} | " + " | ".join("n/a" for _ in task_names) + " | n/a |")
+      continue
+    cells = [f"{r['per_task'][t]['tpf_paper']:.2f} / "
+             f"{_fmt(r['per_task'][t].get('engine_tokens_per_sec'))}" for t in task_names]
+    engine = [r["per_task"][t].get("engine_tokens_per_sec") for t in task_names]
+    mean_engine = (sum(engine) / len(engine)) if all(e is not None for e in engine) else None
+    cells.append(f"**{r['average']['tpf_paper']:.2f} / {_fmt(mean_engine)}**")
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+
   ref = results.get(REFERENCE_ROW)
   if ref and "unavailable" not in ref:
     lines += ["", f"## Relative to {REFERENCE_ROW} (averages over tasks)", "",
@@ -767,10 +781,7 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
   lines += ["", "## Targets (TARGETS.md)", "", "| Target | Measured | Met |", "|---|---|---|"]
   for target, measured, met in targets(results):
     lines.append(f"| {target} | {measured} | {'n/a' if met is None else 'yes' if met else 'no'} |")
-  lines += ["", "Decode settings (ReFusion per task: slot size / block size / tau_s / tau_t): "
-            + "; ".join(f"{t} {s.slot_size}/{s.block_size}/{s.slot_threshold}/"
-                        f"{s.token_threshold}" for t, s in config.decode.tasks.items())
-            + f". MDM: block {config.decode.mdm_block_size}, LLaDA "
+  lines += ["", f"MDM decode settings: block {config.decode.mdm_block_size}, LLaDA "
             f"{config.decode.mdm_tokens_per_step} token(s)/step, Fast-dLLM threshold "
             f"{config.decode.mdm_threshold}."]
   if notes:

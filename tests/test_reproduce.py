@@ -288,9 +288,11 @@ def test_bad_settings_fail_before_training(tmp_path):
 
 def _fake_result(acc, tps, tpf):
   per_task = {t: {"n": 10, "correct": 0, "accuracy": acc, "tokens_per_sec": tps,
-                  "tokens_per_forward": tpf, "speed_n": 5} for t in TASKS}
+                  "tokens_per_forward": tpf, "speed_n": 5, "tpf_paper": tpf + 1.0,
+                  "engine_tokens_per_sec": 2 * tps} for t in TASKS}
   return {"per_task": per_task,
-          "average": {"accuracy": acc, "tokens_per_sec": tps, "tokens_per_forward": tpf}}
+          "average": {"accuracy": acc, "tokens_per_sec": tps, "tokens_per_forward": tpf,
+                      "tpf_paper": tpf + 1.0}}
 
 
 def test_targets_and_unavailable_rows_in_the_report():
@@ -317,6 +319,8 @@ def test_targets_and_unavailable_rows_in_the_report():
   assert main["ReFusion"][-1] == "**87.5 / 350.0**"
   assert "- ReFusion-L2R: not implemented" in table
   assert _table_section(table, "## Relative to ARM-AR")["ReFusion"] == ["-2.5", "3.50x"]
+  tpf = _table_section(table, "## The paper's TPF")
+  assert tpf["ReFusion"] == ["5.50 / 700.0"] * len(TASKS) + ["**5.50 / 700.0**"]
 
 
 def test_refusion_settings_are_chosen_on_the_validation_split(smoke_run):
