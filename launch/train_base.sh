@@ -6,7 +6,7 @@
 #
 # Steps: the base corpus (scripts/make_tiny_data.py --base_out), training with
 # resume (rerun after an interruption), the HF export, the copy into the
-# package with model.safetensors.sha256. --dry-run prints the commands.
+# package with model.safetensors.sha256 and the training log (metrics.jsonl). --dry-run prints the commands.
 set -euo pipefail
 workdir="runs/base_tiny" dry=0
 extra=()
@@ -34,5 +34,5 @@ run .venv/bin/python -m refusion_jax.train --config=configs/base_tiny.py --workd
   --config.export_hf_dir="$workdir/hf" ${extra[@]+"${extra[@]}"}
 run rm -rf "$assets"
 run mkdir -p "$assets"
-run cp "$workdir/hf/config.json" "$workdir/hf/model.safetensors" "$assets/"
+run cp "$workdir/hf/config.json" "$workdir/hf/model.safetensors" "$workdir/metrics.jsonl" "$assets/"
 run sh -c "cd $assets && sha256sum model.safetensors > model.safetensors.sha256"
