@@ -406,3 +406,18 @@ def test_shellcheck_passes_on_every_launch_script():
   done = subprocess.run([_shellcheck(), "-x", *scripts], cwd=REPO, capture_output=True,
                         text=True, timeout=120)
   assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_train_base_dry_run_makes_the_corpus_trains_and_ships_with_a_checksum():
+  done = _launch("train_base.sh", "--dry-run", "--workdir=/tmp/b")
+  assert done.returncode == 0, done.stderr
+  lines = [line.strip() for line in done.stdout.splitlines()]
+  assert lines[0] == ".venv/bin/python scripts/make_tiny_data.py --base_out=/tmp/b/base_train.jsonl"
+  assert lines[1].startswith(".venv/bin/python -m refusion_jax.train --config=configs/base_tiny.py "
+                             "--workdir=/tmp/b ")
+  assert "--config.export_hf_dir=/tmp/b/hf" in lines[1]
+  assert lines[-2] == ("cp /tmp/b/hf/config.json /tmp/b/hf/model.safetensors /tmp/b/metrics.jsonl "
+                       "refusion_jax/assets/base_tiny/")
+  assert "sha256sum model.safetensors" in lines[-1].replace("\\", "")
+  bad = _launch("train_base.sh", "--bogus")
+  assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
