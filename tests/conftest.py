@@ -18,3 +18,15 @@ def _drop_compiled_programs():
   hundreds of decode and training programs in one process."""
   yield
   jax.clear_caches()
+
+
+def save_tiny_random_model(path: str, seed: int) -> str:
+  """A 1-layer d=32 random Qwen3 (the bundled tokenizer's vocabulary) saved as a model
+  folder: for tests of what wraps a model, not of what it has learned."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from refusion_jax import checkpoint, config  # pylint: disable=import-outside-toplevel
+  from refusion_jax.model import Qwen3  # pylint: disable=import-outside-toplevel
+  model_config = config.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
+                             head_dim=16, mlp_dim=64, max_position_embeddings=256)
+  checkpoint.save_model(path, model_config, Qwen3(model_config, rngs=nnx.Rngs(seed)))
+  return path

@@ -10,18 +10,16 @@ import textwrap
 import lm_eval
 import numpy as np
 import pytest
-from flax import nnx
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
 from refusion_jax import checkpoint
-from refusion_jax import config as config_lib
 from refusion_jax.decode import engine
 from refusion_jax.config import DecodeConfig
 from refusion_jax.lmeval import model as lm_model
-from refusion_jax.model import Qwen3
 from refusion_jax.tokenizer import Tokenizer
+from tests.conftest import save_tiny_random_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = dict(gen_length=16, slot_size=4, block_size=8)
@@ -34,11 +32,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-  config = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
-                           head_dim=16, mlp_dim=64, max_position_embeddings=256)
-  path = str(tmp_path_factory.mktemp("lm") / "model")
-  checkpoint.save_model(path, config, Qwen3(config, rngs=nnx.Rngs(3)))
-  return path
+  return save_tiny_random_model(str(tmp_path_factory.mktemp("lm") / "model"), seed=3)
 
 
 def test_answer_handling_cuts_retokenizes_and_unfences(tok):

@@ -5,31 +5,17 @@ import importlib.util
 import json
 import os
 
-import datasets
-import huggingface_hub
 import pytest
-from flax import nnx
 
-from refusion_jax import checkpoint, evaluate
-from refusion_jax import config as config_lib
-from refusion_jax.model import Qwen3
-from tests.test_lmeval_benchmarks import _gsm8k
+from refusion_jax import evaluate
+from tests.conftest import save_tiny_random_model
+# _offline (autouse): no hub, a private datasets cache; _gsm8k: a hand-made hub-format copy.
+from tests.test_lmeval_benchmarks import _gsm8k, _offline  # noqa: F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K = os.path.join(REPO, "configs", "eval", "gsm8k.py")
 SMALL = ["--config.decode.gen_length=16", "--config.decode.slot_size=4",
          "--config.decode.block_size=8", "--config.progress=false"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline(tmp_path_factory):
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("HF_DATASETS_OFFLINE", "1")
-    mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    mp.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.mktemp("hf_cache"))
-    yield
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +27,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-  config = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
-                           head_dim=16, mlp_dim=64, max_position_embeddings=256)
-  path = str(tmp_path_factory.mktemp("run") / "model")
-  checkpoint.save_model(path, config, Qwen3(config, rngs=nnx.Rngs(1)))
-  return path
+  return save_tiny_random_model(str(tmp_path_factory.mktemp("run") / "model"), seed=1)
 
 
 def _read(out):
