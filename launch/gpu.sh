@@ -94,26 +94,8 @@ case "$sub" in
     command=(-m refusion_jax.sample --config="$config" --config.model_dir="$model_dir") ;;
 esac
 
-# quote ARG: ARG as one shell word, written exactly as Python's shlex.quote writes it.
-quote() {
-  local s="$1" safe='^[A-Za-z0-9_@%+=:,./-]+$'
-  if [ -z "$s" ]; then
-    printf "''"
-  elif [[ $s =~ $safe ]]; then
-    printf '%s' "$s"
-  else
-    printf "'%s'" "${s//\'/\'\"\'\"\'}"
-  fi
-}
-run() {
-  if [ "$dry" = 1 ]; then
-    local a sep=""
-    for a in "$@"; do printf '%s' "$sep"; quote "$a"; sep=" "; done
-    echo
-  else
-    "$@"
-  fi
-}
+# shellcheck source=launch/lib.sh
+source "$root/launch/lib.sh"  # quote, quote_all, run (--dry-run)
 cd "$root"
 run bash launch/setup_env.sh --accelerator="$cuda"
 # XLA's latency-hiding scheduler overlaps FSDP all-gathers with compute on GPUs.

@@ -153,25 +153,8 @@ case "$sub" in
     [[ $lines =~ ^[1-9][0-9]*$ ]] || die "logs: --lines=$lines must be a positive integer" ;;
 esac
 
-# quote ARG: ARG as one shell word, written exactly as Python's shlex.quote writes it.
-quote() {
-  local s="$1" safe='^[A-Za-z0-9_@%+=:,./-]+$'
-  if [ -z "$s" ]; then
-    printf "''"
-  elif [[ $s =~ $safe ]]; then
-    printf '%s' "$s"
-  else
-    printf "'%s'" "${s//\'/\'\"\'\"\'}"
-  fi
-}
-# quote_all ARG...: the arguments as one command line.
-quote_all() {
-  local a sep=""
-  for a in "$@"; do printf '%s' "$sep"; quote "$a"; sep=" "; done
-}
-run() {
-  if [ "$dry" = 1 ]; then quote_all "$@"; echo; else "$@"; fi
-}
+# shellcheck source=launch/lib.sh
+source "$root/launch/lib.sh"  # quote, quote_all, run (--dry-run)
 
 gcloud_tpu=(gcloud compute tpus tpu-vm)
 where=(--zone="$zone")

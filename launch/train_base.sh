@@ -21,9 +21,8 @@ while [ $# -gt 0 ]; do
 done
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-run() {
-  if [ "$dry" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
-}
+# shellcheck source=launch/lib.sh
+source "$root/launch/lib.sh"  # quote, quote_all, run (--dry-run)
 if [ "$dry" = 0 ]; then
   bash launch/setup_env.sh >/dev/null
 fi

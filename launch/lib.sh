@@ -1,0 +1,25 @@
+# Shared by the launch scripts (sourced, not run): shell quoting and --dry-run.
+# shellcheck shell=bash
+
+# quote ARG: ARG as one shell word, written exactly as Python's shlex.quote writes it.
+quote() {
+  local s="$1" safe='^[A-Za-z0-9_@%+=:,./-]+$'
+  if [ -z "$s" ]; then
+    printf "''"
+  elif [[ $s =~ $safe ]]; then
+    printf '%s' "$s"
+  else
+    printf "'%s'" "${s//\'/\'\"\'\"\'}"
+  fi
+}
+
+# quote_all ARG...: the arguments as one command line.
+quote_all() {
+  local a sep=""
+  for a in "$@"; do printf '%s' "$sep"; quote "$a"; sep=" "; done
+}
+
+# run CMD...: runs CMD, or with dry=1 prints it (one line, shell-quoted).
+run() {
+  if [ "${dry:-0}" = 1 ]; then quote_all "$@"; echo; else "$@"; fi
+}
