@@ -22,6 +22,8 @@
 # shell-quoted, instead of running them. -h / --help prints this text.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=launch/lib.sh
+source "$root/launch/lib.sh"  # quote, quote_all, run (--dry-run), only_for
 subcommands="train eval sample"
 benchmarks="mmlu_pro arc_c gsm8k math gpqa humaneval mbpp"
 
@@ -37,14 +39,6 @@ if [ $# -gt 0 ]; then
     *) die "unknown subcommand '$1' (one of: $subcommands)" ;;
   esac
 fi
-
-# only_for FLAG SUBCOMMAND...: FLAG belongs to these subcommands; any other stops here.
-only_for() {
-  local flag="$1" s
-  shift
-  for s in "$@"; do [ "$s" = "$sub" ] && return 0; done
-  die "$flag is not a flag of '$sub' (it belongs to: $*)"
-}
 
 config="" workdir="" benchmark="" model_dir="" output_dir="" cuda="cuda12" dry=0
 extra=()
@@ -94,8 +88,6 @@ case "$sub" in
     command=(-m refusion_jax.sample --config="$config" --config.model_dir="$model_dir") ;;
 esac
 
-# shellcheck source=launch/lib.sh
-source "$root/launch/lib.sh"  # quote, quote_all, run (--dry-run)
 cd "$root"
 run bash launch/setup_env.sh --accelerator="$cuda"
 # XLA's latency-hiding scheduler overlaps FSDP all-gathers with compute on GPUs.

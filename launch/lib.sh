@@ -23,3 +23,13 @@ quote_all() {
 run() {
   if [ "${dry:-0}" = 1 ]; then quote_all "$@"; echo; else "$@"; fi
 }
+
+# only_for FLAG SUBCOMMAND...: FLAG belongs to these subcommands; any other stops here
+# (uses the caller's $sub and die).
+only_for() {
+  local flag="$1" s
+  shift
+  # shellcheck disable=SC2154  # sub: the caller's subcommand
+  for s in "$@"; do [ "$s" = "$sub" ] && return 0; done
+  die "$flag is not a flag of '$sub' (it belongs to: $*)"
+}

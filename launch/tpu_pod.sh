@@ -43,6 +43,8 @@
 # of running them. -h / --help prints this text.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=launch/lib.sh
+source "$root/launch/lib.sh"  # quote, quote_all, run (--dry-run), only_for
 subcommands="create setup train eval sample logs delete"
 benchmarks="mmlu_pro arc_c gsm8k math gpqa humaneval mbpp"
 
@@ -60,14 +62,6 @@ case " $subcommands " in
       *) die "unknown subcommand '$sub' (one of: $subcommands)" ;;
     esac ;;
 esac
-
-# only_for FLAG SUBCOMMAND...: FLAG belongs to these subcommands; any other stops here.
-only_for() {
-  local flag="$1" s
-  shift
-  for s in "$@"; do [ "$s" = "$sub" ] && return 0; done
-  die "$flag is not a flag of '$sub' (it belongs to: $*)"
-}
 
 tpu="" zone="" project="" dry=0 detach=0
 accelerator_type="v4-8" runtime_version="" spot=0
@@ -153,8 +147,6 @@ case "$sub" in
     [[ $lines =~ ^[1-9][0-9]*$ ]] || die "logs: --lines=$lines must be a positive integer" ;;
 esac
 
-# shellcheck source=launch/lib.sh
-source "$root/launch/lib.sh"  # quote, quote_all, run (--dry-run)
 
 gcloud_tpu=(gcloud compute tpus tpu-vm)
 where=(--zone="$zone")

@@ -379,6 +379,7 @@ def test_tpu_configs_must_be_committed(tmp_path):
   (tmp_path / "configs").mkdir()
   script = tmp_path / "launch" / "tpu_pod.sh"
   shutil.copy(os.path.join(REPO, "launch", "tpu_pod.sh"), script)
+  shutil.copy(os.path.join(REPO, "launch", "lib.sh"), tmp_path / "launch" / "lib.sh")
   (tmp_path / "configs" / "mine.py").write_text("")
   subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
   done = _launch(str(script), "train", *TPU, "--workdir=gs://b", "--config=configs/mine.py",
