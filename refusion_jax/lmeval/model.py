@@ -293,15 +293,14 @@ class RefusionLM(LM):
       self.decode_seconds += wall
       self.passes += run.passes
       return local
-    gathered, wall_max, passes = _all_gather(local, len(prompts), world, rank,
+    gathered, wall_max, passes = _all_gather(local, len(prompts), world,
                                              self.decode_config.gen_length, wall, run.passes)
     self.decode_seconds += wall_max
     self.passes += passes
     return gathered
 
 
-def _all_gather(local, total: int, world: int, rank: int, gen_length: int, wall: float,
-                passes: int):
+def _all_gather(local, total: int, world: int, gen_length: int, wall: float, passes: int):
   """Every process's results, back in request order, on every process."""
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   per = -(-total // world)
@@ -323,7 +322,6 @@ def _all_gather(local, total: int, world: int, rank: int, gen_length: int, wall:
         raise RuntimeError(f"process {p} returned no result for request {i}")
       out[i] = ([int(t) for t in g_tokens[p, j, :n]], int(g_stats[p, j, 0]),
                 float(g_stats[p, j, 1]), float(g_stats[p, j, 2]))
-  del rank
   return out, float(np.max(g_extra[:, 0])), int(np.sum(g_extra[:, 1]))
 
 

@@ -170,7 +170,6 @@ def _decode_and_score(c, bench, decode_config: DecodeConfig, tm, data_dir):
 def _score_completions(c, bench, tm, data_dir):
   rows = replay.read_completions(c.completions)
   scored = replay.score_completions(bench, rows, data_dir=data_dir, tm=tm, limit=c.limit)
-  samples = [{k: v for k, v in s.items()} for s in scored["samples"]]
   result = {
       "accuracy": scored["accuracy"], "samples": scored["documents"],
       "completions_scored": scored["completions"], "tokens": None, "seconds": None,
@@ -178,7 +177,7 @@ def _score_completions(c, bench, tm, data_dir):
       "tpf_paper": None, "avg_length": None,
       "model": os.path.basename(os.path.normpath(c.completions)), "model_dir": None,
       "method": "completions", "completions": c.completions}
-  return result, samples
+  return result, scored["samples"]
 
 
 def _write(output_dir: str, result: dict, samples: list[dict]) -> None:
