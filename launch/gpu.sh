@@ -23,12 +23,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=launch/lib.sh
-source "$root/launch/lib.sh"  # quote, quote_all, run (--dry-run), only_for
+source "$root/launch/lib.sh"  # benchmarks, usage, die, quote, quote_all, run (--dry-run), only_for
 subcommands="train eval sample"
-benchmarks="mmlu_pro arc_c gsm8k math gpqa humaneval mbpp"
-
-usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
-die() { echo "gpu.sh: $*" >&2; exit 2; }
 
 sub="train"
 if [ $# -gt 0 ]; then

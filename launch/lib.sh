@@ -1,6 +1,16 @@
 # Shared by the launch scripts (sourced, not run): shell quoting and --dry-run.
 # shellcheck shell=bash
 
+# The paper's benchmarks (configs/eval/<name>.py), for `eval --benchmark=`.
+# shellcheck disable=SC2034  # used by the scripts that source this file
+benchmarks="mmlu_pro arc_c gsm8k math gpqa humaneval mbpp"
+
+# usage: the calling script's leading comment block.
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+
+# die MESSAGE...: the message, prefixed with the script's name, and exit status 2.
+die() { echo "$(basename "$0"): $*" >&2; exit 2; }
+
 # quote ARG: ARG as one shell word, written exactly as Python's shlex.quote writes it.
 quote() {
   local s="$1" safe='^[A-Za-z0-9_@%+=:,./-]+$'

@@ -44,12 +44,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=launch/lib.sh
-source "$root/launch/lib.sh"  # quote, quote_all, run (--dry-run), only_for
+source "$root/launch/lib.sh"  # benchmarks, usage, die, quote, quote_all, run (--dry-run), only_for
 subcommands="create setup train eval sample logs delete"
-benchmarks="mmlu_pro arc_c gsm8k math gpqa humaneval mbpp"
-
-usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
-die() { echo "tpu_pod.sh: $*" >&2; exit 2; }
 
 [ $# -gt 0 ] || die "missing subcommand (one of: $subcommands); --help prints the usage"
 case "$1" in -h|--help) usage; exit 0 ;; esac

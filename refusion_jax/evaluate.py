@@ -276,12 +276,6 @@ def summary_lines(result: dict) -> list[str]:
 # FlagValues: refusion_jax.train and refusion_jax.sample define a global --config.
 
 
-def load_model(model_dir: str):
-  """`(config, model)` from a refusion_jax model folder or a HF checkpoint folder."""
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
-  return sample.load_model(model_dir)
-
-
 def run_synthetic(c) -> dict:
   """The bundled suite (`configs/eval/synthetic.py`): prints a summary, writes results.json."""
   if not c.model_dir or not os.path.isdir(c.model_dir):
@@ -295,7 +289,8 @@ def run_synthetic(c) -> dict:
   from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   tokenizer = Tokenizer.from_dir(c.tokenizer_dir) if c.tokenizer_dir else Tokenizer.tiny()
   problems = read_problems(c.data, tokenizer, per_task=c.per_task)
-  model_config, model = load_model(c.model_dir)
+  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  model_config, model = sample.load_model(c.model_dir)
   tokenizer.check_compatible(model_config)
   result = evaluate(model, tokenizer, problems, decode_config, batch_size=c.batch_size,
                     speed_per_task=c.speed_per_task, speed_repeats=c.speed_repeats,
