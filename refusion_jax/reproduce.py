@@ -49,11 +49,13 @@ import jax
 import ml_collections
 import numpy as np
 
-from refusion_jax import checkpoint, evaluate, fileio, train
+from refusion_jax import checkpoint, evaluate, fileio
 from refusion_jax import tasks as tasks_lib
 from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import refusion as refusion_decoder
+from refusion_jax.training import loop
+from refusion_jax.training import settings as train_settings
 
 MODELS_DIR = "models"
 RESULTS_DIR = "results"
@@ -338,7 +340,7 @@ def _train_stage(name: str, train_cfg, budget: dict, model_dir: str, log,
   """
   marker_path = os.path.join(model_dir, TRAIN_MARKER)
   marker = _read_json(marker_path)
-  final = os.path.join(model_dir, train.FINAL_MODEL_DIR)
+  final = os.path.join(model_dir, loop.FINAL_MODEL_DIR)
   if (not restart and marker and marker.get("budget") == budget
       and checkpoint.is_model_dir(final) and ready()):
     log(f"[reproduce] {name}: already trained ({marker['step']} steps), skipped")
@@ -350,7 +352,7 @@ def _train_stage(name: str, train_cfg, budget: dict, model_dir: str, log,
   log(f"[reproduce] {start} {name}: {budget['steps']} steps x {budget['global_batch_size']} "
       f"rows x {budget['seq_len']} tokens")
   t0 = time.perf_counter()
-  result = train.train_and_evaluate(train_cfg, model_dir)
+  result = loop.train_and_evaluate(train_cfg, model_dir)
   seconds = time.perf_counter() - t0
   marker = {"budget": budget, "step": int(result.step), "seconds": seconds,
             "final_loss": result.last_metrics.get("loss"),
@@ -416,7 +418,7 @@ class _Models:
   def get(self, name: str):
     if name not in self._loaded:
       self._loaded[name] = checkpoint.load_model(
-          os.path.join(self.workdir, MODELS_DIR, name, train.FINAL_MODEL_DIR))
+          os.path.join(self.workdir, MODELS_DIR, name, loop.FINAL_MODEL_DIR))
     return self._loaded[name]
 
 
@@ -440,7 +442,7 @@ def evaluate_rows(config, workdir: str, row_configs: Mapping[str, Mapping[str, D
   problems = evaluate.read_problems(config.eval.data, tokenizer, per_task=config.eval.per_task)
   # The width needs only the model config (a JSON file): cached rows load no weights.
   model_config = checkpoint.read_model_config(os.path.join(
-      workdir, MODELS_DIR, ROWS[next(iter(row_configs))].model, train.FINAL_MODEL_DIR))
+      workdir, MODELS_DIR, ROWS[next(iter(row_configs))].model, loop.FINAL_MODEL_DIR))
   width = evaluate.prompt_width(problems, model_config, config.decode.gen_length,
                                 config.eval.prompt_bucket)
   here = machine()
@@ -497,7 +499,7 @@ def select_settings(config, workdir: str, trained: Mapping[str, dict], models: _
   problems = evaluate.read_problems(config.select.data, tokenizer,
                                     per_task=config.select.per_task)
   model_config = checkpoint.read_model_config(
-      os.path.join(workdir, MODELS_DIR, "refusion", train.FINAL_MODEL_DIR))
+      os.path.join(workdir, MODELS_DIR, "refusion", loop.FINAL_MODEL_DIR))
   width = evaluate.prompt_width(problems, model_config, config.decode.gen_length,
                                 config.eval.prompt_bucket)
   chosen = {t: {k: config.decode.tasks[t][k] for k in
@@ -569,7 +571,7 @@ def run_sweep(config, workdir: str, trained: Mapping[str, dict], models: _Models
   per_task = config.sweep_grid.per_task
   problems = evaluate.read_problems(config.eval.data, tokenizer, per_task=per_task)
   model_config = checkpoint.read_model_config(
-      os.path.join(workdir, MODELS_DIR, "refusion", train.FINAL_MODEL_DIR))
+      os.path.join(workdir, MODELS_DIR, "refusion", loop.FINAL_MODEL_DIR))
   width = evaluate.prompt_width(problems, model_config, config.decode.gen_length,
                                 config.eval.prompt_bucket)
   here = machine()
@@ -839,7 +841,7 @@ def run(config, workdir: str, log=print) -> dict:
   base, new_base = train_base(config, workdir, log)
   trained = train_models(config, workdir, log, restart=new_base)
   train_seconds = time.perf_counter() - t0
-  tokenizer = train.load_tokenizer(config.train)
+  tokenizer = train_settings.load_tokenizer(config.train)
   models = _Models(workdir)
   chosen = None
   if select_enabled(config):

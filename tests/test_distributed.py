@@ -20,7 +20,8 @@ import sys
 import numpy as np
 from flax import nnx
 
-from refusion_jax import checkpoint, train
+from refusion_jax import checkpoint
+from refusion_jax.training import loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,7 +80,7 @@ def test_two_processes_train_one_model(tmp_path):
 
   # Process 0 alone writes the metrics log, one line per step, all finite,
   # plus one eval line at the last step.
-  with open(workdir / train.METRICS_FILE) as f:
+  with open(workdir / loop.METRICS_FILE) as f:
     rows = [json.loads(line) for line in f]
   train_rows = [r for r in rows if "loss" in r]
   eval_rows = [r for r in rows if "eval_loss" in r]
@@ -88,24 +89,24 @@ def test_two_processes_train_one_model(tmp_path):
   assert all(np.isfinite(r["loss"]) for r in train_rows)
   assert [r["step"] for r in eval_rows] == [4]
   assert np.isfinite(eval_rows[0]["eval_loss"])
-  steps = sorted(int(n) for n in os.listdir(workdir / train.CHECKPOINT_DIR) if n.isdigit())
+  steps = sorted(int(n) for n in os.listdir(workdir / loop.CHECKPOINT_DIR) if n.isdigit())
   assert steps == [2, 4]
   # The final model was renamed into place: no temporary folder is left.
   assert sorted(n for n in os.listdir(workdir) if n.startswith(".")) == []
   # The final model is complete and loads in a single process.
-  params = _params(workdir / train.FINAL_MODEL_DIR)
+  params = _params(workdir / loop.FINAL_MODEL_DIR)
   assert params and all(np.isfinite(x).all() for x in params.values())
 
   # Resume: the same job restarted from the step-2 checkpoint (parameters,
   # optimizer state and each process's data position) repeats steps 3 and 4.
   resumed = tmp_path / "resumed"
   shutil.copytree(workdir, resumed)
-  shutil.rmtree(resumed / train.CHECKPOINT_DIR / "4")
-  shutil.rmtree(resumed / train.FINAL_MODEL_DIR)
+  shutil.rmtree(resumed / loop.CHECKPOINT_DIR / "4")
+  shutil.rmtree(resumed / loop.FINAL_MODEL_DIR)
   _run_two_processes(tmp_path, resumed, "resume", ["--config.eval_every_steps=0"])
   for i in range(2):
     assert "resumed from" in (tmp_path / f"resume_process{i}.log").read_text()
-  with open(resumed / train.METRICS_FILE) as f:
+  with open(resumed / loop.METRICS_FILE) as f:
     again = [json.loads(line) for line in f]
   assert [r["step"] for r in again] == [1, 2, 3, 4]
   for first, second in zip(train_rows, again):
@@ -113,7 +114,7 @@ def test_two_processes_train_one_model(tmp_path):
     first.pop("tokens_per_sec")
     second.pop("tokens_per_sec")
     assert first == second
-  params_again = _params(resumed / train.FINAL_MODEL_DIR)
+  params_again = _params(resumed / loop.FINAL_MODEL_DIR)
   assert params_again.keys() == params.keys()
   for path, value in params.items():
     np.testing.assert_array_equal(params_again[path], value, err_msg=str(path))

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from configs import repro_smoke
-from refusion_jax import checkpoint, reproduce, train
+from refusion_jax import checkpoint, reproduce
 from refusion_jax import tasks as tasks_lib
 from refusion_jax import tokenizer as tokenizer_lib
+from refusion_jax.training import loop
+from refusion_jax.training import trainer as trainer_lib
 
 TASKS = list(tasks_lib.TASKS)
 ROWS = list(reproduce.ROWS)
@@ -68,7 +70,7 @@ def smoke_run(tmp_path_factory):
   argv = ["reproduce", "--config=configs/repro_smoke.py", f"--workdir={workdir}"]
   # Spy on the fine-tunes' initialisation: the parameters each one starts from.
   inits = []
-  real_init = train.init_params_from_hf
+  real_init = trainer_lib.init_params_from_hf
 
   def spy(trainer, directory, tokenizer):
     params = real_init(trainer, directory, tokenizer)
@@ -76,7 +78,7 @@ def smoke_run(tmp_path_factory):
     return params
 
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(train, "init_params_from_hf", spy)
+    mp.setattr(trainer_lib, "init_params_from_hf", spy)
     t0 = time.perf_counter()
     first = reproduce.main(argv)
     first_seconds = time.perf_counter() - t0
@@ -154,7 +156,7 @@ def test_base_stage_is_exported_and_every_model_starts_from_it(smoke_run):
 
   # Each fine-tune started from exactly the base's final weights (special rows included,
   # not reset to the mean), with its own attention; the oracle is the base model on disk.
-  _, base_model = checkpoint.load_model(os.path.join(base_dir, train.FINAL_MODEL_DIR))
+  _, base_model = checkpoint.load_model(os.path.join(base_dir, loop.FINAL_MODEL_DIR))
   import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
   want = _flat(nnx.to_pure_dict(nnx.state(base_model, nnx.Param)))
   inits = first["inits"]
@@ -165,7 +167,7 @@ def test_base_stage_is_exported_and_every_model_starts_from_it(smoke_run):
     for path, value in want.items():
       np.testing.assert_array_equal(got[path], value, err_msg=path)
   # The fine-tunes then moved away from it (they did train).
-  _, arm = checkpoint.load_model(os.path.join(workdir, "models", "arm", train.FINAL_MODEL_DIR))
+  _, arm = checkpoint.load_model(os.path.join(workdir, "models", "arm", loop.FINAL_MODEL_DIR))
   moved = _flat(nnx.to_pure_dict(nnx.state(arm, nnx.Param)))
   assert any(not np.array_equal(moved[p], want[p]) for p in want)
 
@@ -207,7 +209,7 @@ def test_stale_model_state_is_discarded_not_resumed(tmp_path, monkeypatch):
     seen.append(sorted(os.listdir(model_dir)) if os.path.isdir(model_dir) else None)
     return _Result()
 
-  monkeypatch.setattr(reproduce.train, "train_and_evaluate", fake_train)
+  monkeypatch.setattr(loop, "train_and_evaluate", fake_train)
   config = repro_smoke.get_config()
   cfg = reproduce.train_config(config, "arm", str(tmp_path))
   budget = reproduce.train_budget(config)
@@ -236,7 +238,7 @@ def test_rerun_resumes_without_retraining_or_reevaluating(smoke_run, monkeypatch
   def must_not_run(*args, **kwargs):
     raise AssertionError("a finished run trained or loaded a model again")
 
-  monkeypatch.setattr(reproduce.train, "train_and_evaluate", must_not_run)
+  monkeypatch.setattr(loop, "train_and_evaluate", must_not_run)
   monkeypatch.setattr(reproduce.checkpoint, "load_model", must_not_run)
   before = _mtimes(os.path.join(workdir, "models"))
   results_before = _mtimes(os.path.join(workdir, reproduce.RESULTS_DIR))

@@ -17,9 +17,11 @@ import pytest
 from flax import nnx
 
 from configs import tiny_arm, tiny_mdm, tiny_refusion
-from refusion_jax import checkpoint, data, hf, objective, sharding, train
+from refusion_jax import checkpoint, data, hf, objective, sharding
 from refusion_jax import config as config_lib
 from refusion_jax.model import Qwen3
+from refusion_jax.training import loop, settings
+from refusion_jax.training import trainer as trainer_lib
 from refusion_jax.tokenizer import TINY_TOKENIZER_DIR, Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,13 +68,13 @@ def overrides(tfds_dir, **changes):
 
 
 def read_metrics(workdir):
-  with open(os.path.join(workdir, train.METRICS_FILE)) as f:
+  with open(os.path.join(workdir, loop.METRICS_FILE)) as f:
     return [json.loads(line) for line in f]
 
 
 def committed_steps(workdir):
   # orbax writes each step under a temporary name and renames it when complete.
-  directory = os.path.join(workdir, train.CHECKPOINT_DIR)
+  directory = os.path.join(workdir, loop.CHECKPOINT_DIR)
   if not os.path.isdir(directory):
     return []
   return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
@@ -90,10 +92,7 @@ def test_configs_load_and_validate():
                                  (tiny_mdm, "mdm")):
     c = module.get_config()
     assert c.objective == objective_name
-    train.validate_config(c, num_devices=8)
-    tok = train.load_tokenizer(c)
-    model_config = train.build_model_config(c, tok)
-    train.validate_model_config(c, model_config, tok)
+    model_config = settings.resolve(c).model_config
     assert (model_config.num_layers, model_config.hidden_size, model_config.vocab_size) == (
         4, 128, 512)
   assert tiny_mdm.get_config().model.attention == "bidirectional"
@@ -108,17 +107,17 @@ def test_qwen3_configs_follow_the_paper_recipe(tmp_path):
   assert (c.model.dtype, c.model.param_dtype, tuple(c.slot_sizes)) == (
       "bfloat16", "float32", (4, 8, 16, 32))
   # 4 epochs over the paper's 3.7M samples at 512 per step.
-  assert train.total_train_steps(c, 3_700_000) == 4 * 3_700_000 // 512
+  assert settings.total_train_steps(c, 3_700_000) == 4 * 3_700_000 // 512
   # Without the Qwen3 folder on this machine the config is refused by name, early.
   with pytest.raises(ValueError, match=r"config\.data\.train_files: 'data/refusion_train"):
-    train.validate_config(c, num_devices=128)
+    settings.validate_config(c, num_devices=128)
   c.data.train_files = (tiny_refusion.common.TINY_TRAIN,)
   with pytest.raises(ValueError, match=r"config\.init_from_hf='Qwen3-8B' is not a directory"):
-    train.validate_config(c, num_devices=128)
+    settings.validate_config(c, num_devices=128)
   c.init_from_hf = str(tmp_path)
-  assert train.validate_config(c, num_devices=128) == {"data": 1, "fsdp": 128, "tensor": 1}
+  assert settings.validate_config(c, num_devices=128) == {"data": 1, "fsdp": 128, "tensor": 1}
   c.mesh.tensor = 4
-  assert train.validate_config(c, num_devices=128) == {"data": 1, "fsdp": 32, "tensor": 4}
+  assert settings.validate_config(c, num_devices=128) == {"data": 1, "fsdp": 32, "tensor": 4}
   small = qwen3_0_6b_refusion.get_config()
   assert small.init_from_hf and small.optimizer.learning_rate == 2e-5
 
@@ -127,13 +126,13 @@ def test_schedule_warmup_cosine_and_no_warmup():
   c = tiny_refusion.get_config()
   c.optimizer.learning_rate = 2e-5
   c.optimizer.warmup_steps = 0
-  _, schedule = train.make_optimizer(c.optimizer, 100)
+  _, schedule = trainer_lib.make_optimizer(c.optimizer, 100)
   for step in (0, 1, 50, 99, 100):
     expected = 2e-5 * 0.5 * (1 + math.cos(math.pi * step / 100))
     assert float(schedule(step)) == pytest.approx(expected, rel=1e-5, abs=1e-12)
   c.optimizer.warmup_steps = 10
   c.optimizer.end_lr_ratio = 0.1
-  _, schedule = train.make_optimizer(c.optimizer, 110)
+  _, schedule = trainer_lib.make_optimizer(c.optimizer, 110)
   assert float(schedule(0)) == 0.0
   assert float(schedule(5)) == pytest.approx(1e-5, rel=1e-5)
   assert float(schedule(10)) == pytest.approx(2e-5, rel=1e-5)
@@ -143,7 +142,7 @@ def test_schedule_warmup_cosine_and_no_warmup():
 def test_training_lowers_the_loss(tmp_path, tfds_dir):
   c = small_config(tfds_dir, num_train_steps=60, eval_every_steps=30, eval_batches=2,
                    **{"optimizer.warmup_steps": 5, "checkpoint.every_steps": 60})
-  result = train.train_and_evaluate(c, str(tmp_path))
+  result = loop.train_and_evaluate(c, str(tmp_path))
   records = read_metrics(tmp_path)
   losses = [m["loss"] for m in records if "loss" in m]
   evals = [m for m in records if "eval_loss" in m]
@@ -159,11 +158,11 @@ def test_training_lowers_the_loss(tmp_path, tfds_dir):
   assert last < 0.6 * first, (first, last)
   assert result.step == 60
   # The final model folder holds exactly the returned parameters.
-  _, model = checkpoint.load_model(str(tmp_path / train.FINAL_MODEL_DIR))
+  _, model = checkpoint.load_model(str(tmp_path / loop.FINAL_MODEL_DIR))
   loaded = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   jax.tree.map(np.testing.assert_array_equal, host(loaded), host(result.params))
   assert any(n.startswith("events.out.tfevents")
-             for n in os.listdir(tmp_path / train.TENSORBOARD_DIR))
+             for n in os.listdir(tmp_path / loop.TENSORBOARD_DIR))
 
 
 def _train_command(workdir, tfds_dir, **changes):
@@ -199,7 +198,7 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path, tfds_dir):
     try:
       deadline = time.monotonic() + 300
       while time.monotonic() < deadline and proc.poll() is None:
-        path = os.path.join(workdir, train.METRICS_FILE)
+        path = os.path.join(workdir, loop.METRICS_FILE)
         if committed_steps(workdir) and os.path.exists(path):
           with open(path) as f:
             logged = f.read().count("\n")
@@ -216,12 +215,12 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path, tfds_dir):
   assert proc.returncode == -signal.SIGKILL
   saved = committed_steps(workdir)
   assert saved and max(saved) < steps, saved
-  assert not os.path.exists(os.path.join(workdir, train.FINAL_MODEL_DIR))
+  assert not os.path.exists(os.path.join(workdir, loop.FINAL_MODEL_DIR))
 
   run_to_end(workdir)  # the same command again: resumes from the newest checkpoint
   finals = []
   for w in (workdir, reference):
-    _, model = checkpoint.load_model(os.path.join(w, train.FINAL_MODEL_DIR))
+    _, model = checkpoint.load_model(os.path.join(w, loop.FINAL_MODEL_DIR))
     finals.append(host(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
   for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1])):
     assert a.dtype == b.dtype and np.array_equal(a, b)
@@ -233,8 +232,8 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path, tfds_dir):
 
 
 def _one_step(config, model_config, mesh, params_host, batch):
-  trainer = train.Trainer(config, model_config, mesh=mesh, pad_id=Tokenizer.tiny().pad_id,
-                          total_steps=10)
+  trainer = trainer_lib.Trainer(config, model_config, mesh=mesh,
+                                pad_id=Tokenizer.tiny().pad_id, total_steps=10)
   params = trainer.place_params(params_host)
   opt_state = trainer.init_opt_state(params)
   params, opt_state, metrics = trainer.train_step(params, opt_state, trainer.shard_batch(batch),
@@ -254,7 +253,7 @@ def test_sharded_step_equals_single_device_step(tfds_dir, objective_name):
                                                           "optimizer.learning_rate": 2e-4,
                                                           "model.num_layers": 1})
   tok = Tokenizer.tiny()
-  model_config = train.build_model_config(c, tok)
+  model_config = settings.build_model_config(c, tok)
   batch = next(iter(data.loader_from_config(c.data, tok, c.global_batch_size)))
   params_host = host(nnx.to_pure_dict(nnx.state(Qwen3(model_config, rngs=nnx.Rngs(1)),
                                                 nnx.Param)))
@@ -292,11 +291,11 @@ def test_bad_config_fails_before_compiling(tmp_path, tfds_dir, monkeypatch, chan
   def no_compile(*args, **kwargs):
     raise AssertionError("the trainer was built although the config is invalid")
 
-  monkeypatch.setattr(train, "Trainer", no_compile)
+  monkeypatch.setattr(trainer_lib, "Trainer", no_compile)
   monkeypatch.setattr(data, "loader_from_config", no_compile)
   c = small_config(tfds_dir, **changes)
   with pytest.raises(ValueError, match=message):
-    train.train_and_evaluate(c, str(tmp_path / "w"))
+    loop.train_and_evaluate(c, str(tmp_path / "w"))
   assert not os.path.exists(tmp_path / "w")
 
 
@@ -304,7 +303,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tfds_dir, monke
   c = small_config(tfds_dir, num_train_steps=12, **{"checkpoint.every_steps": 3,
                                                      "model.num_layers": 1})
   real_loss_fn = objective.loss_fn
-  poisoned = jax.random.key_data(train.step_rng(c.seed, 7))  # update 7 -> 8 goes bad
+  poisoned = jax.random.key_data(trainer_lib.step_rng(c.seed, 7))  # update 7 -> 8 goes bad
 
   def loss_fn(model, batch, rng, **kwargs):
     loss, metrics = real_loss_fn(model, batch, rng, **kwargs)
@@ -313,19 +312,19 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tfds_dir, monke
 
   monkeypatch.setattr(objective, "loss_fn", loss_fn)
   workdir = str(tmp_path)
-  with pytest.raises(train.NonFiniteLossError,
+  with pytest.raises(loop.NonFiniteLossError,
                      match=r"non-finite training loss at step 8 .*last good checkpoint is step 6"):
-    train.train_and_evaluate(c, workdir)
+    loop.train_and_evaluate(c, workdir)
   assert committed_steps(workdir) == [3, 6]
   assert [m["step"] for m in read_metrics(workdir)] == list(range(1, 8))
-  assert not os.path.exists(os.path.join(workdir, train.FINAL_MODEL_DIR))
+  assert not os.path.exists(os.path.join(workdir, loop.FINAL_MODEL_DIR))
   # The kept checkpoint is complete and finite.
   tok = Tokenizer.tiny()
-  model_config = train.build_model_config(c, tok)
+  model_config = settings.build_model_config(c, tok)
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-  trainer = train.Trainer(c, model_config, mesh=mesh, pad_id=tok.pad_id, total_steps=12)
+  trainer = trainer_lib.Trainer(c, model_config, mesh=mesh, pad_id=tok.pad_id, total_steps=12)
   it = iter(data.loader_from_config(c.data, tok, c.global_batch_size))
-  with checkpoint.TrainCheckpointer(os.path.join(workdir, train.CHECKPOINT_DIR),
+  with checkpoint.TrainCheckpointer(os.path.join(workdir, loop.CHECKPOINT_DIR),
                                     max_to_keep=3) as ckpt:
     state, meta = ckpt.restore(6, trainer.abstract_train_state(), it)
   assert meta["step"] == 6
@@ -334,7 +333,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tfds_dir, monke
   c.seed = 1
   with pytest.raises(ValueError, match=r"checkpoints/6 was written with seed=0 but the config "
                                        r"now gives 1"):
-    train.train_and_evaluate(c, workdir)
+    loop.train_and_evaluate(c, workdir)
 
 
 def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir):
@@ -352,13 +351,13 @@ def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir):
   c = small_config(tfds_dir, init_from_hf=hf_dir, tokenizer_dir=TINY_TOKENIZER_DIR,
                    num_train_steps=1)
   c.model.num_layers = None  # the folder decides the shapes
-  model_config = train.build_model_config(c, tok)
+  model_config = settings.build_model_config(c, tok)
   assert (model_config.vocab_size, model_config.mask_token_id, model_config.bos_token_id) == (
       512, 3, 2)
   assert model_config.num_layers == 1 and not model_config.tie_embeddings
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-  trainer = train.Trainer(c, model_config, mesh=mesh, pad_id=tok.pad_id, total_steps=1)
-  params = host(train.init_params_from_hf(trainer, hf_dir, tok))
+  trainer = trainer_lib.Trainer(c, model_config, mesh=mesh, pad_id=tok.pad_id, total_steps=1)
+  params = host(trainer_lib.init_params_from_hf(trainer, hf_dir, tok))
 
   kept = [i for i in range(500) if i not in (2, 3)]
   mean_d = embed_vd[kept].mean(axis=0)
@@ -377,7 +376,7 @@ def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir):
   c.export_hf_dir = export
   c.num_train_steps = 2
   c.optimizer.warmup_steps = 0
-  result = train.train_and_evaluate(c, str(tmp_path / "w"))
+  result = loop.train_and_evaluate(c, str(tmp_path / "w"))
   _, exported = hf.load(export)
   jax.tree.map(np.testing.assert_array_equal,
                host(nnx.to_pure_dict(nnx.state(exported, nnx.Param))), host(result.params))
@@ -386,4 +385,4 @@ def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir):
   # A shape field that contradicts the folder is refused.
   c.model.num_layers = 4
   with pytest.raises(ValueError, match=r"config\.model\.num_layers=4 conflicts with init_from_hf"):
-    train.build_model_config(c, tok)
+    settings.build_model_config(c, tok)

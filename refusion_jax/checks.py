@@ -1,0 +1,23 @@
+"""Field checks shared by the config validators (training and reproduction).
+
+Each failure names the field and the value: `config.<field> must be <what>, got <value>`.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+
+def is_int(value) -> bool:
+  """An integer that is not a bool (`True` would pass as 1 otherwise)."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def require(condition: bool, field: str, value, what: str) -> None:
+  """Raises ValueError("config.FIELD must be WHAT, got VALUE") unless `condition`."""
+  if not condition:
+    raise ValueError(f"config.{field} must be {what}, got {value!r}")

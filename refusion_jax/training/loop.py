@@ -1,0 +1,252 @@
+"""The training loop: resume, step, log, checkpoint, evaluate, export.
+
+`train_and_evaluate(config, workdir)`:
+
+* resolves the config (`settings.resolve`: every check, the model config and
+  the tokenizer) before anything is compiled or loaded;
+* builds the model on a (data, fsdp, tensor) mesh: a preset plus overrides,
+  or a Hugging Face Qwen3 folder (`config.init_from_hf`) extended with
+  ReFusion's two special tokens (`trainer.add_special_token_rows`);
+* resumes from the newest checkpoint in `W/checkpoints` when there is one:
+  parameters, AdamW state, step and data position are restored and the step
+  rng is `fold_in(fold_in(key(seed), 0), step)`, so a resumed run is
+  bit-identical to an uninterrupted one;
+* logs `W/metrics.jsonl` (one JSON object per logged step) and TensorBoard
+  events in `W/tensorboard`, stops on a non-finite loss or gradient without
+  saving the bad state, and finally writes `W/final_model` (our model
+  folder) and, when `config.export_hf_dir` is set, a HF folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from absl import logging
+
+from refusion_jax import checkpoint, hf, sharding
+from refusion_jax.config import ModelConfig
+from refusion_jax.training import settings
+from refusion_jax.training import trainer as trainer_lib
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+CHECKPOINT_DIR = "checkpoints"
+FINAL_MODEL_DIR = "final_model"
+
+
+class NonFiniteLossError(FloatingPointError):
+  """Training produced a NaN/inf loss or gradient; nothing of that step was saved."""
+
+
+class MetricsLog:
+  """`W/metrics.jsonl` plus TensorBoard scalars; only process 0 writes."""
+
+  def __init__(self, workdir: str, resume_step: int, enabled: bool):
+    self.enabled = enabled
+    self.path = os.path.join(workdir, METRICS_FILE)
+    self._file = None
+    self._tb = None
+    if not enabled:
+      return
+    self._truncate_after(resume_step)
+    self._file = open(self.path, "a")
+    from tensorboardX import SummaryWriter  # heavy-ish; only the writing process needs it
+    self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
+
+  def _truncate_after(self, step: int) -> None:
+    # Lines logged after the checkpoint we resume from (and a line cut by a
+    # kill) are dropped: the resumed run logs those steps again.
+    if not os.path.exists(self.path):
+      return
+    kept = []
+    with open(self.path) as f:
+      for line in f:
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError:
+          continue
+        if isinstance(record, dict) and record.get("step", math.inf) <= step:
+          kept.append(json.dumps(record) + "\n")
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(kept)
+    os.replace(tmp, self.path)
+
+  def write(self, step: int, metrics: Mapping[str, float], prefix: str = "") -> None:
+    if not self.enabled:
+      return
+    record = {"step": int(step)}
+    record.update({prefix + k: float(v) for k, v in metrics.items()})
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+    for k, v in metrics.items():
+      self._tb.add_scalar(prefix + k, float(v), int(step))
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+
+@dataclasses.dataclass
+class TrainResult:
+  step: int  # steps completed
+  model_config: ModelConfig
+  params: dict  # final parameters (pure dict of arrays)
+  last_metrics: dict  # host metrics of the last step run in this call ({} if none)
+  eval_metrics: dict  # last eval ({} if none)
+
+
+def _resume_meta(config, model_config: ModelConfig, total_steps: int) -> dict:
+  return {"seed": int(config.seed), "objective": config.objective,
+          "global_batch_size": int(config.global_batch_size),
+          "seq_len": int(config.data.seq_len), "total_steps": int(total_steps),
+          "model_config": dataclasses.asdict(model_config)}
+
+
+def _check_resume(saved: Mapping[str, Any], wanted: Mapping[str, Any], where: str) -> None:
+  # A run resumed with another seed, batch, shape or schedule would not be the same run.
+  for key, value in wanted.items():
+    if key in saved and saved[key] != value:
+      raise ValueError(f"{where} was written with {key}={saved[key]!r} but the config now "
+                       f"gives {value!r}; use a new workdir or restore the old setting")
+
+
+def _evaluate(trainer: trainer_lib.Trainer, params, data_config, tokenizer) -> dict:
+  from refusion_jax import data  # local: the TFDS import is slow and eval is optional
+
+  config = trainer.config
+  loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "eval",
+                                   jax.process_index(), jax.process_count())
+  totals: dict[str, float] = {}
+  count = 0
+  batches = iter(loader)
+  while True:
+    batch = next(batches, None)
+    # The eval split keeps a short last batch; its shape would not shard evenly.
+    full = batch is not None and len(batch["tokens"]) == loader.per_process_batch
+    if jax.process_count() > 1:
+      # Each process drops its own shard's over-long rows, so the processes may
+      # hold different numbers of full batches; eval_step is a collective that
+      # every process must run, so all stop at the first batch one lacks.
+      from jax.experimental import multihost_utils  # only multi-process runs need it
+      full = bool(np.all(multihost_utils.process_allgather(np.asarray([full]))))
+    if not full:
+      break
+    metrics = jax.device_get(trainer.eval_step(params, trainer.shard_batch(batch), count))
+    for k, v in metrics.items():
+      totals[k] = totals.get(k, 0.0) + float(v)
+    count += 1
+    if config.eval_batches and count >= config.eval_batches:
+      break
+  if count == 0:
+    raise ValueError(f"config.data.eval_files hold no full batch of "
+                     f"{config.global_batch_size} rows")
+  return {k: v / count for k, v in totals.items()}
+
+
+def train_and_evaluate(config, workdir: str) -> TrainResult:
+  """Trains (resuming from `workdir` when it holds checkpoints); see the module doc."""
+  from refusion_jax import data  # local: the TFDS import is slow and validation comes first
+
+  workdir = os.path.abspath(workdir)
+  resolved = settings.resolve(config)
+  tokenizer, model_config = resolved.tokenizer, resolved.model_config
+
+  os.makedirs(workdir, exist_ok=True)
+  data_config = config.data.to_dict()
+  data_config["train_files"] = list(data_config["train_files"])
+  data_config["eval_files"] = list(data_config["eval_files"])
+  data_config["tfds_dir"] = data_config["tfds_dir"] or os.path.join(workdir, "tfds")
+  loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "train",
+                                   jax.process_index(), jax.process_count())
+  total_steps = settings.total_train_steps(config, loader.num_records)
+  mesh = sharding.make_mesh(devices=resolved.devices, **resolved.mesh_shape)
+  trainer = trainer_lib.Trainer(config, model_config, mesh=mesh, pad_id=tokenizer.pad_id,
+                                total_steps=total_steps)
+  meta = _resume_meta(config, model_config, total_steps)
+  is_chief = jax.process_index() == 0
+
+  ckpt = checkpoint.TrainCheckpointer(os.path.join(workdir, CHECKPOINT_DIR),
+                                      max_to_keep=config.checkpoint.max_to_keep,
+                                      async_save=config.checkpoint.async_save)
+  log = None
+  try:
+    data_iter = iter(loader)
+    start = ckpt.latest_step()
+    if start is not None:
+      where = os.path.join(ckpt.directory, str(start))
+      _check_resume(ckpt.read_meta(start), meta, where)
+      state, _ = ckpt.restore(start, trainer.abstract_train_state(), data_iter)
+      params, opt_state = state["params"], state["opt_state"]
+      logging.info("resumed from %s", where)
+    else:
+      start = 0
+      if config.init_from_hf:
+        params = trainer_lib.init_params_from_hf(trainer, config.init_from_hf, tokenizer)
+      else:
+        params = trainer.init_params()
+      opt_state = trainer.init_opt_state(params)
+
+    log = MetricsLog(workdir, start, enabled=is_chief)
+    tokens_per_step = config.global_batch_size * config.data.seq_len
+    last_metrics, eval_metrics = {}, {}
+    progress = None
+    if config.progress_bar and is_chief:
+      import tqdm  # local: only the bar needs it
+      progress = tqdm.tqdm(total=total_steps, initial=start, desc="train", unit="step")
+    tick = time.perf_counter()
+    for step in range(start, total_steps):
+      batch = trainer.shard_batch(next(data_iter))
+      params, opt_state, metrics = trainer.train_step(params, opt_state, batch, step)
+      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      done = step + 1
+      if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+        ckpt.wait()  # pending saves of good states complete; this state is never saved
+        what = "loss" if not math.isfinite(metrics["loss"]) else "gradient"
+        raise NonFiniteLossError(
+            f"non-finite training {what} at step {done} (update {step} -> {done}): loss="
+            f"{metrics['loss']}, grad_norm={metrics['grad_norm']}; training stopped, the "
+            f"last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
+      now = time.perf_counter()
+      metrics["tokens_per_sec"] = tokens_per_step / max(now - tick, 1e-9)
+      tick = now
+      last_metrics = metrics
+      if done % config.log_every_steps == 0 or done == total_steps:
+        log.write(done, metrics)
+      if progress is not None:
+        progress.update(1)
+        progress.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+      if done % config.checkpoint.every_steps == 0 or done == total_steps:
+        ckpt.save(done, {"params": params, "opt_state": opt_state}, data_iter, meta)
+      if config.eval_every_steps and (done % config.eval_every_steps == 0
+                                      or done == total_steps):
+        eval_metrics = _evaluate(trainer, params, data_config, tokenizer)
+        log.write(done, eval_metrics, prefix="eval_")
+        logging.info("step %d eval %s", done, eval_metrics)
+        tick = time.perf_counter()  # eval time is not training throughput
+    if progress is not None:
+      progress.close()
+    ckpt.wait()
+
+    model = trainer.model(params)
+    checkpoint.save_model(os.path.join(workdir, FINAL_MODEL_DIR), model_config, model,
+                          overwrite=True)
+    if config.export_hf_dir:
+      hf.save(model_config, model, config.export_hf_dir, overwrite=True)
+    return TrainResult(step=max(start, total_steps), model_config=model_config, params=params,
+                       last_metrics=last_metrics, eval_metrics=eval_metrics)
+  finally:
+    ckpt.close()
+    if log is not None:
+      log.close()
