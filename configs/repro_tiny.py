@@ -4,9 +4,9 @@ As in the paper (every model fine-tuned from a pretrained AR model,
 Qwen3-8B), ARM, MDM and ReFusion are each fine-tuned from the shipped
 pretrained base (refusion_jax/assets/base_tiny, configs/base_tiny.py) for the
 same number of tokens (train.* is shared; the objective and, for MDM,
-bidirectional attention are set per model by reproduce.py); ReFusion's decode
-settings are chosen per task on the validation split; then every decoder is
-scored on the held-out test split. `--config.base.pretrained=''
+bidirectional attention are set per model by refusion_jax/repro/stages.py);
+ReFusion's decode settings are chosen per task on the validation split; then
+every decoder is scored on the held-out test split. `--config.base.pretrained=''
 --config.base.num_train_steps=2000` trains a base here first instead.
 Sized for ~15 minutes on 2 CPU cores, set-up included: 3 x 1000 fine-tune
 steps of a 4-layer d=128 model (~11k tokens/s on a quiet machine), the
@@ -43,7 +43,7 @@ def get_config():
   c.train.optimizer.learning_rate = 1e-3  # fine-tune peak AdamW rate, a third of the base's
   c.train.eval_every_steps = 0  # no periodic eval loss: the table is the evaluation
   c.train.checkpoint.every_steps = 100  # resume points if the run is interrupted
-  c.models = ("arm", "mdm", "refusion")  # objectives to train (reproduce.py knows each)
+  c.models = ("arm", "mdm", "refusion")  # objectives to train (refusion_jax.objective.OBJECTIVES)
 
   # The base every model starts from (the paper fine-tunes from a pretrained AR model,
   # Qwen3-8B): the shipped pretrained causal ARM (configs/base_tiny.py, trained once by
@@ -72,7 +72,7 @@ def get_config():
   c.eval.batch_size = 15  # rows per batched accuracy decode (30 problems per task: 2 batches)
   c.eval.prompt_bucket = 16  # prompts padded to one width, a multiple of this
   c.eval.rows = ("ARM-AR", "MDM-LLaDA", "MDM-FastdLLM", "ReFusion", "ReFusion-L2R",
-                 "ReFusion-recompute-KV")  # decoders in the table (see reproduce.ROWS)
+                 "ReFusion-recompute-KV")  # decoders in the table (repro.settings.ROWS)
 
   # Decoding.
   c.decode = ml_collections.ConfigDict()

@@ -1,4 +1,4 @@
-"""Atomic file writes and a strict JSONL reader.
+"""Atomic file writes, a strict JSONL reader and a forgiving JSON reader.
 
 Writes go to a temporary file in the same folder, renamed into place: a crash
 or an error mid-write leaves the old file (or none), never half a file.
@@ -34,6 +34,18 @@ def write_text_atomic(path: str, text: str, make_dirs: bool = False) -> None:
 def write_json_atomic(path: str, value: Any) -> None:
   """Writes `value` as indented JSON (creating the folder)."""
   write_text_atomic(path, json.dumps(value, indent=1, ensure_ascii=False) + "\n", make_dirs=True)
+
+
+def read_json_or_none(path: str) -> Any:
+  """The JSON value in `path`, or None when it is missing or not valid JSON.
+
+  For markers and caches, whose absence (or damage) only means redoing the work.
+  """
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError):
+    return None
 
 
 def jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:

@@ -1,4 +1,5 @@
-"""refusion_jax.reproduce: the whole pipeline on a smoke budget, resuming, and the report."""
+"""refusion_jax.reproduce and refusion_jax.repro: the whole pipeline on a smoke budget,
+resuming, the report, and the command line."""
 
 import hashlib
 import json
@@ -6,6 +7,8 @@ import os
 import re
 import shutil
 import struct
+import subprocess
+import sys
 import time
 
 import jax
@@ -13,14 +16,17 @@ import numpy as np
 import pytest
 
 from configs import repro_smoke
-from refusion_jax import checkpoint, reproduce
+from refusion_jax import checkpoint
 from refusion_jax import tasks as tasks_lib
 from refusion_jax import tokenizer as tokenizer_lib
+from refusion_jax.repro import pipeline, report, scoring, settings, stages
 from refusion_jax.training import loop
 from refusion_jax.training import trainer as trainer_lib
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 TASKS = list(tasks_lib.TASKS)
-ROWS = list(reproduce.ROWS)
+ROWS = list(settings.ROWS)
 CELL = re.compile(r"^\*{0,2}(\d+\.\d) / (\d+\.\d|n/a)\*{0,2}$")
 
 
@@ -64,10 +70,21 @@ def _flat(tree):
           np.asarray(leaf) for path, leaf in leaves}
 
 
+def _run(workdir, **changes):
+  """pipeline.run on configs/repro_smoke.py with `changes` ({"a.b": value}) applied."""
+  config = repro_smoke.get_config()
+  for key, value in changes.items():
+    *parents, leaf = key.split(".")
+    node = config
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return pipeline.run(config, str(workdir))
+
+
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("repro"))
-  argv = ["reproduce", "--config=configs/repro_smoke.py", f"--workdir={workdir}"]
   # Spy on the fine-tunes' initialisation: the parameters each one starts from.
   inits = []
   real_init = trainer_lib.init_params_from_hf
@@ -80,15 +97,15 @@ def smoke_run(tmp_path_factory):
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(trainer_lib, "init_params_from_hf", spy)
     t0 = time.perf_counter()
-    first = reproduce.main(argv)
+    first = _run(workdir)
     first_seconds = time.perf_counter() - t0
   first["inits"] = inits
-  return workdir, argv, first, first_seconds
+  return workdir, first, first_seconds
 
 
 def test_pipeline_writes_every_artefact(smoke_run):
-  workdir, _, first, _ = smoke_run
-  with open(os.path.join(workdir, reproduce.TABLE_FILE)) as f:
+  workdir, first, _ = smoke_run
+  with open(os.path.join(workdir, pipeline.TABLE_FILE)) as f:
     table = f.read()
   assert table == first["table"]
   # Main table: every decoder row, every task column plus Avg, cells "acc / tok/s".
@@ -115,7 +132,7 @@ def test_pipeline_writes_every_artefact(smoke_run):
 
   # Results JSON: well-formed, and the table shows exactly its numbers.
   for name in available:
-    with open(os.path.join(workdir, reproduce.RESULTS_DIR, f"{name}.json")) as f:
+    with open(os.path.join(workdir, scoring.RESULTS_DIR, f"{name}.json")) as f:
       result = json.load(f)
     assert set(result["per_task"]) == set(TASKS)
     for i, task in enumerate(TASKS):
@@ -135,15 +152,15 @@ def test_pipeline_writes_every_artefact(smoke_run):
   arm = first["results"]["ARM-AR"]["average"]["tokens_per_sec"]
   ref = first["results"]["ReFusion"]["average"]["tokens_per_sec"]
   assert ratios["ReFusion"][1] == f"{ref / arm:.2f}x"
-  assert _png_size(os.path.join(workdir, reproduce.PLOT_FILE))[0] > 100
+  assert _png_size(os.path.join(workdir, pipeline.PLOT_FILE))[0] > 100
 
 
 def test_base_stage_is_exported_and_every_model_starts_from_it(smoke_run):
-  workdir, _, first, _ = smoke_run
-  base_dir = os.path.join(workdir, "models", reproduce.BASE_MODEL)
-  hf_dir = os.path.join(base_dir, reproduce.BASE_HF_DIR)
+  workdir, first, _ = smoke_run
+  base_dir = os.path.join(workdir, "models", stages.BASE_MODEL)
+  hf_dir = os.path.join(base_dir, stages.BASE_HF_DIR)
   assert first["base"]["step"] == 4 and first["base"]["budget"]["steps"] == 4
-  with open(os.path.join(base_dir, reproduce.TRAIN_MARKER)) as f:
+  with open(os.path.join(base_dir, stages.TRAIN_MARKER)) as f:
     assert json.load(f)["budget"] == first["base"]["budget"]
   # The HF export names the tokenizer's mask id: init_from_hf keeps the trained special rows.
   tok = tokenizer_lib.Tokenizer.from_dir(tokenizer_lib.TINY_TOKENIZER_DIR)
@@ -174,14 +191,14 @@ def test_base_stage_is_exported_and_every_model_starts_from_it(smoke_run):
 
 def test_train_configs_of_the_two_stages(tmp_path):
   config = repro_smoke.get_config()
-  base = reproduce.base_train_config(config, str(tmp_path))
+  base = stages.base_train_config(config, str(tmp_path))
   assert (base.objective, base.model.attention, base.num_train_steps) == ("arm", "causal", 4)
   assert base.optimizer.learning_rate == config.base.learning_rate
   assert base.export_hf_dir == os.path.join(str(tmp_path), "models", "base", "hf")
   assert base.init_from_hf == ""
   for name, attention in (("arm", "causal"), ("mdm", "bidirectional"),
                           ("refusion", "causal")):
-    c = reproduce.train_config(config, name, str(tmp_path))
+    c = stages.train_config(config, name, str(tmp_path))
     assert (c.objective, c.model.attention) == (name, attention)
     assert c.init_from_hf == base.export_hf_dir
     assert c.tokenizer_dir == tokenizer_lib.TINY_TOKENIZER_DIR
@@ -189,9 +206,9 @@ def test_train_configs_of_the_two_stages(tmp_path):
     assert c.export_hf_dir == ""
   # num_train_steps=0 keeps the from-scratch behaviour: no base, no init_from_hf.
   config.base.num_train_steps = 0
-  assert reproduce.base_budget(config) is None
-  assert reproduce.train_budget(config)["base"] is None
-  c = reproduce.train_config(config, "refusion", str(tmp_path))
+  assert stages.base_budget(config) is None
+  assert stages.train_budget(config)["base"] is None
+  c = stages.train_config(config, "refusion", str(tmp_path))
   assert c.init_from_hf == "" and c.tokenizer_dir == ""
 
 
@@ -211,42 +228,42 @@ def test_stale_model_state_is_discarded_not_resumed(tmp_path, monkeypatch):
 
   monkeypatch.setattr(loop, "train_and_evaluate", fake_train)
   config = repro_smoke.get_config()
-  cfg = reproduce.train_config(config, "arm", str(tmp_path))
-  budget = reproduce.train_budget(config)
+  cfg = stages.train_config(config, "arm", str(tmp_path))
+  budget = stages.train_budget(config)
   model_dir = str(tmp_path / "arm")
 
   def leave_state(budget):
     os.makedirs(os.path.join(model_dir, "checkpoints"), exist_ok=True)
-    with open(os.path.join(model_dir, reproduce.TRAIN_MARKER), "w") as f:
+    with open(os.path.join(model_dir, stages.TRAIN_MARKER), "w") as f:
       json.dump({"budget": budget, "step": 3}, f)
 
   leave_state(dict(budget, steps=1))  # finished under another budget
-  marker, trained = reproduce._train_stage("arm", cfg, budget, model_dir, print)
+  marker, trained = stages.train_stage("arm", cfg, budget, model_dir, print)
   assert trained and seen[-1] is None and marker["budget"] == budget
   # Same budget but no final model (interrupted): its checkpoints are resumed, kept.
   os.makedirs(os.path.join(model_dir, "checkpoints"))
-  reproduce._train_stage("arm", cfg, budget, model_dir, print)
-  assert seen[-1] == ["checkpoints", reproduce.TRAIN_MARKER]
+  stages.train_stage("arm", cfg, budget, model_dir, print)
+  assert seen[-1] == ["checkpoints", stages.TRAIN_MARKER]
   # restart (the base was retrained): everything goes, whatever the marker says.
-  reproduce._train_stage("arm", cfg, budget, model_dir, print, restart=True)
+  stages.train_stage("arm", cfg, budget, model_dir, print, restart=True)
   assert seen[-1] is None
 
 
 def test_rerun_resumes_without_retraining_or_reevaluating(smoke_run, monkeypatch):
-  workdir, argv, first, first_seconds = smoke_run
+  workdir, first, first_seconds = smoke_run
 
   def must_not_run(*args, **kwargs):
     raise AssertionError("a finished run trained or loaded a model again")
 
   monkeypatch.setattr(loop, "train_and_evaluate", must_not_run)
-  monkeypatch.setattr(reproduce.checkpoint, "load_model", must_not_run)
+  monkeypatch.setattr(checkpoint, "load_model", must_not_run)
   before = _mtimes(os.path.join(workdir, "models"))
-  results_before = _mtimes(os.path.join(workdir, reproduce.RESULTS_DIR))
+  results_before = _mtimes(os.path.join(workdir, scoring.RESULTS_DIR))
   t0 = time.perf_counter()
-  second = reproduce.main(argv)
+  second = _run(workdir)
   seconds = time.perf_counter() - t0
   assert _mtimes(os.path.join(workdir, "models")) == before  # no checkpoint or model rewritten
-  assert _mtimes(os.path.join(workdir, reproduce.RESULTS_DIR)) == results_before
+  assert _mtimes(os.path.join(workdir, scoring.RESULTS_DIR)) == results_before
   for name in second["trained"]:
     assert second["trained"][name]["step"] == 4
   assert second["base"] == first["base"]  # the base stage was skipped too
@@ -257,35 +274,47 @@ def test_rerun_resumes_without_retraining_or_reevaluating(smoke_run, monkeypatch
 
 
 def test_sweep_writes_its_plot_and_table(smoke_run):
-  workdir, argv, _, _ = smoke_run
-  out = reproduce.main(argv + ["--config.sweep=true"])
+  workdir, _, _ = smoke_run
+  out = _run(workdir, sweep=True)
   points = {(p, v) for p, v in out["sweep"]}
   assert points == {("slot_size", 4), ("slot_threshold", 0.5), ("slot_threshold", 0.9),
                     ("token_threshold", 0.2), ("token_threshold", 0.4)}
-  _png_size(os.path.join(workdir, reproduce.SWEEP_PLOT_FILE))
-  with open(os.path.join(workdir, reproduce.SWEEP_TABLE_FILE)) as f:
+  _png_size(os.path.join(workdir, pipeline.SWEEP_PLOT_FILE))
+  with open(os.path.join(workdir, pipeline.SWEEP_TABLE_FILE)) as f:
     rows = [line for line in f if line.startswith("| slot") or line.startswith("| token")]
   assert len(rows) == 5
 
 
 def test_bad_settings_fail_before_training(tmp_path):
-  base = ["reproduce", "--config=configs/repro_smoke.py", f"--workdir={tmp_path}"]
   with pytest.raises(ValueError, match="config.eval.rows: unknown row 'GPT'"):
-    reproduce.main(base + ["--config.eval.rows=('ARM-AR', 'GPT')"])
+    _run(tmp_path, **{"eval.rows": ("ARM-AR", "GPT")})
   with pytest.raises(ValueError, match="needs the 'mdm' model"):
-    reproduce.main(base + ["--config.models=('arm', 'refusion')"])
+    _run(tmp_path, models=("arm", "refusion"))
   with pytest.raises(ValueError, match=r"config.decode.tasks.sort\): decode.block_size=16 must be "
                      "a multiple of decode.slot_size=3"):
-    reproduce.main(base + ["--config.decode.tasks.sort.slot_size=3"])
+    _run(tmp_path, **{"decode.tasks.sort.slot_size": 3})
   with pytest.raises(ValueError, match="config.sweep_grid.slot_size=3"):
-    reproduce.main(base + ["--config.sweep=true", "--config.sweep_grid.slot_size=(4, 3)"])
+    _run(tmp_path, sweep=True, **{"sweep_grid.slot_size": (4, 3)})
   with pytest.raises(ValueError, match="config.base.num_train_steps must be an int >= 0"):
-    reproduce.main(base + ["--config.base.num_train_steps=-1"])
+    _run(tmp_path, **{"base.num_train_steps": -1})
   with pytest.raises(ValueError, match="config.base.learning_rate must be a number > 0"):
-    reproduce.main(base + ["--config.base.learning_rate=0.0"])
+    _run(tmp_path, **{"base.learning_rate": 0.0})
   with pytest.raises(ValueError, match="config.eval.speed_repeats must be a positive int"):
-    reproduce.main(base + ["--config.eval.speed_repeats=0"])
+    _run(tmp_path, **{"eval.speed_repeats": 0})
   assert os.listdir(tmp_path) == []  # nothing was trained or written
+
+
+def test_command_line_names_a_bad_setting_and_exits_2(tmp_path):
+  workdir = tmp_path / "w"
+  done = subprocess.run(
+      [sys.executable, "-m", "refusion_jax.reproduce", "--config=configs/repro_smoke.py",
+       f"--workdir={workdir}", "--config.eval.rows=('ARM-AR', 'GPT')"],
+      cwd=REPO, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 2, done.stderr[-3000:]
+  assert ("refusion_jax.reproduce: error: config.eval.rows: unknown row 'GPT'"
+          in done.stderr), done.stderr[-3000:]
+  assert not workdir.exists()
 
 
 def _fake_result(acc, tps, tpf):
@@ -304,13 +333,13 @@ def test_targets_and_unavailable_rows_in_the_report():
              "ReFusion": _fake_result(88.5, 350.0, 4.5),
              "ReFusion-L2R": {"unavailable": "not implemented"},
              "ReFusion-recompute-KV": _fake_result(88.0, 300.0, 4.5)}
-  verdicts = {t: met for t, _, met in reproduce.targets(results)}
+  verdicts = {t: met for t, _, met in report.targets(results)}
   # 3.5x ARM at 1.5 points lower; 35x and 17.5x the MDMs; 4.5 tokens/forward;
   # reuse 1.17x faster than recompute and 0.5 points *better*.
   assert list(verdicts.values()) == [True, True, False, True, True]
   results["ReFusion"] = _fake_result(87.5, 350.0, 4.5)  # 2.5 points below ARM
-  assert reproduce.targets(results)[0][2] is False
-  table = reproduce.render_table(
+  assert report.targets(results)[0][2] is False
+  table = report.render_table(
       repro_smoke.get_config(), results,
       {"arm": {"budget": {"steps": 4, "global_batch_size": 8, "seq_len": 96, "tokens": 3072},
                "num_params": 1000, "seconds": 1.0}},
@@ -326,7 +355,7 @@ def test_targets_and_unavailable_rows_in_the_report():
 
 
 def test_refusion_settings_are_chosen_on_the_validation_split(smoke_run):
-  workdir, _, first, _ = smoke_run
+  workdir, first, _ = smoke_run
   chosen = first["chosen"]
   assert set(chosen) == set(TASKS)
   config = repro_smoke.get_config()
@@ -334,10 +363,10 @@ def test_refusion_settings_are_chosen_on_the_validation_split(smoke_run):
   start = {t: {k: config.decode.tasks[t][k] for k in ("slot_size", "block_size",
                                                       "slot_threshold", "token_threshold")}
            for t in TASKS}
-  for param in reproduce.SWEEP_PARAMS:
+  for param in settings.SWEEP_PARAMS:
     per_value = {}
     for value in config.sweep_grid[param]:
-      path = os.path.join(workdir, reproduce.RESULTS_DIR, reproduce.SELECT_DIR,
+      path = os.path.join(workdir, scoring.RESULTS_DIR, scoring.SELECT_DIR,
                           f"{param}={value}.json")
       with open(path) as f:
         result = json.load(f)
@@ -352,7 +381,7 @@ def test_refusion_settings_are_chosen_on_the_validation_split(smoke_run):
       start[t][param] = best
   assert chosen == start
   # The test rows decode with the chosen settings, and the table says so.
-  with open(os.path.join(workdir, reproduce.RESULTS_DIR, "ReFusion.json")) as f:
+  with open(os.path.join(workdir, scoring.RESULTS_DIR, "ReFusion.json")) as f:
     decode = json.load(f)["decode"]
   for t in TASKS:
     assert {k: decode[t][k] for k in chosen[t]} == chosen[t]
@@ -363,33 +392,33 @@ def test_select_refuses_the_test_split():
   config = repro_smoke.get_config()
   config.select.data = config.eval.data
   with pytest.raises(ValueError, match="must be chosen on a validation split"):
-    reproduce.validate(config)
+    settings.validate(config)
 
 
 def test_a_shipped_base_is_checked_and_every_model_starts_from_it(smoke_run, tmp_path):
   workdir = smoke_run[0]
   shipped = tmp_path / "base"
-  shutil.copytree(os.path.join(workdir, "models", reproduce.BASE_MODEL, reproduce.BASE_HF_DIR),
+  shutil.copytree(os.path.join(workdir, "models", stages.BASE_MODEL, stages.BASE_HF_DIR),
                   shipped)
   digest = hashlib.sha256((shipped / "model.safetensors").read_bytes()).hexdigest()
   (shipped / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
   config = repro_smoke.get_config()
   config.base.pretrained = str(shipped)
   config.base.num_train_steps = 0
-  reproduce.validate(config)
-  assert reproduce.base_budget(config) == {"pretrained": str(shipped), "sha256": digest}
-  assert reproduce.train_budget(config)["base"]["sha256"] == digest
+  settings.validate(config)
+  assert stages.base_budget(config) == {"pretrained": str(shipped), "sha256": digest}
+  assert stages.train_budget(config)["base"]["sha256"] == digest
   for name in ("arm", "mdm", "refusion"):
-    assert reproduce.train_config(config, name, str(tmp_path)).init_from_hf == str(shipped)
-  marker, trained = reproduce.train_base(config, str(tmp_path), log=lambda _: None)
+    assert stages.train_config(config, name, str(tmp_path)).init_from_hf == str(shipped)
+  marker, trained = stages.train_base(config, str(tmp_path), log=lambda _: None)
   assert not trained and marker["budget"]["sha256"] == digest
   config.base.num_train_steps = 3
   with pytest.raises(ValueError, match="both ask for a base"):
-    reproduce.validate(config)
+    settings.validate(config)
   config.base.num_train_steps = 0
   (shipped / "model.safetensors.sha256").write_text("0" * 64 + "  model.safetensors\n")
   with pytest.raises(ValueError, match="its checksum file says"):
-    reproduce.validate(config)
+    settings.validate(config)
   os.remove(shipped / "model.safetensors.sha256")
   with pytest.raises(FileNotFoundError, match="model.safetensors.sha256 is missing"):
-    reproduce.validate(config)
+    settings.validate(config)

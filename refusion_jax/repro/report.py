@@ -1,0 +1,280 @@
+"""The reproduction's report: the table, the targets, the sweep table and the plots.
+
+`render_table` is the paper's Table 1 in miniature (per task "accuracy /
+tokens per second" and an average column, tokens per forward, the paper's
+TPF beside the engine's throughput, ratios against ARM and the TARGETS.md
+verdicts); `write_speed_accuracy_plot` its Figure 1; `render_sweep_table`
+and `write_sweep_plot` its Figure 4. Pure functions of the results: nothing
+here trains or decodes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Mapping
+
+import numpy as np
+
+from refusion_jax import tasks as tasks_lib
+from refusion_jax.repro import settings
+
+REFERENCE_ROW = "ARM-AR"  # the row every speed is compared with
+
+
+def _fmt(value, digits: int = 1) -> str:
+  return "n/a" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def _avg(result: dict, field: str):
+  return None if "unavailable" in result else result["average"][field]
+
+
+def machine_line(m: Mapping) -> str:
+  """One line for a `scoring.machine()` record."""
+  return (f"{m['platform']} ({m['processor']}), {m['cpus']} CPU core(s), jax {m['jax']} "
+          f"({m['backend']}), Python {m['python']}")
+
+
+# ---------------------------------------------------------------------------
+# Table 1.
+
+
+def targets(results: Mapping[str, dict]) -> list[tuple[str, str, bool | None]]:
+  """(target, measured, met) for the TARGETS.md figures this run can check."""
+  def ratio(a, b, field="tokens_per_sec"):
+    x, y = results.get(a), results.get(b)
+    if not x or not y or _avg(x, field) is None or _avg(y, field) in (None, 0):
+      return None
+    return _avg(x, field) / _avg(y, field)
+
+  def gap(a, b):
+    x, y = results.get(a), results.get(b)
+    if not x or not y or "unavailable" in x or "unavailable" in y:
+      return None
+    return _avg(y, "accuracy") - _avg(x, "accuracy")
+
+  out = []
+  r, g = ratio("ReFusion", "ARM-AR"), gap("ReFusion", "ARM-AR")
+  out.append(("ReFusion >= 3x ARM tokens/s at <= 2 points lower accuracy",
+              f"{_fmt(r, 2)}x, {_fmt(g, 1)} points lower",
+              None if r is None or g is None else (r >= 3.0 and g <= 2.0)))
+  for mdm_row in ("MDM-LLaDA", "MDM-FastdLLM"):
+    r = ratio("ReFusion", mdm_row)
+    out.append((f"ReFusion >= 20x {mdm_row} tokens/s", f"{_fmt(r, 2)}x",
+                None if r is None else r >= 20.0))
+  tpf = _avg(results["ReFusion"], "tokens_per_forward") if "ReFusion" in results else None
+  out.append(("ReFusion tokens per forward >= 4", _fmt(tpf, 2),
+              None if tpf is None else tpf >= 4.0))
+  r, g = ratio("ReFusion", "ReFusion-recompute-KV"), gap("ReFusion", "ReFusion-recompute-KV")
+  out.append(("KV reuse faster than recomputation at <= 0.5 point cost",
+              f"{_fmt(r, 2)}x, {_fmt(g, 1)} points lower",
+              None if r is None or g is None else (r > 1.0 and g <= 0.5)))
+  return out
+
+
+def _decoder_rows(results: Mapping[str, dict], task_names: list[str],
+                  cell: Callable[[dict], str], average: Callable[[dict], str]) -> list[str]:
+  """One markdown row per decoder: `cell` of each task's metrics, then `average` in bold."""
+  lines = []
+  for name, r in results.items():
+    if "unavailable" in r:
+      lines.append(f"| {name} | " + " | ".join("n/a" for _ in task_names) + " | n/a |")
+      continue
+    cells = [cell(r["per_task"][t]) for t in task_names] + [f"**{average(r)}**"]
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+  return lines
+
+
+def _mean_engine_speed(r: dict, task_names: list[str]) -> float | None:
+  engine = [r["per_task"][t].get("engine_tokens_per_sec") for t in task_names]
+  return (sum(engine) / len(engine)) if all(e is not None for e in engine) else None
+
+
+def _preamble(config, results: Mapping[str, dict], trained: Mapping[str, dict], when: str,
+              here: Mapping, base: Mapping | None) -> list[str]:
+  """The lines above the tables: date, machine, base, training budget, problems, settings."""
+  task_names = list(tasks_lib.TASKS)
+  budget = next(iter(trained.values()))["budget"]
+  params = next(iter(trained.values())).get("num_params")
+  any_result = next((r for r in results.values() if "unavailable" not in r), None)
+  n_acc = {t: m["n"] for t, m in any_result["per_task"].items()} if any_result else {}
+  n_speed = {t: m["speed_n"] for t, m in any_result["per_task"].items()} if any_result else {}
+  measured = [r["measured"] for r in results.values() if "measured" in r]
+  names = ", ".join(trained)
+  if base and "pretrained" in base["budget"]:
+    b = base["budget"]
+    start = [f"- Base (shared: all of {names} start from this one model): the shipped "
+             f"pretrained causal ARM {b['pretrained']} (configs/base_tiny.py, "
+             f"sha256 {b['sha256'][:12]}...)"]
+    how = f"fine-tuned from the base, peak lr {budget.get('learning_rate', float('nan')):g}"
+  elif base:
+    b = base["budget"]
+    start = [f"- Base (stage 1, shared: all of {names} start from this one model): causal "
+             f"ARM, {b['steps']} steps x {b['global_batch_size']} rows x {b['seq_len']} "
+             f"tokens = {b['tokens']:,} tokens, peak lr {b['learning_rate']:g}; wall "
+             f"{base['seconds']:.0f}s"]
+    how = f"fine-tuned from the base, peak lr {budget.get('learning_rate', float('nan')):g}"
+  else:
+    start, how = [], "from scratch"
+  return [
+      "# ReFusion in miniature: accuracy (%) / tokens per second", "",
+      f"- Date: {when}" + (f" (results measured {min(measured)} to {max(measured)})"
+                           if measured else ""),
+      f"- Machine: {machine_line(here)}",
+      *start,
+      f"- Training (each of {names}, {how}): {budget['steps']} steps x "
+      f"{budget['global_batch_size']} rows x {budget['seq_len']} tokens = "
+      f"{budget['tokens']:,} tokens; {params:,} parameters; wall "
+      + ", ".join(f"{n} {m['seconds']:.0f}s" for n, m in trained.items()),
+      "- Held-out problems per task (accuracy, batched decode): "
+      + ", ".join(f"{t} {n}" for t, n in n_acc.items()),
+      f"- Speed: first {max(n_speed.values()) if n_speed else 0} problems per task decoded "
+      f"at batch 1, greedy, compile excluded, fastest of {config.eval.speed_repeats} "
+      "decodes per problem; tokens counted up to and including EOS; "
+      f"gen_length {config.decode.gen_length}",
+      "- ReFusion settings per task (k, b, tau_s, tau_t), "
+      + ("chosen on the validation split "
+         f"({os.path.basename(config.select.data)}; each of "
+         f"{', '.join(settings.SWEEP_PARAMS)} in turn "
+         "over config.sweep_grid, best accuracy, ties to more tokens per forward): "
+         if settings.select_enabled(config) else "as configured: ")
+      + "; ".join(f"{t} {d.slot_size}, {d.block_size}, {d.slot_threshold:g}, "
+                  f"{d.token_threshold:g}" for t, d in
+                  ((t, config.decode.tasks[t]) for t in task_names))]
+
+
+def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict],
+                 when: str, here: Mapping, base: Mapping | None = None) -> str:
+  """The markdown report; `base` is the stage-1 marker (None: models trained from scratch)."""
+  task_names = list(tasks_lib.TASKS)
+  header = "| Decoder | " + " | ".join(task_names) + " | Avg |"
+  rule = "|---" * (len(task_names) + 2) + "|"
+  lines = _preamble(config, results, trained, when, here, base) + ["", header, rule]
+  lines += _decoder_rows(
+      results, task_names, lambda m: f"{m['accuracy']:.1f} / {_fmt(m['tokens_per_sec'])}",
+      lambda r: f"{r['average']['accuracy']:.1f} / {_fmt(r['average']['tokens_per_sec'])}")
+
+  lines += ["", "## Tokens per forward pass (every pass counted)", "", header, rule]
+  lines += _decoder_rows(results, task_names, lambda m: f"{m['tokens_per_forward']:.2f}",
+                         lambda r: f"{r['average']['tokens_per_forward']:.2f}")
+
+  lines += ["", "## The paper's TPF (per answer, mean over plan steps of tokens / passes "
+            "in the step) / engine tokens per second "
+            f"({config.eval.batch_size} rows, continuous batching)", "", header, rule]
+  lines += _decoder_rows(
+      results, task_names,
+      lambda m: f"{m['tpf_paper']:.2f} / {_fmt(m.get('engine_tokens_per_sec'))}",
+      lambda r: f"{r['average']['tpf_paper']:.2f} / "
+                f"{_fmt(_mean_engine_speed(r, task_names))}")
+
+  ref = results.get(REFERENCE_ROW)
+  if ref and "unavailable" not in ref:
+    lines += ["", f"## Relative to {REFERENCE_ROW} (averages over tasks)", "",
+              "| Decoder | accuracy - ARM (points) | tokens/s / ARM |", "|---|---|---|"]
+    for name, r in results.items():
+      if "unavailable" in r:
+        lines.append(f"| {name} | n/a | n/a |")
+        continue
+      d = r["average"]["accuracy"] - ref["average"]["accuracy"]
+      tps, ref_tps = r["average"]["tokens_per_sec"], ref["average"]["tokens_per_sec"]
+      speed = tps / ref_tps if tps is not None and ref_tps else None
+      lines.append(f"| {name} | {d:+.1f} | {_fmt(speed, 2)}x |")
+
+  lines += ["", "## Targets (TARGETS.md)", "", "| Target | Measured | Met |", "|---|---|---|"]
+  for target, measured, met in targets(results):
+    lines.append(f"| {target} | {measured} | {'n/a' if met is None else 'yes' if met else 'no'} |")
+  lines += ["", f"MDM decode settings: block {config.decode.mdm_block_size}, LLaDA "
+            f"{config.decode.mdm_tokens_per_step} token(s)/step, Fast-dLLM threshold "
+            f"{config.decode.mdm_threshold}."]
+  notes = [f"- {name}: {r['unavailable']}" for name, r in results.items() if "unavailable" in r]
+  if notes:
+    lines += ["", "Unavailable rows:"] + notes
+  return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# The sweep (the paper's Figure 4).
+
+
+def render_sweep_table(results: Mapping[tuple[str, float], dict], per_task: int) -> str:
+  """The sweep's markdown: one row per (parameter, value)."""
+  lines = ["# ReFusion sweep (the paper's Figure 4 in miniature)", "",
+           f"Each parameter varied alone, the others at each task's setting; {per_task} "
+           "problems per task, batch-1 speed.", "",
+           "| parameter | value | accuracy | tokens/s | tokens/forward |", "|---|---|---|---|---|"]
+  for (param, value), r in results.items():
+    a = r["average"]
+    lines.append(f"| {param} | {value} | {a['accuracy']:.1f} | {_fmt(a['tokens_per_sec'])} | "
+                 f"{a['tokens_per_forward']:.2f} |")
+  return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Plots.
+
+
+def _save_figure(fig, path: str) -> None:
+  tmp = f"{path}.tmp{os.getpid()}.png"
+  fig.savefig(tmp, dpi=120)
+  os.replace(tmp, path)
+
+
+def write_speed_accuracy_plot(results: Mapping[str, dict], path: str) -> None:
+  """Accuracy vs tokens/s relative to ARM, one point per decoder (the paper's Figure 1)."""
+  import matplotlib  # local: plotting is the last step
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import matplotlib.ticker  # pylint: disable=unused-import
+
+  ref = results.get(REFERENCE_ROW)
+  ref_tps = _avg(ref, "tokens_per_sec") if ref else None
+  fig, ax = plt.subplots(figsize=(7.2, 4.6))
+  markers = "os^Dv<>P"
+  for i, (name, r) in enumerate(results.items()):
+    tps = _avg(r, "tokens_per_sec")
+    if tps is None:
+      continue
+    x = tps / ref_tps if ref_tps else tps
+    ax.scatter([x], [r["average"]["accuracy"]], s=70, marker=markers[i % len(markers)],
+               label=f"{name} ({x:.2f}x, {r['average']['accuracy']:.1f}%)" if ref_tps
+               else name)
+  ax.set_xscale("log")
+  times = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x")
+  ax.xaxis.set_major_formatter(times)
+  ax.xaxis.set_minor_formatter(times)
+  ax.set_ylim(-3, 103)
+  ax.set_xlabel(f"tokens / s relative to {REFERENCE_ROW} (batch 1, log scale)"
+                if ref_tps else "tokens / s (batch 1, log scale)")
+  ax.set_ylabel("average accuracy (%)")
+  ax.legend(fontsize=8, loc="best")
+  ax.set_title("Speed vs accuracy on the miniature task suite")
+  ax.grid(True, which="both", alpha=0.3)
+  fig.tight_layout()
+  _save_figure(fig, path)
+  plt.close(fig)
+
+
+def write_sweep_plot(results: Mapping[tuple[str, float], dict], path: str) -> None:
+  """Accuracy and batch-1 tokens/s against each swept parameter (the paper's Figure 4)."""
+  import matplotlib  # local: plotting is the last step
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  params = settings.SWEEP_PARAMS
+  fig, axes = plt.subplots(1, len(params), figsize=(4.2 * len(params), 3.4))
+  for ax, param in zip(np.atleast_1d(axes), params):
+    pts = sorted((v, r["average"]) for (p, v), r in results.items() if p == param)
+    xs = [v for v, _ in pts]
+    ax.plot(xs, [a["accuracy"] for _, a in pts], "o-", color="tab:blue")
+    ax.set_xlabel(param)
+    ax.set_ylabel("accuracy (%)", color="tab:blue")
+    ax.set_ylim(-3, 103)  # a fixed scale: a flat line must not look like a trend
+    twin = ax.twinx()
+    twin.plot(xs, [a["tokens_per_sec"] or 0.0 for _, a in pts], "s--", color="tab:red")
+    twin.set_ylabel("tokens / s (batch 1)", color="tab:red")
+    twin.set_ylim(bottom=0)
+    ax.set_title(f"ReFusion vs {param}")
+  fig.tight_layout()
+  _save_figure(fig, path)
+  plt.close(fig)

@@ -1,0 +1,246 @@
+"""What a reproduction config asks for, and whether it is well-formed.
+
+The decoder rows of the table, the decode settings of every row and task,
+the sweep points, and `validate(config)`: every check of the config (the
+shipped base's SHA-256 included) before anything is trained, loaded or
+compiled. Decode settings are built by `row_decode_configs` alone, so a
+setting that DecodeConfig refuses is reported with its row and task.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import inspect
+import os
+import re
+from typing import Callable, Mapping
+
+import ml_collections
+
+from refusion_jax import objective
+from refusion_jax import tasks as tasks_lib
+from refusion_jax.checks import is_int, is_real, require
+from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import refusion as refusion_decoder
+
+# ReFusion's per-task knobs (config.decode.tasks.<task>), the paper's Table 5 columns.
+TASK_SETTINGS = ("slot_size", "block_size", "slot_threshold", "token_threshold")
+# What the sweep varies and the validation search chooses, one at a time, in this order.
+SWEEP_PARAMS = ("slot_size", "slot_threshold", "token_threshold")
+
+
+# ---------------------------------------------------------------------------
+# Decoder rows and their decode settings.
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  name: str
+  model: str  # which trained model it decodes (an objective)
+  description: str
+  build: Callable[[ml_collections.ConfigDict, str], DecodeConfig]  # (config, task) -> settings
+  requires: str | None = None  # DecodeConfig switch decode/refusion.py must implement
+
+
+def refusion_decode_config(config, task: str, **changes) -> DecodeConfig:
+  """ReFusion at `task`'s settings (config.decode.tasks), with `changes` on top."""
+  settings = {k: config.decode.tasks[task][k] for k in TASK_SETTINGS}
+  return DecodeConfig(method="refusion", gen_length=config.decode.gen_length,
+                      **{**settings, **changes})
+
+
+def _mdm_decode_config(config, threshold) -> DecodeConfig:
+  d = config.decode
+  return DecodeConfig(method="mdm", gen_length=d.gen_length, slot_size=d.mdm_block_size,
+                      block_size=d.mdm_block_size, mdm_tokens_per_step=d.mdm_tokens_per_step,
+                      mdm_threshold=threshold)
+
+
+def _ar_decode_config(config) -> DecodeConfig:
+  g = config.decode.gen_length
+  return DecodeConfig(method="ar", gen_length=g, slot_size=g, block_size=g)
+
+
+ROWS: dict[str, Row] = {row.name: row for row in (
+    Row("ARM-AR", "arm", "ARM, greedy left-to-right decoding with a KV cache",
+        lambda c, t: _ar_decode_config(c)),
+    Row("MDM-LLaDA", "mdm", "MDM, LLaDA decoding (fixed tokens per step, no KV cache)",
+        lambda c, t: _mdm_decode_config(c, None)),
+    Row("MDM-FastdLLM", "mdm", "MDM, Fast-dLLM threshold decoding",
+        lambda c, t: _mdm_decode_config(c, c.decode.mdm_threshold)),
+    Row("ReFusion", "refusion", "ReFusion, plan-and-infill", refusion_decode_config),
+    Row("ReFusion-L2R", "refusion", "ReFusion model decoded left to right, one slot per "
+        "step, no drafting", lambda c, t: refusion_decode_config(c, t, left_to_right=True),
+        requires="left_to_right"),
+    Row("ReFusion-recompute-KV", "refusion", "ReFusion, KV of infilled slots recomputed "
+        "instead of reused (paper's Table 8)",
+        lambda c, t: refusion_decode_config(c, t, recompute_kv=True), requires="recompute_kv"),
+)}
+
+
+def decoder_supports(field: str) -> bool:
+  """Whether decode/refusion.py reads the DecodeConfig switch `field`.
+
+  A decoder that never reads a switch would silently decode the plain way and
+  report those numbers under the ablation's name; such rows are skipped.
+  """
+  return re.search(rf"\b{re.escape(field)}\b", inspect.getsource(refusion_decoder)) is not None
+
+
+def row_unavailable(row: Row) -> str | None:
+  if row.requires and not decoder_supports(row.requires):
+    return (f"decode/refusion.py does not implement DecodeConfig.{row.requires} yet; "
+            "no numbers are reported for this row")
+  return None
+
+
+def row_decode_configs(config) -> dict[str, dict[str, DecodeConfig]]:
+  """{row: {task: DecodeConfig}} for config.eval.rows; raises naming the row and task."""
+  configs = {}
+  for name in config.eval.rows:
+    configs[name] = {}
+    for task in tasks_lib.TASKS:
+      try:
+        configs[name][task] = ROWS[name].build(config, task)
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"decode settings of row {name!r}, task {task!r} "
+                         f"(config.decode / config.decode.tasks.{task}): {e}") from None
+  return configs
+
+
+def sweep_configs(config) -> dict[tuple[str, float], dict[str, DecodeConfig]]:
+  """{(param, value): {task: DecodeConfig}}: each parameter varied alone at the task settings."""
+  points = {}
+  for param in SWEEP_PARAMS:
+    values = tuple(config.sweep_grid[param])
+    if not values:
+      raise ValueError(f"config.sweep_grid.{param} is empty")
+    for value in values:
+      configs = {}
+      for task in tasks_lib.TASKS:
+        try:
+          configs[task] = refusion_decode_config(config, task, **{param: value})
+        except (TypeError, ValueError) as e:
+          raise ValueError(f"config.sweep_grid.{param}={value!r} (task {task!r}): {e}") from None
+      points[(param, value)] = configs
+  return points
+
+
+def with_task_settings(config, chosen: Mapping[str, Mapping]) -> ml_collections.ConfigDict:
+  """A copy of `config` whose decode.tasks are `chosen`."""
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    for t, settings in chosen.items():
+      for k, v in settings.items():
+        c.decode.tasks[t][k] = v
+  return c
+
+
+# ---------------------------------------------------------------------------
+# What the config switches on; the shipped base's checksum.
+
+
+def has_base(config) -> bool:
+  """Whether the models start from a base (the shipped one, or one stage 1 trains)."""
+  return bool(config.base.get("pretrained", "")) or config.base.num_train_steps > 0
+
+
+def select_enabled(config) -> bool:
+  """Whether ReFusion's task settings are chosen on the validation split."""
+  return bool(config.get("select", {}).get("enabled", False))
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+def check_pretrained_base(folder: str) -> str:
+  """The SHA-256 of a shipped base's weights, checked against its checksum file."""
+  weights = os.path.join(folder, "model.safetensors")
+  listed = weights + ".sha256"
+  for path in (os.path.join(folder, "config.json"), weights, listed):
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"config.base.pretrained={folder!r}: {os.path.basename(path)} is "
+                              "missing (bash launch/train_base.sh makes the shipped base)")
+  with open(listed, encoding="utf-8") as f:
+    expected = (f.read().split() or [""])[0]
+  actual = _sha256(weights)
+  if actual != expected:
+    raise ValueError(f"config.base.pretrained={folder!r}: model.safetensors has SHA-256 "
+                     f"{actual}, its checksum file says {expected!r} (a damaged or "
+                     "replaced file; restore it or rerun launch/train_base.sh)")
+  return actual
+
+
+# ---------------------------------------------------------------------------
+# Validation (before anything is trained, loaded or compiled).
+
+
+def validate(config) -> dict[str, dict[str, DecodeConfig]]:
+  """Checks the reproduction fields; returns {row: {task: DecodeConfig}}."""
+  models = tuple(config.models)
+  unknown = [m for m in models if m not in objective.OBJECTIVES]
+  if not models or unknown:
+    raise ValueError(f"config.models={models!r}: each must be one of "
+                     f"{sorted(objective.OBJECTIVES)}")
+  steps = config.train.num_train_steps
+  require(is_int(steps) and steps > 0, "train.num_train_steps", steps,
+          "a positive int (the models train for the same number of steps)")
+  pretrained = config.base.get("pretrained", "")
+  if pretrained:
+    check_pretrained_base(pretrained)
+    if config.base.num_train_steps:
+      raise ValueError("config.base.pretrained and config.base.num_train_steps > 0 both ask "
+                       "for a base: set one (pretrained='' trains stage 1 instead)")
+  base_steps = config.base.num_train_steps
+  require(is_int(base_steps) and base_steps >= 0, "base.num_train_steps", base_steps,
+          "an int >= 0 (0 = no base stage)")
+  base_lr = config.base.learning_rate
+  if base_steps:
+    require(is_real(base_lr) and base_lr > 0, "base.learning_rate", base_lr, "a number > 0")
+  rows = tuple(config.eval.rows)
+  if not rows:
+    raise ValueError("config.eval.rows is empty")
+  for name in rows:
+    if name not in ROWS:
+      raise ValueError(f"config.eval.rows: unknown row {name!r}; known: {list(ROWS)}")
+    if ROWS[name].model not in models:
+      raise ValueError(f"config.eval.rows: row {name!r} needs the {ROWS[name].model!r} model, "
+                       f"which config.models={models!r} does not train")
+  if not os.path.isfile(config.eval.data):
+    raise ValueError(f"config.eval.data={config.eval.data!r} is not a file")
+  for field in ("batch_size", "prompt_bucket", "speed_repeats"):
+    value = config.eval[field]
+    require(is_int(value) and value > 0, f"eval.{field}", value, "a positive int")
+  for field in ("per_task", "speed_per_task"):
+    value = config.eval[field]
+    require(is_int(value) and value >= 0, f"eval.{field}", value, "an int >= 0")
+  missing = [t for t in tasks_lib.TASKS if t not in config.decode.tasks]
+  if missing:
+    raise ValueError(f"config.decode.tasks has no settings for task(s) {missing}")
+  configs = row_decode_configs(config)
+  if select_enabled(config):
+    if "refusion" not in models:
+      raise ValueError("config.select.enabled=true needs the 'refusion' model in config.models")
+    if not os.path.isfile(config.select.data):
+      raise ValueError(f"config.select.data={config.select.data!r} is not a file")
+    if os.path.abspath(config.select.data) == os.path.abspath(config.eval.data):
+      raise ValueError("config.select.data is the test split (config.eval.data): decode "
+                       "settings must be chosen on a validation split")
+    for param in SWEEP_PARAMS:
+      if not tuple(config.sweep_grid[param]):
+        raise ValueError(f"config.sweep_grid.{param} is empty")
+  if config.sweep:
+    if "refusion" not in models:
+      raise ValueError("config.sweep=true needs the 'refusion' model in config.models")
+    per_task = config.sweep_grid.per_task
+    require(is_int(per_task) and per_task > 0, "sweep_grid.per_task", per_task,
+            "a positive int")
+    sweep_configs(config)  # raises on a bad grid value
+  return configs

@@ -1,0 +1,182 @@
+"""The reproduction's training stages, and where their models live.
+
+Stage 1 (`config.base.num_train_steps` > 0) trains one causal ARM "base" in
+`W/models/base` and exports it in HF layout (`W/models/base/hf`); a shipped
+base (`config.base.pretrained`) takes its place. Stage 2 trains each of
+`config.models` in `W/models/<name>` on the same data for the same number of
+tokens (`config.train`; only the objective and the attention it needs
+differ), fine-tuned from the base when there is one.
+
+Each stage writes a marker (`reproduce_train.json`: its budget, steps and
+seconds) beside the trainer's checkpoints: a finished stage of the same budget
+is skipped, an interrupted one resumes, one of another budget (or any model
+after a new base) starts again from nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import shutil
+import time
+from typing import Callable
+
+import ml_collections
+
+from refusion_jax import checkpoint, fileio
+from refusion_jax import tokenizer as tokenizer_lib
+from refusion_jax.repro import settings
+from refusion_jax.training import loop
+
+MODELS_DIR = "models"
+TRAIN_MARKER = "reproduce_train.json"
+BASE_MODEL = "base"  # W/models/base: the stage-1 causal ARM every model starts from
+BASE_HF_DIR = "hf"  # its HF export, inside W/models/base
+# The attention each objective trains with (ALGORITHM.md "Baselines").
+MODEL_ATTENTION = {"arm": "causal", "mdm": "bidirectional", "refusion": "causal"}
+
+
+def model_dir(workdir: str, name: str) -> str:
+  """W/models/<name>: the trainer's workdir of one model (the base included)."""
+  return os.path.join(workdir, MODELS_DIR, name)
+
+
+def final_model_dir(workdir: str, name: str) -> str:
+  """The trained model folder of `name` (what the evaluation loads)."""
+  return os.path.join(model_dir(workdir, name), loop.FINAL_MODEL_DIR)
+
+
+def base_hf_dir(workdir: str) -> str:
+  return os.path.join(model_dir(workdir, BASE_MODEL), BASE_HF_DIR)
+
+
+def base_init_dir(config, workdir: str) -> str:
+  """The HF folder every model starts from: the shipped base, or stage 1's export."""
+  return config.base.get("pretrained", "") or base_hf_dir(workdir)
+
+
+# ---------------------------------------------------------------------------
+# Each stage's training config and budget.
+
+
+def _common_train_config(config, workdir: str) -> ml_collections.ConfigDict:
+  c = copy.deepcopy(config.train)
+  c.progress_bar = bool(config.progress_bar)
+  if not c.data.tfds_dir:
+    c.data.tfds_dir = os.path.join(workdir, "tfds")  # one TFDS build for every model
+  return c
+
+
+def base_train_config(config, workdir: str) -> ml_collections.ConfigDict:
+  """Stage 1: config.train as a causal ARM with the base's steps and rate, exported to HF."""
+  c = _common_train_config(config, workdir)
+  c.objective = "arm"
+  c.model.attention = "causal"
+  c.num_train_steps = int(config.base.num_train_steps)
+  c.optimizer.learning_rate = float(config.base.learning_rate)
+  c.export_hf_dir = base_hf_dir(workdir)
+  return c
+
+
+def train_config(config, model_name: str, workdir: str) -> ml_collections.ConfigDict:
+  """config.train with the model's objective and attention set (and, with a base, its init)."""
+  c = _common_train_config(config, workdir)
+  c.objective = model_name
+  c.model.attention = MODEL_ATTENTION[model_name]
+  if settings.has_base(config):
+    c.init_from_hf = base_init_dir(config, workdir)
+    # The HF export holds weights and config.json only; the vocabulary is the bundled one.
+    # Its config.json names the tokenizer's mask id, so init_from_hf keeps the base's
+    # trained special-token rows instead of resetting them.
+    c.tokenizer_dir = c.tokenizer_dir or tokenizer_lib.TINY_TOKENIZER_DIR
+  return c
+
+
+def _budget(t, steps: int, learning_rate: float) -> dict:
+  return {"steps": steps, "global_batch_size": int(t.global_batch_size),
+          "seq_len": int(t.data.seq_len), "tokens": steps * int(t.global_batch_size)
+          * int(t.data.seq_len), "seed": int(t.seed), "learning_rate": float(learning_rate),
+          "model": {k: v for k, v in t.model.to_dict().items() if v is not None}}
+
+
+def base_budget(config) -> dict | None:
+  """The stage-1 budget (for a shipped base: its folder and checksum), or None."""
+  if not settings.has_base(config):
+    return None
+  if config.base.get("pretrained", ""):
+    folder = config.base.pretrained
+    return {"pretrained": folder, "sha256": settings.check_pretrained_base(folder)}
+  return _budget(config.train, int(config.base.num_train_steps), config.base.learning_rate)
+
+
+def train_budget(config) -> dict:
+  """Each model's budget; it names the base it starts from, so a new base retrains them."""
+  t = config.train
+  budget = _budget(t, int(t.num_train_steps), t.optimizer.learning_rate)
+  budget["base"] = base_budget(config)
+  return budget
+
+
+# ---------------------------------------------------------------------------
+# Training, resuming or skipping.
+
+
+def train_stage(name: str, train_cfg, budget: dict, workdir: str, log,
+                ready: Callable[[], bool] = lambda: True, restart: bool = False
+                ) -> tuple[dict, bool]:
+  """Trains (or resumes, or skips) one model in `workdir`; (its marker, trained).
+
+  The marker is {budget, step, seconds, ...}. `restart` (or a finished run of
+  another budget) discards `workdir` first: its checkpoints belong to other
+  settings or to an older base, never to resume from.
+  """
+  marker_path = os.path.join(workdir, TRAIN_MARKER)
+  marker = fileio.read_json_or_none(marker_path)
+  final = os.path.join(workdir, loop.FINAL_MODEL_DIR)
+  if (not restart and marker and marker.get("budget") == budget
+      and checkpoint.is_model_dir(final) and ready()):
+    log(f"[reproduce] {name}: already trained ({marker['step']} steps), skipped")
+    return marker, False
+  if os.path.isdir(workdir) and (restart or (marker and marker.get("budget") != budget)):
+    log(f"[reproduce] {name}: discarding {workdir} (another budget or an older base)")
+    shutil.rmtree(workdir)
+  start = "fine-tuning from the base" if train_cfg.init_from_hf else "training"
+  log(f"[reproduce] {start} {name}: {budget['steps']} steps x {budget['global_batch_size']} "
+      f"rows x {budget['seq_len']} tokens")
+  t0 = time.perf_counter()
+  result = loop.train_and_evaluate(train_cfg, workdir)
+  seconds = time.perf_counter() - t0
+  marker = {"budget": budget, "step": int(result.step), "seconds": seconds,
+            "final_loss": result.last_metrics.get("loss"),
+            "num_params": result.model_config.num_params(),
+            "finished": datetime.datetime.now().isoformat(timespec="seconds")}
+  fileio.write_json_atomic(marker_path, marker)
+  return marker, True
+
+
+def train_base(config, workdir: str, log=print) -> tuple[dict | None, bool]:
+  """Stage 1: trains (or resumes, or skips) the causal ARM base; (marker or None, trained)."""
+  budget = base_budget(config)
+  if budget is None:
+    return None, False
+  if "pretrained" in budget:
+    log(f"[reproduce] base: the shipped pretrained base {budget['pretrained']} "
+        f"(sha256 {budget['sha256'][:12]}...)")
+    return {"budget": budget}, False
+  hf_config = os.path.join(base_hf_dir(workdir), "config.json")
+  return train_stage(BASE_MODEL, base_train_config(config, workdir), budget,
+                     model_dir(workdir, BASE_MODEL), log,
+                     ready=lambda: os.path.isfile(hf_config))
+
+
+def train_models(config, workdir: str, log=print, restart: bool = False) -> dict[str, dict]:
+  """Stage 2 (or the only stage): each of config.models; {name: marker}.
+
+  `restart`: the base was (re)trained in this run, so any earlier model state
+  started from another base and is discarded.
+  """
+  budget = train_budget(config)
+  return {name: train_stage(name, train_config(config, name, workdir), budget,
+                            model_dir(workdir, name), log, restart=restart)[0]
+          for name in config.models}
