@@ -106,6 +106,53 @@ def test_engine_equals_single_decodes_in_input_order(models, method):
   assert run.passes < own
 
 
+_COMPILE_LISTENERS: list = []
+
+
+def _on_duration(event, duration, fun_name="", **kwargs):
+  del duration, kwargs
+  if event == "/jax/core/compile/backend_compile_duration":
+    for listener in _COMPILE_LISTENERS:
+      listener(fun_name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def test_warm_up_compiles_every_program_a_run_calls(models):
+  # Parameters placed on a mesh (as `checkpoint.load_model(..., mesh)` and training
+  # leave them) make every program's outputs mesh-committed: a run after warm_up must
+  # still find each of its programs compiled, whatever the size of an admission.
+  from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
+  model = sharding.shard_model(models["refusion"], sharding.make_mesh(devices=jax.devices()[:1]))
+  rs = np.random.RandomState(6)
+  prompts = [p[:8] for p in _prompts(rs, 9)]
+  eng = engine.Decoder(model, _CONFIGS["refusion"]).engine(4, width=8)
+  eng.warm_up()
+  compiled: list[str] = []
+  _COMPILE_LISTENERS.append(compiled.append)
+  try:
+    run = eng.run(prompts)
+  finally:
+    _COMPILE_LISTENERS.remove(compiled.append)
+  assert run.admissions >= 2  # a first admission of 4, then refills of fewer
+  # (host-side staging of new input shapes compiles tiny `stage` programs: not decode)
+  assert [name for name in compiled if "engine" in name or "release" in name] == []
+
+
+def test_engine_on_a_multi_device_mesh_equals_one_device(models):
+  from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh(fsdp=2, tensor=2, devices=jax.devices()[:4])
+  rs = np.random.RandomState(7)
+  prompts = [p[:8] for p in _prompts(rs, 7)]
+  dc = _CONFIGS["refusion"]
+  plain = engine.Decoder(models["refusion"], dc).engine(3, width=8).run(prompts)
+  dec = engine.Decoder(sharding.shard_model(models["refusion"], mesh), dc)
+  assert dec.place is not None and dec.place.mesh.size == 4
+  run = dec.engine(3, width=8).run(prompts)
+  assert [r.tokens for r in run.results] == [r.tokens for r in plain.results]
+
+
 @pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
 def test_engine_sampling_equals_the_batch_decode(models, method):
   # Per-prompt keys: prompt i draws from fold_in(rng, i) whichever row it lands in.
@@ -144,10 +191,12 @@ def test_mixed_phase_batch_equals_rows_alone(models):
   for i, p in enumerate(prompts):
     ids[i, :len(p)] = p
   lens = np.asarray([len(p) for p in prompts], np.int32)
-  state = engine._engine_init(dec.graphdef, dec.params, spec=dec.spec, rows=6, width=8)
+  state = engine._engine_init(dec.graphdef, dec.params, spec=dec.spec, rows=6, width=8,
+                              place=dec.place)
   state = engine._engine_admit(dec.graphdef, dec.params, state, jnp.asarray(ids),
                                jnp.asarray(lens), jnp.arange(6), jnp.arange(6),
-                               engine.raw_key(jax.random.PRNGKey(0)), dec.knobs, spec=dec.spec)
+                               engine.raw_key(jax.random.PRNGKey(0)), dec.knobs, spec=dec.spec,
+                               place=dec.place)
   step = jax.jit(lambda s: refusion.step(nnx.merge(dec.graphdef, dec.params), dec.spec, s,
                                          dec.knobs))
   mixed = 0

@@ -46,7 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from refusion_jax import sharding
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import common, heads
 
@@ -155,6 +157,45 @@ def pass_keys(key_b2, pass_b, n: int) -> jax.Array:
   return jax.vmap(row)(key_b2, pass_b)
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a decode state lives when the parameters are on a mesh: K/V split over
+  their heads as the rules split the model's, everything else replicated.
+
+  The engine's programs hand a state from one to the next (init, admit, run,
+  release); left to propagation, a leaf's sharding can differ from one program's
+  output to another's, and every new combination is a new compile that warm_up
+  never did. Each program therefore pins its output state to this one placement.
+  """
+
+  mesh: Mesh
+  rules: sharding.ShardingRules = sharding.ShardingRules()
+
+  def apply(self, state):
+    def pin(x, spec=PartitionSpec()):
+      return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+    cache = getattr(state, "cache", None)
+    if cache is None:
+      return jax.tree.map(pin, state)
+    kv = sharding.logical_to_physical(("layers", None, "cache_seq", "kv_heads", "head_dim"),
+                                      self.rules, cache.k_lbskh.shape, self.mesh)
+    cache = cache.replace(k_lbskh=pin(cache.k_lbskh, kv), v_lbskh=pin(cache.v_lbskh, kv),
+                          positions_bs=pin(cache.positions_bs), length_b=pin(cache.length_b))
+    return jax.tree.map(pin, state.replace(cache=None)).replace(cache=cache)
+
+
+def placement_of(params) -> Placement | None:
+  """The placement for states decoded with these parameters (None: a single device
+  without a mesh, where nothing varies)."""
+  leaves = jax.tree.leaves(params)
+  where = getattr(leaves[0], "sharding", None) if leaves else None
+  return Placement(where.mesh) if isinstance(where, NamedSharding) else None
+
+
+def _placed(state, place: Placement | None):
+  return state if place is None else place.apply(state)
+
+
 def set_rows(full, new, rows_a):
   """Writes the `[A, ...]` leaves of `new` into rows `rows_a` of `full` (index B: dropped)."""
   return jax.tree.map(lambda f, x: f.at[rows_a].set(x.astype(f.dtype), mode="drop"), full, new)
@@ -182,22 +223,29 @@ def _generate(graphdef, params, ids_bp, lens_b, rng, knobs: Knobs, spec: Spec):
   return prog.output(spec, state, knobs), state
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "rows", "width"))
-def _engine_init(graphdef, params, spec: Spec, rows: int, width: int):
-  return program(spec.method).init(nnx.merge(graphdef, params), spec, rows, width)
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "rows", "width", "place"))
+def _engine_init(graphdef, params, spec: Spec, rows: int, width: int,
+                 place: Placement | None = None):
+  state = program(spec.method).init(nnx.merge(graphdef, params), spec, rows, width)
+  return _placed(state, place)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
-def _engine_admit(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, knobs, spec):
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
+                   donate_argnames=("state",))
+def _engine_admit(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, knobs, spec,
+                  place: Placement | None = None):
   model = nnx.merge(graphdef, params)
-  return program(spec.method).admit(model, spec, state, ids_ap, lens_a, rows_a,
-                                    prompt_keys(rng, pids_a), knobs)
+  state = program(spec.method).admit(model, spec, state, ids_ap, lens_a, rows_a,
+                                     prompt_keys(rng, pids_a), knobs)
+  return _placed(state, place)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
-def _engine_run(graphdef, params, state, knobs, stop_on_done, spec):
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
+                   donate_argnames=("state",))
+def _engine_run(graphdef, params, state, knobs, stop_on_done, spec,
+                place: Placement | None = None):
   model = nnx.merge(graphdef, params)
-  return _loop(model, program(spec.method), spec, state, knobs, stop_on_done)
+  return _placed(_loop(model, program(spec.method), spec, state, knobs, stop_on_done), place)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -236,6 +284,7 @@ class Decoder:
     self.spec = spec_of(decode_config, vocab_chunk)
     self.knobs = knobs_of(model.config, decode_config)
     self.graphdef, self.params = nnx.split(model)
+    self.place = placement_of(self.params)
 
   def _rng(self, rng):
     if rng is None:
@@ -332,16 +381,18 @@ class Engine:
         break
       a *= 2
     for width in sorted(widths):
-      state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=self.rows, width=width)
+      state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=self.rows, width=width,
+                           place=d.place)
       for a in sorted(sizes):  # padding rows only: nothing is admitted
         state = _engine_admit(d.graphdef, d.params, state, jnp.zeros((a, width), jnp.int32),
                               jnp.ones((a,), jnp.int32), jnp.full((a,), self.rows, jnp.int32),
                               jnp.zeros((a,), jnp.int32), raw_key(jax.random.PRNGKey(0)), d.knobs,
-                              spec=d.spec)
+                              spec=d.spec, place=d.place)
       for stop in (True, False):
-        state = _engine_run(d.graphdef, d.params, state, d.knobs, jnp.bool_(stop), spec=d.spec)
+        state = _engine_run(d.graphdef, d.params, state, d.knobs, jnp.bool_(stop), spec=d.spec,
+                            place=d.place)
       jax.block_until_ready(_engine_output(state, d.knobs, spec=d.spec))
-      jax.block_until_ready(_release_done(state))
+      jax.block_until_ready(_release_done(state, place=d.place))
 
   def _admit_size(self, n: int) -> int:
     return min(self.admit_max, 1 << math.ceil(math.log2(max(1, n))))
@@ -375,7 +426,7 @@ class Engine:
   def _run_bucket(self, order, ids, lens, width, rng, results, progress):
     d = self.decoder
     b = self.rows
-    state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=b, width=width)
+    state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=b, width=width, place=d.place)
     queue = list(order)
     row_prompt = [-1] * b
     row_start = [0.0] * b
@@ -399,14 +450,14 @@ class Engine:
           row_start[free[j]] = now
         state = _engine_admit(d.graphdef, d.params, state, jnp.asarray(ids_ap),
                               jnp.asarray(lens_a), jnp.asarray(rows_a), jnp.asarray(pids_a),
-                              rng, d.knobs, spec=d.spec)
+                              rng, d.knobs, spec=d.spec, place=d.place)
         admissions += 1
         if queue and len(free) > n:
           continue  # more free rows: admit again before running
       if all(p < 0 for p in row_prompt):
         return passes, admissions
       state = _engine_run(d.graphdef, d.params, state, d.knobs, jnp.bool_(bool(queue)),
-                          spec=d.spec)
+                          spec=d.spec, place=d.place)
       out, phase, total = jax.device_get(_engine_output(state, d.knobs, spec=d.spec))
       passes = int(total)  # the bucket's state counts its passes from zero
       now = time.perf_counter()
@@ -423,10 +474,11 @@ class Engine:
           row_prompt[r] = -1
           if progress is not None:
             progress.update(1)
-      state = _release_done(state)
+      state = _release_done(state, place=d.place)
 
 
-@jax.jit
-def _release_done(state):
+@functools.partial(jax.jit, static_argnames=("place",), donate_argnames=("state",))
+def _release_done(state, place: Placement | None = None):
   phase_b = state.rows.phase_b
-  return state.replace(rows=state.rows.replace(phase_b=jnp.where(phase_b == DONE, FREE, phase_b)))
+  state = state.replace(rows=state.rows.replace(phase_b=jnp.where(phase_b == DONE, FREE, phase_b)))
+  return _placed(state, place)
