@@ -4,6 +4,7 @@ Checks the pipeline end to end, not the method: the numbers mean nothing.
 """
 
 from configs import repro_tiny
+from refusion_jax import tasks
 
 
 def get_config():
@@ -28,7 +29,7 @@ def get_config():
   c.eval.speed_repeats = 2  # decodes per timed problem (the fastest counts)
   c.eval.batch_size = 1  # rows per accuracy batch (1: the timed program is reused)
   c.decode.gen_length = 16  # short answers only matter here
-  for name in repro_tiny.TASK_NAMES:
+  for name in tasks.TASKS:
     c.decode.tasks[name].block_size = 16  # one block of gen_length
   c.sweep_grid.slot_size = (4,)  # smallest grid: thresholds are traced, no new compile
   c.sweep_grid.slot_threshold = (0.5, 0.9)

@@ -16,8 +16,7 @@ validation search and the evaluation.
 import ml_collections
 
 from configs import common
-
-TASK_NAMES = ("copy", "reverse", "sort", "lookup", "arith", "fib", "template")
+from refusion_jax import tasks
 
 
 def decode_settings(slot_size, block_size, slot_threshold, token_threshold):
@@ -81,7 +80,7 @@ def get_config():
   c.decode.mdm_tokens_per_step = 1  # LLaDA: tokens unmasked per denoising step
   c.decode.mdm_threshold = 0.9  # Fast-dLLM: unmask every token above this confidence
   c.decode.tasks = ml_collections.ConfigDict()  # ReFusion per task (paper's Table 5)
-  for name in TASK_NAMES:
+  for name in tasks.TASKS:
     c.decode.tasks[name] = decode_settings(slot_size=4, block_size=24, slot_threshold=0.9,
                                            token_threshold=0.4)
 

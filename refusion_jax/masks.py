@@ -18,6 +18,11 @@ def causal_tt(t: int) -> jax.Array:
   return jnp.tril(jnp.ones((t, t), bool))
 
 
+def full_tt(t: int) -> jax.Array:
+  """`[T, T]` all True: every query sees every key (the MDM baseline's attention)."""
+  return jnp.ones((t, t), bool)
+
+
 def cache_valid_bs(length_b: jax.Array, max_len: int) -> jax.Array:
   """`[B, S]`: entry s of row b is live when s < length_b[b]."""
   return jnp.arange(max_len)[None, :] < jnp.asarray(length_b)[:, None]

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from refusion_jax import sharding
+from refusion_jax import masks, sharding
 from refusion_jax.config import ModelConfig
 from refusion_jax.kv_cache import KVCache
 
@@ -160,10 +160,6 @@ def _call_layer(layer, x_btd, positions_bt, chunk_mask_btt, cache_k_bskh, cache_
   return layer(x_btd, positions_bt, chunk_mask_btt, cache_k_bskh, cache_v_bskh, cache_valid_bs)
 
 
-def causal_mask(t: int) -> jax.Array:
-  return jnp.tril(jnp.ones((t, t), bool))
-
-
 class Qwen3(nnx.Module):
   """Qwen3 causal LM. `model(ids, positions)` is the public full-sequence call."""
 
@@ -246,11 +242,9 @@ class Qwen3(nnx.Module):
     self._check_inputs(input_ids_bt, positions_bt)
     b, t = input_ids_bt.shape
     if attention_mask_btt is None:
-      if self.config.attention == "causal":
-        attention_mask_btt = causal_mask(t)[None]
-      else:
-        attention_mask_btt = jnp.ones((1, t, t), bool)
-      attention_mask_btt = jnp.broadcast_to(attention_mask_btt, (b, t, t))
+      causal = self.config.attention == "causal"
+      attention_tt = masks.causal_tt(t) if causal else masks.full_tt(t)
+      attention_mask_btt = jnp.broadcast_to(attention_tt[None], (b, t, t))
     logits, _, _ = self._run(input_ids_bt, positions_bt, attention_mask_btt, None)
     return logits
 

@@ -44,7 +44,10 @@ KIND_IGNORE = 0
 KIND_AR = 1
 KIND_MDM = 2
 
-OBJECTIVES = ("refusion", "arm", "mdm")
+# Each objective and the attention its model trains with (ALGORITHM.md "Baselines"):
+# the MDM baseline sees the whole row, ReFusion and the ARM are causal.
+OBJECTIVE_ATTENTION = {"refusion": "causal", "arm": "causal", "mdm": "bidirectional"}
+OBJECTIVES = tuple(OBJECTIVE_ATTENTION)
 DEFAULT_SLOT_SIZES = (4, 8, 16, 32)
 DEFAULT_EPS = 1e-3
 
@@ -134,6 +137,11 @@ def _check_objective(objective: str) -> str:
   if objective not in OBJECTIVES:
     raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
   return objective
+
+
+def attention_for(objective: str) -> str:
+  """The ModelConfig.attention that `objective` trains with."""
+  return OBJECTIVE_ATTENTION[_check_objective(objective)]
 
 
 def _is_concrete(x) -> bool:
@@ -432,7 +440,7 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
       raise ValueError("objective='mdm' pads responses with EOS: pass eos_id or use a model "
                        "whose ModelConfig.eos_token_id is set")
     eos_id = _check_token_id("eos_id", eos_id, vocab)
-  want = "bidirectional" if objective == "mdm" else "causal"
+  want = attention_for(objective)
   attention = getattr(config, "attention", want)
   if attention != want:
     raise ValueError(f"objective={objective!r} needs a model with attention={want!r}, "

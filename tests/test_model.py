@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from refusion_jax import hf
+from refusion_jax import hf, masks
 from refusion_jax.config import tiny
 from refusion_jax.kv_cache import KVCache
-from refusion_jax.model import Qwen3, causal_mask
+from refusion_jax.model import Qwen3
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 NAMES = ("gqa", "tied")
@@ -47,7 +47,7 @@ def test_permuted_positions_change_logits(fixture):
 
 def _chunk(model, ids_bt, positions_bt, cache):
   b, t = ids_bt.shape
-  mask = jnp.broadcast_to(causal_mask(t)[None], (b, t, t))
+  mask = jnp.broadcast_to(masks.causal_tt(t)[None], (b, t, t))
   return model.forward_chunk(jnp.asarray(ids_bt), jnp.asarray(positions_bt), cache, mask)
 
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import ml_collections
 
-from refusion_jax import checkpoint, fileio
+from refusion_jax import checkpoint, fileio, objective
 from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.repro import settings
 from refusion_jax.training import loop
@@ -33,8 +33,6 @@ MODELS_DIR = "models"
 TRAIN_MARKER = "reproduce_train.json"
 BASE_MODEL = "base"  # W/models/base: the stage-1 causal ARM every model starts from
 BASE_HF_DIR = "hf"  # its HF export, inside W/models/base
-# The attention each objective trains with (ALGORITHM.md "Baselines").
-MODEL_ATTENTION = {"arm": "causal", "mdm": "bidirectional", "refusion": "causal"}
 
 
 def model_dir(workdir: str, name: str) -> str:
@@ -72,7 +70,7 @@ def base_train_config(config, workdir: str) -> ml_collections.ConfigDict:
   """Stage 1: config.train as a causal ARM with the base's steps and rate, exported to HF."""
   c = _common_train_config(config, workdir)
   c.objective = "arm"
-  c.model.attention = "causal"
+  c.model.attention = objective.attention_for("arm")
   c.num_train_steps = int(config.base.num_train_steps)
   c.optimizer.learning_rate = float(config.base.learning_rate)
   c.export_hf_dir = base_hf_dir(workdir)
@@ -83,7 +81,7 @@ def train_config(config, model_name: str, workdir: str) -> ml_collections.Config
   """config.train with the model's objective and attention set (and, with a base, its init)."""
   c = _common_train_config(config, workdir)
   c.objective = model_name
-  c.model.attention = MODEL_ATTENTION[model_name]
+  c.model.attention = objective.attention_for(model_name)
   if settings.has_base(config):
     c.init_from_hf = base_init_dir(config, workdir)
     # The HF export holds weights and config.json only; the vocabulary is the bundled one.

@@ -233,7 +233,7 @@ def validate_model_config(config, model_config: ModelConfig, tokenizer: Tokenize
   if config.objective in ("refusion", "mdm") and model_config.mask_token_id is None:
     raise ValueError(f"config.objective={config.objective!r} needs a mask token, but the model "
                      "config has mask_token_id=None (set config.model.mask_token_id)")
-  want = "bidirectional" if config.objective == "mdm" else "causal"
+  want = objective.attention_for(config.objective)
   if model_config.attention != want:
     raise ValueError(f"config.objective={config.objective!r} needs config.model.attention="
                      f"{want!r}, got {model_config.attention!r}")
