@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging as std_logging
 import os
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from refusion_jax import distributed
 from refusion_jax.training import loop
 
 
@@ -40,28 +40,11 @@ class _QuietOrbax(std_logging.Filter):
     return record.levelno >= std_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
-def initialize_distributed() -> None:
-  """Joins the multi-process JAX runtime.
-
-  On Cloud TPU pods (and SLURM / Open MPI / Kubernetes) everything is found
-  automatically; elsewhere set JAX_COORDINATOR_ADDRESS (host:port of process
-  0), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process.
-  """
-  kwargs = {}
-  for env, arg in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
-    if os.environ.get(env):
-      try:
-        kwargs[arg] = int(os.environ[env])
-      except ValueError:
-        raise ValueError(f"{env}={os.environ[env]!r} is not an integer") from None
-  jax.distributed.initialize(**kwargs)
-
-
 def main(argv, config_flag, workdir_flag):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if config_flag.value.get("distributed", False):
-    initialize_distributed()
+    distributed.initialize()
   logging.get_absl_handler().addFilter(_QuietOrbax())
   try:
     loop.train_and_evaluate(config_flag.value, workdir_flag.value)

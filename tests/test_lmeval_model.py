@@ -186,8 +186,8 @@ def test_processes_split_the_requests_and_agree(model_dir, tmp_path, tok):
   script.write_text(textwrap.dedent(f"""\
       import json, sys
       import jax
-      from refusion_jax import train
-      train.initialize_distributed()  # JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID
+      from refusion_jax import distributed
+      distributed.initialize()  # JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID
       from lm_eval.api.instance import Instance
       from refusion_jax.lmeval import model as lm_model
       contexts = json.loads(sys.argv[1])

@@ -95,8 +95,8 @@ def run(c) -> dict[str, Any]:
   if bench.name in CODE_BENCHMARKS:
     _configure_sandbox(c)
   if c.get("distributed", False):
-    from refusion_jax import train  # pylint: disable=import-outside-toplevel
-    train.initialize_distributed()
+    from refusion_jax import distributed  # pylint: disable=import-outside-toplevel
+    distributed.initialize()
   tm = benchmarks.task_manager()
   data_dir = c.data_dir or None
   settings = {
