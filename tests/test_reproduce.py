@@ -111,18 +111,15 @@ def test_pipeline_writes_every_artefact(smoke_run):
   # Main table: every decoder row, every task column plus Avg, cells "acc / tok/s".
   main = _table_section(table, "# ReFusion in miniature")
   assert main["Decoder"] == TASKS + ["Avg"]
-  available = [r for r in ROWS if "unavailable" not in first["results"][r]]
   assert set(ROWS) <= set(main)
   for name in ROWS:
     assert len(main[name]) == len(TASKS) + 1
-    if name in available:
-      for cell in main[name]:
-        match = CELL.match(cell)
-        assert match, f"row {name}: cell {cell!r} is not 'accuracy / tokens per second'"
-        assert 0.0 <= float(match.group(1)) <= 100.0
-  assert "ARM-AR" in available and "ReFusion" in available
+    for cell in main[name]:
+      match = CELL.match(cell)
+      assert match, f"row {name}: cell {cell!r} is not 'accuracy / tokens per second'"
+      assert 0.0 <= float(match.group(1)) <= 100.0
   tpf = _table_section(table, "## Tokens per forward")
-  for name in available:
+  for name in ROWS:
     assert all(float(c.strip("*")) > 0 for c in tpf[name])
   assert "Date:" in table and "Machine:" in table and "Training (each of" in table
   # The header states the base stage's budget and that the three models share it.
@@ -131,7 +128,7 @@ def test_pipeline_writes_every_artefact(smoke_run):
   assert "Training (each of arm, mdm, refusion, fine-tuned from the base" in table
 
   # Results JSON: well-formed, and the table shows exactly its numbers.
-  for name in available:
+  for name in ROWS:
     with open(os.path.join(workdir, scoring.RESULTS_DIR, f"{name}.json")) as f:
       result = json.load(f)
     assert set(result["per_task"]) == set(TASKS)
@@ -268,8 +265,7 @@ def test_rerun_resumes_without_retraining_or_reevaluating(smoke_run, monkeypatch
     assert second["trained"][name]["step"] == 4
   assert second["base"] == first["base"]  # the base stage was skipped too
   for name in ROWS:
-    if "unavailable" not in first["results"][name]:
-      assert second["results"][name]["average"] == first["results"][name]["average"]
+    assert second["results"][name]["average"] == first["results"][name]["average"]
   assert seconds < first_seconds / 3
 
 
@@ -326,12 +322,12 @@ def _fake_result(acc, tps, tpf):
                       "tpf_paper": tpf + 1.0}}
 
 
-def test_targets_and_unavailable_rows_in_the_report():
+def test_targets_and_rows_in_the_report():
   results = {"ARM-AR": _fake_result(90.0, 100.0, 1.0),
              "MDM-LLaDA": _fake_result(60.0, 10.0, 1.0),
              "MDM-FastdLLM": _fake_result(60.0, 20.0, 2.0),
              "ReFusion": _fake_result(88.5, 350.0, 4.5),
-             "ReFusion-L2R": {"unavailable": "not implemented"},
+             "ReFusion-L2R": _fake_result(70.0, 90.0, 1.0),
              "ReFusion-recompute-KV": _fake_result(88.0, 300.0, 4.5)}
   verdicts = {t: met for t, _, met in report.targets(results)}
   # 3.5x ARM at 1.5 points lower; 35x and 17.5x the MDMs; 4.5 tokens/forward;
@@ -346,9 +342,8 @@ def test_targets_and_unavailable_rows_in_the_report():
       "2026-01-01", {"platform": "Linux", "processor": "x86_64", "cpus": 2, "jax": "0",
                      "backend": "cpu", "python": "3"})
   main = _table_section(table, "# ReFusion in miniature")
-  assert main["ReFusion-L2R"] == ["n/a"] * (len(TASKS) + 1)
+  assert main["ReFusion-L2R"][-1] == "**70.0 / 90.0**"
   assert main["ReFusion"][-1] == "**87.5 / 350.0**"
-  assert "- ReFusion-L2R: not implemented" in table
   assert _table_section(table, "## Relative to ARM-AR")["ReFusion"] == ["-2.5", "3.50x"]
   tpf = _table_section(table, "## The paper's TPF")
   assert tpf["ReFusion"] == ["5.50 / 700.0"] * len(TASKS) + ["**5.50 / 700.0**"]

@@ -18,9 +18,6 @@
    table. With `config.sweep`, also `W/sweep.md` and `W/sweep.png` (the
    paper's Figure 4: ReFusion's accuracy and speed as slot size and each
    threshold vary).
-
-Rows whose decoder option is not implemented by decode/refusion.py are
-reported as unavailable, never estimated.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def _fmt(value, digits: int = 1) -> str:
 
 
 def _avg(result: dict, field: str):
-  return None if "unavailable" in result else result["average"][field]
+  return result["average"][field]
 
 
 def machine_line(m: Mapping) -> str:
@@ -50,7 +50,7 @@ def targets(results: Mapping[str, dict]) -> list[tuple[str, str, bool | None]]:
 
   def gap(a, b):
     x, y = results.get(a), results.get(b)
-    if not x or not y or "unavailable" in x or "unavailable" in y:
+    if not x or not y:
       return None
     return _avg(y, "accuracy") - _avg(x, "accuracy")
 
@@ -78,9 +78,6 @@ def _decoder_rows(results: Mapping[str, dict], task_names: list[str],
   """One markdown row per decoder: `cell` of each task's metrics, then `average` in bold."""
   lines = []
   for name, r in results.items():
-    if "unavailable" in r:
-      lines.append(f"| {name} | " + " | ".join("n/a" for _ in task_names) + " | n/a |")
-      continue
     cells = [cell(r["per_task"][t]) for t in task_names] + [f"**{average(r)}**"]
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return lines
@@ -97,7 +94,7 @@ def _preamble(config, results: Mapping[str, dict], trained: Mapping[str, dict], 
   task_names = list(tasks_lib.TASKS)
   budget = next(iter(trained.values()))["budget"]
   params = next(iter(trained.values())).get("num_params")
-  any_result = next((r for r in results.values() if "unavailable" not in r), None)
+  any_result = next(iter(results.values()), None)
   n_acc = {t: m["n"] for t, m in any_result["per_task"].items()} if any_result else {}
   n_speed = {t: m["speed_n"] for t, m in any_result["per_task"].items()} if any_result else {}
   measured = [r["measured"] for r in results.values() if "measured" in r]
@@ -169,13 +166,10 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
                 f"{_fmt(_mean_engine_speed(r, task_names))}")
 
   ref = results.get(REFERENCE_ROW)
-  if ref and "unavailable" not in ref:
+  if ref:
     lines += ["", f"## Relative to {REFERENCE_ROW} (averages over tasks)", "",
               "| Decoder | accuracy - ARM (points) | tokens/s / ARM |", "|---|---|---|"]
     for name, r in results.items():
-      if "unavailable" in r:
-        lines.append(f"| {name} | n/a | n/a |")
-        continue
       d = r["average"]["accuracy"] - ref["average"]["accuracy"]
       tps, ref_tps = r["average"]["tokens_per_sec"], ref["average"]["tokens_per_sec"]
       speed = tps / ref_tps if tps is not None and ref_tps else None
@@ -187,9 +181,6 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
   lines += ["", f"MDM decode settings: block {config.decode.mdm_block_size}, LLaDA "
             f"{config.decode.mdm_tokens_per_step} token(s)/step, Fast-dLLM threshold "
             f"{config.decode.mdm_threshold}."]
-  notes = [f"- {name}: {r['unavailable']}" for name, r in results.items() if "unavailable" in r]
-  if notes:
-    lines += ["", "Unavailable rows:"] + notes
   return "\n".join(lines) + "\n"
 
 

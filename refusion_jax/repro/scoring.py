@@ -104,7 +104,7 @@ def _cached_or_run(path: str, key: dict, run: Callable[[], dict], log) -> dict:
 def evaluate_rows(config, workdir: str, row_configs: Mapping[str, Mapping[str, DecodeConfig]],
                   trained: Mapping[str, dict], models: TrainedModels, tokenizer,
                   log=print) -> dict:
-  """{row: result or {"unavailable": reason}} on the test split; cached in W/results."""
+  """{row: result} on the test split; cached in W/results."""
   first_model = settings.ROWS[next(iter(row_configs))].model
   test = _problem_set(config, workdir, tokenizer, config.eval.data, config.eval.per_task,
                       first_model)
@@ -112,11 +112,6 @@ def evaluate_rows(config, workdir: str, row_configs: Mapping[str, Mapping[str, D
   results = {}
   for name, configs in row_configs.items():
     row = settings.ROWS[name]
-    reason = settings.row_unavailable(row)
-    if reason:
-      log(f"[reproduce] {name}: unavailable ({reason})")
-      results[name] = {"unavailable": reason}
-      continue
     key = _key(config, test, configs, trained[row.model], row=name,
                speed_per_task=e.speed_per_task, speed_repeats=e.speed_repeats,
                batch_size=e.batch_size)

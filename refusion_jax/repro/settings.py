@@ -12,9 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import inspect
 import os
-import re
 from typing import Callable, Mapping
 
 import ml_collections
@@ -23,7 +21,6 @@ from refusion_jax import objective
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.checks import is_int, is_real, require
 from refusion_jax.config import DecodeConfig
-from refusion_jax.decode import refusion as refusion_decoder
 
 # ReFusion's per-task knobs (config.decode.tasks.<task>), the paper's Table 5 columns.
 TASK_SETTINGS = ("slot_size", "block_size", "slot_threshold", "token_threshold")
@@ -41,7 +38,6 @@ class Row:
   model: str  # which trained model it decodes (an objective)
   description: str
   build: Callable[[ml_collections.ConfigDict, str], DecodeConfig]  # (config, task) -> settings
-  requires: str | None = None  # DecodeConfig switch decode/refusion.py must implement
 
 
 def refusion_decode_config(config, task: str, **changes) -> DecodeConfig:
@@ -72,28 +68,11 @@ ROWS: dict[str, Row] = {row.name: row for row in (
         lambda c, t: _mdm_decode_config(c, c.decode.mdm_threshold)),
     Row("ReFusion", "refusion", "ReFusion, plan-and-infill", refusion_decode_config),
     Row("ReFusion-L2R", "refusion", "ReFusion model decoded left to right, one slot per "
-        "step, no drafting", lambda c, t: refusion_decode_config(c, t, left_to_right=True),
-        requires="left_to_right"),
+        "step, no drafting", lambda c, t: refusion_decode_config(c, t, left_to_right=True)),
     Row("ReFusion-recompute-KV", "refusion", "ReFusion, KV of infilled slots recomputed "
         "instead of reused (paper's Table 8)",
-        lambda c, t: refusion_decode_config(c, t, recompute_kv=True), requires="recompute_kv"),
+        lambda c, t: refusion_decode_config(c, t, recompute_kv=True)),
 )}
-
-
-def decoder_supports(field: str) -> bool:
-  """Whether decode/refusion.py reads the DecodeConfig switch `field`.
-
-  A decoder that never reads a switch would silently decode the plain way and
-  report those numbers under the ablation's name; such rows are skipped.
-  """
-  return re.search(rf"\b{re.escape(field)}\b", inspect.getsource(refusion_decoder)) is not None
-
-
-def row_unavailable(row: Row) -> str | None:
-  if row.requires and not decoder_supports(row.requires):
-    return (f"decode/refusion.py does not implement DecodeConfig.{row.requires} yet; "
-            "no numbers are reported for this row")
-  return None
 
 
 def row_decode_configs(config) -> dict[str, dict[str, DecodeConfig]]:
