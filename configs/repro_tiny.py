@@ -8,7 +8,7 @@ bidirectional attention are set per model by refusion_jax/repro/stages.py);
 ReFusion's decode settings are chosen per task on the validation split; then
 every decoder is scored on the held-out test split. `--config.base.pretrained=''
 --config.base.num_train_steps=2000` trains a base here first instead.
-Sized for ~15 minutes on 2 CPU cores, set-up included: 3 x 1000 fine-tune
+Sized for ~15 minutes on 2 CPU cores, set-up included: 3 x 1500 fine-tune
 steps of a 4-layer d=128 model (~11k tokens/s on a quiet machine), the
 validation search and the evaluation.
 """
@@ -38,8 +38,8 @@ def get_config():
   c.train.data.seq_len = 64  # longest bundled example is 58 tokens (prompt + answer + EOS)
   c.train.slot_sizes = (2, 4, 8)  # the paper's 4..32 for 512-token answers, scaled to <= 17
   c.train.global_batch_size = 16  # rows per step
-  c.train.num_train_steps = 1000  # fine-tune: 1000 x 16 x 64 = 1.02M tokens per model
-  c.train.optimizer.learning_rate = 1e-3  # fine-tune peak AdamW rate, a third of the base's
+  c.train.num_train_steps = 1500  # fine-tune: 1500 x 16 x 64 = 1.54M tokens per model
+  c.train.optimizer.learning_rate = 3e-3  # fine-tune peak AdamW rate, the base's own
   c.train.eval_every_steps = 0  # no periodic eval loss: the table is the evaluation
   c.train.checkpoint.every_steps = 100  # resume points if the run is interrupted
   c.models = ("arm", "mdm", "refusion")  # objectives to train (refusion_jax.objective.OBJECTIVES)
