@@ -1,8 +1,10 @@
 """Decode speed of ReFusion, AR and MDM side by side, in one process, same model size.
 
-For every method and batch size: tokens/s (generated tokens counted up to and
-including EOS, divided by the wall time of the jitted decode; compilation is
-excluded by an untimed warm-up call), tokens per forward (tokens / NFE, every
+Every batch size decodes the same prompts (as many as the largest batch), a
+batch at a time, so the ratios compare identical work. For every method and
+batch size: tokens/s (generated tokens counted up to and including EOS,
+divided by the summed wall time of the jitted decode calls, each the median
+of --repeats; compilation is excluded by an untimed warm-up call), tokens per forward (tokens / NFE, every
 pass counted), forward passes per row, and the memory of the compiled decode
 program (XLA's buffer assignment: parameters + prompts + outputs + peak
 temporaries, i.e. what the device must hold while the program runs; on a GPU
@@ -86,6 +88,9 @@ def parse_args(argv=None):
     parser.error(f"--batch_sizes must be comma-separated ints, got {args.batch_sizes!r}")
   if not args.batch_sizes or min(args.batch_sizes) <= 0:
     parser.error(f"--batch_sizes must be positive ints, got {args.batch_sizes}")
+  if any(max(args.batch_sizes) % b for b in args.batch_sizes):
+    parser.error(f"--batch_sizes: each must divide the largest (every size decodes the same "
+                 f"{max(args.batch_sizes)} prompts), got {args.batch_sizes}")
   for name in ("prompt_len", "gen_length", "repeats"):
     if getattr(args, name) <= 0:
       parser.error(f"--{name} must be > 0, got {getattr(args, name)}")
@@ -185,28 +190,34 @@ def fixed_cost_ms(decoder, repeats: int = 50) -> float:
 def bench_one(method, model, batch, args):
   dc = _decode_config(method, args)
   decoder = engine.Decoder(model, dc)
-  ids_bp, lens_b = make_prompts(model.config, batch, args.prompt_len, args.seed + batch)
+  # Identical work at every batch size: the same prompts (as many as the largest
+  # batch), decoded `batch` at a time, one `generate` call per chunk.
+  n_prompts = max(args.batch_sizes)
+  all_ids, all_lens = make_prompts(model.config, n_prompts, args.prompt_len, args.seed)
+  chunks = [(all_ids[i:i + batch], all_lens[i:i + batch]) for i in range(0, n_prompts, batch)]
   rng = jax.random.PRNGKey(args.seed)
   t = time.perf_counter()
   lowered = engine._generate.lower(  # pylint: disable=protected-access
-      decoder.graphdef, decoder.params, jax.numpy.asarray(ids_bp), jax.numpy.asarray(lens_b),
-      engine.raw_key(rng), decoder.knobs, spec=decoder.spec)
+      decoder.graphdef, decoder.params, jax.numpy.asarray(chunks[0][0]),
+      jax.numpy.asarray(chunks[0][1]), engine.raw_key(rng), decoder.knobs, spec=decoder.spec)
   memory = lowered.compile().memory_analysis()
   compile_s = time.perf_counter() - t
-  jax.block_until_ready(decoder.generate(ids_bp, lens_b, rng))  # warm-up
-  times = []
-  for _ in range(args.repeats):
-    t = time.perf_counter()
-    out, state = jax.block_until_ready(decoder.generate(ids_bp, lens_b, rng, with_state=True))
-    times.append(time.perf_counter() - t)
-  seconds = statistics.median(times)
-  tokens = int(np.asarray(out.counters.tokens_b).sum())
-  nfe_b = np.asarray(out.counters.nfe_b())
-  passes = int(state.passes)
+  jax.block_until_ready(decoder.generate(*chunks[0], rng))  # warm-up
+  seconds, tokens, nfe, passes = 0.0, 0, 0, 0
+  for ids_bp, lens_b in chunks:
+    times = []
+    for _ in range(args.repeats):
+      t = time.perf_counter()
+      out, state = jax.block_until_ready(decoder.generate(ids_bp, lens_b, rng, with_state=True))
+      times.append(time.perf_counter() - t)
+    seconds += statistics.median(times)
+    tokens += int(np.asarray(out.counters.tokens_b).sum())
+    nfe += int(np.asarray(out.counters.nfe_b()).sum())
+    passes += int(state.passes)
   row = {
       "method": method, "batch": batch, "seconds": seconds, "compile_s": compile_s,
-      "tokens": tokens, "tok_s": tokens / seconds, "tpf": tokens / max(int(nfe_b.sum()), 1),
-      "nfe_row": float(nfe_b.mean()), "loop_passes": passes,
+      "tokens": tokens, "tok_s": tokens / seconds, "tpf": tokens / max(nfe, 1),
+      "nfe_row": nfe / n_prompts, "loop_passes": passes / len(chunks),
       "pass_ms": 1e3 * seconds / max(passes, 1),
       "program_mb": program_bytes(memory) / 2**20,
       "device_peak_mb": (device_peak() or 0) / 2**20,
@@ -226,7 +237,7 @@ def bench_one(method, model, batch, args):
   return row
 
 
-def main(argv=None):
+def main(argv=None) -> list[dict]:
   args = parse_args(argv)
   models = load_models(args)
   if args.task_prompts:
@@ -264,7 +275,7 @@ def main(argv=None):
     eng = (f"{r['engine_tok_s']:>11.1f}{r['engine_pass_ratio']:>9.2f}" if "engine_tok_s" in r
            else f"{'-':>11s}{'-':>9s}")
     print(f"{r['method']:9s}{r['batch']:>6d}{r['tokens']:>8d}{r['tok_s']:>11.1f}{r['tpf']:>9.2f}"
-          f"{r['nfe_row']:>9.1f}{r['loop_passes']:>8d}{r['pass_ms']:>9.3f}{r['seconds']:>9.3f}"
+          f"{r['nfe_row']:>9.1f}{r['loop_passes']:>8.1f}{r['pass_ms']:>9.3f}{r['seconds']:>9.3f}"
           f"{r['compile_s']:>9.1f}{r['program_mb']:>9.1f}{eng}"
           + (f"{r['device_peak_mb']:>9.1f}" if gpu else ""))
   by = {(r["method"], r["batch"]): r for r in rows}
@@ -288,9 +299,10 @@ def main(argv=None):
           f"{fixed_cost_ms(engine.Decoder(models[method], _decode_config(method, args))):.3f} ms")
   print("\nprog MB: XLA buffer assignment of the compiled decode program (parameters, prompts, "
         "outputs and peak temporaries, KV cache included). passes: forward passes of the batch "
-        "(loop iterations); ms/pass = sec / passes. eng tok/s: the continuous-batching engine "
+        "(loop iterations) per call; ms/pass = sec / all calls' passes. eng tok/s: the continuous-batching engine "
         f"with as many rows as the batch, {args.engine_prompts} prompts per row, median "
         f"of {args.repeats} runs after a warm-up run; eng pass = its passes / (sum of each prompt's own passes / rows).")
+  return rows
 
 
 if __name__ == "__main__":

@@ -25,3 +25,26 @@ def test_forward_cost_rejects_bad_flags(flag, needle, capsys):
 def test_forward_cost_names_an_over_long_context():
   with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
     forward_cost.main(["--widths=4", "--context=100000", "--passes=1", "--repeats=1"])
+
+
+def test_decode_speed_compares_identical_work(capsys):
+  from benchmarks import decode_speed  # pylint: disable=import-outside-toplevel
+  rows = decode_speed.main(["--methods=refusion,ar", "--batch_sizes=1,2", "--prompt_len=8",
+                            "--gen_length=8", "--slot_size=4", "--block_size=8",
+                            "--repeats=1", "--engine_prompts=2"])
+  by = {(r["method"], r["batch"]): r for r in rows}
+  for method in ("refusion", "ar"):
+    # The same two prompts one at a time and as one batch: a batch decodes each row
+    # exactly as alone, so the token and pass counts agree.
+    one, two = by[(method, 1)], by[(method, 2)]
+    assert one["tokens"] == two["tokens"] > 0
+    assert one["nfe_row"] == two["nfe_row"]
+    assert one["tok_s"] > 0 and two["engine_pass_ratio"] > 0
+  assert "refusion: batch 2 / batch 1 tokens/s" in capsys.readouterr().out
+
+
+def test_decode_speed_needs_batch_sizes_that_divide_the_largest(capsys):
+  from benchmarks import decode_speed  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit):
+    decode_speed.main(["--batch_sizes=2,3"])
+  assert "must divide the largest" in capsys.readouterr().err
