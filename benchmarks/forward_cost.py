@@ -31,6 +31,7 @@ from flax import nnx  # noqa: E402
 
 from refusion_jax import checkpoint  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
+from refusion_jax import masks  # noqa: E402
 from refusion_jax.decode import common  # noqa: E402
 from refusion_jax.model import Qwen3  # noqa: E402
 
@@ -81,7 +82,7 @@ def time_width(model, width: int, batch: int, context: int, passes: int,
     m = common.merge_model(graphdef, state)
     ids_bt = jnp.zeros((batch, width), jnp.int32)
     positions_bt = jnp.broadcast_to(context + jnp.arange(width, dtype=jnp.int32), (batch, width))
-    mask_btt = jnp.broadcast_to(jnp.tril(jnp.ones((width, width), bool)), (batch, width, width))
+    mask_btt = jnp.broadcast_to(masks.causal_tt(width), (batch, width, width))
 
     def body(_, acc):
       # The carried sum feeds the next pass's ids so XLA cannot hoist the pass out.

@@ -28,6 +28,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from refusion_jax import masks
 from refusion_jax.decode import heads
 from refusion_jax.kv_cache import KVCache
 
@@ -103,7 +104,7 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
       dest = gather(feed.dest_bn, -1)
       sample = gather(feed.sample_bn, False)
       keys = jnp.take_along_axis(keys_bn2, src_c[..., None], axis=1)
-      causal_ww = jnp.tril(jnp.ones((w, w), bool))
+      causal_ww = masks.causal_tt(w)
       mask = (causal_ww[None] & (group[:, :, None] == group[:, None, :])
               & valid_bw[:, :, None] & valid_bw[:, None, :]) | jnp.eye(w, dtype=bool)[None]
       h, k, v = model.forward_hidden(ids, pos, cache, mask)
