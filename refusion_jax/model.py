@@ -16,6 +16,7 @@ K kv heads, G query heads per kv head, H head dim, D model, F mlp, V vocab.
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,6 +26,33 @@ from refusion_jax.config import ModelConfig
 from refusion_jax.kv_cache import KVCache
 
 _NEG_INF = -1e30  # finite, so rows with nothing to attend to stay NaN-free
+
+
+@flax.struct.dataclass
+class Unembed:
+  """The output projection in the layout it is stored in: the tied embedding
+  `[V, D]` (`vocab_axis=0`) or the LM head `[D, V]` (`vocab_axis=1`).
+
+  Decoders reduce over the vocabulary a chunk at a time; reading the weight
+  in its own layout keeps a transposed copy of it out of every decoding pass.
+  """
+
+  w: jax.Array
+  vocab_axis: int = flax.struct.field(pytree_node=False, default=0)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.w.shape[self.vocab_axis]
+
+  def logits(self, h_btd) -> jax.Array:
+    """`[B, T, V]` float32 logits, rounded to the compute dtype first like the model's."""
+    spec = "btd,vd->btv" if self.vocab_axis == 0 else "btd,dv->btv"
+    return jnp.einsum(spec, h_btd, self.w).astype(jnp.float32)
+
+  def columns(self, start, size: int) -> "Unembed":
+    """Vocabulary entries `[start, start + size)` (`start` may be traced)."""
+    return Unembed(jax.lax.dynamic_slice_in_dim(self.w, start, size, axis=self.vocab_axis),
+                   self.vocab_axis)
 
 
 def _param(rngs: nnx.Rngs, shape, axes, config: ModelConfig, std: float | None = 0.02):
@@ -188,17 +216,17 @@ class Qwen3(nnx.Module):
       logits = jnp.einsum("btd,dv->btv", x_btd, self.lm_head[...].astype(dtype))
     return sharding.constrain(logits, ("batch", "seq", "vocab"))
 
-  def unembed_vd(self) -> jax.Array:
-    """The output projection as `[V, D]` in the compute dtype (the embedding when tied).
+  def unembed(self) -> Unembed:
+    """The output projection in the compute dtype and its stored layout (no transpose).
 
-    With `forward_hidden`, `einsum("btd,vd->btv", h, unembed_vd())` equals the
-    logits of `forward_chunk`; decoders use it to reduce over the vocabulary
+    With `forward_hidden`, `unembed().logits(h)` equals the logits of
+    `forward_chunk` in float32; decoders use it to reduce over the vocabulary
     chunk by chunk instead of materialising `[B, T, V]`.
     """
     dtype = self.config.compute_dtype
     if self.config.tie_embeddings:
-      return self.embed[...].astype(dtype)
-    return self.lm_head[...].astype(dtype).T
+      return Unembed(self.embed[...].astype(dtype), vocab_axis=0)
+    return Unembed(self.lm_head[...].astype(dtype), vocab_axis=1)
 
   def forward_hidden(self, input_ids_bt, positions_bt, cache: KVCache | None, chunk_mask_btt):
     """`forward_chunk` without the output projection.

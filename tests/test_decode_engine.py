@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from refusion_jax import config as config_lib
+from refusion_jax import model as model_lib
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine, heads, passes, refusion
 from refusion_jax.decode.counters import DecodeCounters
@@ -253,12 +254,25 @@ def test_token_stats_chunked_equals_full_softmax():
     probs = np.exp(ref - ref.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     want_pick = probs.argmax(-1)
-    for chunk in (128, 32, 30):  # one piece; four with a clamped last; 30 with overlap
-      s = heads.token_stats(h, w, given, banned_id=banned, vocab_chunk=chunk)
-      np.testing.assert_array_equal(s.pick_bt, want_pick)
-      np.testing.assert_allclose(s.p_pick_bt, probs.max(-1), rtol=1e-5)
-      np.testing.assert_allclose(s.p_given_bt, np.take_along_axis(probs, np.asarray(given)[
-          ..., None], -1)[..., 0], rtol=1e-5, atol=1e-12)
+    # one piece; four with a clamped last; 30 with overlap. The weight as a tied
+    # embedding [V, D] (a plain array or Unembed) and as an LM head [D, V].
+    for chunk in (128, 32, 30):
+      for unembed in (w, model_lib.Unembed(w, vocab_axis=0), model_lib.Unembed(w.T, vocab_axis=1)):
+        s = heads.token_stats(h, unembed, given, banned_id=banned, vocab_chunk=chunk)
+        np.testing.assert_array_equal(s.pick_bt, want_pick)
+        np.testing.assert_allclose(s.p_pick_bt, probs.max(-1), rtol=1e-5)
+        np.testing.assert_allclose(s.p_given_bt, np.take_along_axis(probs, np.asarray(given)[
+            ..., None], -1)[..., 0], rtol=1e-5, atol=1e-12)
+
+
+def test_pass_keys_are_derived_only_when_sampling():
+  key_b2 = jnp.asarray([[0, 1], [5, 9]], jnp.uint32)
+  pass_b = jnp.asarray([3, 0])
+  full = np.asarray(engine.pass_keys(key_b2, pass_b, 4))
+  assert full.shape == (2, 4, 2) and len({tuple(k) for k in full.reshape(-1, 2)}) == 8
+  np.testing.assert_array_equal(engine.pass_keys(key_b2, pass_b, 4, jnp.float32(0.7)), full)
+  np.testing.assert_array_equal(engine.pass_keys(key_b2, pass_b, 4, jnp.float32(0.0)),
+                                np.zeros((2, 4, 2), np.uint32))
 
 
 def test_token_stats_sampling_is_per_token_and_respects_the_ban():

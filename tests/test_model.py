@@ -160,3 +160,23 @@ def test_remat_gives_the_same_loss_and_gradients():
   np.testing.assert_allclose(remat, plain, rtol=1e-6)
   for a, b in zip(remat_grads, plain_grads):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_unembed_of_hidden_equals_the_logits(fixture):
+  # Decoders reduce over the vocabulary from `forward_hidden` + `unembed()`, reading the
+  # output projection in its stored layout (LM head [D, V] for "gqa", tied [V, D]).
+  name, config, model, golden = fixture
+  ids, positions = jnp.asarray(golden["input_ids"]), jnp.asarray(golden["positions_seq"])
+  b, t = ids.shape
+  mask = jnp.broadcast_to(masks.causal_tt(t)[None], (b, t, t))
+  cache = KVCache.init(config, b, max_len=4)
+  want, _, _ = model.forward_chunk(ids, positions, cache, mask)
+  h, _, _ = model.forward_hidden(ids, positions, cache, mask)
+  unembed = model.unembed()
+  assert unembed.vocab_axis == (0 if config.tie_embeddings else 1), name
+  assert unembed.vocab_size == config.vocab_size
+  np.testing.assert_allclose(np.asarray(unembed.logits(h)), np.asarray(want, np.float32),
+                             rtol=1e-6, atol=1e-6)
+  part = unembed.columns(jnp.int32(3), 5).logits(h)
+  np.testing.assert_allclose(np.asarray(part), np.asarray(want, np.float32)[..., 3:8],
+                             rtol=1e-6, atol=1e-6)

@@ -91,8 +91,8 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
       key_b2=keys_a2)
   fresh = fresh.replace(counters=fresh.counters.add(ones, prefill_b=1))
   # The first token, from the logits at the prompt's last token (pass 0 of the prompt).
-  keys = engine.pass_keys(keys_a2, jnp.zeros((a,), jnp.int32), 1)
-  stats = heads.token_stats(last_ad[:, None], model.unembed_vd(), jnp.zeros((a, 1), jnp.int32),
+  keys = engine.pass_keys(keys_a2, jnp.zeros((a,), jnp.int32), 1, knobs.temperature)
+  stats = heads.token_stats(last_ad[:, None], model.unembed(), jnp.zeros((a, 1), jnp.int32),
                             sample_bt=jnp.ones((a, 1), bool), temperature=knobs.temperature,
                             keys_bt2=keys, vocab_chunk=spec.vocab_chunk)
   fresh = _emit(spec, fresh, stats.pick_bt[:, 0], ones, knobs)
@@ -111,7 +111,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
                      positions_bn=(r.prompt_len_b + r.n_b - 1)[:, None],
                      group_bn=jnp.zeros((b, 1), jnp.int32), dest_bn=r.length_b[:, None],
                      sample_bn=jnp.ones((b, 1), bool))
-  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), 1)
+  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), 1, knobs.temperature)
   cache, out = passes.run_pass(model, st.cache, feed, (1,), temperature=knobs.temperature,
                                keys_bn2=keys, vocab_chunk=spec.vocab_chunk)
   r = _emit(spec, r.replace(length_b=r.length_b + active.astype(jnp.int32)), out.pick_bn[:, 0],

@@ -105,4 +105,4 @@ def prefill(model, cache: KVCache, prompt_ids_bp, prompt_len_b):
   """
   rows_b = jnp.arange(prompt_ids_bp.shape[0])
   cache, last_bd = prefill_rows(model, cache, prompt_ids_bp, prompt_len_b, rows_b)
-  return cache, jnp.einsum("bd,vd->bv", last_bd, model.unembed_vd()).astype(jnp.float32)
+  return cache, model.unembed().logits(last_bd[:, None])[:, 0]

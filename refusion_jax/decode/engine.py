@@ -149,12 +149,22 @@ def prompt_keys(rng, prompt_ids_a) -> jax.Array:
   return jax.vmap(lambda i: jax.random.fold_in(rng, i))(prompt_ids_a)
 
 
-def pass_keys(key_b2, pass_b, n: int) -> jax.Array:
-  """`[B, n, 2]` keys for the n layout entries of each row's current pass."""
-  def row(key, count):
-    k = jax.random.fold_in(key, count)
-    return jax.vmap(lambda i: jax.random.fold_in(k, i))(jnp.arange(n))
-  return jax.vmap(row)(key_b2, pass_b)
+def pass_keys(key_b2, pass_b, n: int, temperature=None) -> jax.Array:
+  """`[B, n, 2]` keys for the n layout entries of each row's current pass.
+
+  With a (traced) `temperature`, the keys are derived only when it is > 0 and
+  are zeros otherwise: greedy decoding samples nothing, so its passes skip the
+  hashing.
+  """
+  def derive():
+    def row(key, count):
+      k = jax.random.fold_in(key, count)
+      return jax.vmap(lambda i: jax.random.fold_in(k, i))(jnp.arange(n))
+    return jax.vmap(row)(key_b2, pass_b)
+  if temperature is None:
+    return derive()
+  return jax.lax.cond(temperature > 0, derive,
+                      lambda: jnp.zeros((key_b2.shape[0], n, 2), jnp.uint32))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from refusion_jax.model import Unembed
+
 DEFAULT_VOCAB_CHUNK = 32768
 
 
@@ -30,12 +32,6 @@ class TokenStats:
   pick_bt: jax.Array  # argmax (noisy where sampled), int32
   p_pick_bt: jax.Array  # its probability under the plain softmax
   p_given_bt: jax.Array  # probability of `given_bt` under the plain softmax
-
-
-def _logits(h_btd, unembed_vd):
-  logits = jnp.einsum("btd,vd->btv", h_btd, unembed_vd)
-  # Same rounding as the model's logits: the compute dtype first, then float32.
-  return logits.astype(jnp.float32)
 
 
 def _noise(keys_bt2, chunk_index, width):
@@ -47,14 +43,15 @@ def _noise(keys_bt2, chunk_index, width):
   return flat.reshape(b, t, width)
 
 
-def token_stats(h_btd, unembed_vd, given_bt, *, sample_bt=None, temperature=None,
+def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
                 keys_bt2=None, banned_id=None, vocab_chunk: int = DEFAULT_VOCAB_CHUNK
                 ) -> TokenStats:
   """Per-token pick and probabilities from hidden states `[B, T, D]`.
 
   Args:
     h_btd: hidden states after the final norm.
-    unembed_vd: the output projection `[V, D]` (`Qwen3.unembed_vd()`).
+    unembed: the output projection, `Qwen3.unembed()` (a `model.Unembed`), or a
+      plain `[V, D]` array.
     given_bt: token whose probability `p_given_bt` reports.
     sample_bt: where the pick is a sample (argmax of logits / temperature +
       Gumbel noise); elsewhere, and everywhere when `temperature <= 0`, it is
@@ -65,7 +62,9 @@ def token_stats(h_btd, unembed_vd, given_bt, *, sample_bt=None, temperature=None
       before the softmax (MDM never drafts the mask token). Static or traced.
     vocab_chunk: vocabulary columns reduced at a time (static).
   """
-  v = unembed_vd.shape[0]
+  if not isinstance(unembed, Unembed):
+    unembed = Unembed(unembed, vocab_axis=0)
+  v = unembed.vocab_size
   sampling = sample_bt is not None
   if sampling:
     any_sample = (temperature > 0) & sample_bt.any()
@@ -81,7 +80,7 @@ def token_stats(h_btd, unembed_vd, given_bt, *, sample_bt=None, temperature=None
     return logits_btc, score
 
   if v <= vocab_chunk:
-    logits = _logits(h_btd, unembed_vd)
+    logits = unembed.logits(h_btd)
     cols = jnp.arange(v)
 
     def reduce_all(with_noise):
@@ -104,9 +103,8 @@ def token_stats(h_btd, unembed_vd, given_bt, *, sample_bt=None, temperature=None
     def body(carry, c):
       m, s, best, best_idx, best_logit, given_logit = carry
       start = jnp.minimum(c * vocab_chunk, v - vocab_chunk)
-      w_cd = jax.lax.dynamic_slice_in_dim(unembed_vd, start, vocab_chunk, axis=0)
       cols = start + jnp.arange(vocab_chunk)
-      logits = _logits(h_btd, w_cd)
+      logits = unembed.columns(start, vocab_chunk).logits(h_btd)
       logits = jnp.where(cols[None, None] >= c * vocab_chunk, logits, -jnp.inf)
       logits, score = chunk_terms(logits, cols, c, with_noise)
       score = jnp.where(cols[None, None] >= c * vocab_chunk, score, -jnp.inf)

@@ -129,8 +129,8 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
   positions_bl = jnp.broadcast_to(cols_l[None].astype(jnp.int32), (b, total))
   h_bld, _, _ = model.forward_hidden(seq_bl, positions_bl, None, attn_bll)
   h_bgd = jnp.take_along_axis(h_bld, gen_col_bg[:, :, None], axis=1)
-  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), g)
-  stats = heads.token_stats(h_bgd, model.unembed_vd(), jnp.zeros((b, g), jnp.int32),
+  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), g, knobs.temperature)
+  stats = heads.token_stats(h_bgd, model.unembed(), jnp.zeros((b, g), jnp.int32),
                             sample_bt=jnp.ones((b, g), bool), temperature=knobs.temperature,
                             keys_bt2=keys, banned_id=knobs.mask_id, vocab_chunk=spec.vocab_chunk)
   draft_bg, conf_bg = stats.pick_bt, stats.p_pick_bt

@@ -85,10 +85,10 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
   need_b = fed.sum(-1).astype(jnp.int32)
   rows_b1 = jnp.arange(b)[:, None]
   rank_bn = jnp.cumsum(fed, axis=-1) - 1
-  unembed_vd = model.unembed_vd()
+  unembed = model.unembed()
 
   def branch(w: int):
-    def run(cache: KVCache):
+    def run():
       # Layout index of the w-th fed entry of each row (n where there is none).
       src_bw = jnp.full((b, w), n, jnp.int32).at[rows_b1, jnp.where(fed, rank_bn, w)].set(
           jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)), mode="drop")
@@ -109,28 +109,38 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
               & valid_bw[:, :, None] & valid_bw[:, None, :]) | jnp.eye(w, dtype=bool)[None]
       h, k, v = model.forward_hidden(ids, pos, cache, mask)
       next_ids = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-      stats = heads.token_stats(h, unembed_vd, next_ids, sample_bt=sample,
+      stats = heads.token_stats(h, unembed, next_ids, sample_bt=sample,
                                 temperature=temperature, keys_bt2=keys, banned_id=banned_id,
                                 vocab_chunk=vocab_chunk)
       p_prev = jnp.concatenate([jnp.ones((b, 1), jnp.float32), stats.p_given_bt[:, :-1]], 1)
-      # K/V into the cache where asked (everything else goes out of bounds: dropped).
-      write = valid_bw & (dest >= 0)
-      dst = jnp.where(write, dest, cache.max_len)
       rows_bw = jnp.broadcast_to(rows_b1, (b, w))
-      cache = cache.replace(
-          k_lbskh=cache.k_lbskh.at[:, rows_bw, dst].set(k.astype(cache.k_lbskh.dtype),
-                                                        mode="drop"),
-          v_lbskh=cache.v_lbskh.at[:, rows_bw, dst].set(v.astype(cache.v_lbskh.dtype),
-                                                        mode="drop"),
-          positions_bs=cache.positions_bs.at[rows_bw, dst].set(pos, mode="drop"))
 
       def back(x_bw, fill):
         out = jnp.full((b, n), fill, x_bw.dtype)
         return out.at[rows_bw, jnp.where(valid_bw, src_bw, n)].set(x_bw, mode="drop")
 
-      return cache, PassOut(pick_bn=back(stats.pick_bt, 0), p_pick_bn=back(stats.p_pick_bt, 0.0),
-                            p_prev_bn=back(p_prev, 0.0))
+      # K/V leave the branch padded to the widest width, with where each goes
+      # (-1: nowhere), and are written below, outside the switch: a cache written
+      # inside a branch is copied on every pass.
+      def widest(x_lbw, fill=0):
+        pad = [(0, 0)] * x_lbw.ndim
+        pad[2] = (0, n_max - w)
+        return jnp.pad(x_lbw, pad, constant_values=fill)
+
+      dest_w = jnp.where(valid_bw & (dest >= 0), dest, -1)
+      return (widest(k), widest(v), widest(dest_w[None], -1)[0], widest(pos[None])[0],
+              PassOut(pick_bn=back(stats.pick_bt, 0), p_pick_bn=back(stats.p_pick_bt, 0.0),
+                      p_prev_bn=back(p_prev, 0.0)))
     return run
 
+  n_max = widths[-1]
   index = width_index(need_b.max(), widths)
-  return jax.lax.switch(index, [branch(w) for w in widths], cache)
+  k, v, dest, pos, out = jax.lax.switch(index, [branch(w) for w in widths])
+  # Everything not written goes out of bounds and is dropped.
+  dst = jnp.where(dest >= 0, dest, cache.max_len)
+  rows_bw = jnp.broadcast_to(rows_b1, dest.shape)
+  cache = cache.replace(
+      k_lbskh=cache.k_lbskh.at[:, rows_bw, dst].set(k.astype(cache.k_lbskh.dtype), mode="drop"),
+      v_lbskh=cache.v_lbskh.at[:, rows_bw, dst].set(v.astype(cache.v_lbskh.dtype), mode="drop"),
+      positions_bs=cache.positions_bs.at[rows_bw, dst].set(pos, mode="drop"))
+  return cache, out

@@ -477,7 +477,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
          (phase == RECOMPUTE, recompute_feed(lay, r, keep_bt))],
         passes.Feed.empty(b, lay.blk))
   n = feed.fed_bn.shape[1]
-  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), n)
+  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), n, knobs.temperature)
   cache, out = passes.run_pass(model, st.cache, feed, widths(spec),
                                temperature=knobs.temperature, keys_bn2=keys,
                                vocab_chunk=spec.vocab_chunk)
