@@ -44,10 +44,14 @@ class Unembed:
   def vocab_size(self) -> int:
     return self.w.shape[self.vocab_axis]
 
+  def project(self, h_btd) -> jax.Array:
+    """`[B, T, V]` logits in the weight's (compute) dtype."""
+    spec = "btd,vd->btv" if self.vocab_axis == 0 else "btd,dv->btv"
+    return jnp.einsum(spec, h_btd, self.w)
+
   def logits(self, h_btd) -> jax.Array:
     """`[B, T, V]` float32 logits, rounded to the compute dtype first like the model's."""
-    spec = "btd,vd->btv" if self.vocab_axis == 0 else "btd,dv->btv"
-    return jnp.einsum(spec, h_btd, self.w).astype(jnp.float32)
+    return self.project(h_btd).astype(jnp.float32)
 
   def columns(self, start, size: int) -> "Unembed":
     """Vocabulary entries `[start, start + size)` (`start` may be traced)."""
@@ -208,12 +212,7 @@ class Qwen3(nnx.Module):
           "[batch, length]")
 
   def _logits(self, x_btd):
-    x_btd = self.final_norm(x_btd)
-    dtype = self.config.compute_dtype
-    if self.config.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", x_btd, self.embed[...].astype(dtype))
-    else:
-      logits = jnp.einsum("btd,dv->btv", x_btd, self.lm_head[...].astype(dtype))
+    logits = self.unembed().project(self.final_norm(x_btd))
     return sharding.constrain(logits, ("batch", "seq", "vocab"))
 
   def unembed(self) -> Unembed:

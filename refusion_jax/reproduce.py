@@ -16,19 +16,15 @@ from __future__ import annotations
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
+from refusion_jax import entry_flags
 from refusion_jax.repro import pipeline
 
 
 def define_flags():
-  """--config and --workdir; defined only when run as a program, so this module can be
-  imported beside the other entry points (train, sample) without clashing flags."""
-  config = config_flags.DEFINE_config_file("config", None, "Reproduction config file.",
-                                           lock_config=True)
-  workdir = flags.DEFINE_string("workdir", None, "Models, results, table.md and plots.")
-  flags.mark_flags_as_required(["config", "workdir"])
-  return config, workdir
+  """--config and --workdir (defined only when run as a program)."""
+  return entry_flags.define_config_and_workdir(
+      "Reproduction config file.", "Models, results, table.md and plots.")
 
 
 def main(argv, config_flag, workdir_flag):

@@ -16,21 +16,16 @@ from __future__ import annotations
 import logging as std_logging
 import os
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import app, logging
 
-from refusion_jax import distributed
+from refusion_jax import distributed, entry_flags
 from refusion_jax.training import loop
 
 
 def define_flags():
-  """--config and --workdir; defined only when run as a program, so this module can be
-  imported beside the other entry points (sample, reproduce) without clashing flags."""
-  config = config_flags.DEFINE_config_file("config", None, "Training config file.",
-                                           lock_config=True)
-  workdir = flags.DEFINE_string("workdir", None, "Checkpoints, logs and the final model go here.")
-  flags.mark_flags_as_required(["config", "workdir"])
-  return config, workdir
+  """--config and --workdir (defined only when run as a program)."""
+  return entry_flags.define_config_and_workdir(
+      "Training config file.", "Checkpoints, logs and the final model go here.")
 
 
 class _QuietOrbax(std_logging.Filter):
