@@ -12,6 +12,11 @@ the allocator's `peak_bytes_in_use` is printed as well).
 
   python benchmarks/decode_speed.py                        # random tiny models
   python benchmarks/decode_speed.py --refusion_dir R --ar_dir A --mdm_dir M
+  python benchmarks/decode_speed.py --preset qwen3_0_6b --memory_only   # any machine
+
+`--memory_only` compiles each decode program from shapes alone (no weights are
+created, nothing runs) and prints its buffer assignment beside AR's: the
+memory comparison of a full-size model on a machine that could not hold it.
 
 Random models say nothing about accuracy, and their near-uniform predictions
 rarely pass ReFusion's thresholds or produce EOS: only trained models give
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import statistics
 import sys
@@ -61,6 +67,10 @@ def parse_args(argv=None):
   parser.add_argument("--batch_sizes", default="1,4,16,64", help="comma-separated")
   parser.add_argument("--preset", default="", choices=["", *PRESETS],
                       help="random model of a named shape (default: config.tiny())")
+  parser.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"],
+                      help="compute and parameter dtype of a random model (default: the "
+                           "preset's). A CPU runs bf16 dots in float32 copies of their "
+                           "operands, so compare memory on a CPU in float32")
   parser.add_argument("--task_prompts", default="",
                       help="JSONL of the task suite ({\"query\": ...}); prompts are its queries, "
                            "chat-templated with the bundled tiny tokenizer, instead of random ids")
@@ -77,6 +87,9 @@ def parse_args(argv=None):
   parser.add_argument("--mdm_threshold", type=float, default=None)
   parser.add_argument("--repeats", type=int, default=3, help="timed calls; the median is kept")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--memory_only", action="store_true",
+                      help="only compile each program from shapes (no weights, no decoding) "
+                           "and print its memory (with --preset: no model is materialised)")
   args = parser.parse_args(argv)
   args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
   for m in args.methods:
@@ -102,7 +115,8 @@ def parse_args(argv=None):
 
 
 def load_models(args):
-  """`{method: model}`; random `config.tiny()` models (one causal, one bidirectional) by default."""
+  """`{method: model}`; random `config.tiny()` models (one causal, one bidirectional) by default
+  (abstract, shapes only, with --memory_only)."""
   models = {}
   shared = {}
   for method in args.methods:
@@ -118,9 +132,12 @@ def load_models(args):
     else:
       attention = "bidirectional" if method == "mdm" else "causal"
       if attention not in shared:
-        shape = PRESETS.get(args.preset, {})
-        shared[attention] = Qwen3(config_lib.tiny(attention=attention, **shape),
-                                  rngs=nnx.Rngs(args.seed))
+        shape = dict(PRESETS.get(args.preset, {}))
+        if args.dtype:
+          shape.update(dtype=args.dtype, param_dtype=args.dtype)
+        config = config_lib.tiny(attention=attention, **shape)
+        make = lambda c=config: Qwen3(c, rngs=nnx.Rngs(args.seed))  # noqa: E731
+        shared[attention] = nnx.eval_shape(make) if args.memory_only else make()
       models[method] = shared[attention]
   return models
 
@@ -187,6 +204,40 @@ def fixed_cost_ms(decoder, repeats: int = 50) -> float:
   return 1e3 * statistics.median(times)
 
 
+def compiled_memory(decoder, batch: int, prompt_len: int):
+  """(XLA's memory analysis, compile seconds) of the decode program of `batch` rows,
+  compiled from shapes only (the decoder's parameters may be abstract)."""
+  shape = jax.ShapeDtypeStruct
+  t = time.perf_counter()
+  lowered = engine._generate.lower(  # pylint: disable=protected-access
+      decoder.graphdef, decoder.params, shape((batch, prompt_len), np.int32),
+      shape((batch,), np.int32), shape((2,), np.uint32), decoder.knobs, spec=decoder.spec)
+  memory = lowered.compile().memory_analysis()
+  return memory, time.perf_counter() - t
+
+
+def memory_table(models, args) -> list[dict]:
+  """--memory_only: every method's program memory per batch size, and its ratio to AR's."""
+  rows = []
+  for batch in args.batch_sizes:
+    for method in args.methods:
+      decoder = engine.Decoder(models[method], _decode_config(method, args))
+      memory, compile_s = compiled_memory(decoder, batch, args.prompt_len)
+      rows.append({"method": method, "batch": batch, "compile_s": compile_s,
+                   "program_mb": program_bytes(memory) / 2**20,
+                   "temp_mb": memory.temp_size_in_bytes / 2**20})
+      print(f"  compiled {method} batch {batch} ({compile_s:.1f}s)", file=sys.stderr, flush=True)
+  ar = {r["batch"]: r["program_mb"] for r in rows if r["method"] == "ar"}
+  print(f"{'method':9s}{'batch':>6s}{'prog MB':>11s}{'temp MB':>11s}{'vs ar':>8s}{'compile':>9s}")
+  for r in rows:
+    ratio = f"{r['program_mb'] / ar[r['batch']]:.2f}x" if r["batch"] in ar else "-"
+    print(f"{r['method']:9s}{r['batch']:>6d}{r['program_mb']:>11.1f}{r['temp_mb']:>11.1f}"
+          f"{ratio:>8s}{r['compile_s']:>9.1f}")
+  print("\nprog MB: XLA buffer assignment of the compiled decode program (parameters, prompts, "
+        "outputs and peak temporaries, KV cache included); temp MB: its temporaries.")
+  return rows
+
+
 def bench_one(method, model, batch, args):
   dc = _decode_config(method, args)
   decoder = engine.Decoder(model, dc)
@@ -196,12 +247,7 @@ def bench_one(method, model, batch, args):
   all_ids, all_lens = make_prompts(model.config, n_prompts, args.prompt_len, args.seed)
   chunks = [(all_ids[i:i + batch], all_lens[i:i + batch]) for i in range(0, n_prompts, batch)]
   rng = jax.random.PRNGKey(args.seed)
-  t = time.perf_counter()
-  lowered = engine._generate.lower(  # pylint: disable=protected-access
-      decoder.graphdef, decoder.params, jax.numpy.asarray(chunks[0][0]),
-      jax.numpy.asarray(chunks[0][1]), engine.raw_key(rng), decoder.knobs, spec=decoder.spec)
-  memory = lowered.compile().memory_analysis()
-  compile_s = time.perf_counter() - t
+  memory, compile_s = compiled_memory(decoder, batch, args.prompt_len)
   jax.block_until_ready(decoder.generate(*chunks[0], rng))  # warm-up
   seconds, tokens, nfe, passes = 0.0, 0, 0, 0
   for ids_bp, lens_b in chunks:
@@ -250,14 +296,17 @@ def main(argv=None) -> list[dict]:
   print(f"device: {device.platform} ({device.device_kind}), {jax.device_count()} device(s)")
   for method, model in models.items():
     c = model.config
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"{method:8s}: {c.num_layers} layers, d={c.hidden_size}, vocab {c.vocab_size}, "
           f"{c.attention}, {params / 1e6:.2f}M params")
   print(f"prompt width {args.prompt_len}, gen_length {args.gen_length}, slot {args.slot_size}, "
         f"block {args.block_size}, tau_s {args.slot_threshold}, tau_t {args.token_threshold}, "
         f"mdm {args.mdm_tokens_per_step}/step"
         + (f", mdm threshold {args.mdm_threshold}" if args.mdm_threshold is not None else "")
-        + f"; median of {args.repeats} timed calls after a warm-up compile\n")
+        + ("; compiled from shapes only\n" if args.memory_only else
+           f"; median of {args.repeats} timed calls after a warm-up compile\n"))
+  if args.memory_only:
+    return memory_table(models, args)
   rows = []
   for batch in args.batch_sizes:
     for method in args.methods:

@@ -96,32 +96,38 @@ def rope(x_btnh, positions_bt, theta: float):
   return out.astype(x_btnh.dtype)
 
 
-def attend(q_btnh, k_btkh, v_btkh, chunk_mask_btt, cache_k_bskh=None, cache_v_bskh=None,
+def attend(q_btnh, k_btkh, v_btkh, chunk_mask_btt, cache_k_bksh=None, cache_v_bksh=None,
            cache_valid_bs=None):
   """Grouped-query attention of a chunk over [cache entries, chunk entries].
 
   `chunk_mask_btt[b, i, j]` says whether chunk query i sees chunk key j;
   `cache_valid_bs[b, s]` whether every chunk query sees cache entry s.
-  Softmax runs in float32 over the union of both key sets.
+  Softmax runs in float32 over the union of both key sets. With a cache the
+  two score blocks are never joined: each is exponentiated against the joint
+  maximum, multiplied with its own values, and the sum is normalised once at
+  the end, so no `[.., t, s + t]` array (or a slice copy of one) exists.
   """
   b, t, n, h = q_btnh.shape
   kv = k_btkh.shape[2]
   q = q_btnh.reshape(b, t, kv, n // kv, h) * (h ** -0.5)
   scores = jnp.einsum("btkgh,bukh->bkgtu", q, k_btkh, preferred_element_type=jnp.float32)
   scores = jnp.where(chunk_mask_btt[:, None, None, :, :], scores, _NEG_INF)
-  if cache_k_bskh is not None:
-    cache_scores = jnp.einsum("btkgh,bskh->bkgts", q, cache_k_bskh,
-                              preferred_element_type=jnp.float32)
-    cache_scores = jnp.where(cache_valid_bs[:, None, None, None, :], cache_scores, _NEG_INF)
-    scores = jnp.concatenate([cache_scores, scores], axis=-1)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_btkh.dtype)
-  if cache_k_bskh is not None:
-    s = cache_k_bskh.shape[1]
-    out = jnp.einsum("bkgts,bskh->btkgh", probs[..., :s], cache_v_bskh)
-    out = out + jnp.einsum("bkgtu,bukh->btkgh", probs[..., s:], v_btkh)
-  else:
-    out = jnp.einsum("bkgtu,bukh->btkgh", probs, v_btkh)
-  return out.reshape(b, t, n, h)
+  if cache_k_bksh is None:
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_btkh.dtype)
+    return jnp.einsum("bkgtu,bukh->btkgh", probs, v_btkh).reshape(b, t, n, h)
+  cache_scores = jnp.einsum("btkgh,bksh->bkgts", q, cache_k_bksh,
+                            preferred_element_type=jnp.float32)
+  cache_scores = jnp.where(cache_valid_bs[:, None, None, None, :], cache_scores, _NEG_INF)
+  top = jax.lax.stop_gradient(jnp.maximum(cache_scores.max(-1), scores.max(-1)))[..., None]
+  e_cache = jnp.exp(cache_scores - top)
+  e_chunk = jnp.exp(scores - top)
+  total = e_cache.sum(-1) + e_chunk.sum(-1)  # [b, k, g, t]
+  out = (jnp.einsum("bkgts,bksh->btkgh", e_cache.astype(v_btkh.dtype), cache_v_bksh,
+                    preferred_element_type=jnp.float32)
+         + jnp.einsum("bkgtu,bukh->btkgh", e_chunk.astype(v_btkh.dtype), v_btkh,
+                      preferred_element_type=jnp.float32))
+  out = out / jnp.moveaxis(total, 3, 1)[..., None]
+  return out.astype(v_btkh.dtype).reshape(b, t, n, h)
 
 
 class Attention(nnx.Module):
@@ -136,7 +142,7 @@ class Attention(nnx.Module):
     self.q_norm = RMSNorm(h, config, rngs=rngs)
     self.k_norm = RMSNorm(h, config, rngs=rngs)
 
-  def __call__(self, x_btd, positions_bt, chunk_mask_btt, cache_k_bskh=None, cache_v_bskh=None,
+  def __call__(self, x_btd, positions_bt, chunk_mask_btt, cache_k_bksh=None, cache_v_bksh=None,
                cache_valid_bs=None):
     dtype = self.config.compute_dtype
     q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dtype))
@@ -147,7 +153,7 @@ class Attention(nnx.Module):
     q = sharding.constrain(q, ("batch", "seq", "q_heads", "head_dim"))
     k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-    out = attend(q, k, v, chunk_mask_btt, cache_k_bskh, cache_v_bskh, cache_valid_bs)
+    out = attend(q, k, v, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_valid_bs)
     y = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dtype))
     return y, k, v
 
@@ -178,18 +184,18 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(config.hidden_size, config, rngs=rngs)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x_btd, positions_bt, chunk_mask_btt, cache_k_bskh=None, cache_v_bskh=None,
+  def __call__(self, x_btd, positions_bt, chunk_mask_btt, cache_k_bksh=None, cache_v_bksh=None,
                cache_valid_bs=None):
-    y, k, v = self.attn(self.input_norm(x_btd), positions_bt, chunk_mask_btt, cache_k_bskh,
-                        cache_v_bskh, cache_valid_bs)
+    y, k, v = self.attn(self.input_norm(x_btd), positions_bt, chunk_mask_btt, cache_k_bksh,
+                        cache_v_bksh, cache_valid_bs)
     x_btd = x_btd + y
     x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
     return sharding.constrain(x_btd, ("batch", "seq", "act_embed")), k, v
 
 
-def _call_layer(layer, x_btd, positions_bt, chunk_mask_btt, cache_k_bskh, cache_v_bskh,
+def _call_layer(layer, x_btd, positions_bt, chunk_mask_btt, cache_k_bksh, cache_v_bksh,
                 cache_valid_bs):
-  return layer(x_btd, positions_bt, chunk_mask_btt, cache_k_bskh, cache_v_bskh, cache_valid_bs)
+  return layer(x_btd, positions_bt, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_valid_bs)
 
 
 class Qwen3(nnx.Module):
@@ -252,8 +258,8 @@ class Qwen3(nnx.Module):
       if cache is None:
         x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, None, None, None)
       else:
-        x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, cache.k_lbskh[i],
-                            cache.v_lbskh[i], valid_bs)
+        x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, cache.k_bksh[i],
+                            cache.v_bksh[i], valid_bs)
       ks.append(k)
       vs.append(v)
     return x, jnp.stack(ks), jnp.stack(vs)

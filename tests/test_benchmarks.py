@@ -48,3 +48,18 @@ def test_decode_speed_needs_batch_sizes_that_divide_the_largest(capsys):
   with pytest.raises(SystemExit):
     decode_speed.main(["--batch_sizes=2,3"])
   assert "must divide the largest" in capsys.readouterr().err
+
+
+def test_decode_speed_memory_only_compiles_from_shapes(capsys):
+  from benchmarks import decode_speed  # pylint: disable=import-outside-toplevel
+  rows = decode_speed.main(["--memory_only", "--methods=refusion,ar", "--batch_sizes=1,2",
+                            "--prompt_len=8", "--gen_length=8", "--slot_size=4",
+                            "--block_size=8"])
+  by = {(r["method"], r["batch"]): r for r in rows}
+  assert set(by) == {("refusion", 1), ("ar", 1), ("refusion", 2), ("ar", 2)}
+  for r in rows:
+    assert r["program_mb"] > r["temp_mb"] >= 0
+  # Twice the rows: twice the KV cache and prompts, the same parameters.
+  assert by[("ar", 2)]["program_mb"] > by[("ar", 1)]["program_mb"]
+  out = capsys.readouterr().out
+  assert "compiled from shapes only" in out and "1.00x" in out

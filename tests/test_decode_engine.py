@@ -416,3 +416,24 @@ def test_infill_eos_drops_later_slots_and_commit_ends_the_block():
   last = refusion.commit(_LAY, _row(block_b=1), jnp.asarray([[True] * 6]), jnp.asarray([[1] * 6]),
                          jnp.asarray([[True] * 3]), jnp.asarray([False]))
   assert int(last.phase_b[0]) == engine.DONE
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar"])
+def test_decode_program_holds_no_copy_of_the_kv_cache(method):
+  # A long KV buffer and narrow passes: the cache is most of what a decode holds, and
+  # the program's temporaries must stay well below one copy of it (a layer sliced out
+  # of a stacked buffer, a transposed read or a loop-carried copy would each be one).
+  cfg = config_lib.tiny(num_layers=2, vocab_size=VOCAB, hidden_size=32, num_heads=2,
+                        num_kv_heads=2, head_dim=16, mlp_dim=64, mask_token_id=MASK,
+                        pad_token_id=PAD, max_position_embeddings=1024)
+  model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+  dc = DecodeConfig(method=method, gen_length=512, slot_size=4, block_size=8)
+  d = engine.Decoder(model, dc)
+  b, p = 4, 8
+  shape = jax.ShapeDtypeStruct
+  compiled = engine._generate.lower(  # pylint: disable=protected-access
+      d.graphdef, d.params, shape((b, p), np.int32), shape((b,), np.int32),
+      shape((2,), np.uint32), d.knobs, spec=d.spec).compile()
+  memory = compiled.memory_analysis()
+  cache_bytes = 2 * cfg.num_layers * b * cfg.num_kv_heads * (p + 512) * cfg.head_dim * 4
+  assert memory.temp_size_in_bytes < 0.5 * cache_bytes, (memory.temp_size_in_bytes, cache_bytes)

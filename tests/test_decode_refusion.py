@@ -459,8 +459,11 @@ def _cache_gap(model, cache, row, tokens, positions, vis):
   for i, seen in enumerate(vis):
     mask[0, i, seen] = True
   k, v = jax.device_get(_chunk_kv(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(mask)))
-  return max(float(np.abs(cache.k_lbskh[:, row, :n] - k[:, 0, :n]).max()),
-             float(np.abs(cache.v_lbskh[:, row, :n] - v[:, 0, :n]).max()))
+  # Cache: per layer [B, heads, S, H]; the chunk's K/V [layers, B, T, heads, H].
+  cache_k = np.stack([x[row, :, :n] for x in cache.k_bksh])
+  cache_v = np.stack([x[row, :, :n] for x in cache.v_bksh])
+  return max(float(np.abs(cache_k - k[:, 0, :n].swapaxes(1, 2)).max()),
+             float(np.abs(cache_v - v[:, 0, :n].swapaxes(1, 2)).max()))
 
 
 def _causal_vis(n):

@@ -16,7 +16,7 @@ from flax import nnx
 from refusion_jax import hf, masks
 from refusion_jax.config import tiny
 from refusion_jax.kv_cache import KVCache
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Qwen3, attend
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 NAMES = ("gqa", "tied")
@@ -49,6 +49,58 @@ def _chunk(model, ids_bt, positions_bt, cache):
   b, t = ids_bt.shape
   mask = jnp.broadcast_to(masks.causal_tt(t)[None], (b, t, t))
   return model.forward_chunk(jnp.asarray(ids_bt), jnp.asarray(positions_bt), cache, mask)
+
+
+def test_attend_with_cache_equals_one_softmax_over_both_key_sets():
+  # The cache's and the chunk's score blocks are exponentiated and multiplied apart and
+  # normalised once; a plain softmax over [cache keys, chunk keys] is the reference,
+  # including a query that sees nothing (uniform weights over every key, no NaN).
+  rs = np.random.RandomState(0)
+  b, t, s, n, kv, h = 2, 3, 5, 4, 2, 8
+  q = rs.randn(b, t, n, h).astype(np.float32)
+  k, v = rs.randn(b, t, kv, h).astype(np.float32), rs.randn(b, t, kv, h).astype(np.float32)
+  ck, cv = rs.randn(b, kv, s, h).astype(np.float32), rs.randn(b, kv, s, h).astype(np.float32)
+  chunk_mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
+  valid = np.arange(s)[None] < np.array([[3], [0]])  # row 1 has an empty cache
+  chunk_mask[1, 0, 0] = False  # row 1, query 0 sees nothing at all
+  got = np.asarray(attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                          jnp.asarray(chunk_mask), jnp.asarray(ck), jnp.asarray(cv),
+                          jnp.asarray(valid)))
+  g = n // kv
+  want = np.zeros_like(got)
+  for bi in range(b):
+    for ti in range(t):
+      for head in range(n):
+        j = head // g
+        keys = np.concatenate([ck[bi, j], k[bi, :, j]])
+        vals = np.concatenate([cv[bi, j], v[bi, :, j]])
+        seen = np.concatenate([valid[bi], chunk_mask[bi, ti]])
+        logits = np.where(seen, keys @ q[bi, ti, head] / np.sqrt(h), -1e30)
+        w = np.exp(logits - logits.max())
+        want[bi, ti, head] = (w / w.sum()) @ vals
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_write_places_entries_per_layer_and_drops_out_of_range():
+  config = tiny(num_layers=2, num_kv_heads=2, head_dim=4)
+  cache = KVCache.init(config, batch=2, max_len=3)
+  assert len(cache.k_bksh) == 2 and cache.k_bksh[0].shape == (2, 2, 3, 4)
+  # Chunk K/V in the model's [layers, B, T, heads, H] layout; value = 100 l + 10 t + head.
+  l_, t_, k_ = np.meshgrid(np.arange(2), np.arange(2), np.arange(2), indexing="ij")
+  val = (100 * l_ + 10 * t_ + k_).astype(np.float32)  # [layers, T, heads]
+  k_lbtkh = jnp.asarray(np.broadcast_to(val[:, None, :, :, None], (2, 2, 2, 2, 4)))
+  rows = jnp.asarray([[1, 1], [0, 2]])  # row 2 does not exist: dropped
+  dest = jnp.asarray([[2, 0], [3, 1]])  # entry 3 is past max_len: dropped
+  out = cache.write(rows, dest, k_lbtkh, -k_lbtkh, jnp.asarray([[7, 8], [9, 5]]))
+  for layer in range(2):
+    k = np.asarray(out.k_bksh[layer])
+    for head in range(2):
+      assert list(k[1, head, :, 0]) == [100 * layer + 10 + head, 0, 100 * layer + head]
+      assert list(k[0, head, :, 0]) == [0, 0, 0]
+    np.testing.assert_array_equal(np.asarray(out.v_bksh[layer]), -k)
+  assert np.asarray(out.positions_bs).tolist() == [[-1, -1, -1], [8, -1, 7]]
+  assert np.asarray(out.length_b).tolist() == [0, 0]  # lengths are the caller's to raise
 
 
 @pytest.mark.parametrize("shuffle_commit", [False, True])
@@ -90,8 +142,8 @@ def test_cache_entries_beyond_length_are_ignored(fixture):
   cache = KVCache.init(config, b, max_len=16)
   _, k, v = _chunk(model, ids_bt[:, :5], positions_bt[:, :5], cache)
   cache = cache.commit(k, v, jnp.asarray(positions_bt[:, :5]), jnp.ones((b, 5), bool))
-  noisy = cache.replace(k_lbskh=cache.k_lbskh.at[:, :, 5:].set(7.0),
-                        v_lbskh=cache.v_lbskh.at[:, :, 5:].set(-7.0))
+  noisy = cache.replace(k_bksh=tuple(x.at[:, :, 5:].set(7.0) for x in cache.k_bksh),
+                        v_bksh=tuple(x.at[:, :, 5:].set(-7.0) for x in cache.v_bksh))
   clean_logits, _, _ = _chunk(model, ids_bt[:, 5:], positions_bt[:, 5:], cache)
   noisy_logits, _, _ = _chunk(model, ids_bt[:, 5:], positions_bt[:, 5:], noisy)
   np.testing.assert_array_equal(np.asarray(clean_logits), np.asarray(noisy_logits))

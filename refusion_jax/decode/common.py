@@ -86,9 +86,8 @@ def prefill_rows(model, cache: KVCache, ids_ap, lens_a, rows_a) -> tuple[KVCache
   dst = jnp.where(keep, jnp.arange(p)[None], cache.max_len)
   rows_ap = jnp.broadcast_to(rows_a[:, None], (a, p))
   s = jnp.arange(cache.max_len)[None]
-  cache = KVCache(
-      k_lbskh=cache.k_lbskh.at[:, rows_ap, dst].set(k.astype(cache.k_lbskh.dtype), mode="drop"),
-      v_lbskh=cache.v_lbskh.at[:, rows_ap, dst].set(v.astype(cache.v_lbskh.dtype), mode="drop"),
+  cache = cache.write(rows_ap, dst, k, v)
+  cache = cache.replace(
       positions_bs=cache.positions_bs.at[rows_a].set(
           jnp.where(s < lens_a[:, None], s, -1).astype(jnp.int32), mode="drop"),
       length_b=cache.length_b.at[rows_a].set(lens_a, mode="drop"))

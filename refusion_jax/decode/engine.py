@@ -187,9 +187,10 @@ class Placement:
     cache = getattr(state, "cache", None)
     if cache is None:
       return jax.tree.map(pin, state)
-    kv = sharding.logical_to_physical(("layers", None, "cache_seq", "kv_heads", "head_dim"),
-                                      self.rules, cache.k_lbskh.shape, self.mesh)
-    cache = cache.replace(k_lbskh=pin(cache.k_lbskh, kv), v_lbskh=pin(cache.v_lbskh, kv),
+    kv = sharding.logical_to_physical((None, "kv_heads", "cache_seq", "head_dim"),
+                                      self.rules, cache.k_bksh[0].shape, self.mesh)
+    cache = cache.replace(k_bksh=tuple(pin(x, kv) for x in cache.k_bksh),
+                          v_bksh=tuple(pin(x, kv) for x in cache.v_bksh),
                           positions_bs=pin(cache.positions_bs), length_b=pin(cache.length_b))
     return jax.tree.map(pin, state.replace(cache=None)).replace(cache=cache)
 

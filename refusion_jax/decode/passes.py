@@ -9,7 +9,8 @@ row's cache (`dest_bn`, -1 for nowhere) and whether its pick is sampled.
 
 `run_pass` compacts every row's fed entries to the front, in layout order,
 and runs the model at the smallest of the static `widths` that holds every
-row's count, all widths in one compiled program (`lax.switch`). An infill of
+row's count, all widths in one compiled program (`lax.switch`; a pass in
+which no row feeds anything runs no model). An infill of
 one slot therefore pays for one slot, not for a block. K/V are written into
 the cache at `dest_bn` (beyond a row's live length they stay invisible until
 the row commits them by raising its length); the per-token statistics come
@@ -133,14 +134,21 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
                       p_prev_bn=back(p_prev, 0.0)))
     return run
 
+  def idle():
+    # No row feeds anything: no forward, nothing written.
+    c = model.config
+    kv = jnp.zeros((c.num_layers, b, n_max, c.num_kv_heads, c.head_dim), c.compute_dtype)
+    zf = jnp.zeros((b, n), jnp.float32)
+    return (kv, kv, jnp.full((b, n_max), -1, jnp.int32), jnp.zeros((b, n_max), jnp.int32),
+            PassOut(pick_bn=jnp.zeros((b, n), jnp.int32), p_pick_bn=zf, p_prev_bn=zf))
+
   n_max = widths[-1]
-  index = width_index(need_b.max(), widths)
-  k, v, dest, pos, out = jax.lax.switch(index, [branch(w) for w in widths])
+  # The model always runs inside a conditional, also with a single width (AR):
+  # with the cache's reads and its in-place write in the same loop body, XLA
+  # (CPU, measured) copies every layer's K and V twice per pass.
+  index = jnp.where(need_b.max() > 0, 1 + width_index(need_b.max(), widths), 0)
+  k, v, dest, pos, out = jax.lax.switch(index, [idle] + [branch(w) for w in widths])
   # Everything not written goes out of bounds and is dropped.
   dst = jnp.where(dest >= 0, dest, cache.max_len)
   rows_bw = jnp.broadcast_to(rows_b1, dest.shape)
-  cache = cache.replace(
-      k_lbskh=cache.k_lbskh.at[:, rows_bw, dst].set(k.astype(cache.k_lbskh.dtype), mode="drop"),
-      v_lbskh=cache.v_lbskh.at[:, rows_bw, dst].set(v.astype(cache.v_lbskh.dtype), mode="drop"),
-      positions_bs=cache.positions_bs.at[rows_bw, dst].set(pos, mode="drop"))
-  return cache, out
+  return cache.write(rows_bw, dst, k, v, pos), out
