@@ -265,6 +265,44 @@ def test_token_stats_chunked_equals_full_softmax():
             ..., None], -1)[..., 0], rtol=1e-5, atol=1e-12)
 
 
+def test_noise_of_a_column_is_the_same_in_every_chunking():
+  keys = engine.pass_keys(jnp.asarray([[3, 4]], jnp.uint32), jnp.asarray([2]), 3)
+  whole = np.asarray(heads._noise(keys, 0, 700))  # pylint: disable=protected-access
+  assert whole.shape == (1, 3, 700) and len(np.unique(whole)) == whole.size
+  for start, width in ((0, 256), (128, 300), (37, 200), (699, 1)):
+    part = heads._noise(keys, jnp.int32(start), width)  # pylint: disable=protected-access
+    np.testing.assert_array_equal(part, whole[..., start:start + width])
+  # Another token's key draws other noise.
+  assert not np.array_equal(whole[0, 0], whole[0, 1])
+
+
+def test_chunk_columns_keep_one_chunk_within_the_logits_budget():
+  assert heads.chunk_columns(1, 32768) == 32768  # AR at batch 1: one wide chunk
+  assert heads.chunk_columns(64 * 128, 32768) == 2048  # 2^24 / 8192 columns
+  assert heads.chunk_columns(64 * 128, 32768) * 64 * 128 <= heads.LOGITS_BUDGET
+  assert heads.chunk_columns(10**9, 32768) == heads.MIN_CHUNK  # never thinner
+  assert heads.chunk_columns(3000, 32768) % 128 == 0
+  assert heads.chunk_columns(64 * 128, 512) == 512  # never wider than asked
+  with pytest.raises(ValueError, match="must be > 0"):
+    heads.chunk_columns(0, 512)
+
+
+def test_token_stats_memory_does_not_grow_with_batch_times_width():
+  # Qwen3's vocabulary, 64 rows x 128 fed tokens: one 32,768-column float32 chunk of
+  # logits alone would be 1 GiB. Compiled from shapes; nothing runs.
+  v, d = 151936, 16
+  shape = jax.ShapeDtypeStruct
+  def temp_bytes(b, t):
+    fn = jax.jit(lambda h, w, g, s, k, temp: heads.token_stats(
+        h, w, g, sample_bt=s, temperature=temp, keys_bt2=k))
+    return fn.lower(shape((b, t, d), jnp.float32), shape((v, d), jnp.float32),
+                    shape((b, t), jnp.int32), shape((b, t), bool), shape((b, t, 2), jnp.uint32),
+                    shape((), jnp.float32)).compile().memory_analysis().temp_size_in_bytes
+  wide = temp_bytes(64, 128)
+  assert wide < 8 * heads.LOGITS_BUDGET * 4, wide / 2**20
+  assert wide < 2 * temp_bytes(16, 128), "temporaries grew with the batch"
+
+
 def test_pass_keys_are_derived_only_when_sampling():
   key_b2 = jnp.asarray([[0, 1], [5, 9]], jnp.uint32)
   pass_b = jnp.asarray([3, 0])
@@ -282,6 +320,7 @@ def test_token_stats_sampling_is_per_token_and_respects_the_ban():
   given = jnp.zeros((1, 4), jnp.int32)
   keys = engine.pass_keys(jnp.asarray([[0, 1]], jnp.uint32), jnp.asarray([0]), 4)
   sample = jnp.asarray([[True, True, False, True]])
+  picks = []
   for chunk in (64, 16):
     a = heads.token_stats(h, w, given, sample_bt=sample, temperature=jnp.float32(1.0),
                           keys_bt2=keys, banned_id=3, vocab_chunk=chunk)
@@ -296,6 +335,10 @@ def test_token_stats_sampling_is_per_token_and_respects_the_ban():
                               temperature=jnp.float32(1.0), keys_bt2=keys[:, :1], banned_id=3,
                               vocab_chunk=chunk)
     assert int(alone.pick_bt[0, 0]) == int(a.pick_bt[0, 0])
+    picks.append(np.asarray(a.pick_bt))
+  # A column's noise does not depend on the chunking: one piece (64) and chunks of
+  # 16 draw the same samples.
+  np.testing.assert_array_equal(picks[0], picks[1])
   # 200 prompts' keys in one call: the ban holds and the draws spread.
   many = jnp.asarray([[i, 7] for i in range(200)], jnp.uint32)
   k = engine.pass_keys(many, jnp.zeros((200,), jnp.int32), 4)

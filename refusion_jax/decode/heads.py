@@ -6,14 +6,18 @@ temperature where the token is sampled), the picked token's probability under
 the *un-noised* softmax, and the probability of one given token (the next fed
 token, for verification). `token_stats` computes them from the final hidden
 states and the output projection; with a vocabulary larger than
-`vocab_chunk` it walks the vocabulary in chunks with an online log-sum-exp, so
+its chunk it walks the vocabulary in chunks with an online log-sum-exp, so
 no `[B, T, V]` float32 array exists (Qwen3's 151,671 tokens at batch 16 x
-block 128 would be 1.2 GB per pass).
+block 128 would be 1.2 GB per pass). A chunk holds at most `vocab_chunk`
+columns and, for a wide pass over many rows, fewer (`chunk_columns`): one
+chunk's `[B, T, columns]` logits stay within `LOGITS_BUDGET` elements, so the
+picker's memory does not grow with batch x width (at batch 64 x block 128 a
+32,768-column chunk alone is 1 GiB, and the reduction holds several).
 
-Noise is drawn per token from its own key (`keys_bt2`), chunk by chunk, so a
-token's draw does not depend on how many other tokens share the pass or on
-its place in the pass: a row decoded inside a batch equals the row decoded
-alone even when sampling.
+Noise is drawn per token from its own key (`keys_bt2`) and per vocabulary
+column, so a token's draw does not depend on how many other tokens share the
+pass, on its place in the pass or on the chunking: a row decoded inside a
+batch equals the row decoded alone even when sampling.
 """
 
 from __future__ import annotations
@@ -25,6 +29,23 @@ import jax.numpy as jnp
 from refusion_jax.model import Unembed
 
 DEFAULT_VOCAB_CHUNK = 32768
+# Elements of one chunk's [B, T, columns] float32 logits (64 MiB); a chunk never has
+# fewer than MIN_CHUNK columns (a narrower matmul would cost more in loop steps).
+LOGITS_BUDGET = 1 << 24
+MIN_CHUNK = 1024
+# Gumbel noise is drawn in blocks of this many columns (`_noise`).
+NOISE_BLOCK = 128
+
+
+def chunk_columns(tokens: int, vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+                  budget: int = LOGITS_BUDGET) -> int:
+  """Vocabulary columns reduced at a time for a pass over `tokens` (= B x T) tokens:
+  `vocab_chunk`, or fewer (a multiple of 128, at least MIN_CHUNK) where
+  `tokens x vocab_chunk` would exceed `budget` elements."""
+  if tokens <= 0 or vocab_chunk <= 0:
+    raise ValueError(f"tokens and vocab_chunk must be > 0, got {tokens} and {vocab_chunk}")
+  fit = max(MIN_CHUNK, budget // tokens // 128 * 128)
+  return min(vocab_chunk, fit)
 
 
 @flax.struct.dataclass
@@ -34,13 +55,28 @@ class TokenStats:
   p_given_bt: jax.Array  # probability of `given_bt` under the plain softmax
 
 
-def _noise(keys_bt2, chunk_index, width):
-  """Gumbel noise `[B, T, width]` for one vocabulary chunk, one key per token."""
+def _noise(keys_bt2, start, width):
+  """Gumbel noise `[B, T, width]` for vocabulary columns `[start, start + width)`.
+
+  Column c's draw depends on the token's key and on c alone (entry c % NOISE_BLOCK
+  of the key's stream number c // NOISE_BLOCK), never on how the vocabulary is
+  chunked: a pass's chunk size follows its batch x width, and a row must sample
+  the same tokens in a batch as alone. `start` may be traced.
+  """
+  aligned = isinstance(start, int) and start % NOISE_BLOCK == 0
+  first = start // NOISE_BLOCK
+  n = -(-width // NOISE_BLOCK) + (0 if aligned else 1)
+
   def one(key):
-    return jax.random.gumbel(jax.random.fold_in(key, chunk_index), (width,), jnp.float32)
+    def block(j):
+      return jax.random.gumbel(jax.random.fold_in(key, j), (NOISE_BLOCK,), jnp.float32)
+    flat = jax.vmap(block)(first + jnp.arange(n)).reshape(-1)
+    if aligned:
+      return flat[:width]
+    return jax.lax.dynamic_slice(flat, (start % NOISE_BLOCK,), (width,))
+
   b, t = keys_bt2.shape[:2]
-  flat = jax.vmap(one)(keys_bt2.reshape(b * t, -1))
-  return flat.reshape(b, t, width)
+  return jax.vmap(one)(keys_bt2.reshape(b * t, -1)).reshape(b, t, width)
 
 
 def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
@@ -60,7 +96,8 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
     keys_bt2: raw uint32 PRNG key per token (needed when `sample_bt` is given).
     banned_id: a token id never picked, whose probability mass is removed
       before the softmax (MDM never drafts the mask token). Static or traced.
-    vocab_chunk: vocabulary columns reduced at a time (static).
+    vocab_chunk: the most vocabulary columns reduced at a time (static); fewer for
+      a pass of many tokens (`chunk_columns`).
   """
   if not isinstance(unembed, Unembed):
     unembed = Unembed(unembed, vocab_axis=0)
@@ -70,15 +107,17 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
     any_sample = (temperature > 0) & sample_bt.any()
     inv_t = 1.0 / jnp.where(temperature > 0, temperature, 1.0)
 
-  def chunk_terms(logits_btc, cols_c, chunk_index, with_noise):
+  def chunk_terms(logits_btc, cols_c, start, with_noise):
     if banned_id is not None:
       logits_btc = jnp.where(cols_c[None, None] == banned_id, -jnp.inf, logits_btc)
     score = logits_btc
     if with_noise:
-      noise = _noise(keys_bt2, chunk_index, logits_btc.shape[-1])
+      noise = _noise(keys_bt2, start, logits_btc.shape[-1])
       score = jnp.where(sample_bt[..., None], logits_btc * inv_t + noise, logits_btc)
     return logits_btc, score
 
+  b, t = given_bt.shape
+  vocab_chunk = chunk_columns(b * t, vocab_chunk)
   if v <= vocab_chunk:
     logits = unembed.logits(h_btd)
     cols = jnp.arange(v)
@@ -97,7 +136,6 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
   # from a clamped start (`dynamic_slice` needs a full chunk); the columns it
   # shares with the previous chunk are masked out, so each column counts once.
   n_chunks = -(-v // vocab_chunk)
-  b, t = given_bt.shape
 
   def reduce_chunks(with_noise):
     def body(carry, c):
@@ -106,7 +144,7 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
       cols = start + jnp.arange(vocab_chunk)
       logits = unembed.columns(start, vocab_chunk).logits(h_btd)
       logits = jnp.where(cols[None, None] >= c * vocab_chunk, logits, -jnp.inf)
-      logits, score = chunk_terms(logits, cols, c, with_noise)
+      logits, score = chunk_terms(logits, cols, start, with_noise)
       score = jnp.where(cols[None, None] >= c * vocab_chunk, score, -jnp.inf)
       c_max = logits.max(-1)
       new_m = jnp.maximum(m, c_max)
