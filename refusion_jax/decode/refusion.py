@@ -205,13 +205,17 @@ def recompute_feed(lay: _Layout, r: Rows, keep_bt) -> passes.Feed:
 def commit(lay: _Layout, r: Rows, keep_bt, tokens_bt, decided_bs, eos_b) -> Rows:
   """Commits the kept tokens (a prefix of the staged KV) and ends the step."""
   b = keep_bt.shape[0]
-  rows_b1 = jnp.arange(b)[:, None]
-  canvas = lay.canvas_bt(r)
   n_b = keep_bt.sum(-1).astype(jnp.int32)
-  tokens_bg = r.tokens_bg.at[rows_b1, canvas].set(
-      jnp.where(keep_bt, tokens_bt, r.tokens_bg[rows_b1, canvas]))
-  commit_step_bg = r.commit_step_bg.at[rows_b1, canvas].set(
-      jnp.where(keep_bt, r.counters.steps_b[:, None], r.commit_step_bg[rows_b1, canvas]))
+  # The current block is one row of the [B, blocks, block] view of the generated
+  # area, so an elementwise select writes it (no gather and scatter per commit).
+  put = ((jnp.arange(lay.n_blocks)[None] == r.block_b[:, None])[:, :, None]
+         & keep_bt[:, None, :])
+
+  def write(x_bg, value):
+    return jnp.where(put, value, x_bg.reshape(b, lay.n_blocks, lay.blk)).reshape(b, -1)
+
+  tokens_bg = write(r.tokens_bg, tokens_bt[:, None, :])
+  commit_step_bg = write(r.commit_step_bg, r.counters.steps_b[:, None, None])
   ones = jnp.ones((b,), bool)
   nfe_b = r.counters.nfe_b()
   counters = r.counters.add(ones, steps_b=1).add_step_tpf(ones, n_b, nfe_b - r.step_nfe_b)
@@ -265,16 +269,17 @@ def global_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
   eos_slot = (first_eos // lay.k)[:, None]
   keep_eos = chosen_bt & (lay.t[None] <= first_eos[:, None])
   decided_eos = r.decided_bs | (r.chosen_bs & (slot_s < eos_slot)) | (slot_s >= eos_slot)
-  by_eos = commit(lay, r, keep_eos, r.draft_bt, decided_eos, r.eos_b | True)
-  by_whole = commit(lay, r, lay.per_token(whole_bs), r.draft_bt, r.decided_bs | whole_bs,
-                    r.eos_b)
+  # Else whole leading slots. One commit serves both cases.
+  committed = commit(lay, r, jnp.where(gv_eos[:, None], keep_eos, lay.per_token(whole_bs)),
+                     r.draft_bt, jnp.where(gv_eos[:, None], decided_eos, r.decided_bs | whole_bs),
+                     r.eos_b | gv_eos)
   # Parallel infill: every chosen slot starts from its own accepted prefix.
   to_infill = r.replace(
       phase_b=jnp.full((b,), DRAFT),
       accepted_bt=chosen_bt & prefix_within_slot(accepted_bt, lay.k),
       removed_bs=jnp.zeros_like(r.chosen_bs), infill_eos_b=jnp.zeros((b,), bool),
       round_b=jnp.zeros((b,), jnp.int32), verify_bs=r.chosen_bs)
-  return passes.select([(gv_eos, by_eos), (gv_whole, by_whole)], to_infill)
+  return passes.select([(gv_eos | gv_whole, committed)], to_infill)
 
 
 def infill_draft(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
