@@ -269,7 +269,8 @@ def global_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
   eos_slot = (first_eos // lay.k)[:, None]
   keep_eos = chosen_bt & (lay.t[None] <= first_eos[:, None])
   decided_eos = r.decided_bs | (r.chosen_bs & (slot_s < eos_slot)) | (slot_s >= eos_slot)
-  # Else whole leading slots. One commit serves both cases.
+  # One commit for both outcomes: up to the EOS where the prefix holds one, else the
+  # whole leading slots.
   committed = commit(lay, r, jnp.where(gv_eos[:, None], keep_eos, lay.per_token(whole_bs)),
                      r.draft_bt, jnp.where(gv_eos[:, None], decided_eos, r.decided_bs | whole_bs),
                      r.eos_b | gv_eos)
