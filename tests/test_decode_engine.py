@@ -276,6 +276,24 @@ def test_noise_of_a_column_is_the_same_in_every_chunking():
   assert not np.array_equal(whole[0, 0], whole[0, 1])
 
 
+def test_noise_is_standard_gumbel():
+  keys = engine.pass_keys(jnp.asarray([[3, 4], [5, 6]], jnp.uint32), jnp.asarray([2, 7]), 50)
+  x = np.asarray(heads._noise(keys, 0, 4000)).ravel()  # pylint: disable=protected-access
+  # 400,000 draws: mean Euler's gamma, variance pi^2 / 6, P(x < 0) = exp(-1).
+  assert np.isfinite(x).all()
+  assert abs(x.mean() - 0.5772) < 0.01 and abs(x.var() - np.pi**2 / 6) < 0.02
+  assert abs((x < 0).mean() - np.exp(-1)) < 0.005
+
+
+def test_compact_moves_fed_entries_to_the_front_in_layout_order():
+  fed = jnp.asarray([[0, 1, 1, 0, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], bool)
+  src, rank = passes.compact(fed)
+  np.testing.assert_array_equal(np.asarray(src)[0, :3], [1, 2, 4])
+  assert int(src[1, 0]) == 0
+  np.testing.assert_array_equal(np.asarray(rank)[0], [-1, 0, 1, 1, 2])
+  assert np.asarray(src).max() <= 4  # clipped to the layout
+
+
 def test_chunk_columns_keep_one_chunk_within_the_logits_budget():
   assert heads.chunk_columns(1, 32768) == 32768  # AR at batch 1: one wide chunk
   assert heads.chunk_columns(64 * 128, 32768) == 2048  # 2^24 / 8192 columns

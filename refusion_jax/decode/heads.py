@@ -25,6 +25,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
 
 from refusion_jax.model import Unembed
 
@@ -33,8 +34,6 @@ DEFAULT_VOCAB_CHUNK = 32768
 # fewer than MIN_CHUNK columns (a narrower matmul would cost more in loop steps).
 LOGITS_BUDGET = 1 << 24
 MIN_CHUNK = 1024
-# Gumbel noise is drawn in blocks of this many columns (`_noise`).
-NOISE_BLOCK = 128
 
 
 def chunk_columns(tokens: int, vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
@@ -58,24 +57,22 @@ class TokenStats:
 def _noise(keys_bt2, start, width):
   """Gumbel noise `[B, T, width]` for vocabulary columns `[start, start + width)`.
 
-  Column c's draw depends on the token's key and on c alone (entry c % NOISE_BLOCK
-  of the key's stream number c // NOISE_BLOCK), never on how the vocabulary is
-  chunked: a pass's chunk size follows its batch x width, and a row must sample
-  the same tokens in a batch as alone. `start` may be traced.
+  Column c's draw is Threefry-2x32 of the token's key with counter (c, 0), so it
+  depends on the key and on c alone, never on how the vocabulary is chunked (a
+  pass's chunk size follows its batch x width, and a row must sample the same
+  tokens in a batch as alone). One counter-mode hash per column: the branch of
+  every pass width compiles one small fusion for it. `start` may be traced.
   """
-  aligned = isinstance(start, int) and start % NOISE_BLOCK == 0
-  first = start // NOISE_BLOCK
-  n = -(-width // NOISE_BLOCK) + (0 if aligned else 1)
-
-  def one(key):
-    def block(j):
-      return jax.random.gumbel(jax.random.fold_in(key, j), (NOISE_BLOCK,), jnp.float32)
-    flat = jax.vmap(block)(first + jnp.arange(n)).reshape(-1)
-    if aligned:
-      return flat[:width]
-    return jax.lax.dynamic_slice(flat, (start % NOISE_BLOCK,), (width,))
-
   b, t = keys_bt2.shape[:2]
+  cols = (start + jnp.arange(width)).astype(jnp.uint32)
+
+  def one(key2):
+    bits, _ = threefry2x32_p.bind(key2[0], key2[1], cols, jnp.zeros_like(cols))
+    # 23 random mantissa bits -> a float in [1, 2) -> uniform in (0, 1).
+    unit = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+    u = jnp.maximum(unit, jnp.finfo(jnp.float32).tiny)
+    return -jnp.log(-jnp.log(u))
+
   return jax.vmap(one)(keys_bt2.reshape(b * t, -1)).reshape(b, t, width)
 
 

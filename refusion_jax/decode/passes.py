@@ -7,10 +7,12 @@ entries of its own group: group 0 for a causal run over everything fed, the
 slot index for the infill's slot-local attention), where its K/V go in the
 row's cache (`dest_bn`, -1 for nowhere) and whether its pick is sampled.
 
-`run_pass` compacts every row's fed entries to the front, in layout order,
-and runs the model at the smallest of the static `widths` that holds every
-row's count, all widths in one compiled program (`lax.switch`; a pass in
-which no row feeds anything runs no model). An infill of
+`run_pass` compacts every row's fed entries to the front, in layout order
+(once, before the width is chosen: one gather of all the feed's fields), and
+runs the model at the smallest of the static `widths` that holds every row's
+count, all widths in one compiled program (`lax.switch`; a pass in which no
+row feeds anything runs no model). A branch holds only the model and the token
+picker, so each extra width costs little compile time. An infill of
 one slot therefore pays for one slot, not for a block. K/V are written into
 the cache at `dest_bn` (beyond a row's live length they stay invisible until
 the row commits them by raising its length); the per-token statistics come
@@ -74,6 +76,18 @@ def width_index(need: jax.Array, widths: Sequence[int]) -> jax.Array:
   return jnp.minimum((need > ws).sum(), len(widths) - 1)
 
 
+def compact(fed_bn: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(src_bn, rank_bn)`: the layout index of each row's j-th fed entry (clipped to
+  the layout; meaningful for j < the row's count) and each entry's place among
+  its row's fed entries. Elementwise compares and sums only (no scatter)."""
+  n = fed_bn.shape[-1]
+  cum_bn = jnp.cumsum(fed_bn, axis=-1, dtype=jnp.int32)
+  # The j-th fed entry sits after exactly the entries whose running count is <= j.
+  src_bn = (cum_bn[:, None, :] <= jnp.arange(n, dtype=jnp.int32)[None, :, None]).sum(
+      -1, dtype=jnp.int32)
+  return jnp.minimum(src_bn, n - 1), cum_bn - 1
+
+
 def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temperature,
              keys_bn2, banned_id=None, vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK
              ) -> tuple[KVCache, PassOut]:
@@ -82,29 +96,34 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
   widths = tuple(sorted(set(int(w) for w in widths)))
   if widths[-1] < n:
     raise ValueError(f"the widest pass {widths[-1]} cannot hold a layout of {n} entries")
+  n_max = widths[-1]
   fed = feed.fed_bn
   need_b = fed.sum(-1).astype(jnp.int32)
   rows_b1 = jnp.arange(b)[:, None]
-  rank_bn = jnp.cumsum(fed, axis=-1) - 1
   unembed = model.unembed()
+
+  # Compaction, once for every width: each row's fed entries moved to the front in
+  # layout order (one gather of all the feed's fields), padded to the widest width;
+  # a branch of width w reads the first w columns.
+  src_bn, rank_bn = compact(fed)
+  valid_bn = jnp.arange(n)[None] < need_b[:, None]
+  fields = jnp.stack([feed.ids_bn, feed.positions_bn, feed.group_bn, feed.dest_bn,
+                      feed.sample_bn.astype(jnp.int32),
+                      jax.lax.bitcast_convert_type(keys_bn2[..., 0], jnp.int32),
+                      jax.lax.bitcast_convert_type(keys_bn2[..., 1], jnp.int32)], -1)
+  fill = jnp.asarray([0, 0, -1, -1, 0, 0, 0], jnp.int32)
+  packed = jnp.where(valid_bn[..., None], jnp.take_along_axis(fields, src_bn[..., None], axis=1),
+                     fill)
+  packed = jnp.pad(packed, ((0, 0), (0, n_max - n), (0, 0)))
+  packed = packed.at[:, n:].set(fill)
 
   def branch(w: int):
     def run():
-      # Layout index of the w-th fed entry of each row (n where there is none).
-      src_bw = jnp.full((b, w), n, jnp.int32).at[rows_b1, jnp.where(fed, rank_bn, w)].set(
-          jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)), mode="drop")
+      c = packed[:, :w]
+      ids, pos, group, dest = c[..., 0], c[..., 1], c[..., 2], c[..., 3]
+      sample = c[..., 4] > 0
+      keys = jax.lax.bitcast_convert_type(c[..., 5:7], jnp.uint32)
       valid_bw = jnp.arange(w)[None] < need_b[:, None]
-      src_c = jnp.minimum(src_bw, n - 1)
-
-      def gather(x_bn, fill):
-        return jnp.where(valid_bw, jnp.take_along_axis(x_bn, src_c, axis=1), fill)
-
-      ids = gather(feed.ids_bn, 0)
-      pos = gather(feed.positions_bn, 0)
-      group = gather(feed.group_bn, -1)
-      dest = gather(feed.dest_bn, -1)
-      sample = gather(feed.sample_bn, False)
-      keys = jnp.take_along_axis(keys_bn2, src_c[..., None], axis=1)
       causal_ww = masks.causal_tt(w)
       mask = (causal_ww[None] & (group[:, :, None] == group[:, None, :])
               & valid_bw[:, :, None] & valid_bw[:, None, :]) | jnp.eye(w, dtype=bool)[None]
@@ -114,40 +133,36 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
                                 temperature=temperature, keys_bt2=keys, banned_id=banned_id,
                                 vocab_chunk=vocab_chunk)
       p_prev = jnp.concatenate([jnp.ones((b, 1), jnp.float32), stats.p_given_bt[:, :-1]], 1)
-      rows_bw = jnp.broadcast_to(rows_b1, (b, w))
-
-      def back(x_bw, fill):
-        out = jnp.full((b, n), fill, x_bw.dtype)
-        return out.at[rows_bw, jnp.where(valid_bw, src_bw, n)].set(x_bw, mode="drop")
-
-      # K/V leave the branch padded to the widest width, with where each goes
-      # (-1: nowhere), and are written below, outside the switch: a cache written
-      # inside a branch is copied on every pass.
-      def widest(x_lbw, fill=0):
-        pad = [(0, 0)] * x_lbw.ndim
-        pad[2] = (0, n_max - w)
-        return jnp.pad(x_lbw, pad, constant_values=fill)
+      # Everything leaves the branch padded to the widest width. K/V go with where
+      # each goes (-1: nowhere) and are written below, outside the switch: a cache
+      # written inside a branch is copied on every pass.
+      def widest(x, axis, fill=0):
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, n_max - w)
+        return jnp.pad(x, pad, constant_values=fill)
 
       dest_w = jnp.where(valid_bw & (dest >= 0), dest, -1)
-      return (widest(k), widest(v), widest(dest_w[None], -1)[0], widest(pos[None])[0],
-              PassOut(pick_bn=back(stats.pick_bt, 0), p_pick_bn=back(stats.p_pick_bt, 0.0),
-                      p_prev_bn=back(p_prev, 0.0)))
+      return (widest(k, 2), widest(v, 2), widest(dest_w, 1, -1), widest(pos, 1),
+              widest(stats.pick_bt, 1), widest(jnp.stack([stats.p_pick_bt, p_prev], -1), 1))
     return run
 
   def idle():
     # No row feeds anything: no forward, nothing written.
     c = model.config
     kv = jnp.zeros((c.num_layers, b, n_max, c.num_kv_heads, c.head_dim), c.compute_dtype)
-    zf = jnp.zeros((b, n), jnp.float32)
-    return (kv, kv, jnp.full((b, n_max), -1, jnp.int32), jnp.zeros((b, n_max), jnp.int32),
-            PassOut(pick_bn=jnp.zeros((b, n), jnp.int32), p_pick_bn=zf, p_prev_bn=zf))
+    zi = jnp.zeros((b, n_max), jnp.int32)
+    return kv, kv, zi - 1, zi, zi, jnp.zeros((b, n_max, 2), jnp.float32)
 
-  n_max = widths[-1]
   # The model always runs inside a conditional, also with a single width (AR):
   # with the cache's reads and its in-place write in the same loop body, XLA
-  # (CPU, measured) copies every layer's K and V twice per pass.
+  # (CPU, measured) copies every layer's K and V twice per AR pass.
   index = jnp.where(need_b.max() > 0, 1 + width_index(need_b.max(), widths), 0)
-  k, v, dest, pos, out = jax.lax.switch(index, [idle] + [branch(w) for w in widths])
+  k, v, dest, pos, pick, probs = jax.lax.switch(index, [idle] + [branch(w) for w in widths])
+  # Back to the layout: entry n reads the compacted column of its rank (a gather).
+  rank = jnp.clip(rank_bn, 0, n_max - 1)
+  pick = jnp.where(fed, jnp.take_along_axis(pick, rank, axis=1), 0)
+  probs = jnp.where(fed[..., None], jnp.take_along_axis(probs, rank[..., None], axis=1), 0.0)
+  out = PassOut(pick_bn=pick, p_pick_bn=probs[..., 0], p_prev_bn=probs[..., 1])
   # Everything not written goes out of bounds and is dropped.
   dst = jnp.where(dest >= 0, dest, cache.max_len)
   rows_bw = jnp.broadcast_to(rows_b1, dest.shape)
