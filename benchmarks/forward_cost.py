@@ -14,6 +14,7 @@ forwards (no Python dispatch between passes), best of `--repeats` runs.
 
   python benchmarks/forward_cost.py                          # the repro_tiny model shape, random
   python benchmarks/forward_cost.py --model_dir W/models/refusion/final_model
+  python benchmarks/forward_cost.py --preset release_tiny --batch 16   # the release's tiny shape
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import masks  # noqa: E402
 from refusion_jax.decode import common  # noqa: E402
 from refusion_jax.model import Qwen3  # noqa: E402
+from benchmarks.decode_speed import PRESETS  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -41,6 +43,9 @@ def parse_args(argv=None):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model_dir", default="", help="refusion_jax model folder ('' = a "
                       "random model of the repro_tiny shape: 4 layers, d=128)")
+  parser.add_argument("--preset", default="", choices=["", *PRESETS],
+                      help="random model of a named shape (benchmarks/decode_speed.py's "
+                           "presets) instead of the repro_tiny shape")
   parser.add_argument("--widths", default="1,2,4,8,16,24,32", help="chunk widths, comma-separated")
   parser.add_argument("--batch", type=int, default=1, help="rows per pass")
   parser.add_argument("--context", type=int, default=40, help="live cache entries per row")
@@ -56,15 +61,17 @@ def parse_args(argv=None):
   for name in ("batch", "context", "passes", "repeats"):
     if getattr(args, name) < 1:
       parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+  if args.preset and args.model_dir:
+    parser.error("--preset and --model_dir exclude each other")
   args.widths = widths
   return args
 
 
-def load(model_dir: str):
+def load(model_dir: str, preset: str = ""):
   if model_dir:
     _, model = checkpoint.load_model(model_dir)
     return model
-  config = config_lib.tiny(num_layers=4)
+  config = config_lib.tiny(**PRESETS[preset]) if preset else config_lib.tiny(num_layers=4)
   return Qwen3(config, rngs=nnx.Rngs(0))
 
 
@@ -105,7 +112,7 @@ def time_width(model, width: int, batch: int, context: int, passes: int,
 
 def main(argv=None) -> list[dict]:
   args = parse_args(argv)
-  model = load(args.model_dir)
+  model = load(args.model_dir, args.preset)
   c = model.config
   print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); model: "
         f"{c.num_layers} layers, d={c.hidden_size}, vocab {c.vocab_size}; batch {args.batch}, "

@@ -13,13 +13,26 @@ def test_forward_cost_reports_each_width(capsys):
   assert "| 1 |" in out and "| 4 |" in out and "1.00x" in out
 
 
+def test_forward_cost_runs_a_preset_shape(capsys):
+  forward_cost.main(["--preset=release_tiny", "--widths=2", "--batch=2", "--passes=1",
+                     "--repeats=1", "--context=4"])
+  assert "2 layers, d=64, vocab 256; batch 2" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flag, needle", [("--widths=1,x", "comma-separated ints"),
                                           ("--widths=0,4", "must be positive"),
-                                          ("--passes=0", "--passes must be >= 1")])
+                                          ("--passes=0", "--passes must be >= 1"),
+                                          ("--preset=nope", "invalid choice")])
 def test_forward_cost_rejects_bad_flags(flag, needle, capsys):
   with pytest.raises(SystemExit):
     forward_cost.parse_args([flag])
   assert needle in capsys.readouterr().err
+
+
+def test_forward_cost_takes_a_preset_or_a_model_not_both(capsys):
+  with pytest.raises(SystemExit):
+    forward_cost.parse_args(["--preset=release_tiny", "--model_dir=somewhere"])
+  assert "exclude each other" in capsys.readouterr().err
 
 
 def test_forward_cost_names_an_over_long_context():
