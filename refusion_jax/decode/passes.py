@@ -114,8 +114,7 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
   fill = jnp.asarray([0, 0, -1, -1, 0, 0, 0], jnp.int32)
   packed = jnp.where(valid_bn[..., None], jnp.take_along_axis(fields, src_bn[..., None], axis=1),
                      fill)
-  packed = jnp.pad(packed, ((0, 0), (0, n_max - n), (0, 0)))
-  packed = packed.at[:, n:].set(fill)
+  packed = jnp.concatenate([packed, jnp.broadcast_to(fill, (b, n_max - n, fill.size))], 1)
 
   def branch(w: int):
     def run():
@@ -141,8 +140,8 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
         pad[axis] = (0, n_max - w)
         return jnp.pad(x, pad, constant_values=fill)
 
-      dest_w = jnp.where(valid_bw & (dest >= 0), dest, -1)
-      return (widest(k, 2), widest(v, 2), widest(dest_w, 1, -1), widest(pos, 1),
+      # `dest` is already -1 on padding (the compaction's fill).
+      return (widest(k, 2), widest(v, 2), widest(dest, 1, -1), widest(pos, 1),
               widest(stats.pick_bt, 1), widest(jnp.stack([stats.p_pick_bt, p_prev], -1), 1))
     return run
 
