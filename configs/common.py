@@ -83,6 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_every_steps = 1  # metrics.jsonl / TensorBoard interval
   c.eval_every_steps = 200  # eval loss interval (0 = never; also run at the end when > 0)
   c.eval_batches = 8  # full batches of eval_files per evaluation (0 = all)
-  c.export_hf_dir = ""  # also write a HF Qwen3 folder here at the end ("" = skip)
+  c.export_hf_dir = ""  # also write a HF Qwen3 folder here at the end ("" = skip; new, empty or
+  #                       this run's earlier export only: other files are never replaced)
   c.progress_bar = True  # tqdm bar on process 0
   return c

@@ -29,7 +29,7 @@ import re
 import shutil
 import struct
 import tempfile
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -412,7 +412,8 @@ def _to_host(array) -> np.ndarray:
 
 
 def save(config: ModelConfig, model: nnx.Module, directory: str, *,
-         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> None:
+         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
+         extra_files: Mapping[str, str] | None = None) -> None:
   """Writes `model` as a HF Qwen3ForCausalLM folder that transformers can load.
 
   Writes `config.json` plus `model.safetensors`, or, when the tensors exceed
@@ -420,6 +421,8 @@ def save(config: ModelConfig, model: nnx.Module, directory: str, *,
   `model.safetensors.index.json`. Tensors keep the parameters' dtype. The
   folder is written under a temporary name and renamed into place, so a
   failure leaves nothing half-written. Only process 0 writes files.
+  `extra_files` ({name: text}) are written into the folder before it is renamed
+  into place (the trainer's export marker).
   """
   if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
     raise ValueError(f"hf.save: max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
@@ -491,6 +494,9 @@ def save(config: ModelConfig, model: nnx.Module, directory: str, *,
           json.dump(index, f, indent=2)
       with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
         json.dump(config_lib.to_hf_config(config), f, indent=2)
+      for name, text in (extra_files or {}).items():
+        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+          f.write(text)
       if os.path.exists(directory):
         shutil.rmtree(directory)
       os.replace(tmp, directory)

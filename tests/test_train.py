@@ -20,7 +20,7 @@ from configs import tiny_arm, tiny_mdm, tiny_refusion
 from refusion_jax import checkpoint, data, hf, objective, sharding
 from refusion_jax import config as config_lib
 from refusion_jax.model import Qwen3
-from refusion_jax.training import loop, settings
+from refusion_jax.training import loop, outputs, settings
 from refusion_jax.training import trainer as trainer_lib
 from refusion_jax.tokenizer import TINY_TOKENIZER_DIR, Tokenizer
 
@@ -386,3 +386,92 @@ def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir):
   c.model.num_layers = 4
   with pytest.raises(ValueError, match=r"config\.model\.num_layers=4 conflicts with init_from_hf"):
     settings.build_model_config(c, tok)
+
+
+def _export_case(tmp_path, case):
+  """(workdir, export_hf_dir, files that must survive) for one unsafe export target."""
+  workdir = tmp_path / "w"
+  if case == "folder with other files":
+    export = tmp_path / "mine"
+    export.mkdir()
+    (export / "notes.txt").write_text("keep me")
+    (export / "config.json").write_text("{}")  # looks like an export, but is not this run's
+    return workdir, export, [export / "notes.txt", export / "config.json"]
+  if case == "the workdir":
+    (workdir / loop.CHECKPOINT_DIR / "10").mkdir(parents=True)
+    (workdir / loop.CHECKPOINT_DIR / "10" / "state").write_text("checkpoint")
+    (workdir / loop.METRICS_FILE).write_text('{"step": 10}\n')
+    return workdir, workdir, [workdir / loop.CHECKPOINT_DIR / "10" / "state",
+                              workdir / loop.METRICS_FILE]
+  if case == "a parent of the workdir":
+    workdir = tmp_path / "runs" / "w"
+    workdir.mkdir(parents=True)
+    (workdir / loop.METRICS_FILE).write_text('{"step": 1}\n')
+    return workdir, tmp_path / "runs", [workdir / loop.METRICS_FILE]
+  if case == "inside the checkpoints":
+    (workdir / loop.CHECKPOINT_DIR / "10").mkdir(parents=True)
+    (workdir / loop.CHECKPOINT_DIR / "10" / "state").write_text("checkpoint")
+    return workdir, workdir / loop.CHECKPOINT_DIR / "hf", [
+        workdir / loop.CHECKPOINT_DIR / "10" / "state"]
+  if case == "the final model":
+    return workdir, workdir / loop.FINAL_MODEL_DIR, []
+  if case == "a file":
+    export = tmp_path / "model.bin"
+    export.write_text("weights")
+    return workdir, export, [export]
+  if case == "another run's export":
+    export = tmp_path / "hf"
+    export.mkdir()
+    (export / outputs.EXPORT_MARKER).write_text(json.dumps({"workdir": str(tmp_path / "other")}))
+    (export / "model.safetensors").write_text("other run's weights")
+    return workdir, export, [export / "model.safetensors"]
+  raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("folder with other files", r"holds files this run did not write"),
+    ("the workdir", r"is the workdir"),
+    ("a parent of the workdir", r"contains the workdir"),
+    ("inside the checkpoints", r"overlaps .*checkpoints"),
+    ("the final model", r"overlaps .*final_model"),
+    ("a file", r"exists and is not a folder"),
+    ("another run's export", r"holds files this run did not write"),
+])
+def test_export_that_would_delete_files_is_refused_before_work(tmp_path, tfds_dir, monkeypatch,
+                                                               case, message):
+  workdir, export, keep = _export_case(tmp_path, case)
+  before = {str(p): p.read_text() for p in keep}
+
+  def no_work(*args, **kwargs):
+    raise AssertionError("training started although the export target is unsafe")
+
+  monkeypatch.setattr(trainer_lib, "Trainer", no_work)
+  monkeypatch.setattr(data, "loader_from_config", no_work)
+  c = small_config(tfds_dir, export_hf_dir=str(export))
+  with pytest.raises(ValueError, match=r"config\.export_hf_dir=.*" + message):
+    loop.train_and_evaluate(c, str(workdir))
+  assert {str(p): p.read_text() for p in keep} == before
+
+
+def test_export_replaces_only_its_own_earlier_export(tmp_path, tfds_dir):
+  workdir, export = tmp_path / "w", tmp_path / "hf"
+  c = small_config(tfds_dir, num_train_steps=2, export_hf_dir=str(export),
+                   **{"optimizer.warmup_steps": 0, "model.num_layers": 1})
+  loop.train_and_evaluate(c, str(workdir))
+  assert outputs.EXPORT_MARKER in os.listdir(export)
+  hf.load(str(export))  # the marker does not disturb loading
+  # A rerun of the finished run exports again over its own export (the damaged weights
+  # file shows that it did).
+  (export / "model.safetensors").write_bytes(b"damaged")
+  result = loop.train_and_evaluate(c, str(workdir))
+  _, exported = hf.load(str(export))
+  jax.tree.map(np.testing.assert_array_equal,
+               host(nnx.to_pure_dict(nnx.state(exported, nnx.Param))), host(result.params))
+  # Another run may not replace it.
+  with pytest.raises(ValueError, match=r"holds files this run did not write"):
+    loop.train_and_evaluate(c, str(tmp_path / "w2"))
+  # A file added by hand to this run's own export is not deleted either.
+  (export / "notes.txt").write_text("added by hand")
+  with pytest.raises(ValueError, match=r"\['notes.txt'\] are not export files"):
+    loop.train_and_evaluate(c, str(workdir))
+  assert (export / "notes.txt").read_text() == "added by hand"

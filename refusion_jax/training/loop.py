@@ -32,13 +32,11 @@ from absl import logging
 
 from refusion_jax import checkpoint, hf, sharding
 from refusion_jax.config import ModelConfig
-from refusion_jax.training import settings
+from refusion_jax.training import outputs, settings
 from refusion_jax.training import trainer as trainer_lib
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
-CHECKPOINT_DIR = "checkpoints"
-FINAL_MODEL_DIR = "final_model"
+from refusion_jax.training.outputs import (CHECKPOINT_DIR, FINAL_MODEL_DIR, METRICS_FILE,
+                                           TENSORBOARD_DIR, TFDS_DIR)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -162,12 +160,13 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
   workdir = os.path.abspath(workdir)
   resolved = settings.resolve(config)
   tokenizer, model_config = resolved.tokenizer, resolved.model_config
+  outputs.check_export_dir(config.export_hf_dir, workdir, config.data.tfds_dir)
 
   os.makedirs(workdir, exist_ok=True)
   data_config = config.data.to_dict()
   data_config["train_files"] = list(data_config["train_files"])
   data_config["eval_files"] = list(data_config["eval_files"])
-  data_config["tfds_dir"] = data_config["tfds_dir"] or os.path.join(workdir, "tfds")
+  data_config["tfds_dir"] = data_config["tfds_dir"] or os.path.join(workdir, TFDS_DIR)
   loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "train",
                                    jax.process_index(), jax.process_count())
   total_steps = settings.total_train_steps(config, loader.num_records)
@@ -243,7 +242,10 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     checkpoint.save_model(os.path.join(workdir, FINAL_MODEL_DIR), model_config, model,
                           overwrite=True)
     if config.export_hf_dir:
-      hf.save(model_config, model, config.export_hf_dir, overwrite=True)
+      # Checked again: the folder may have gained files while the run trained.
+      outputs.check_export_dir(config.export_hf_dir, workdir, config.data.tfds_dir)
+      hf.save(model_config, model, config.export_hf_dir, overwrite=True,
+              extra_files=outputs.export_marker(workdir))
     return TrainResult(step=max(start, total_steps), model_config=model_config, params=params,
                        last_metrics=last_metrics, eval_metrics=eval_metrics)
   finally:
