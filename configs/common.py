@@ -32,7 +32,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.preset = "tiny"  # refusion_jax.config preset; model.* fields not None override it
   c.model.dtype = "float32"  # compute dtype of activations ("bfloat16" for big runs)
   c.model.param_dtype = "float32"  # parameter / optimizer state dtype (keep float32)
-  c.model.remat = False  # recompute each layer in the backward pass (saves activation memory)
+  c.model.remat = "none"  # backward-pass memory: "none", "full" (layer inputs only), "save_dots"
+  c.model.scan_layers = False  # stacked layers run by lax.scan (one layer body: fast compiles)
+  c.model.attention_impl = "xla"  # training attention: "xla", "splash" (TPU), "cudnn" (GPU)
   c.model.attention = placeholder(str)  # "causal" or "bidirectional" (None = preset's)
   c.model.num_layers = placeholder(int)  # decoder layers (None = preset's)
   c.model.hidden_size = placeholder(int)  # model width (None = preset's)

@@ -25,7 +25,7 @@ def get_config():
   c.model.preset = "qwen3_8b"  # documentation only: the shapes come from init_from_hf
   c.model.dtype = "bfloat16"  # bf16 compute, as in the paper
   c.model.param_dtype = "float32"  # float32 master weights and AdamW moments
-  c.model.remat = True  # 4096-token rows: keep only layer inputs for the backward pass
+  c.model.remat = "full"  # 4096-token rows: keep only layer inputs for the backward pass
   c.init_from_hf = "Qwen3-8B"  # HF Qwen3-8B folder (weights + tokenizer); override per machine
   c.tokenizer_dir = ""  # "" = the tokenizer of init_from_hf (+ <|beginoftext|>, <|mask|>)
 

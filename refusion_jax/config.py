@@ -14,6 +14,13 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 ATTENTION_KINDS = ("causal", "bidirectional")
+# What a layer keeps for the backward pass (jax.checkpoint policies, see model.py):
+# "none" keeps everything, "full" only each layer's input, "save_dots" the outputs of
+# the weight matmuls (projections and MLP), recomputing attention and elementwise ops.
+REMAT_POLICIES = ("none", "full", "save_dots")
+# How full-sequence (training) attention is computed: "xla" the einsum reference,
+# "splash" the Pallas TPU kernel, "cudnn" jax.nn.dot_product_attention's GPU kernel.
+ATTENTION_IMPLS = ("xla", "splash", "cudnn")
 _DTYPES = {
     "float32": jnp.float32,
     "bfloat16": jnp.bfloat16,
@@ -39,13 +46,24 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype of activations
   param_dtype: str = "float32"  # storage dtype of parameters
   attention: str = "causal"  # "causal" or "bidirectional" (MDM baseline)
-  remat: bool = False  # recompute each layer in the backward pass (long sequences, 8B)
+  remat: str = "none"  # REMAT_POLICIES; legacy bools: True = "full", False = "none"
+  scan_layers: bool = False  # stacked layer parameters run by lax.scan (fast compiles)
+  attention_impl: str = "xla"  # ATTENTION_IMPLS: training attention kernel
   mask_token_id: int | None = None
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   pad_token_id: int | None = None
 
   def __post_init__(self):
+    if isinstance(self.remat, bool):  # model_config.json files written before the policies
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"ModelConfig.scan_layers must be a bool, got {self.scan_layers!r}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, got "
+                       f"{self.attention_impl!r}")
     positive = ("vocab_size", "hidden_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "mlp_dim",
                 "max_position_embeddings")

@@ -193,6 +193,24 @@ class DecoderLayer(nnx.Module):
     return sharding.constrain(x_btd, ("batch", "seq", "act_embed")), k, v
 
 
+def remat_policy(name: str):
+  """The jax.checkpoint policy of ModelConfig.remat ("none": no rematerialisation)."""
+  if name == "full":
+    return None  # save nothing but the function's inputs
+  if name == "save_dots":
+    # Keeps the weight matmuls' outputs (no batch dimension); attention's batched
+    # products and every elementwise op are recomputed.
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  raise ValueError(f"no rematerialisation policy for ModelConfig.remat={name!r}")
+
+
+def remat_layer(fn, name: str):
+  """`fn` under ModelConfig.remat's policy (unchanged for "none")."""
+  if name == "none":
+    return fn
+  return nnx.remat(fn, policy=remat_policy(name))
+
+
 def _call_layer(layer, x_btd, positions_bt, chunk_mask_btt, cache_k_bksh, cache_v_bksh,
                 cache_valid_bs):
   return layer(x_btd, positions_bt, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_valid_bs)
@@ -252,8 +270,7 @@ class Qwen3(nnx.Module):
     x = sharding.constrain(x, ("batch", "seq", "act_embed"))
     ks, vs = [], []
     valid_bs = None if cache is None else cache.valid_bs()
-    # Rematerialisation: keep only each layer's input for the backward pass.
-    run_layer = nnx.remat(_call_layer) if self.config.remat else _call_layer
+    run_layer = remat_layer(_call_layer, self.config.remat)
     for i, layer in enumerate(self.layers):
       if cache is None:
         x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, None, None, None)
@@ -264,11 +281,11 @@ class Qwen3(nnx.Module):
       vs.append(v)
     return x, jnp.stack(ks), jnp.stack(vs)
 
-  def __call__(self, input_ids_bt, positions_bt, attention_mask_btt=None):
-    """Logits `[B, T, V]`.
+  def hidden(self, input_ids_bt, positions_bt, attention_mask_btt=None):
+    """Hidden states `[B, T, D]` after the final norm: `__call__` without the projection.
 
-    Attention is causal in *input order* (bidirectional for an MDM config)
-    unless `attention_mask_btt` (True = may attend) is given.
+    With `unembed()`, a loss can project them a chunk of the sequence at a time
+    instead of materialising `[B, T, V]` logits.
     """
     input_ids_bt = jnp.asarray(input_ids_bt)
     positions_bt = jnp.asarray(positions_bt)
@@ -278,8 +295,17 @@ class Qwen3(nnx.Module):
       causal = self.config.attention == "causal"
       attention_tt = masks.causal_tt(t) if causal else masks.full_tt(t)
       attention_mask_btt = jnp.broadcast_to(attention_tt[None], (b, t, t))
-    logits, _, _ = self._run(input_ids_bt, positions_bt, attention_mask_btt, None)
-    return logits
+    x, _, _ = self._run_layers(input_ids_bt, positions_bt, attention_mask_btt, None)
+    return self.final_norm(x)
+
+  def __call__(self, input_ids_bt, positions_bt, attention_mask_btt=None):
+    """Logits `[B, T, V]`.
+
+    Attention is causal in *input order* (bidirectional for an MDM config)
+    unless `attention_mask_btt` (True = may attend) is given.
+    """
+    h = self.hidden(input_ids_bt, positions_bt, attention_mask_btt)
+    return sharding.constrain(self.unembed().project(h), ("batch", "seq", "vocab"))
 
   def forward_chunk(self, input_ids_bt, positions_bt, cache: KVCache, chunk_mask_btt):
     """A chunk of new tokens against the KV buffer; nothing is written.

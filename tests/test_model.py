@@ -207,11 +207,14 @@ def test_remat_gives_the_same_loss_and_gradients():
     value, grads = nnx.value_and_grad(loss)(model)
     return value, jax.tree.leaves(nnx.state(grads, nnx.Param))
 
-  plain, plain_grads = loss_and_grads(False)
-  remat, remat_grads = loss_and_grads(True)
-  np.testing.assert_allclose(remat, plain, rtol=1e-6)
-  for a, b in zip(remat_grads, plain_grads):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  plain, plain_grads = loss_and_grads("none")
+  for policy in ("full", "save_dots", True):  # True: a model_config.json of before the policies
+    remat, remat_grads = loss_and_grads(policy)
+    np.testing.assert_allclose(remat, plain, rtol=1e-6)
+    for a, b in zip(remat_grads, plain_grads):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  with pytest.raises(ValueError, match=r"ModelConfig\.remat must be one of .* got 'some'"):
+    tiny(remat="some")
 
 
 def test_unembed_of_hidden_equals_the_logits(fixture):
