@@ -11,6 +11,8 @@ import ml_collections
 def get_config():
   c = ml_collections.ConfigDict()
   c.model_dir = ""  # HF folder (config.json + safetensors) or a refusion_jax model folder
+  c.scan_layers = ml_collections.config_dict.placeholder(bool)  # layer layout: None = as saved;
+  #   true = stacked layers run by a scan (one layer body per program: fast TPU compiles)
   c.tokenizer_dir = ""  # "" = model_dir if it has tokenizer.json, else the bundled tiny one when it fits
   c.prompt = ""  # one query, chat-templated with the tokenizer
   c.prompt_ids = ""  # one prompt as token ids "1,2,3" (no tokenizer needed)

@@ -108,12 +108,14 @@ def is_model_dir(directory: str) -> bool:
   return os.path.exists(os.path.join(directory, MODEL_CONFIG_FILE))
 
 
-def load_model(directory: str, mesh=None, rules: sharding.ShardingRules | None = None):
+def load_model(directory: str, mesh=None, rules: sharding.ShardingRules | None = None,
+               scan_layers: bool | None = None):
   """Returns `(config, model)`, parameters placed on `mesh` when one is given.
 
   Without a mesh the parameters keep the shardings they were saved with, or,
   when those devices do not exist here (a multi-process run's folder), sit on
-  the first local device.
+  the first local device. `scan_layers` (None: as saved) asks for a layer
+  layout: a folder saved in the other one is restacked (or sliced) on load.
   """
   from refusion_jax.model import Qwen3  # local: model imports are heavy-ish
 
@@ -121,6 +123,20 @@ def load_model(directory: str, mesh=None, rules: sharding.ShardingRules | None =
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"model folder {directory} does not exist")
   config = read_model_config(directory)
+  if scan_layers is not None and scan_layers != config.scan_layers:
+    # The folder's own layout first, then the parameters restacked (or sliced).
+    from refusion_jax.model import convert_layer_layout  # local, as Qwen3 above
+
+    saved_config, saved = load_model(directory, mesh=mesh, rules=rules)
+    config = saved_config.replace(scan_layers=scan_layers)
+    params = convert_layer_layout(nnx.to_pure_dict(nnx.state(saved, nnx.Param)),
+                                  config.num_layers, scan_layers)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, params)
+    if mesh is not None:
+      state = jax.device_put(state, sharding.state_shardings(
+          state, mesh, rules or sharding.ShardingRules()))
+    return config, nnx.merge(graphdef, state)
   abstract = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
   if mesh is not None:

@@ -130,30 +130,46 @@ _REGEXES = tuple(
     for name, path, kind in _TABLE)
 
 
-def _parse_name(hf_name: str):
-  """`(our_path, kind)` for a HF tensor name, or None when no rule matches."""
+def _our_path(path: tuple, layer: int | None, scanned: bool) -> tuple[tuple, int | None]:
+  """`(our state path, index on its stacked layer axis)` of a table path at `layer`.
+
+  Unrolled models keep a module per layer (`("layers", 3, "attn", ...)`); scanned
+  models stack every layer's tensor on a leading axis (`("layers", "attn", ...)`,
+  index 3). One table serves both layouts: import stacks, export slices.
+  """
+  if "{i}" not in path:
+    return path, None
+  if scanned:
+    return tuple(p for p in path if p != "{i}"), layer
+  return tuple(layer if p == "{i}" else p for p in path), None
+
+
+def _parse_name(hf_name: str, scanned: bool = False):
+  """`(our_path, kind, stacked_index)` for a HF tensor name, or None when no rule matches."""
   for regex, path, kind in _REGEXES:
     m = regex.match(hf_name)
     if m:
       layer = int(m.group(1)) if m.groups() else None
-      return tuple(layer if p == "{i}" else p for p in path), kind
+      ours, index = _our_path(path, layer, scanned)
+      return ours, kind, index
   return None
 
 
 def _hf_names(config: ModelConfig):
-  """`[(hf_name, our_path, kind)]` for every tensor of `config`, in HF file order."""
+  """`[(hf_name, our_path, kind, stacked_index)]` for every tensor of `config`, in HF
+  file order (`stacked_index` is the layer on a scanned model's stacked axis, else None)."""
   out = []
   for name, path, kind in _TABLE:
     if "{i}" not in name:
       if kind == "lm_head" and config.tie_embeddings:
         continue
-      out.append((name, path, kind))
+      out.append((name, path, kind, None))
   per_layer = [t for t in _TABLE if "{i}" in t[0]]
   layers = []
   for i in range(config.num_layers):
     for name, path, kind in per_layer:
-      layers.append((name.replace("{i}", str(i)),
-                     tuple(i if p == "{i}" else p for p in path), kind))
+      ours, index = _our_path(path, i, config.scan_layers)
+      layers.append((name.replace("{i}", str(i)), ours, kind, index))
   return out[:1] + layers + out[1:]
 
 
@@ -300,7 +316,7 @@ def _arrays_equal(a: np.ndarray, b: np.ndarray, rows: int = 4096) -> bool:
 
 
 def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = None,
-         dtype=None):
+         dtype=None, scan_layers: bool = False):
   """Loads a HF Qwen3 checkpoint folder. Returns `(config, model)`.
 
   Args:
@@ -311,6 +327,8 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
     rules: logical -> mesh axis rules (default `sharding.ShardingRules()`).
     dtype: parameter and compute dtype ("float32", "bfloat16", "float16" or a
       jnp dtype); None keeps config.json's `torch_dtype` / `dtype`.
+    scan_layers: build the scanned layout (`ModelConfig.scan_layers`): each
+      layer tensor of the file becomes one slice of a stacked parameter.
 
   The vocabulary size is the embedding tensor's row count (ReFusion resizes
   Qwen3's 151936 rows to 151671 while config.json may keep the old value).
@@ -330,6 +348,8 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
   if dtype is not None:
     name = _dtype_name(dtype)
     overrides.update(dtype=name, param_dtype=name)
+  if scan_layers:
+    overrides["scan_layers"] = True
   config = config_lib.from_hf_config(directory, **overrides)
 
   graphdef, abstract_state = _abstract_model(config)
@@ -339,12 +359,12 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
   found: dict[tuple, tuple[_Tensor, str]] = {}
   for name in sorted(tensors):
     t = tensors[name]
-    parsed = _parse_name(name)
+    parsed = _parse_name(name, config.scan_layers)
     if parsed is None:
       if not _IGNORED.fullmatch(name):
         problems.append(f"unexpected tensor {name!r} (no Qwen3 parameter has this name)")
       continue
-    path, kind = parsed
+    path, kind, index = parsed
     reported.add(name)
     if kind == "lm_head" and config.tie_embeddings:
       if embed is None or not _arrays_equal(t.array(), embed.array()):
@@ -353,7 +373,7 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
             "has tie_word_embeddings=true (the head would be silently dropped; set "
             "tie_word_embeddings=false to keep it)")
       continue
-    if path not in targets:
+    if path not in targets or (index is not None and index >= config.num_layers):
       problems.append(f"unexpected tensor {name!r} (config.json has num_hidden_layers="
                       f"{config.num_layers})")
       continue
@@ -365,9 +385,9 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
     if t.code not in _FLOAT_CODES:
       problems.append(f"tensor {name!r} has dtype {t.code}, expected a floating type")
       continue
-    found[path] = (t, kind)
-  for name, path, kind in _hf_names(config):
-    if path not in found and name not in reported:
+    found[path, index] = (t, kind)
+  for name, path, kind, index in _hf_names(config):
+    if (path, index) not in found and name not in reported:
       problems.append(f"missing tensor {name!r}")
   if problems:
     raise ValueError(f"HF checkpoint {directory!r} does not match its config.json "
@@ -384,20 +404,33 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
   target_dtype = np.dtype(config.weight_dtype)
   leaves = []
   for path, var in targets.items():
-    t, kind = found[path]
-    view = _KINDS[kind].to_ours(t.array(), config)
-    if view.shape != var.get_value().shape:
-      raise AssertionError(f"{t.name}: mapped to {view.shape}, model wants {var.get_value().shape}")
+    stacked = (path, None) not in found  # a scanned layer tensor: one file tensor per layer
+    if stacked:
+      parts = [found[path, i] for i in range(config.num_layers)]
+      views = [_KINDS[kind].to_ours(t.array(), config) for t, kind in parts]
+      shape = (len(views),) + views[0].shape
+      name = parts[0][0].name
+    else:
+      t, kind = found[path, None]
+      views = [_KINDS[kind].to_ours(t.array(), config)]
+      shape, name = views[0].shape, t.name
+    if shape != var.get_value().shape:
+      raise AssertionError(f"{name}: mapped to {shape}, model wants {var.get_value().shape}")
     cache: dict[str, np.ndarray] = {}
 
-    def read(index, view=view, cache=cache):
+    def read(index, views=views, stacked=stacked, cache=cache):
       # Replicated devices ask for the same slice; read it from disk once.
       key = repr(index)
       if key not in cache:
-        cache[key] = np.ascontiguousarray(view[index]).astype(target_dtype)
+        if stacked:  # the device's layers, each sliced from its own file tensor
+          layers = range(len(views))[index[0]]
+          part = np.stack([views[i][index[1:]] for i in layers])
+        else:
+          part = views[0][index]
+        cache[key] = np.ascontiguousarray(part).astype(target_dtype)
       return cache[key]
 
-    value = jax.make_array_from_callback(view.shape, sharding_of(path), read)
+    value = jax.make_array_from_callback(shape, sharding_of(path), read)
     leaves.append((path, var.replace(value)))
   state = nnx.from_flat_state(leaves)
   return config, nnx.merge(graphdef, state)
@@ -430,15 +463,18 @@ def save(config: ModelConfig, model: nnx.Module, directory: str, *,
   if os.path.exists(directory) and not overwrite:
     raise FileExistsError(f"{directory} already exists (pass overwrite=True to replace it)")
   params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-  problems, entries = [], []
-  for name, path, kind in _hf_names(config):
-    var = params.pop(path, None)
+  problems, entries, used = [], [], set()
+  for name, path, kind, index in _hf_names(config):
+    var = params.get(path)
     if var is None:
       problems.append(f"model has no parameter {'/'.join(map(str, path))} for {name!r}")
       continue
+    used.add(path)
     value = var.get_value()
     expected = _KINDS[kind].hf_shape(config)
     ours = _KINDS[kind].to_ours(np.empty(expected, np.int8), config).shape
+    if index is not None:  # one layer of a scanned model's stacked parameter
+      ours = (config.num_layers,) + ours
     if tuple(value.shape) != ours:
       problems.append(f"parameter {'/'.join(map(str, path))} has shape {list(value.shape)}, "
                       f"config implies {list(ours)}")
@@ -447,8 +483,9 @@ def save(config: ModelConfig, model: nnx.Module, directory: str, *,
     if code not in _FLOAT_CODES:
       problems.append(f"parameter {'/'.join(map(str, path))} has unsupported dtype {value.dtype}")
       continue
-    entries.append((name, code, expected, value, kind))
-  problems += [f"model parameter {'/'.join(map(str, p))} has no HF name" for p in params]
+    entries.append((name, code, expected, value, kind, index))
+  problems += [f"model parameter {'/'.join(map(str, p))} has no HF name"
+               for p in params if p not in used]
   if problems:
     raise ValueError("hf.save: model does not match its config:\n  - " + "\n  - ".join(problems))
 
@@ -477,7 +514,9 @@ def save(config: ModelConfig, model: nnx.Module, directory: str, *,
     for file_name, shard in zip(file_names, shards):
 
       def fetch(i, shard=shard):
-        _, _, _, value, kind = shard[i]
+        _, _, _, value, kind, index = shard[i]
+        if index is not None:  # slice the layer on its devices, then fetch only it
+          value = value[index]
         return _KINDS[kind].to_hf(_to_host(value), config)
 
       if writer:

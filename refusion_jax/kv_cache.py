@@ -6,16 +6,24 @@ per row. Entries are stored in *commit order*, not position order: RoPE has been
 applied with each token's true position before the entry is written, so
 attention does not care where in the buffer an entry sits.
 
-Two layout choices keep a decoding pass from copying the cache. Each layer's
-K and V are arrays of their own (a tuple over layers), because a layer
-sliced out of one stacked `[layers, ...]` buffer is a copy before it can
-feed a matrix product; and the heads come before the entries, so each (row,
-head) is one contiguous `[max_len, head_dim]` matrix, the operand layout of
-attention's two products (`[.., max_len, kv_heads, ..]` had to be transposed
-into it). Either way every layer's cache was copied on every pass.
+Two layout choices keep a decoding pass of an unrolled model from copying the
+cache. Each layer's K and V are arrays of their own (a tuple over layers),
+because a layer sliced out of one stacked `[layers, ...]` buffer by the
+program is a copy before it can feed a matrix product (XLA on the CPU); and
+the heads come before the entries, so each (row, head) is one contiguous
+`[max_len, head_dim]` matrix, the operand layout of attention's two products
+(`[.., max_len, kv_heads, ..]` had to be transposed into it).
+
+A model with scanned layers (`ModelConfig.scan_layers`) runs one layer body
+inside a `lax.scan` over its stacked parameters and reads the cache there, so
+its K and V are one stacked `[layers, batch, kv_heads, max_len, head_dim]`
+array each, which the scan slices a layer at a time together with the
+parameters.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import flax.struct
 import jax
@@ -26,8 +34,10 @@ from refusion_jax.config import ModelConfig
 
 @flax.struct.dataclass
 class KVCache:
-  k_bksh: tuple[jax.Array, ...]  # one [batch, kv_heads, max_len, head_dim] per layer
-  v_bksh: tuple[jax.Array, ...]
+  # Unrolled models: a tuple of one [batch, kv_heads, max_len, head_dim] array per layer.
+  # Scanned models: one stacked [layers, batch, kv_heads, max_len, head_dim] array.
+  k: tuple[jax.Array, ...] | jax.Array
+  v: tuple[jax.Array, ...] | jax.Array
   positions_bs: jax.Array  # true position of each entry (-1 where empty)
   length_b: jax.Array  # valid entries per row; entries [0, length) are live
 
@@ -35,25 +45,41 @@ class KVCache:
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
     dtype = config.compute_dtype if dtype is None else dtype
     shape = (batch, config.num_kv_heads, max_len, config.head_dim)
-    layers = range(config.num_layers)
-    return cls(
-        k_bksh=tuple(jnp.zeros(shape, dtype) for _ in layers),
-        v_bksh=tuple(jnp.zeros(shape, dtype) for _ in layers),
-        positions_bs=jnp.full((batch, max_len), -1, jnp.int32),
-        length_b=jnp.zeros((batch,), jnp.int32),
-    )
+    if config.scan_layers:
+      k = jnp.zeros((config.num_layers,) + shape, dtype)
+      v = jnp.zeros((config.num_layers,) + shape, dtype)
+    else:
+      k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+      v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return cls(k=k, v=v, positions_bs=jnp.full((batch, max_len), -1, jnp.int32),
+               length_b=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def stacked(self) -> bool:
+    """One stacked array per K and V (a scanned model's cache)."""
+    return not isinstance(self.k, tuple)
 
   @property
   def max_len(self) -> int:
-    return self.k_bksh[0].shape[2]
+    return self.positions_bs.shape[1]
 
   @property
   def batch(self) -> int:
-    return self.k_bksh[0].shape[0]
+    return self.positions_bs.shape[0]
 
   @property
   def num_layers(self) -> int:
-    return len(self.k_bksh)
+    return self.k.shape[0] if self.stacked else len(self.k)
+
+  def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+    """Layer i's `([batch, kv_heads, max_len, head_dim] K, V)`."""
+    return self.k[i], self.v[i]
+
+  def map_kv(self, fn: Callable[[jax.Array], jax.Array]) -> "KVCache":
+    """`fn` applied to every K/V buffer (each layer's, or the stacked pair)."""
+    if self.stacked:
+      return self.replace(k=fn(self.k), v=fn(self.v))
+    return self.replace(k=tuple(fn(x) for x in self.k), v=tuple(fn(x) for x in self.v))
 
   def valid_bs(self) -> jax.Array:
     """True for live entries."""
@@ -81,11 +107,18 @@ class KVCache:
     `dest_bt[b, t]`; an out-of-range row or entry (e.g. `max_len`) is dropped.
     The valid lengths are left as they are: entries past a row's length stay
     invisible until the caller raises it."""
-    def put(bufs_bksh, x_lbtkh):
-      # Advanced indices around a slice: the indexed part is `[B, T, heads, H]`.
-      return tuple(buf.at[rows_bt, :, dest_bt].set(x_lbtkh[i].astype(buf.dtype), mode="drop")
-                   for i, buf in enumerate(bufs_bksh))
-    out = self.replace(k_bksh=put(self.k_bksh, k_lbtkh), v_bksh=put(self.v_bksh, v_lbtkh))
+    if self.stacked:
+      def put(buf_lbksh, x_lbtkh):
+        # Advanced indices split by a slice put their dimensions first: `[B, T, L, K, H]`.
+        return buf_lbksh.at[:, rows_bt, :, dest_bt].set(
+            jnp.moveaxis(x_lbtkh, 0, 2).astype(buf_lbksh.dtype), mode="drop")
+      out = self.replace(k=put(self.k, k_lbtkh), v=put(self.v, v_lbtkh))
+    else:
+      def put(bufs_bksh, x_lbtkh):
+        # Advanced indices around a slice: the indexed part is `[B, T, heads, H]`.
+        return tuple(buf.at[rows_bt, :, dest_bt].set(x_lbtkh[i].astype(buf.dtype), mode="drop")
+                     for i, buf in enumerate(bufs_bksh))
+      out = self.replace(k=put(self.k, k_lbtkh), v=put(self.v, v_lbtkh))
     if positions_bt is not None:
       out = out.replace(positions_bs=self.positions_bs.at[rows_bt, dest_bt].set(
           positions_bt.astype(jnp.int32), mode="drop"))

@@ -216,6 +216,25 @@ def _call_layer(layer, x_btd, positions_bt, chunk_mask_btt, cache_k_bksh, cache_
   return layer(x_btd, positions_bt, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_valid_bs)
 
 
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+  """One DecoderLayer whose every parameter is the stack of `layers`' (a leading
+  `[num_layers]` axis with the logical name "layers"): what `lax.scan` runs.
+
+  Built from the per-layer modules, so a scanned model draws the very same
+  initial values as an unrolled one from the same seed.
+  """
+  stacked = layers[0]
+  flat = [dict(nnx.to_flat_state(nnx.state(layer, nnx.Param))) for layer in layers]
+  for path, var in flat[0].items():
+    value = jnp.stack([f[path].get_value() for f in flat])
+    parent = stacked
+    for name in path[:-1]:
+      parent = getattr(parent, name)
+    axes = ("layers",) + tuple(var.logical_axes)
+    setattr(parent, path[-1], nnx.Param(value, logical_axes=axes))
+  return stacked
+
+
 class Qwen3(nnx.Module):
   """Qwen3 causal LM. `model(ids, positions)` is the public full-sequence call."""
 
@@ -223,7 +242,8 @@ class Qwen3(nnx.Module):
     self.config = config
     self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"),
                         config)
-    self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+    layers = [DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)]
+    self.layers = stack_layers(layers) if config.scan_layers else nnx.List(layers)
     self.final_norm = RMSNorm(config.hidden_size, config, rngs=rngs)
     if not config.tie_embeddings:
       self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"),
@@ -264,22 +284,43 @@ class Qwen3(nnx.Module):
     x, k, v = self._run_layers(input_ids_bt, positions_bt, chunk_mask_btt, cache)
     return self._logits(x), k, v
 
-  def _run_layers(self, input_ids_bt, positions_bt, chunk_mask_btt, cache: KVCache | None):
+  def _run_layers(self, input_ids_bt, positions_bt, chunk_mask_btt, cache: KVCache | None,
+                  return_kv: bool = True):
     self._check_inputs(input_ids_bt, positions_bt)
     x = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(self.config.compute_dtype)
     x = sharding.constrain(x, ("batch", "seq", "act_embed"))
-    ks, vs = [], []
     valid_bs = None if cache is None else cache.valid_bs()
+    if self.config.scan_layers:
+      return self._scan_layers(x, positions_bt, chunk_mask_btt, cache, valid_bs, return_kv)
+    ks, vs = [], []
     run_layer = remat_layer(_call_layer, self.config.remat)
     for i, layer in enumerate(self.layers):
-      if cache is None:
-        x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, None, None, None)
-      else:
-        x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, cache.k_bksh[i],
-                            cache.v_bksh[i], valid_bs)
+      layer_k, layer_v = (None, None) if cache is None else cache.layer(i)
+      x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, layer_k, layer_v, valid_bs)
       ks.append(k)
       vs.append(v)
+    if not return_kv:
+      return x, None, None
     return x, jnp.stack(ks), jnp.stack(vs)
+
+  def _scan_layers(self, x_btd, positions_bt, chunk_mask_btt, cache, valid_bs, return_kv):
+    # One layer body in a lax.scan over the stacked parameters (and the stacked cache):
+    # the program holds one layer however deep the model is.
+    graphdef, layer_state = nnx.split(self.layers)
+
+    def body(x, xs):
+      state, layer_k, layer_v = xs
+      layer = nnx.merge(graphdef, state)
+      x, k, v = layer(x, positions_bt, chunk_mask_btt, layer_k, layer_v, valid_bs)
+      return x, ((k, v) if return_kv else None)
+
+    if self.config.remat != "none":
+      body = jax.checkpoint(body, policy=remat_policy(self.config.remat), prevent_cse=False)
+    kv = (None, None) if cache is None else (cache.k, cache.v)
+    x, ys = jax.lax.scan(body, x_btd, (layer_state,) + kv)
+    if not return_kv:
+      return x, None, None
+    return x, ys[0], ys[1]
 
   def hidden(self, input_ids_bt, positions_bt, attention_mask_btt=None):
     """Hidden states `[B, T, D]` after the final norm: `__call__` without the projection.
@@ -295,7 +336,8 @@ class Qwen3(nnx.Module):
       causal = self.config.attention == "causal"
       attention_tt = masks.causal_tt(t) if causal else masks.full_tt(t)
       attention_mask_btt = jnp.broadcast_to(attention_tt[None], (b, t, t))
-    x, _, _ = self._run_layers(input_ids_bt, positions_bt, attention_mask_btt, None)
+    x, _, _ = self._run_layers(input_ids_bt, positions_bt, attention_mask_btt, None,
+                               return_kv=False)
     return self.final_norm(x)
 
   def __call__(self, input_ids_bt, positions_bt, attention_mask_btt=None):
@@ -316,6 +358,29 @@ class Qwen3(nnx.Module):
     for `cache.commit`.
     """
     return self._run(input_ids_bt, positions_bt, chunk_mask_btt, cache)
+
+
+def convert_layer_layout(params: dict, num_layers: int, scanned: bool) -> dict:
+  """A pure parameter dict (`nnx.to_pure_dict`) in the other layer layout.
+
+  `scanned=True` stacks the per-layer entries `params["layers"][i]` into one
+  `params["layers"]` of `[num_layers, ...]` leaves; `scanned=False` slices them
+  back. Values are unchanged, so a model keeps its outputs in either layout.
+  """
+  params = dict(params)
+  layers = params["layers"]
+  per_layer = sorted(layers) == list(range(num_layers))
+  if scanned:
+    if not per_layer:
+      raise ValueError(f"params['layers'] has keys {sorted(layers)[:4]}..., not the per-layer "
+                       f"0..{num_layers - 1} of an unrolled model")
+    params["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in
+                                                                  range(num_layers)])
+  else:
+    if per_layer:
+      raise ValueError("params['layers'] is already per layer (an unrolled model)")
+    params["layers"] = {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(num_layers)}
+  return params
 
 
 def param_count(model: nnx.Module) -> int:

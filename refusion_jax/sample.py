@@ -77,13 +77,17 @@ def decode_config_from(c: ml_collections.ConfigDict) -> DecodeConfig:
     raise ValueError(f"--config.decode: {e}") from None
 
 
-def load_model(model_dir: str):
-  """`(config, model)` from a refusion_jax model folder or a HF checkpoint folder."""
+def load_model(model_dir: str, scan_layers: bool | None = None):
+  """`(config, model)` from a refusion_jax model folder or a HF checkpoint folder.
+
+  `scan_layers` picks the layer layout (None: a model folder's own, unrolled for
+  a HF folder); decoding gives the same tokens in either.
+  """
   if checkpoint.is_model_dir(model_dir):
-    return checkpoint.load_model(model_dir)
+    return checkpoint.load_model(model_dir, scan_layers=scan_layers)
   if os.path.exists(os.path.join(model_dir, "config.json")):
     from refusion_jax import hf  # pylint: disable=import-outside-toplevel
-    return hf.load(model_dir)
+    return hf.load(model_dir, scan_layers=bool(scan_layers))
   raise FileNotFoundError(
       f"--config.model_dir={model_dir!r} has neither model_config.json (refusion_jax) nor "
       "config.json (HF)")
@@ -168,7 +172,7 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
   check_flags(c)
   decode_config = decode_config_from(c)
   t0 = time.perf_counter()
-  model_config, model = load_model(c.model_dir)
+  model_config, model = load_model(c.model_dir, c.get("scan_layers"))
   _log(f"[sample] loaded {c.model_dir} ({model_config.num_layers} layers, d="
        f"{model_config.hidden_size}, vocab {model_config.vocab_size}) in "
        f"{time.perf_counter() - t0:.1f}s")

@@ -460,8 +460,8 @@ def _cache_gap(model, cache, row, tokens, positions, vis):
     mask[0, i, seen] = True
   k, v = jax.device_get(_chunk_kv(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(mask)))
   # Cache: per layer [B, heads, S, H]; the chunk's K/V [layers, B, T, heads, H].
-  cache_k = np.stack([x[row, :, :n] for x in cache.k_bksh])
-  cache_v = np.stack([x[row, :, :n] for x in cache.v_bksh])
+  cache_k = np.stack([cache.layer(i)[0][row, :, :n] for i in range(cache.num_layers)])
+  cache_v = np.stack([cache.layer(i)[1][row, :, :n] for i in range(cache.num_layers)])
   return max(float(np.abs(cache_k - k[:, 0, :n].swapaxes(1, 2)).max()),
              float(np.abs(cache_v - v[:, 0, :n].swapaxes(1, 2)).max()))
 

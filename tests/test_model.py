@@ -82,10 +82,15 @@ def test_attend_with_cache_equals_one_softmax_over_both_key_sets():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_cache_write_places_entries_per_layer_and_drops_out_of_range():
-  config = tiny(num_layers=2, num_kv_heads=2, head_dim=4)
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_cache_write_places_entries_per_layer_and_drops_out_of_range(scan_layers):
+  config = tiny(num_layers=2, num_kv_heads=2, head_dim=4, scan_layers=scan_layers)
   cache = KVCache.init(config, batch=2, max_len=3)
-  assert len(cache.k_bksh) == 2 and cache.k_bksh[0].shape == (2, 2, 3, 4)
+  if scan_layers:  # one stacked buffer, sliced per layer by the model's scan
+    assert cache.stacked and cache.k.shape == (2, 2, 2, 3, 4)
+  else:
+    assert len(cache.k) == 2 and cache.k[0].shape == (2, 2, 3, 4)
+  assert cache.num_layers == 2 and cache.max_len == 3 and cache.batch == 2
   # Chunk K/V in the model's [layers, B, T, heads, H] layout; value = 100 l + 10 t + head.
   l_, t_, k_ = np.meshgrid(np.arange(2), np.arange(2), np.arange(2), indexing="ij")
   val = (100 * l_ + 10 * t_ + k_).astype(np.float32)  # [layers, T, heads]
@@ -94,11 +99,11 @@ def test_cache_write_places_entries_per_layer_and_drops_out_of_range():
   dest = jnp.asarray([[2, 0], [3, 1]])  # entry 3 is past max_len: dropped
   out = cache.write(rows, dest, k_lbtkh, -k_lbtkh, jnp.asarray([[7, 8], [9, 5]]))
   for layer in range(2):
-    k = np.asarray(out.k_bksh[layer])
+    k = np.asarray(out.layer(layer)[0])
     for head in range(2):
       assert list(k[1, head, :, 0]) == [100 * layer + 10 + head, 0, 100 * layer + head]
       assert list(k[0, head, :, 0]) == [0, 0, 0]
-    np.testing.assert_array_equal(np.asarray(out.v_bksh[layer]), -k)
+    np.testing.assert_array_equal(np.asarray(out.layer(layer)[1]), -k)
   assert np.asarray(out.positions_bs).tolist() == [[-1, -1, -1], [8, -1, 7]]
   assert np.asarray(out.length_b).tolist() == [0, 0]  # lengths are the caller's to raise
 
@@ -142,8 +147,8 @@ def test_cache_entries_beyond_length_are_ignored(fixture):
   cache = KVCache.init(config, b, max_len=16)
   _, k, v = _chunk(model, ids_bt[:, :5], positions_bt[:, :5], cache)
   cache = cache.commit(k, v, jnp.asarray(positions_bt[:, :5]), jnp.ones((b, 5), bool))
-  noisy = cache.replace(k_bksh=tuple(x.at[:, :, 5:].set(7.0) for x in cache.k_bksh),
-                        v_bksh=tuple(x.at[:, :, 5:].set(-7.0) for x in cache.v_bksh))
+  noisy = cache.replace(k=tuple(x.at[:, :, 5:].set(7.0) for x in cache.k),
+                        v=tuple(x.at[:, :, 5:].set(-7.0) for x in cache.v))
   clean_logits, _, _ = _chunk(model, ids_bt[:, 5:], positions_bt[:, 5:], cache)
   noisy_logits, _, _ = _chunk(model, ids_bt[:, 5:], positions_bt[:, 5:], noisy)
   np.testing.assert_array_equal(np.asarray(clean_logits), np.asarray(noisy_logits))

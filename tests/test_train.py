@@ -475,3 +475,41 @@ def test_export_replaces_only_its_own_earlier_export(tmp_path, tfds_dir):
   with pytest.raises(ValueError, match=r"\['notes.txt'\] are not export files"):
     loop.train_and_evaluate(c, str(workdir))
   assert (export / "notes.txt").read_text() == "added by hand"
+
+
+def test_resume_checks_the_model_layout_but_not_how_it_is_computed(tmp_path, tfds_dir):
+  workdir = str(tmp_path / "w")
+  c = small_config(tfds_dir, num_train_steps=2, **{"optimizer.warmup_steps": 0,
+                                                   "model.num_layers": 1})
+  first = loop.train_and_evaluate(c, workdir)
+  # Another layer layout stores the parameters differently: refused, naming the flag.
+  c.model.scan_layers = True
+  with pytest.raises(ValueError, match=r"checkpoints/2 was written with model\.scan_layers=False "
+                                       r"but the config now gives True; .*"
+                                       r"--config\.model\.scan_layers=false"):
+    loop.train_and_evaluate(c, workdir)
+  # A remat policy is how the same step is computed: the run resumes (nothing left to do).
+  c.model.scan_layers = False
+  c.model.remat = "full"
+  assert loop.train_and_evaluate(c, workdir).step == 2
+  # A checkpoint written before the layout fields existed (remat a bool) still resumes.
+  meta_files = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(
+      workdir, loop.CHECKPOINT_DIR, "2")) for f in files if "meta" in d and not f.startswith(".")]
+  edited = 0
+  for path in meta_files:
+    with open(path) as f:
+      try:
+        meta = json.load(f)
+      except json.JSONDecodeError:
+        continue
+    if "model_config" in meta:
+      for field in ("scan_layers", "attention_impl"):
+        meta["model_config"].pop(field)
+      meta["model_config"]["remat"] = False
+      with open(path, "w") as f:
+        json.dump(meta, f)
+      edited += 1
+  assert edited == 1
+  c.model.remat = "none"
+  again = loop.train_and_evaluate(c, workdir)
+  jax.tree.map(np.testing.assert_array_equal, host(again.params), host(first.params))

@@ -187,11 +187,13 @@ class Placement:
     cache = getattr(state, "cache", None)
     if cache is None:
       return jax.tree.map(pin, state)
-    kv = sharding.logical_to_physical((None, "kv_heads", "cache_seq", "head_dim"),
-                                      self.rules, cache.k_bksh[0].shape, self.mesh)
-    cache = cache.replace(k_bksh=tuple(pin(x, kv) for x in cache.k_bksh),
-                          v_bksh=tuple(pin(x, kv) for x in cache.v_bksh),
-                          positions_bs=pin(cache.positions_bs), length_b=pin(cache.length_b))
+    axes = (None, "kv_heads", "cache_seq", "head_dim")
+    if cache.stacked:
+      axes = ("layers",) + axes
+    shape = cache.k.shape if cache.stacked else cache.k[0].shape
+    kv = sharding.logical_to_physical(axes, self.rules, shape, self.mesh)
+    cache = cache.map_kv(lambda x: pin(x, kv)).replace(
+        positions_bs=pin(cache.positions_bs), length_b=pin(cache.length_b))
     return jax.tree.map(pin, state.replace(cache=None)).replace(cache=cache)
 
 

@@ -112,12 +112,39 @@ def _resume_meta(config, model_config: ModelConfig, total_steps: int) -> dict:
           "model_config": dataclasses.asdict(model_config)}
 
 
+# Model fields a resumed run may change: how the same parameters are computed, not what
+# they are (a remat policy or an attention kernel can be chosen per machine).
+_RESUMABLE_MODEL_FIELDS = ("remat", "attention_impl")
+
+
 def _check_resume(saved: Mapping[str, Any], wanted: Mapping[str, Any], where: str) -> None:
   # A run resumed with another seed, batch, shape or schedule would not be the same run.
   for key, value in wanted.items():
-    if key in saved and saved[key] != value:
+    if key not in saved:
+      continue
+    if key == "model_config":
+      _check_resume_model(saved[key], value, where)
+    elif saved[key] != value:
       raise ValueError(f"{where} was written with {key}={saved[key]!r} but the config now "
                        f"gives {value!r}; use a new workdir or restore the old setting")
+
+
+def _check_resume_model(saved: Mapping[str, Any], wanted: Mapping[str, Any], where: str) -> None:
+  # Fields added since the checkpoint was written take their defaults (ModelConfig fills
+  # them in), so an older checkpoint of the same model still resumes.
+  try:
+    saved = dataclasses.asdict(ModelConfig(**saved))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{where}: its model config cannot be read ({e})") from None
+  for name, value in wanted.items():
+    if name in _RESUMABLE_MODEL_FIELDS or saved.get(name) == value:
+      continue
+    hint = ("the parameters are stored in the other layer layout; resume with "
+            f"--config.model.scan_layers={str(saved.get(name)).lower()} (a finished model "
+            "folder converts with checkpoint.load_model(..., scan_layers=...))"
+            if name == "scan_layers" else "use a new workdir or restore the old setting")
+    raise ValueError(f"{where} was written with model.{name}={saved.get(name)!r} but the config "
+                     f"now gives {value!r}; {hint}")
 
 
 def _evaluate(trainer: trainer_lib.Trainer, params, data_config, tokenizer) -> dict:

@@ -224,7 +224,8 @@ def init_params_from_hf(trainer: Trainer, directory: str, tokenizer: Tokenizer) 
   """
   model_config = trainer.model_config
   hf_config, hf_model = hf.load(directory, mesh=trainer.mesh, rules=trainer.rules,
-                                dtype=model_config.param_dtype)
+                                dtype=model_config.param_dtype,
+                                scan_layers=model_config.scan_layers)
   if hf_config.tie_embeddings != model_config.tie_embeddings:
     raise ValueError(f"init_from_hf {directory!r}: tie_embeddings={hf_config.tie_embeddings} "
                      f"but the model config says {model_config.tie_embeddings}")
