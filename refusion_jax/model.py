@@ -58,6 +58,28 @@ class Unembed:
     return Unembed(jax.lax.dynamic_slice_in_dim(self.w, start, size, axis=self.vocab_axis),
                    self.vocab_axis)
 
+  def group_logits(self, h_btd, groups: int, start, size: int) -> jax.Array:
+    """`[B, T, groups, size]` float32 logits of columns `g * V/groups + [start, start + size)`
+    of every group g (`start` may be traced).
+
+    With the vocabulary split over `groups` devices, each group is one device's
+    own part: a slice taken inside every part reads only local columns, where a
+    slice of the whole vocabulary would first gather the entire projection onto
+    every device.
+    """
+    v = self.vocab_size
+    if v % groups:
+      raise ValueError(f"vocabulary {v} does not split into {groups} groups")
+    if self.vocab_axis == 0:  # [V, D] -> [G, V/G, D]
+      w = sharding.constrain(self.w.reshape(groups, v // groups, -1), ("vocab", None, None))
+      part = jax.lax.dynamic_slice_in_dim(w, start, size, axis=1)
+      logits = jnp.einsum("btd,gcd->btgc", h_btd, part)
+    else:  # [D, V] -> [D, G, V/G]
+      w = sharding.constrain(self.w.reshape(-1, groups, v // groups), (None, "vocab", None))
+      part = jax.lax.dynamic_slice_in_dim(w, start, size, axis=2)
+      logits = jnp.einsum("btd,dgc->btgc", h_btd, part)
+    return logits.astype(jnp.float32)
+
 
 def _param(rngs: nnx.Rngs, shape, axes, config: ModelConfig, std: float | None = 0.02):
   if std is None:
@@ -271,13 +293,24 @@ class Qwen3(nnx.Module):
       return Unembed(self.embed[...].astype(dtype), vocab_axis=0)
     return Unembed(self.lm_head[...].astype(dtype), vocab_axis=1)
 
-  def forward_hidden(self, input_ids_bt, positions_bt, cache: KVCache | None, chunk_mask_btt):
+  def forward_hidden(self, input_ids_bt, positions_bt, cache: KVCache | None, chunk_mask_btt,
+                     write_bt=None):
     """`forward_chunk` without the output projection.
 
     Returns `(hidden_btd, k_lbtkh, v_lbtkh)`, the hidden states after the final
-    norm (`cache=None`: no cache, the chunk attends to itself only).
+    norm (`cache=None`: no cache, the chunk attends to itself only). With
+    `write_bt = (rows_bt, dest_bt)` the chunk's K/V are written into the cache
+    instead (`KVCache.write`; lengths and positions untouched) and the result is
+    `(hidden_btd, cache)`: a scanned model writes each layer's entries inside its
+    scan, into the buffer the scan already holds, so no pass copies the cache.
     """
+    if write_bt is not None and cache is not None and self.config.scan_layers:
+      x, cache = self._scan_layers(self._embed(input_ids_bt, positions_bt), positions_bt,
+                                   chunk_mask_btt, cache, cache.valid_bs(), True, write_bt)
+      return self.final_norm(x), cache
     x, k, v = self._run_layers(input_ids_bt, positions_bt, chunk_mask_btt, cache)
+    if write_bt is not None:
+      return self.final_norm(x), cache.write(write_bt[0], write_bt[1], k, v)
     return self.final_norm(x), k, v
 
   def _run(self, input_ids_bt, positions_bt, chunk_mask_btt, cache: KVCache | None):
@@ -286,9 +319,7 @@ class Qwen3(nnx.Module):
 
   def _run_layers(self, input_ids_bt, positions_bt, chunk_mask_btt, cache: KVCache | None,
                   return_kv: bool = True):
-    self._check_inputs(input_ids_bt, positions_bt)
-    x = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(self.config.compute_dtype)
-    x = sharding.constrain(x, ("batch", "seq", "act_embed"))
+    x = self._embed(input_ids_bt, positions_bt)
     valid_bs = None if cache is None else cache.valid_bs()
     if self.config.scan_layers:
       return self._scan_layers(x, positions_bt, chunk_mask_btt, cache, valid_bs, return_kv)
@@ -303,10 +334,34 @@ class Qwen3(nnx.Module):
       return x, None, None
     return x, jnp.stack(ks), jnp.stack(vs)
 
-  def _scan_layers(self, x_btd, positions_bt, chunk_mask_btt, cache, valid_bs, return_kv):
+  def _embed(self, input_ids_bt, positions_bt):
+    self._check_inputs(input_ids_bt, positions_bt)
+    x = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(self.config.compute_dtype)
+    return sharding.constrain(x, ("batch", "seq", "act_embed"))
+
+  def _scan_layers(self, x_btd, positions_bt, chunk_mask_btt, cache, valid_bs, return_kv,
+                   write_bt=None):
     # One layer body in a lax.scan over the stacked parameters (and the stacked cache):
     # the program holds one layer however deep the model is.
     graphdef, layer_state = nnx.split(self.layers)
+    if write_bt is not None:
+      # The cache rides in the carry and each layer writes its own entries into it:
+      # the loop updates one buffer in place.
+      rows_bt, dest_bt = write_bt
+
+      def write_body(carry, xs):
+        x, k_buf, v_buf = carry
+        state, i = xs
+        layer = nnx.merge(graphdef, state)
+        x, k, v = layer(x, positions_bt, chunk_mask_btt, k_buf[i], v_buf[i], valid_bs)
+        k_buf = k_buf.at[i, rows_bt, :, dest_bt].set(k.astype(k_buf.dtype), mode="drop")
+        v_buf = v_buf.at[i, rows_bt, :, dest_bt].set(v.astype(v_buf.dtype), mode="drop")
+        return (x, k_buf, v_buf), None
+
+      (x, k_buf, v_buf), _ = jax.lax.scan(
+          write_body, (x_btd, cache.k, cache.v),
+          (layer_state, jnp.arange(self.config.num_layers)))
+      return x, cache.replace(k=k_buf, v=v_buf)
 
     def body(x, xs):
       state, layer_k, layer_v = xs

@@ -150,6 +150,18 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def split_count(logical_axis: str, dim_size: int) -> int:
+  """How many pieces the active mesh cuts a dimension of this logical name into (1
+  outside `use_mesh`, or where the mesh axes do not divide `dim_size`, which the
+  rules then replicate)."""
+  active = _ACTIVE.get()
+  if active is None:
+    return 1
+  mesh, rules = active
+  size = math.prod(mesh.shape[a] for a in _as_tuple(getattr(rules, logical_axis)))
+  return size if dim_size % size == 0 else 1
+
+
 def state_shardings(state, mesh: Mesh, rules: ShardingRules):
   """NamedShardings for an nnx.State whose Variables carry `logical_axes`."""
 

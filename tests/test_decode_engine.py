@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from refusion_jax import config as config_lib
+from refusion_jax import sharding
 from refusion_jax import model as model_lib
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine, heads, passes, refusion
@@ -263,6 +264,52 @@ def test_token_stats_chunked_equals_full_softmax():
         np.testing.assert_allclose(s.p_pick_bt, probs.max(-1), rtol=1e-5)
         np.testing.assert_allclose(s.p_given_bt, np.take_along_axis(probs, np.asarray(given)[
             ..., None], -1)[..., 0], rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["tied", "head"])
+def test_token_stats_with_the_vocabulary_split_over_devices_equals_one_device(layout):
+  # Tensor parallelism splits the vocabulary 8 ways; each device reduces its own part
+  # in chunks (2 chunks of 128 per part, the last clamped) and the result is the
+  # single-device one: greedy picks and both probabilities, sampled picks, the ban.
+  rs = np.random.RandomState(3)
+  v, d = 8 * 200, 16
+  h = jnp.asarray(rs.randn(4, 3, d), jnp.float32)
+  w = jnp.asarray(rs.randn(v, d) * 2, jnp.float32)
+  # A tie across parts (columns 7 and 1300): the lower column wins, as argmax does.
+  w = w.at[7].set(50.0 * jnp.ones(d)).at[1300].set(50.0 * jnp.ones(d))
+  h = h.at[0, 0].set(jnp.ones(d))
+  unembed = model_lib.Unembed(w, 0) if layout == "tied" else model_lib.Unembed(w.T, 1)
+  given = jnp.asarray(rs.randint(0, v, size=(4, 3)), jnp.int32)
+  sample = jnp.asarray(rs.rand(4, 3) < 0.5)
+  keys = engine.pass_keys(jnp.asarray(rs.randint(0, 99, (4, 2)), jnp.uint32),
+                          jnp.arange(4), 3)
+
+  def stats(unembed, temperature, banned):
+    return heads.token_stats(h, unembed, given, sample_bt=sample, temperature=temperature,
+                             keys_bt2=keys, banned_id=banned, vocab_chunk=128)
+
+  mesh = sharding.make_mesh(data=1, fsdp=1, tensor=8)
+  rules = sharding.ShardingRules()
+  axes = ("vocab", "embed") if layout == "tied" else ("embed", "vocab")
+  placed = model_lib.Unembed(jax.device_put(unembed.w, jax.sharding.NamedSharding(
+      mesh, sharding.logical_to_physical(axes, rules, unembed.w.shape, mesh))), unembed.vocab_axis)
+  for temperature, banned in ((0.0, None), (0.0, 1300), (0.7, 3)):
+    want = stats(unembed, jnp.float32(temperature), banned)
+    with sharding.use_mesh(mesh, rules):
+      assert sharding.split_count("vocab", v) == 8
+      got = jax.jit(lambda u, t: stats(u, t, banned))(placed, jnp.float32(temperature))
+    np.testing.assert_array_equal(np.asarray(got.pick_bt), np.asarray(want.pick_bt))
+    np.testing.assert_allclose(np.asarray(got.p_pick_bt), np.asarray(want.p_pick_bt), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.p_given_bt), np.asarray(want.p_given_bt),
+                               rtol=1e-5, atol=1e-12)
+    if temperature == 0.0 and banned is None:
+      assert int(want.pick_bt[0, 0]) == 7
+  # No device gathers the whole projection: only [B, T] statistics cross devices.
+  with sharding.use_mesh(mesh, rules):
+    hlo = jax.jit(lambda u: stats(u, jnp.float32(0.0), None)).lower(placed).compile().as_text()
+  gathered = [line for line in hlo.splitlines() if "all-gather(" in line and (
+      f"[{v},{d}]" in line or f"[{d},{v}]" in line)]
+  assert not gathered, gathered[:2]
 
 
 def test_noise_of_a_column_is_the_same_in_every_chunking():

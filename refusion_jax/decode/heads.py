@@ -14,6 +14,12 @@ chunk's `[B, T, columns]` logits stay within `LOGITS_BUDGET` elements, so the
 picker's memory does not grow with batch x width (at batch 64 x block 128 a
 32,768-column chunk alone is 1 GiB, and the reduction holds several).
 
+Where the vocabulary is split over devices (tensor parallelism: the LM head's
+"vocab" axis on the active mesh), the chunks are taken inside each device's
+part of the vocabulary: every device reduces its own columns and only `[B, T]`
+statistics cross devices. A chunk of the whole vocabulary would instead make
+every device gather the entire projection (1.2 GB for Qwen3-8B) on every pass.
+
 Noise is drawn per token from its own key (`keys_bt2`) and per vocabulary
 column, so a token's draw does not depend on how many other tokens share the
 pass, on its place in the pass or on the chunking: a row decoded inside a
@@ -27,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
 
+from refusion_jax import sharding
 from refusion_jax.model import Unembed
 
 DEFAULT_VOCAB_CHUNK = 32768
@@ -55,16 +62,22 @@ class TokenStats:
 
 
 def _noise(keys_bt2, start, width):
-  """Gumbel noise `[B, T, width]` for vocabulary columns `[start, start + width)`.
+  """Gumbel noise `[B, T, width]` for vocabulary columns `[start, start + width)`."""
+  return _column_noise(keys_bt2, start + jnp.arange(width))
+
+
+def _column_noise(keys_bt2, cols_c):
+  """Gumbel noise `[B, T, C]` for the vocabulary columns `cols_c` (any order).
 
   Column c's draw is Threefry-2x32 of the token's key with counter (c, 0), so it
   depends on the key and on c alone, never on how the vocabulary is chunked (a
   pass's chunk size follows its batch x width, and a row must sample the same
-  tokens in a batch as alone). One counter-mode hash per column: the branch of
-  every pass width compiles one small fusion for it. `start` may be traced.
+  tokens in a batch as alone) or split over devices. One counter-mode hash per
+  column: the branch of every pass width compiles one small fusion for it.
+  `cols_c` may be traced.
   """
   b, t = keys_bt2.shape[:2]
-  cols = (start + jnp.arange(width)).astype(jnp.uint32)
+  cols = cols_c.astype(jnp.uint32)
 
   def one(key2):
     bits, _ = threefry2x32_p.bind(key2[0], key2[1], cols, jnp.zeros_like(cols))
@@ -73,7 +86,7 @@ def _noise(keys_bt2, start, width):
     u = jnp.maximum(unit, jnp.finfo(jnp.float32).tiny)
     return -jnp.log(-jnp.log(u))
 
-  return jax.vmap(one)(keys_bt2.reshape(b * t, -1)).reshape(b, t, width)
+  return jax.vmap(one)(keys_bt2.reshape(b * t, -1)).reshape(b, t, cols.shape[0])
 
 
 def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
@@ -115,7 +128,11 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
 
   b, t = given_bt.shape
   vocab_chunk = chunk_columns(b * t, vocab_chunk)
-  if v <= vocab_chunk:
+  # Where the vocabulary is split over devices (the LM head's "vocab" axis on the active
+  # mesh), chunks are taken inside every device's part: `groups` parts of `vg` columns.
+  groups = sharding.split_count("vocab", v)
+  vg = v // groups
+  if vg <= vocab_chunk:
     logits = unembed.logits(h_btd)
     cols = jnp.arange(v)
 
@@ -129,34 +146,47 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
 
     return _dispatch(reduce_all, sampling and any_sample)
 
-  # Chunked: an online reduction over vocabulary chunks. The last chunk is read
-  # from a clamped start (`dynamic_slice` needs a full chunk); the columns it
-  # shares with the previous chunk are masked out, so each column counts once.
-  n_chunks = -(-v // vocab_chunk)
+  # Chunked: an online reduction over chunks of `vocab_chunk` columns of every group.
+  # The last chunk is read from a clamped start (`dynamic_slice` needs a full chunk);
+  # the columns it shares with the previous chunk are masked out, so each column
+  # counts once. Chunk c of group g holds the global columns g * vg + [start, +chunk).
+  n_chunks = -(-vg // vocab_chunk)
+  g_offset = (jnp.arange(groups) * vg)[:, None]
+  given_group, given_local = given_bt // vg, given_bt % vg
 
   def reduce_chunks(with_noise):
     def body(carry, c):
       m, s, best, best_idx, best_logit, given_logit = carry
-      start = jnp.minimum(c * vocab_chunk, v - vocab_chunk)
-      cols = start + jnp.arange(vocab_chunk)
-      logits = unembed.columns(start, vocab_chunk).logits(h_btd)
-      logits = jnp.where(cols[None, None] >= c * vocab_chunk, logits, -jnp.inf)
-      logits, score = chunk_terms(logits, cols, start, with_noise)
-      score = jnp.where(cols[None, None] >= c * vocab_chunk, score, -jnp.inf)
+      start = jnp.minimum(c * vocab_chunk, vg - vocab_chunk)
+      local = start + jnp.arange(vocab_chunk)
+      cols = (g_offset + local[None]).reshape(-1)  # [groups * chunk], global ids
+      fresh = jnp.broadcast_to(local[None] >= c * vocab_chunk, (groups, vocab_chunk)).reshape(-1)
+      logits = unembed.group_logits(h_btd, groups, start, vocab_chunk).reshape(b, t, -1)
+      logits = jnp.where(fresh[None, None], logits, -jnp.inf)
+      if banned_id is not None:
+        logits = jnp.where(cols[None, None] == banned_id, -jnp.inf, logits)
+      score = logits
+      if with_noise:
+        noise = _column_noise(keys_bt2, cols)
+        score = jnp.where(sample_bt[..., None], logits * inv_t + noise, logits)
+        score = jnp.where(fresh[None, None], score, -jnp.inf)
       c_max = logits.max(-1)
       new_m = jnp.maximum(m, c_max)
       safe_m = jnp.where(jnp.isfinite(new_m), new_m, 0.0)
       s = s * jnp.exp(m - safe_m) + jnp.exp(logits - safe_m[..., None]).sum(-1)
-      c_idx = jnp.argmax(score, axis=-1)
+      c_idx = jnp.argmax(score, axis=-1)  # the lowest global column among a chunk's ties
       c_best = jnp.take_along_axis(score, c_idx[..., None], axis=-1)[..., 0]
       c_logit = jnp.take_along_axis(logits, c_idx[..., None], axis=-1)[..., 0]
-      better = c_best > best  # strict: ties keep the lower column, as argmax does
-      best_idx = jnp.where(better, start + c_idx, best_idx)
+      c_col = cols[c_idx].astype(jnp.int32)
+      # Ties keep the lower column, as argmax does (a later chunk of group 0 holds lower
+      # columns than an earlier chunk of group 1).
+      better = (c_best > best) | ((c_best == best) & (c_col < best_idx))
+      best_idx = jnp.where(better, c_col, best_idx)
       best_logit = jnp.where(better, c_logit, best_logit)
       best = jnp.where(better, c_best, best)
-      hit = (given_bt >= c * vocab_chunk) & (given_bt < start + vocab_chunk)
-      g_local = jnp.clip(given_bt - start, 0, vocab_chunk - 1)
-      g_logit = jnp.take_along_axis(logits, g_local[..., None], axis=-1)[..., 0]
+      hit = (given_local >= c * vocab_chunk) & (given_local < start + vocab_chunk)
+      g_flat = given_group * vocab_chunk + jnp.clip(given_local - start, 0, vocab_chunk - 1)
+      g_logit = jnp.take_along_axis(logits, g_flat[..., None], axis=-1)[..., 0]
       given_logit = jnp.where(hit, g_logit, given_logit)
       return (new_m, s, best, best_idx, best_logit, given_logit), None
 

@@ -101,6 +101,9 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
   need_b = fed.sum(-1).astype(jnp.int32)
   rows_b1 = jnp.arange(b)[:, None]
   unembed = model.unembed()
+  # A scanned model writes each layer's K/V inside its scan (the branch returns the
+  # updated buffers); an unrolled one hands them out and they are written below.
+  in_scan = cache.stacked
 
   # Compaction, once for every width: each row's fed entries moved to the front in
   # layout order (one gather of all the feed's fields), padded to the widest width;
@@ -126,7 +129,12 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
       causal_ww = masks.causal_tt(w)
       mask = (causal_ww[None] & (group[:, :, None] == group[:, None, :])
               & valid_bw[:, :, None] & valid_bw[:, None, :]) | jnp.eye(w, dtype=bool)[None]
-      h, k, v = model.forward_hidden(ids, pos, cache, mask)
+      if in_scan:
+        dst = jnp.where(dest >= 0, dest, cache.max_len)
+        h, written = model.forward_hidden(ids, pos, cache, mask,
+                                          write_bt=(jnp.broadcast_to(rows_b1, dst.shape), dst))
+      else:
+        h, k, v = model.forward_hidden(ids, pos, cache, mask)
       next_ids = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
       stats = heads.token_stats(h, unembed, next_ids, sample_bt=sample,
                                 temperature=temperature, keys_bt2=keys, banned_id=banned_id,
@@ -141,22 +149,30 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
         return jnp.pad(x, pad, constant_values=fill)
 
       # `dest` is already -1 on padding (the compaction's fill).
-      return (widest(k, 2), widest(v, 2), widest(dest, 1, -1), widest(pos, 1),
-              widest(stats.pick_bt, 1), widest(jnp.stack([stats.p_pick_bt, p_prev], -1), 1))
+      rest = (widest(dest, 1, -1), widest(pos, 1), widest(stats.pick_bt, 1),
+              widest(jnp.stack([stats.p_pick_bt, p_prev], -1), 1))
+      if in_scan:
+        return (written.k, written.v) + rest
+      return (widest(k, 2), widest(v, 2)) + rest
     return run
 
   def idle():
     # No row feeds anything: no forward, nothing written.
     c = model.config
-    kv = jnp.zeros((c.num_layers, b, n_max, c.num_kv_heads, c.head_dim), c.compute_dtype)
     zi = jnp.zeros((b, n_max), jnp.int32)
-    return kv, kv, zi - 1, zi, zi, jnp.zeros((b, n_max, 2), jnp.float32)
+    rest = (zi - 1, zi, zi, jnp.zeros((b, n_max, 2), jnp.float32))
+    if in_scan:
+      return (cache.k, cache.v) + rest
+    kv = jnp.zeros((c.num_layers, b, n_max, c.num_kv_heads, c.head_dim), c.compute_dtype)
+    return (kv, kv) + rest
 
   # The model always runs inside a conditional, also with a single width (AR):
   # with the cache's reads and its in-place write in the same loop body, XLA
   # (CPU, measured) copies every layer's K and V twice per AR pass.
   index = jnp.where(need_b.max() > 0, 1 + width_index(need_b.max(), widths), 0)
   k, v, dest, pos, pick, probs = jax.lax.switch(index, [idle] + [branch(w) for w in widths])
+  if in_scan:
+    cache = cache.replace(k=k, v=v)
   # Back to the layout: entry n reads the compacted column of its rank (a gather).
   rank = jnp.clip(rank_bn, 0, n_max - 1)
   pick = jnp.where(fed, jnp.take_along_axis(pick, rank, axis=1), 0)
@@ -165,4 +181,7 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
   # Everything not written goes out of bounds and is dropped.
   dst = jnp.where(dest >= 0, dest, cache.max_len)
   rows_bw = jnp.broadcast_to(rows_b1, dest.shape)
+  if in_scan:  # K/V already written by the layers; the positions go in here
+    return cache.replace(positions_bs=cache.positions_bs.at[rows_bw, dst].set(
+        pos.astype(jnp.int32), mode="drop")), out
   return cache.write(rows_bw, dst, k, v, pos), out
