@@ -27,6 +27,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.objective = "refusion"  # "refusion" (slot AR + MDM), "arm" or "mdm"
   c.slot_sizes = (4, 8, 16, 32)  # ReFusion draws each example's slot size from these
   c.eps = 1e-3  # mask probability floor: p = (1 - eps) * t + eps
+  c.loss_chunk = 0  # cross-entropy over this many tokens of a row at a time (0 = full logits)
 
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"  # refusion_jax.config preset; model.* fields not None override it

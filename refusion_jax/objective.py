@@ -22,6 +22,11 @@ The random draw is split from the layout (`draw_refusion` then
 `refusion_corrupt_from_draws`) so a test can rebuild the expected layout from
 the very same draw with a plain-Python oracle.
 
+Each loss is a function of the per-token cross-entropy (`*_loss_from_ce`).
+That CE comes either from full `[B, T, V]` logits or, for long rows and large
+vocabularies, from the hidden states a chunk of the sequence at a time
+(`chunked_token_cross_entropy`, `loss_fn(..., loss_chunk=N)`).
+
 Batch format (from the data pipeline): `tokens` int32 [B, L] = prompt tokens
 then response tokens, right-padded; `prompt_len` int32 [B]; `response_len`
 int32 [B] (EOS included). `prompt_len + response_len <= L` is required; it is
@@ -39,6 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from refusion_jax import sharding
+from refusion_jax.checks import is_int
 
 KIND_IGNORE = 0
 KIND_AR = 1
@@ -315,6 +323,59 @@ def token_cross_entropy(logits_btv, labels_bt):
   return jax.nn.logsumexp(logits_btv, axis=-1) - picked_bt
 
 
+def check_loss_chunk(loss_chunk: int) -> int:
+  """`loss_chunk` as an int >= 0 (0 = full logits), or ValueError."""
+  if not is_int(loss_chunk) or loss_chunk < 0:
+    raise ValueError(f"loss_chunk must be a non-negative int (0 = full logits), got "
+                     f"{loss_chunk!r}")
+  return int(loss_chunk)
+
+
+def chunked_token_cross_entropy(h_btd, unembed, labels_bt, chunk_len: int):
+  """`token_cross_entropy(unembed.project(h_btd), labels_bt)` without `[B, T, V]` logits.
+
+  `unembed` is a `model.Unembed` (the output projection in the compute dtype).
+  The sequence is cut into chunks of `chunk_len` tokens (a shorter last one when
+  `chunk_len` does not divide T); each chunk's logits are projected, reduced to
+  its per-token CE and dropped. The chunk body is rematerialised, so the
+  backward pass recomputes one chunk's logits at a time too: at most
+  `[B, chunk_len, V]` logits (and their gradient) exist at any moment.
+  Returns float32 `[B, T]`.
+  """
+  chunk_len = check_loss_chunk(chunk_len)
+  if chunk_len == 0:
+    raise ValueError("chunked_token_cross_entropy needs chunk_len > 0, got 0")
+  b, t, d = h_btd.shape
+  labels_bt = jnp.asarray(labels_bt, jnp.int32)
+  compute_dtype = unembed.w.dtype
+  # The weight enters the chunks in float32 so that the per-chunk weight gradients
+  # are summed in float32: a bfloat16 running sum, rounded after every chunk, drifts
+  # measurably further from the full-sequence matmul's gradient.
+  w32 = unembed.w.astype(jnp.float32)
+
+  def chunk_ce(w, h_bcd, labels_bc):
+    h_bcd = sharding.constrain(h_bcd, ("batch", "seq", "act_embed"))
+    logits_bcv = unembed.replace(w=w.astype(compute_dtype)).project(h_bcd)
+    # The model's own logits constraint: the vocabulary stays split over the tensor axis.
+    logits_bcv = sharding.constrain(logits_bcv, ("batch", "seq", "vocab"))
+    return token_cross_entropy(logits_bcv, labels_bc)
+
+  n = t // chunk_len
+  full = n * chunk_len
+  pieces = []
+  if n:
+    # Inside scan the loop already keeps XLA from merging recomputation with the forward.
+    scan_ce = jax.checkpoint(chunk_ce, prevent_cse=False)
+    h_nbcd = h_btd[:, :full].reshape(b, n, chunk_len, d).swapaxes(0, 1)
+    labels_nbc = labels_bt[:, :full].reshape(b, n, chunk_len).swapaxes(0, 1)
+    _, ce_nbc = jax.lax.scan(lambda carry, xs: (carry, scan_ce(w32, *xs)), None,
+                             (h_nbcd, labels_nbc))
+    pieces.append(ce_nbc.swapaxes(0, 1).reshape(b, full))
+  if full < t:
+    pieces.append(jax.checkpoint(chunk_ce)(w32, h_btd[:, full:], labels_bt[:, full:]))
+  return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+
+
 def _mdm_term(ce_bt, mdm_bt, p_b, response_len_b):
   # Sum over masked tokens of CE / p / len(response), averaged over the batch.
   weight_b = 1.0 / (p_b.astype(jnp.float32) * jnp.maximum(response_len_b, 1).astype(jnp.float32))
@@ -328,9 +389,8 @@ def _metrics(loss, ar_loss, mdm_loss, ar_tokens, mdm_tokens):
           "mdm_tokens": mdm_tokens.astype(jnp.float32)}
 
 
-def refusion_loss(logits_btv, corrupted: Corrupted):
-  """AR (token mean, 0 when there is none) + MDM (CE / p / len summed, batch mean)."""
-  ce_bt = token_cross_entropy(logits_btv, corrupted.labels_bt)
+def refusion_loss_from_ce(ce_bt, corrupted: Corrupted):
+  """`refusion_loss` from the per-token CE of `corrupted.labels_bt`."""
   ar_bt = corrupted.kind_bt == KIND_AR
   mdm_bt = corrupted.kind_bt == KIND_MDM
   ar_tokens = jnp.sum(ar_bt)
@@ -338,6 +398,30 @@ def refusion_loss(logits_btv, corrupted: Corrupted):
   mdm_loss = _mdm_term(ce_bt, mdm_bt, corrupted.p_b, corrupted.response_len_b)
   loss = ar_loss + mdm_loss
   return loss, _metrics(loss, ar_loss, mdm_loss, ar_tokens, jnp.sum(mdm_bt))
+
+
+def refusion_loss(logits_btv, corrupted: Corrupted):
+  """AR (token mean, 0 when there is none) + MDM (CE / p / len summed, batch mean)."""
+  return refusion_loss_from_ce(token_cross_entropy(logits_btv, corrupted.labels_bt), corrupted)
+
+
+def arm_targets(tokens_bt, prompt_len_b, response_len_b):
+  """`(labels_bt, valid_bt)` of the next-token loss: label i is token i+1, valid on the response."""
+  tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
+  b, l = tokens_bt.shape
+  prompt_len_b, response_len_b = _clip_lengths(prompt_len_b, response_len_b, l)
+  labels_bt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+  target_1t = jnp.arange(l, dtype=jnp.int32)[None] + 1  # index of the predicted token
+  valid_bt = (target_1t >= prompt_len_b[:, None]) & (
+      target_1t < (prompt_len_b + response_len_b)[:, None]) & (target_1t < l)
+  return labels_bt, valid_bt
+
+
+def arm_loss_from_ce(ce_bt, valid_bt):
+  """`arm_loss` from the per-token CE of `arm_targets`' labels."""
+  count = jnp.sum(valid_bt)
+  loss = jnp.sum(jnp.where(valid_bt, ce_bt, 0.0)) / jnp.maximum(count, 1).astype(jnp.float32)
+  return loss, _metrics(loss, loss, jnp.zeros((), jnp.float32), count, jnp.zeros((), jnp.int32))
 
 
 def arm_loss(logits_btv, tokens_bt, prompt_len_b, response_len_b):
@@ -348,17 +432,8 @@ def arm_loss(logits_btv, tokens_bt, prompt_len_b, response_len_b):
   first is predicted from the last prompt token (a response at position 0,
   with no prompt, has no predictor and is skipped).
   """
-  tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
-  b, l = tokens_bt.shape
-  prompt_len_b, response_len_b = _clip_lengths(prompt_len_b, response_len_b, l)
-  labels_bt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-  target_1t = jnp.arange(l, dtype=jnp.int32)[None] + 1  # index of the predicted token
-  valid_bt = (target_1t >= prompt_len_b[:, None]) & (
-      target_1t < (prompt_len_b + response_len_b)[:, None]) & (target_1t < l)
-  ce_bt = token_cross_entropy(logits_btv, labels_bt)
-  count = jnp.sum(valid_bt)
-  loss = jnp.sum(jnp.where(valid_bt, ce_bt, 0.0)) / jnp.maximum(count, 1).astype(jnp.float32)
-  return loss, _metrics(loss, loss, jnp.zeros((), jnp.float32), count, jnp.zeros((), jnp.int32))
+  labels_bt, valid_bt = arm_targets(tokens_bt, prompt_len_b, response_len_b)
+  return arm_loss_from_ce(token_cross_entropy(logits_btv, labels_bt), valid_bt)
 
 
 def mdm_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, *, mask_id: int, eos_id: int,
@@ -402,13 +477,17 @@ def mdm_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, *, mask_id: int, e
       slot_size_b=jnp.ones((b,), jnp.int32))
 
 
-def mdm_loss(logits_btv, corrupted: Corrupted):
-  """LLaDA loss: sum over masked tokens of CE / t / len(padded response), batch mean."""
-  ce_bt = token_cross_entropy(logits_btv, corrupted.labels_bt)
+def mdm_loss_from_ce(ce_bt, corrupted: Corrupted):
+  """`mdm_loss` from the per-token CE of `corrupted.labels_bt`."""
   mdm_bt = corrupted.kind_bt == KIND_MDM
   loss = _mdm_term(ce_bt, mdm_bt, corrupted.p_b, corrupted.response_len_b)
   return loss, _metrics(loss, jnp.zeros((), jnp.float32), loss, jnp.zeros((), jnp.int32),
                         jnp.sum(mdm_bt))
+
+
+def mdm_loss(logits_btv, corrupted: Corrupted):
+  """LLaDA loss: sum over masked tokens of CE / p / len(padded response), batch mean."""
+  return mdm_loss_from_ce(token_cross_entropy(logits_btv, corrupted.labels_bt), corrupted)
 
 
 # --------------------------------------------------------------------------
@@ -416,11 +495,15 @@ def mdm_loss(logits_btv, corrupted: Corrupted):
 
 
 def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: int, pad_id: int,
-            slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS, eos_id: int | None = None):
+            slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS, eos_id: int | None = None,
+            loss_chunk: int = 0):
   """Loss and metrics of `objective` ("refusion", "arm" or "mdm") on one batch.
 
   `eos_id` (MDM only: the token that pads the response to the row's end)
-  defaults to the model config's `eos_token_id`.
+  defaults to the model config's `eos_token_id`. `loss_chunk` > 0 computes the
+  cross-entropy from the model's hidden states `loss_chunk` tokens of the
+  sequence at a time (`chunked_token_cross_entropy`: the same loss and
+  gradients without `[B, T, V]` logits); 0 projects the whole sequence at once.
 
   Meant to run inside `nnx.value_and_grad` / `jax.jit`; all checks of
   arguments, shapes and the model's attention kind happen at trace time, in
@@ -429,6 +512,7 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
   _check_objective(objective)
   slot_sizes = check_slot_sizes(slot_sizes)
   eps = _check_eps(eps)
+  loss_chunk = check_loss_chunk(loss_chunk)
   config = getattr(model, "config", None)
   vocab = getattr(config, "vocab_size", None)
   mask_id = _check_token_id("mask_id", mask_id, vocab)
@@ -451,17 +535,23 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
   response_len_b = jnp.asarray(batch["response_len"], jnp.int32)
   b, l = tokens_bt.shape
 
+  def model_ce(input_ids_bt, positions_bt, labels_bt):
+    if loss_chunk:
+      return chunked_token_cross_entropy(model.hidden(input_ids_bt, positions_bt),
+                                         model.unembed(), labels_bt, loss_chunk)
+    return token_cross_entropy(model(input_ids_bt, positions_bt), labels_bt)
+
   if objective == "refusion":
     corrupted = refusion_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, mask_id=mask_id,
                                  pad_id=pad_id, slot_sizes=slot_sizes, eps=eps)
-    logits_btv = model(corrupted.input_ids_bt, corrupted.positions_bt)
-    return refusion_loss(logits_btv, corrupted)
+    ce_bt = model_ce(corrupted.input_ids_bt, corrupted.positions_bt, corrupted.labels_bt)
+    return refusion_loss_from_ce(ce_bt, corrupted)
   if objective == "arm":
     positions_bt = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
-    logits_btv = model(tokens_bt, positions_bt)
-    return arm_loss(logits_btv, tokens_bt, prompt_len_b, response_len_b)
+    labels_bt, valid_bt = arm_targets(tokens_bt, prompt_len_b, response_len_b)
+    return arm_loss_from_ce(model_ce(tokens_bt, positions_bt, labels_bt), valid_bt)
   corrupted = mdm_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, mask_id=mask_id,
                           eos_id=eos_id, pad_id=pad_id, eps=eps)
   # Every position is live (the response runs to the row's end): full bidirectional attention.
-  logits_btv = model(corrupted.input_ids_bt, corrupted.positions_bt)
-  return mdm_loss(logits_btv, corrupted)
+  ce_bt = model_ce(corrupted.input_ids_bt, corrupted.positions_bt, corrupted.labels_bt)
+  return mdm_loss_from_ce(ce_bt, corrupted)

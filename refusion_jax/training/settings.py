@@ -102,6 +102,8 @@ def validate_config(config, *, num_devices: int, process_count: int = 1) -> dict
     raise ValueError(f"config.slot_sizes: {e}") from None
   require(is_real(config.eps) and 0.0 < config.eps < 1.0, "eps", config.eps,
           "a float in (0, 1)")
+  require(is_int(config.loss_chunk) and config.loss_chunk >= 0, "loss_chunk", config.loss_chunk,
+          "a non-negative int (0 = full logits)")
   require(is_int(config.seed) and 0 <= config.seed < 2**31, "seed", config.seed,
           "an int in [0, 2**31)")
   require(is_int(config.global_batch_size) and config.global_batch_size >= 1,

@@ -113,7 +113,8 @@ class Trainer:
     self.loss_kwargs = dict(
         objective=config.objective,
         mask_id=model_config.mask_token_id if model_config.mask_token_id is not None else 0,
-        pad_id=int(pad_id), slot_sizes=tuple(config.slot_sizes), eps=float(config.eps))
+        pad_id=int(pad_id), slot_sizes=tuple(config.slot_sizes), eps=float(config.eps),
+        loss_chunk=objective.check_loss_chunk(config.loss_chunk))
 
     abstract_model = nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract_model)
