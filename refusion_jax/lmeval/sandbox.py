@@ -433,6 +433,8 @@ USERNS_SYSCTLS = (
 # Processes of the sample's uid (as the kernel counts them for RLIMIT_NPROC)
 # that are not the sample's: its launcher, and `unshare` itself, which enters
 # the user namespace it creates.
+_NO_REPORT = "without a report from its launcher; its output:"
+
 _OTHER_PROCESSES = {"root": 0, "bwrap": 1, "unshare": 2, "none": 0}
 
 _ENV_ESSENTIALS = {
@@ -558,7 +560,7 @@ def _sandbox_refusal(plan: Plan) -> str | None:
         refusal = None if outcome.passed else (
             f"a trivial program ended {outcome.status}: {outcome.detail[-500:].strip()}")
       except (OSError, SandboxError, subprocess.SubprocessError) as e:
-        refusal = str(e)
+        refusal = str(e).replace(_NO_REPORT, "").strip()
       _probe_results[key] = refusal
     return _probe_results[key]
 
@@ -575,7 +577,8 @@ def _userns_settings() -> list[str]:
       continue
     if value == disabling:
       found.append((path, value, enabling))
-  return [f"{path} is {value}: `sysctl -w {enabling}`" for path, value, enabling in found]
+  return [f"{enabling.split('=')[0]} is {value}: `sysctl -w {enabling}`"
+          for _, value, enabling in found]
 
 
 def _kernel_version() -> tuple[int, ...]:
@@ -643,18 +646,17 @@ def check_platform(allow_network: bool = False, allow_no_namespaces: bool = Fals
     _warn_no_namespaces()
     return Plan("none", None, True)
   disabled = _userns_settings()
-  raise SandboxError(
-      f"the code sandbox cannot create user namespaces as uid {uid} "
-      f"({'; '.join(refusals) or 'no tool tried'}). "
-      + (f"Unprivileged user namespaces are disabled: {'; '.join(disabled)} (as root). "
+  fix = (f"unprivileged user namespaces are disabled ({'; '.join(disabled)}, as root)"
          if disabled else
-         "Enable unprivileged user namespaces (install bubblewrap; check the sysctls "
+         "enable unprivileged user namespaces (check the sysctls "
          + ", ".join(enabling.split("=")[0] for _, _, enabling in USERNS_SYSCTLS)
-         + ", and that a container allows them). ")
-      + "Or run the evaluation as root, or pass allow_no_namespaces=True "
-      "(--config.sandbox_allow_no_namespaces=true) to run programs with resource limits "
-      f"only, accepting that they can read and write whatever uid {uid} can and reach the "
-      "network")
+         + ", and that a container allows them)")
+  raise SandboxError(
+      f"the code sandbox cannot create user namespaces as uid {uid}: {fix}; or run the "
+      "evaluation as root; or pass allow_no_namespaces=True "
+      "(--config.sandbox_allow_no_namespaces=true) to run programs with resource limits only, "
+      f"accepting that they can read and write whatever uid {uid} can and reach the network "
+      f"[{'; '.join(refusals) or 'no tool tried'}]")
 
 
 def _interpreter_paths() -> list[str]:
@@ -849,9 +851,8 @@ def _outcome(reports: list[dict[str, Any]], output_tail: str, seconds: float, li
     note = f"[sandbox] wall-clock limit of {limits.wall_seconds:g} s reached"
     return Outcome(False, "timeout", _with_note(output_tail, note), seconds)
   if not ended:
-    raise SandboxError(
-        f"the code sandbox ended (status {returncode}) without a report from its launcher; "
-        f"its output: {output_tail[-1000:]!r}")
+    raise SandboxError(f"the code sandbox ended (status {returncode}) {_NO_REPORT} "
+                       f"{output_tail[-1000:]!r}")
   report = ended[-1]
   cpu = float(report.get("cpu", 0.0))
   if "exit" in report:
