@@ -5,8 +5,9 @@ Each program runs in its own process tree, never in the evaluating process:
     evaluator --Popen(new session)--> unshare or bwrap --> launcher (PID 1) --fork--> sample
 
 * New namespaces: mount, PID, IPC, UTS and, unless `allow_network=True`, a
-  network namespace whose only interface is a loopback that is down: nothing
-  on this machine or beyond can be reached, not even 127.0.0.1 of the host.
+  network namespace whose only interface is a loopback of its own (down, or
+  up with nothing listening under bwrap): nothing on this machine or beyond
+  can be reached, not even 127.0.0.1 of the host.
   How they are made depends on who evaluates (`check_platform` picks):
 
   - as root ("root" mode): `unshare` (util-linux) makes them directly;
