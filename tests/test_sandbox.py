@@ -103,7 +103,8 @@ class Evaluator:
     attrs = {**({} if self.mode == "root" else {"UNPRIVILEGED_TOOLS": [self.mode]}),
              **(attrs or {})}
     if self.user is None:
-      return self._run_here(sources, limits, workers, env or {}, allow_no_namespaces, attrs)
+      return self._run_here(sources, limits, workers, {"HOME": self.home, **(env or {})},
+                            allow_no_namespaces, attrs)
     request = {"sources": sources, "limits": dataclasses.asdict(limits), "workers": workers,
                "allow_no_namespaces": allow_no_namespaces, "attrs": attrs}
     environment = [f"{k}={v}" for k, v in {
