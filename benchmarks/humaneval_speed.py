@@ -48,6 +48,9 @@ def parse_args(argv=None):
   p.add_argument("--output_dir", default="", help="keep each row's results here ('' = temp)")
   p.add_argument("--sandbox_allow_network", action="store_true",
                  help="run programs without a network namespace (accepting the risk)")
+  p.add_argument("--sandbox_allow_no_namespaces", action="store_true",
+                 help="run programs with resource limits only where user namespaces are "
+                 "disabled (accepting the risk)")
   args = p.parse_args(argv)
   if not args.refusion_dir and not args.ar_dir:
     p.error("give --refusion_dir and/or --ar_dir")
@@ -72,6 +75,7 @@ def _config(args, model_dir: str, method: str, rows: int, output_dir: str):
   c.model_dir, c.output_dir, c.limit, c.batch_size = model_dir, output_dir, args.limit, rows
   c.enable_thinking = args.enable_thinking == "true"
   c.sandbox_allow_network = args.sandbox_allow_network
+  c.sandbox_allow_no_namespaces = args.sandbox_allow_no_namespaces
   c.decode.method = method
   c.decode.gen_length, c.decode.slot_size = args.gen_length, args.slot_size
   c.decode.block_size = args.block_size

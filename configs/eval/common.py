@@ -46,6 +46,9 @@ def benchmark_config(name: str) -> ml_collections.ConfigDict:
   c.distributed = False  # jax.distributed.initialize() first; processes split the requests
   c.progress = True  # progress bars on stderr
   c.sandbox_allow_network = False  # code benchmarks: run samples WITHOUT a network namespace
+  # Code benchmarks, where unprivileged user namespaces are disabled: run samples with
+  # resource limits only (no namespaces: they can read and write what this user can).
+  c.sandbox_allow_no_namespaces = False
   c.sandbox_wall_seconds = 10.0  # code benchmarks: wall-clock limit per program
   c.decode = decode_fields(gen_length=b.gen_length, slot_size=b.slot_size,
                            block_size=b.block_size, slot_threshold=b.slot_threshold,

@@ -84,9 +84,11 @@ def _configure_sandbox(c) -> None:
   if not wall > 0:
     raise ValueError(f"--config.sandbox_wall_seconds must be > 0, got {wall}")
   limits = sandbox.Limits(wall_seconds=wall, cpu_seconds=max(1, math.ceil(wall)))
-  sandbox.configure(limits, allow_network=bool(c.sandbox_allow_network), progress=c.progress)
-  # Refuse now rather than after the decoding when no network namespace can be made.
-  sandbox.check_platform(bool(c.sandbox_allow_network))
+  allow_no_namespaces = bool(c.get("sandbox_allow_no_namespaces", False))
+  sandbox.configure(limits, allow_network=bool(c.sandbox_allow_network), progress=c.progress,
+                    allow_no_namespaces=allow_no_namespaces)
+  # Refuse now rather than after the decoding when the namespaces cannot be made.
+  sandbox.check_platform(bool(c.sandbox_allow_network), allow_no_namespaces)
 
 
 def run(c) -> dict[str, Any]:

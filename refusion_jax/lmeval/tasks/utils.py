@@ -6,7 +6,7 @@ The code tasks score in two filter steps and a metric:
    the program that tests it (`refusion_jax.lmeval.code`);
 2. `run_in_sandbox` runs all of a task's programs at once, in parallel, in
    the sandbox (`refusion_jax.lmeval.sandbox`), with the settings the
-   evaluation entry point gave `sandbox.configure` (limits, network opt-out,
+   evaluation entry point gave `sandbox.configure` (limits, network and namespace opt-outs,
    workers, progress bar); each response becomes a JSON-ready record of how
    its program ended, which lm-eval writes to the samples JSONL;
 3. `process_results` only reads those records: pass@1 is the fraction of a
@@ -49,7 +49,8 @@ def run_in_sandbox(resps: list[list[str]], docs: list[dict]) -> list[list[dict[s
   settings = sandbox.settings()
   flat = [program for programs in resps for program in programs]
   outcomes = sandbox.run_programs(flat, settings.limits, allow_network=settings.allow_network,
-                                  workers=settings.workers, progress=settings.progress)
+                                  workers=settings.workers, progress=settings.progress,
+                                  allow_no_namespaces=settings.allow_no_namespaces)
   records = iter([{"program": p, **dataclasses.asdict(o)} for p, o in zip(flat, outcomes)])
   return [[next(records) for _ in programs] for programs in resps]
 
