@@ -115,7 +115,6 @@ class DoesNotFit(Exception):
     self.used, self.limit = used, limit
 
 
-_SIZE = r"([0-9.]+)\s*([KMGT]?)i?B?"
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -133,12 +132,12 @@ def compile_program(lowered, what: str):
     text = str(e)
     if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
       raise
-    m = re.search(r"Used\s+" + _SIZE + r"\s+of\s+" + _SIZE, text)
-    used = _bytes(m.group(1), m.group(2)) if m else None
-    limit = _bytes(m.group(3), m.group(4)) if m else None
     first = next((line for line in text.splitlines() if "memory" in line.lower()),
-                 text.splitlines()[0])
-    raise DoesNotFit(first.strip(), used, limit) from None
+                 text.splitlines()[0]).strip()
+    # "... temporaries (35.35G) exceeds available HBM (15.75G)" or "Used 20G of 15.75G hbm".
+    sizes = [_bytes(n, u) for n, u in re.findall(r"([0-9]+(?:\.[0-9]+)?)([KMGT])i?B?\b", first)]
+    used, limit = (sizes[0], sizes[1]) if len(sizes) >= 2 else (None, None)
+    raise DoesNotFit(f"{what}: {first}", used, limit) from None
   seconds = time.perf_counter() - t
   log(f"compiled {what} in {seconds:.1f}s")
   return compiled, seconds
@@ -394,6 +393,15 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
     compiled, seconds = compile_program(lowered, f"{decode_config.method} {name} program")
     entries.append(_program_entry(name, Memory.of(compiled), seconds))
     del compiled
+  result = {"model": source, "params": mc.num_params(), "mesh": sizes,
+            "method": decode_config.method, "batch": batch, "prompt_len": prompt_len,
+            "gen_length": decode_config.gen_length, "scan_layers": mc.scan_layers,
+            "programs": entries, "flops_source": "hand count per chip: 2 x matmul params per "
+            "token + attention", "pass_width": None, "flops": None, "bytes": None,
+            "estimated_s": None, "per_pass": []}
+  if max(e["total"] for e in entries) > chip.hbm_gib * GIB:
+    log("does not fit: no per-pass table")
+    return result
 
   weights = decoder.params
   if not mc.tie_embeddings:  # a pass gathers a few rows of the input embedding, not all
@@ -440,16 +448,10 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
                        "xla_flops": xla_flops(compiled), "compile_s": seconds})
       del compiled
     top = next(p for p in per_pass if p["width"] == widest)
-  return {
-      "model": source, "params": mc.num_params(), "mesh": sizes, "method": decode_config.method,
-      "batch": batch, "prompt_len": prompt_len, "gen_length": decode_config.gen_length,
-      "scan_layers": mc.scan_layers, "programs": entries,
-      "pass_width": top["width"], "flops": top["flops"], "bytes": top["bytes"],
-      "estimated_s": top["estimated_s"],
-      "flops_source": "hand count per chip: 2 x matmul params per token + attention",
-      "per_pass": [{k: v for k, v in p.items() if k != "compile_s"} for p in per_pass],
-      "pass_compile_s": sum(p["compile_s"] for p in per_pass),
-  }
+  return dict(result, pass_width=top["width"], flops=top["flops"], bytes=top["bytes"],
+              estimated_s=top["estimated_s"],
+              per_pass=[{k: v for k, v in p.items() if k != "compile_s"} for p in per_pass],
+              pass_compile_s=sum(p["compile_s"] for p in per_pass))
 
 
 # --- report --------------------------------------------------------------------------------
@@ -481,19 +483,27 @@ def render(r: dict) -> str:
   lines = [f"{r['program']} on {r['topology']} ({r['libtpu_topology']} x {r['num_slices']} "
            f"slice(s), {r['chips']} {r['chip']} chips of {r['hbm_gib']:g} GiB HBM, "
            f"{chip.bf16_tflops:g} TFLOP/s bf16, {chip.hbm_gbps:g} GB/s)",
-           f"model: {r['model']}, {r['params'] / 1e9:.3f}B parameters, mesh {r['mesh']}"]
-  lines.append(f"{'program':12s}{'argument':>12s}{'output':>12s}{'aliased':>12s}"
-               f"{'temporary':>12s}{'code':>10s}{'total':>12s}{'compile':>9s}")
+           ]
+  if "model" in r:
+    lines.append(f"model: {r['model']}, {r['params'] / 1e9:.3f}B parameters, mesh {r['mesh']}")
+  if r["programs"]:
+    lines.append(f"{'program':12s}{'argument':>12s}{'output':>12s}{'aliased':>12s}"
+                 f"{'temporary':>12s}{'code':>10s}{'total':>12s}{'compile':>9s}")
   for p in r["programs"]:
     lines.append(f"{p['name']:12s}{_gib(p['argument']):>12s}{_gib(p['output']):>12s}"
                  f"{_gib(p['alias']):>12s}{_gib(p['temp']):>12s}{_gib(p['code']):>10s}"
                  f"{_gib(p['total']):>12s}{p['compile_s']:>8.1f}s")
-  verdict = ("fits" if r["fits"] else
-             f"does not fit by {r['per_chip_gib'] - r['hbm_gib']:.2f} GiB")
-  lines.append(f"per chip: {r['per_chip_gib']:.2f} of {r['hbm_gib']:g} GiB "
-               f"({100 * r['per_chip_gib'] / r['hbm_gib']:.0f}%): {verdict}")
+  if r["per_chip_gib"] is None:
+    lines.append(f"per chip: more than {r['hbm_gib']:g} GiB: does not fit")
+  else:
+    verdict = ("fits" if r["fits"] else
+               f"does not fit by {r['per_chip_gib'] - r['hbm_gib']:.2f} GiB")
+    lines.append(f"per chip: {r['per_chip_gib']:.2f} of {r['hbm_gib']:g} GiB "
+                 f"({100 * r['per_chip_gib'] / r['hbm_gib']:.0f}%): {verdict}")
   if r.get("compiler_error"):
-    lines.append(f"compiler: {r['compiler_error']}")
+    lines.append(f"the compiler: {r['compiler_error']}")
+    if r.get("compiler_limit_gib"):
+      lines.append(f"(the compiler's usable HBM per chip: {r['compiler_limit_gib']:.2f} GiB)")
   if r["flops"] is None:
     return "\n".join(lines)
   if r["program"] == "train":
@@ -521,12 +531,13 @@ def render(r: dict) -> str:
 
 def not_fitting_report(kind: str, tpu_slice: tpu.Slice, error: DoesNotFit, partial: dict) -> dict:
   """The report of a program the compiler refused for lack of HBM."""
-  used = error.used if error.used is not None else float("nan")
   return {"program": kind, "topology": tpu_slice.name, "libtpu_topology": tpu_slice.topology,
           "num_slices": tpu_slice.num_slices, "chip": tpu_slice.chip.name,
           "chips": tpu_slice.chips, "hbm_gib": tpu_slice.chip.hbm_gib,
-          "per_chip_gib": used / GIB, "fits": False, "compile_s": None,
-          "compiler_error": str(error), "flops": None, "bytes": None, "estimated_s": None,
+          "per_chip_gib": None if error.used is None else error.used / GIB,
+          "fits": False, "compile_s": None,
+          "compiler_error": str(error),
+          "compiler_limit_gib": None if error.limit is None else error.limit / GIB, "flops": None, "bytes": None, "estimated_s": None,
           "programs": [], **partial}
 
 
@@ -630,7 +641,11 @@ def parse_flags(argv):
     return flags.FLAGS(argv)
   except flags.Error as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:  # a --config.x override
+    message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    print(f"error: a --config override cannot be applied ({type(e).__name__}: {message}); "
+          "is the field name right?", file=sys.stderr)
+  sys.exit(EXIT_BAD_INPUT)
 
 
 def main(argv, f):
