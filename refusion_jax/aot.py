@@ -309,21 +309,22 @@ def check_train(config, tpu_slice: tpu.Slice) -> dict:
 def decode_model_config(model: str, method: str) -> tuple[ModelConfig, str]:
   """A preset name or a folder (config.json or model_config.json read, nothing else)."""
   if model in config_lib.PRESETS:
-    mc = config_lib.get_preset(model)
+    mc, source = config_lib.get_preset(model), f"preset {model}"
     if mc.mask_token_id is None and mc.vocab_size > config_lib.REFUSION_MASK_ID:
       mc = mc.replace(mask_token_id=config_lib.REFUSION_MASK_ID,
                       bos_token_id=config_lib.REFUSION_BOS_ID)
-    if method == "mdm":
-      mc = mc.replace(attention="bidirectional")  # the MDM baseline's model
-    return mc, f"preset {model}"
-  if os.path.isdir(model):
-    if checkpoint.is_model_dir(model):
-      return checkpoint.read_model_config(model), f"{model} (model_config.json)"
-    if os.path.isfile(os.path.join(model, "config.json")):
-      return config_lib.from_hf_config(model), f"{model} (config.json)"
+  elif os.path.isdir(model) and checkpoint.is_model_dir(model):
+    return checkpoint.read_model_config(model), f"{model} (model_config.json)"
+  elif os.path.isfile(os.path.join(model, "config.json")):
+    mc, source = config_lib.from_hf_config(model), f"{model} (config.json)"
+  elif os.path.isdir(model):
     raise ValueError(f"--model={model!r} has neither config.json nor model_config.json")
-  raise ValueError(f"--model={model!r} is neither a preset {sorted(config_lib.PRESETS)} nor a "
-                   "folder")
+  else:
+    raise ValueError(f"--model={model!r} is neither a preset {sorted(config_lib.PRESETS)} nor "
+                     "a folder")
+  if method == "mdm":  # presets and HF config.json do not record it: the MDM baseline's model
+    mc = mc.replace(attention="bidirectional")
+  return mc, source
 
 
 def _abstract_sharded_model(mc: ModelConfig, mesh, rules):
@@ -421,7 +422,7 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
     flops = canvas_pass_flops(mc, batch, canvas, decode_config.gen_length) / chips
     per_pass.append({"width": canvas, "bytes": nbytes, "bytes_floor": weight_bytes,
                      "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
-                     "compile_s": seconds})
+                     "xla_flops": xla_flops(compiled), "compile_s": seconds})
     top = per_pass[0]
   else:
     widest = 1 if decode_config.method == "ar" else max(refusion.widths(decoder.spec))
