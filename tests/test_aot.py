@@ -253,3 +253,15 @@ def test_bad_flags_exit_2_on_one_line(args, message):
   ours = [line for line in done.stderr.splitlines() if line.startswith("error:")]
   assert len(ours) == 1 and ours[0].startswith(message), done.stderr[-2000:]
   assert "Traceback" not in done.stderr
+
+
+def test_the_fit_table_shows_each_row_with_its_command(train_run):
+  from benchmarks import aot_fit  # pylint: disable=import-outside-toplevel
+  _, r = train_run
+  command = ["python", "-m", "refusion_jax.aot", "--program=train"]
+  out = aot_fit.table([{"name": "tiny", "command": command, "report": r},
+                       {"name": "broken", "command": command, "error": "exit 2: error: x"}])
+  tiny, broken = out.splitlines()[2:]
+  assert tiny.startswith("| tiny | v5litepod-4 (4 chips) | 0.0 / 16 (0%) | yes | ")
+  assert f"{100 * r['estimated_mfu']:.0f}%" in tiny and "`python -m refusion_jax.aot" in tiny
+  assert broken.startswith("| broken | - |") and "(exit 2: error: x)" in broken
