@@ -379,7 +379,10 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
     mc = mc.replace(scan_layers=scan_layers)
   decode_config.check_fits(mc, prompt_len)
   devices = tpu.slice_devices(tpu_slice)
-  sizes = settings.mesh_shape(ml_collections.ConfigDict(mesh_sizes), len(devices))
+  try:
+    sizes = settings.mesh_shape(ml_collections.ConfigDict(mesh_sizes), len(devices))
+  except ValueError as e:
+    raise ValueError(f"--mesh (data,fsdp,tensor) over {len(devices)} chips: {e}") from None
   mesh = sharding.make_mesh(devices=devices, **sizes)
   rules = sharding.ShardingRules()
   decoder = engine.Decoder(_abstract_sharded_model(mc, mesh, rules), decode_config)
