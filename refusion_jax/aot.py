@@ -518,7 +518,8 @@ def render(r: dict) -> str:
     lines.append(f"estimated step time {r['estimated_s']:.2f}s, "
                  f"{r['estimated_tokens_per_s_per_chip']:,.0f} tokens/s per chip, "
                  f"estimated MFU {100 * r['estimated_mfu']:.1f}% (roofline: "
-                 "max(flops / peak, bytes / bandwidth); collectives not modelled)")
+                 "max(flops / peak, bytes / bandwidth), a bound: collectives, overlap and "
+                 "kernel efficiency are not modelled)")
   else:
     lines.append(f"estimate per pass and chip ({r['batch']} rows, {r['flops_source']}; HBM "
                  "bytes from hlo_traffic; floor = weights a pass reads + KV cache per chip):")
