@@ -16,7 +16,13 @@
 #           .venv and logs/; installs python3.11 with apt when the image has no
 #           Python >= 3.11 with venv (Ubuntu 22.04 images ship 3.10); builds .venv with
 #           jax[tpu] (launch/setup_env.sh --accelerator=tpu). Rerun it after a commit.
-#   train   --workdir=gs://BUCKET/run [--config=configs/qwen3_8b_refusion.py] [--detach]
+#   train   --workdir=gs://BUCKET/run --accelerator-type=T [--config=configs/qwen3_8b_refusion.py]
+#           [--detach] [--skip-fit-check]
+#           First, here and without a TPU, the fit check: `python -m refusion_jax.aot
+#           --program=train --topology=T --config=C` (with the --config.* arguments after
+#           --) compiles the train step for the slice T (the type it was created with, e.g.
+#           v5p-128) and stops unless it fits in HBM (needs this tree's .venv with libtpu:
+#           launch/setup_env.sh --accelerator=tpu); --skip-fit-check skips it. Then
 #           python -m refusion_jax.train --config=C --workdir=W --config.distributed=true
 #   eval    --benchmark=B --model-dir=DIR --output-dir=OUT [--detach]
 #           python -m refusion_jax.evaluate --config=configs/eval/B.py
@@ -60,7 +66,7 @@ case " $subcommands " in
 esac
 
 tpu="" zone="" project="" dry=0 detach=0
-accelerator_type="v4-8" runtime_version="" spot=0
+accelerator_type="v4-8" accelerator_given=0 runtime_version="" spot=0 skip_fit=0
 config="" workdir="" benchmark="" model_dir="" output_dir=""
 worker="0" lines="200" follow=0
 extra=()
@@ -70,7 +76,9 @@ while [ $# -gt 0 ]; do
     --zone=*) zone="${1#*=}" ;;
     --project=*) project="${1#*=}" ;;
     --dry-run) dry=1 ;;
-    --accelerator-type=*) only_for --accelerator-type create; accelerator_type="${1#*=}" ;;
+    --accelerator-type=*)
+      only_for --accelerator-type create train; accelerator_type="${1#*=}"; accelerator_given=1 ;;
+    --skip-fit-check) only_for --skip-fit-check train; skip_fit=1 ;;
     --runtime-version=*) only_for --runtime-version create; runtime_version="${1#*=}" ;;
     --spot) only_for --spot create; spot=1 ;;
     --config=*) only_for --config train sample; config="${1#*=}" ;;
@@ -124,7 +132,12 @@ case "$sub" in
   train)
     [ -n "$workdir" ] || die "train: --workdir is required (a gs:// path on pods)"
     config="${config:-configs/qwen3_8b_refusion.py}"
-    check_config "$config" ;;
+    check_config "$config"
+    if [ "$skip_fit" = 0 ] && [ "$accelerator_given" = 0 ]; then
+      die "train: --accelerator-type=TYPE (the slice's, e.g. v5p-128) is required for the" \
+          "fit check; or pass --skip-fit-check"
+    fi
+    [ -n "$accelerator_type" ] || die "--accelerator-type must not be empty (e.g. v4-8, v5p-8)" ;;
   eval)
     [ -n "$benchmark" ] || die "eval: --benchmark=NAME is required (one of: $benchmarks)"
     case " $benchmarks " in
@@ -170,6 +183,36 @@ job() {
 }
 python=.venv/bin/python
 
+# fit_check: compiles the train step for the slice here, without a TPU (refusion_jax.aot,
+# with the --config.* arguments after --), and stops unless it fits the chips' HBM.
+fit_check() {
+  local a overrides=() status=0
+  for a in ${extra[@]+"${extra[@]}"}; do
+    case "$a" in
+      --config.distributed=*) ;;
+      --config.*) overrides+=("$a") ;;
+    esac
+  done
+  local check=("$python" -m refusion_jax.aot --program=train --topology="$accelerator_type"
+               --config="$config" ${overrides[@]+"${overrides[@]}"})
+  if [ "$dry" = 1 ]; then
+    run "${check[@]}"
+    return
+  fi
+  [ -x "$root/$python" ] || die "the fit check needs $root/.venv with libtpu" \
+    "(bash launch/setup_env.sh --accelerator=tpu); or pass --skip-fit-check"
+  (cd "$root" && "${check[@]}") || status=$?
+  case "$status" in
+    0) ;;
+    3) echo "$(basename "$0"): the train step does not fit $accelerator_type (above); not" \
+            "starting it (--skip-fit-check starts it anyway)" >&2
+       exit 3 ;;
+    *) echo "$(basename "$0"): the fit check failed (exit status $status); not starting" \
+            "the run (--skip-fit-check starts it anyway)" >&2
+       exit "$status" ;;
+  esac
+}
+
 # shellcheck disable=SC2016,SC2088
 case "$sub" in
   create)
@@ -196,6 +239,7 @@ case "$sub" in
     run "${gcloud_tpu[@]}" ssh "$tpu" "${where[@]}" --worker=all --command \
       "$unpack && $python_ready && PYTHON=\$py bash launch/setup_env.sh --accelerator=tpu" ;;
   train)
+    [ "$skip_fit" = 1 ] || fit_check
     run "${gcloud_tpu[@]}" ssh "$tpu" "${where[@]}" --worker=all --command "$(job train \
       "$python" -m refusion_jax.train --config="$config" --workdir="$workdir" \
       --config.distributed=true ${extra[@]+"${extra[@]}"})" ;;

@@ -130,14 +130,19 @@ def test_tpu_setup_copies_head_and_builds_the_environment():
 
 
 def test_tpu_train():
-  assert _tpu("train", *TPU, "--workdir=gs://b/run", "--", "--config.num_train_steps=10",
-              "--config.note=it's a test") == [shlex.join([*SSH_ALL, _job("train", [
-                  ".venv/bin/python", "-m", "refusion_jax.train",
-                  "--config=configs/qwen3_8b_refusion.py", "--workdir=gs://b/run",
-                  "--config.distributed=true", "--config.num_train_steps=10",
-                  "--config.note=it's a test"])])]
+  # The fit check first (here, with the run's --config.* overrides), then the run.
+  assert _tpu("train", *TPU, "--workdir=gs://b/run", "--accelerator-type=v5p-128", "--",
+              "--config.num_train_steps=10", "--config.note=it's a test") == [
+                  shlex.join([".venv/bin/python", "-m", "refusion_jax.aot", "--program=train",
+                              "--topology=v5p-128", "--config=configs/qwen3_8b_refusion.py",
+                              "--config.num_train_steps=10", "--config.note=it's a test"]),
+                  shlex.join([*SSH_ALL, _job("train", [
+                      ".venv/bin/python", "-m", "refusion_jax.train",
+                      "--config=configs/qwen3_8b_refusion.py", "--workdir=gs://b/run",
+                      "--config.distributed=true", "--config.num_train_steps=10",
+                      "--config.note=it's a test"])])]
   assert _tpu("train", *TPU, "--project=lab-1", "--config=configs/qwen3_0_6b_refusion.py",
-              "--workdir=gs://b/small", "--detach") == [shlex.join([
+              "--workdir=gs://b/small", "--detach", "--skip-fit-check") == [shlex.join([
                   *GCLOUD, "ssh", "pod", f"--zone={ZONE}", "--project=lab-1", "--worker=all",
                   "--command", _detached("train", [
                       ".venv/bin/python", "-m", "refusion_jax.train",
@@ -220,7 +225,7 @@ def _set_up_home(home) -> None:
 
 
 def test_worker_commands_stop_without_setup(tmp_path):
-  train = _remote(_tpu("train", *TPU, "--workdir=gs://b/run")[0])
+  train = _remote(_tpu("train", *TPU, "--workdir=gs://b/run", "--skip-fit-check")[0])
   done = _on_worker(train, str(tmp_path))
   assert done.returncode == 1
   assert "~/refusion_jax/.venv is missing; run launch/tpu_pod.sh setup first" in done.stderr
@@ -253,7 +258,7 @@ def test_worker_runs_log_and_fail_like_the_program(tmp_path):
 
   # The program's exit status comes back through the pipe into tee.
   time.sleep(1.1)  # a new log name (one per second)
-  train = _remote(_tpu("train", *TPU, "--workdir=gs://b/run")[0])
+  train = _remote(_tpu("train", *TPU, "--workdir=gs://b/run", "--skip-fit-check")[0])
   done = _on_worker(train, str(tmp_path), STAND_IN_RC="3")
   assert done.returncode == 3
   assert "arg: --config.distributed=true" in done.stdout
@@ -339,6 +344,13 @@ EVAL = ["eval", *TPU, "--model-dir=m", "--output-dir=o"]
     ("tpu_pod.sh", ["create", *TPU, "--workdir=gs://b"],
      "--workdir is not a flag of 'create' (it belongs to: train)"),
     ("tpu_pod.sh", ["train", *TPU, "--spot"], "--spot is not a flag of 'train'"),
+    ("tpu_pod.sh", ["train", *TPU, "--workdir=w"],
+     "train: --accelerator-type=TYPE (the slice's, e.g. v5p-128) is required for the fit check; "
+     "or pass --skip-fit-check"),
+    ("tpu_pod.sh", ["train", *TPU, "--workdir=w", "--accelerator-type="],
+     "--accelerator-type must not be empty"),
+    ("tpu_pod.sh", ["sample", *TPU, "--skip-fit-check"],
+     "--skip-fit-check is not a flag of 'sample' (it belongs to: train)"),
     ("tpu_pod.sh", ["sample", *TPU, "--output-dir=o"], "--output-dir is not a flag of 'sample'"),
     ("tpu_pod.sh", ["setup", *TPU, "--", "--x"], "'setup' takes no arguments after --"),
     ("tpu_pod.sh", ["create", *TPU, "--accelerator-type="], "--accelerator-type must not be empty"),
@@ -386,6 +398,34 @@ def test_tpu_configs_must_be_committed(tmp_path):
                  "--dry-run", cwd=str(tmp_path))
   assert done.returncode == 2
   assert "config configs/mine.py is not committed; setup copies only HEAD" in done.stderr
+
+
+@pytest.mark.parametrize("status", [0, 3, 2])
+def test_tpu_train_starts_only_when_the_fit_check_passes(tmp_path, status):
+  """The check runs here (a stand-in .venv/bin/python); the run is sent only after exit 0."""
+  (tmp_path / "launch").mkdir()
+  for name in ("tpu_pod.sh", "lib.sh"):
+    shutil.copy(os.path.join(REPO, "launch", name), tmp_path / "launch" / name)
+  _set_up_home(tmp_path)  # a stand-in python in tmp_path/refusion_jax/.venv
+  shutil.move(tmp_path / "refusion_jax" / ".venv", tmp_path / ".venv")
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "run.py").write_text("")
+  subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+  subprocess.run(["git", "-C", str(tmp_path), "add", "configs/run.py"], check=True)
+  subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t",
+                  "commit", "-qm", "c"], check=True)
+  done = _launch(str(tmp_path / "launch" / "tpu_pod.sh"), "train", *TPU, "--workdir=gs://b",
+                 "--config=configs/run.py", "--accelerator-type=v5litepod-8", "--",
+                 "--config.global_batch_size=8", cwd=str(tmp_path),
+                 env={**os.environ, "STAND_IN_RC": str(status)})
+  assert "arg: refusion_jax.aot" in done.stdout
+  assert "arg: --topology=v5litepod-8" in done.stdout
+  assert "arg: --config.global_batch_size=8" in done.stdout
+  if status == 0:  # on to the run: the guard's gcloud answers 99
+    assert done.returncode == 99 and "gcloud was run: compute tpus tpu-vm ssh pod" in done.stderr
+  else:
+    assert done.returncode == status and "gcloud was run" not in done.stderr
+    assert ("does not fit v5litepod-8" if status == 3 else "the fit check failed") in done.stderr
 
 
 # ---------------------------------------------------------------------------

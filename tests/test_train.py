@@ -111,6 +111,9 @@ def test_qwen3_configs_follow_the_paper_recipe(tmp_path):
   # Without the Qwen3 folder on this machine the config is refused by name, early.
   with pytest.raises(ValueError, match=r"config\.data\.train_files: 'data/refusion_train"):
     settings.validate_config(c, num_devices=128)
+  # A program compiled ahead of time (refusion_jax.aot) reads neither the data nor the folder.
+  assert settings.validate_config(c, num_devices=64, check_files=False) == {
+      "data": 1, "fsdp": 64, "tensor": 1}
   c.data.train_files = (tiny_refusion.common.TINY_TRAIN,)
   with pytest.raises(ValueError, match=r"config\.init_from_hf='Qwen3-8B' is not a directory"):
     settings.validate_config(c, num_devices=128)

@@ -495,3 +495,50 @@ def _release_done(state, place: Placement | None = None):
   phase_b = state.rows.phase_b
   state = state.replace(rows=state.rows.replace(phase_b=jnp.where(phase_b == DONE, FREE, phase_b)))
   return _placed(state, place)
+
+
+# --- ahead of time ------------------------------------------------------------------------
+
+PROGRAM_NAMES = ("generate", "admit", "run")
+
+
+def abstract_state(decoder: Decoder, rows: int, width: int):
+  """Shapes (and placement) of the engine's state for `rows` rows and prompts `width` wide."""
+  d = decoder
+  init = _engine_init.lower(d.graphdef, d.params, spec=d.spec, rows=rows, width=width,
+                            place=d.place)
+  return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
+                      init.out_info)
+
+
+def lower_program(decoder: Decoder, name: str, rows: int, width: int) -> jax.stages.Lowered:
+  """One of the decoder's programs lowered from shapes alone (nothing runs):
+
+  * "generate": a batch of `rows` prompts `width` wide decoded in one program;
+  * "admit": the engine's prefill of `rows` prompts into a running state;
+  * "run": the engine's loop of passes over `rows` rows.
+
+  The decoder's parameters may be abstract (`ShapeDtypeStruct`s, with shardings
+  when they lie on a mesh, e.g. a TPU slice described without a TPU); the other
+  inputs are then replicated over that mesh.
+  """
+  if name not in PROGRAM_NAMES:
+    raise ValueError(f"decode program {name!r}: known programs are {PROGRAM_NAMES}")
+  d = decoder
+  where = None if d.place is None else NamedSharding(d.place.mesh, PartitionSpec())
+
+  def shape(shape_, dtype):
+    return jax.ShapeDtypeStruct(shape_, dtype, sharding=where)
+
+  knobs = jax.tree.map(lambda x: shape(jnp.shape(x), jnp.result_type(x)), d.knobs)
+  rng = shape((2,), jnp.uint32)
+  if name == "generate":
+    return _generate.lower(d.graphdef, d.params, shape((rows, width), jnp.int32),
+                           shape((rows,), jnp.int32), rng, knobs, spec=d.spec)
+  state = abstract_state(d, rows, width)
+  if name == "admit":
+    ids = shape((rows,), jnp.int32)
+    return _engine_admit.lower(d.graphdef, d.params, state, shape((rows, width), jnp.int32),
+                               ids, ids, ids, rng, knobs, spec=d.spec, place=d.place)
+  return _engine_run.lower(d.graphdef, d.params, state, knobs, shape((), jnp.bool_),
+                           spec=d.spec, place=d.place)

@@ -86,11 +86,13 @@ def mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
   return sizes
 
 
-def validate_config(config, *, num_devices: int, process_count: int = 1) -> dict[str, int]:
+def validate_config(config, *, num_devices: int, process_count: int = 1,
+                    check_files: bool = True) -> dict[str, int]:
   """Checks every field the trainer reads; returns the resolved mesh shape.
 
   Raises ValueError naming the first bad field. Nothing is compiled, loaded or
-  placed on a device here.
+  placed on a device here. `check_files=False` skips whether the data files and
+  the init_from_hf folder exist (a program compiled ahead of time reads neither).
   """
   if config.objective not in objective.OBJECTIVES:
     raise ValueError(f"config.objective must be one of {objective.OBJECTIVES}, "
@@ -139,7 +141,7 @@ def validate_config(config, *, num_devices: int, process_count: int = 1) -> dict
           config.data.seq_len, "an int >= 2")
   require(len(config.data.train_files) > 0, "data.train_files", config.data.train_files,
           "a non-empty list of JSON/JSONL files")
-  for field in ("train_files", "eval_files"):
+  for field in ("train_files", "eval_files") if check_files else ():
     for path in config.data[field]:
       if not os.path.isfile(path):
         raise ValueError(f"config.data.{field}: {path!r} is not a file")
@@ -162,7 +164,7 @@ def validate_config(config, *, num_devices: int, process_count: int = 1) -> dict
   if not config.init_from_hf and config.model.preset not in config_lib.PRESETS:
     raise ValueError(f"config.model.preset must be one of {sorted(config_lib.PRESETS)}, "
                      f"got {config.model.preset!r}")
-  if config.init_from_hf and not os.path.isdir(config.init_from_hf):
+  if check_files and config.init_from_hf and not os.path.isdir(config.init_from_hf):
     raise ValueError(f"config.init_from_hf={config.init_from_hf!r} is not a directory")
 
   sizes = mesh_shape(config.mesh, num_devices)

@@ -203,6 +203,19 @@ class Trainer:
     return {k: jax.make_array_from_process_local_data(
         self.batch_shardings[k], np.asarray(batch[k], np.int32)) for k in BATCH_KEYS}
 
+  def abstract_batch(self, rows: int, seq_len: int) -> dict:
+    """Shapes of a global batch of `rows` x `seq_len`, sharded as `shard_batch` places it."""
+    return {k: jax.ShapeDtypeStruct((rows, seq_len) if k == "tokens" else (rows,), jnp.int32,
+                                    sharding=self.batch_shardings[k]) for k in BATCH_KEYS}
+
+  def lower_train_step(self, rows: int, seq_len: int) -> jax.stages.Lowered:
+    """The train step lowered from shapes alone (no parameters or data exist): compile
+    it for the mesh's devices, which may be a TPU slice described without a TPU."""
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+    with sharding.use_mesh(self.mesh, self.rules):
+      return self._train_step.lower(self.abstract_params, self.abstract_opt_state,
+                                    self.abstract_batch(rows, seq_len), step)
+
   def train_step(self, params, opt_state, batch, step: int):
     """One update; `params` and `opt_state` are donated (do not reuse them)."""
     with sharding.use_mesh(self.mesh, self.rules):

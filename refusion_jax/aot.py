@@ -1,0 +1,673 @@
+"""Will it fit? Compile a program for a Cloud TPU slice on any machine, without a TPU.
+
+  python -m refusion_jax.aot --program=train --topology=v5p-128 \\
+      --config=configs/qwen3_8b_refusion.py [--config.field=value ...]
+  python -m refusion_jax.aot --program=decode --topology=v5litepod-8 --model=qwen3_8b \\
+      --config=configs/sample.py --config.decode.method=refusion --batch=16 --prompt_len=1024
+
+`--topology` is a Cloud TPU accelerator type as gcloud names it (`v4-128`,
+`v5p-128`, `v5litepod-256` or `v5e-256`, `v6e-256`) or a libtpu topology
+(`v5p:4x4x4`); `--num_slices` compiles for that many such slices (multislice).
+libtpu (requirements-tpu.txt) describes the slice and XLA compiles the real
+program for it (`refusion_jax.tpu`):
+
+* train: the Trainer's train step (`Trainer.lower_train_step`) with the
+  config's mesh, global batch, sequence length, dtypes, remat and loss chunk;
+  the model is the config's preset and overrides (with `init_from_hf`: that
+  folder's config.json when it is here, else the preset with the two special
+  tokens the trainer adds, Qwen3's tokenizer giving 151,671 rows);
+* decode: the decode method's programs (`engine.lower_program`: the whole
+  batch in one program, the engine's admit and its loop of passes) at
+  `--batch` rows and prompts `--prompt_len` wide, for the model `--model` (a
+  preset name, or a folder whose config.json or model_config.json alone is
+  read), its parameters split over `--mesh` (data,fsdp,tensor) as the sharding
+  rules say; then one pass of each width of `--pass_widths` over the KV cache
+  (the pass ReFusion and AR decode with; MDM: one denoising pass of the canvas).
+
+Printed per chip: argument, output, aliased and temporary bytes and the
+program code, their total against the chip's HBM ("fits" / "does not fit by
+X GiB"), compile seconds, and estimates: flops (a hand count, since XLA counts
+a scanned layer once: 6 x matmul parameters x tokens + attention for a train
+step, 2 x parameters per token for a decode pass, plus recomputation), HBM
+bytes (`hlo_traffic`, counted from the compiled program: XLA's own "bytes
+accessed" is not), and the roofline time max(flops / peak, bytes / bandwidth)
+from the chip table in `tpu.py` -> tokens/s per chip and MFU for training;
+per pass width for decoding, against the floor a pass cannot go below (the
+weights each chip reads plus its KV cache). Collectives and overlap are not
+modelled: every time is an estimate.
+
+The last line of stdout is one JSON object with everything printed. Exit
+status: 0 fits, 3 does not fit (the compiler's numbers are printed), 2 bad
+flags or config (one line naming the problem). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+
+# Only the host CPU runs anything; libtpu serves as a compiler for the described slice.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from refusion_jax import checkpoint, hlo_traffic, objective, sharding, tpu  # noqa: E402
+from refusion_jax import config as config_lib  # noqa: E402
+from refusion_jax.config import DecodeConfig, ModelConfig  # noqa: E402
+from refusion_jax.decode import engine, passes  # noqa: E402
+from refusion_jax.decode import autoregressive, mdm, refusion  # noqa: E402,F401  (registers them)
+from refusion_jax.kv_cache import KVCache  # noqa: E402
+from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax.training import settings  # noqa: E402
+from refusion_jax.training import trainer as trainer_lib  # noqa: E402
+
+GIB = 2**30
+DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 2, 3
+
+
+def log(message: str) -> None:
+  print(f"[aot] {message}", file=sys.stderr, flush=True)
+
+
+# --- memory --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Memory:
+  """Per-chip bytes of one compiled program (XLA's buffer assignment)."""
+
+  argument: int
+  output: int
+  alias: int  # outputs that reuse a (donated) argument's buffer
+  temp: int
+  code: int
+
+  @property
+  def total(self) -> int:
+    return self.argument + self.output - self.alias + self.temp + self.code
+
+  @classmethod
+  def of(cls, compiled) -> "Memory":
+    m = compiled.memory_analysis()
+    return cls(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes,
+               alias=m.alias_size_in_bytes, temp=m.temp_size_in_bytes,
+               code=m.generated_code_size_in_bytes)
+
+
+class DoesNotFit(Exception):
+  """The compiler refused the program for lack of HBM; `used` / `limit` are bytes (or None)."""
+
+  def __init__(self, message: str, used: float | None, limit: float | None):
+    super().__init__(message)
+    self.used, self.limit = used, limit
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _bytes(number: str, unit: str) -> float:
+  return float(number) * _UNITS[unit]
+
+
+def compile_program(lowered, what: str):
+  """`(compiled, seconds)`; raises DoesNotFit when XLA runs out of HBM while compiling."""
+  log(f"compiling {what} ...")
+  t = time.perf_counter()
+  try:
+    compiled = lowered.compile()
+  except Exception as e:  # XLA's RESOURCE_EXHAUSTED arrives as a runtime error
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+      raise
+    first = next((line for line in text.splitlines() if "memory" in line.lower()),
+                 text.splitlines()[0]).strip()
+    # "... temporaries (35.35G) exceeds available HBM (15.75G)" or "Used 20G of 15.75G hbm".
+    sizes = [_bytes(n, u) for n, u in re.findall(r"([0-9]+(?:\.[0-9]+)?)([KMGT])i?B?\b", first)]
+    used, limit = (sizes[0], sizes[1]) if len(sizes) >= 2 else (None, None)
+    raise DoesNotFit(f"{what}: {first}", used, limit) from None
+  seconds = time.perf_counter() - t
+  log(f"compiled {what} in {seconds:.1f}s")
+  return compiled, seconds
+
+
+def hbm_traffic(compiled) -> int:
+  return hlo_traffic.hbm_bytes(compiled.as_text()).total
+
+
+def xla_flops(compiled) -> float | None:
+  """XLA's own flop count (a loop body counted once: too low for scanned layers)."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+def roofline(flops: float, nbytes: float, chip: tpu.Chip) -> float:
+  """Estimated seconds: the slower of the chip's bf16 peak and its HBM bandwidth."""
+  return max(flops / (chip.bf16_tflops * 1e12), nbytes / (chip.hbm_gbps * 1e9))
+
+
+def per_chip_bytes(tree) -> int:
+  """Bytes each chip holds of a tree of sharded `ShapeDtypeStruct`s (the largest shard)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
+    total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+# --- flops by hand -------------------------------------------------------------------------
+
+
+def layer_matmul_params(mc: ModelConfig) -> int:
+  """Weights of the matrix products of all layers (projections and MLP)."""
+  d, h = mc.hidden_size, mc.head_dim
+  return mc.num_layers * (d * h * (2 * mc.num_heads + 2 * mc.num_kv_heads) + 3 * d * mc.mlp_dim)
+
+
+def head_params(mc: ModelConfig) -> int:
+  return mc.vocab_size * mc.hidden_size
+
+
+def attention_flops(mc: ModelConfig, queries: int, keys: int) -> int:
+  """Forward flops of scores and weighted values for `queries` x `keys` (all heads, layers)."""
+  return 4 * mc.num_layers * mc.num_heads * mc.head_dim * queries * keys
+
+
+def train_flops(mc: ModelConfig, rows: int, seq_len: int, loss_chunk: int) -> tuple[int, int]:
+  """`(model flops, executed flops)` of one train step over `rows` x `seq_len` tokens.
+
+  Model flops: 6 x matmul parameters (layers + LM head; the embedding lookup is
+  not a product) x tokens, plus 3 x the attention forward. The einsum attention
+  ("xla") computes every score of the square; the kernels ("splash", "cudnn")
+  skip the masked half. Executed flops add what the backward pass recomputes:
+  the layers' forward (remat "full") or attention (remat "save_dots"), and the
+  logits of each chunk of a chunked loss.
+  """
+  tokens = rows * seq_len
+  attn = rows * attention_flops(mc, seq_len, seq_len)
+  if mc.attention_impl != "xla":
+    attn //= 2
+  matmul = layer_matmul_params(mc) + head_params(mc)
+  model = 6 * matmul * tokens + 3 * attn
+  recompute = 0
+  if mc.remat == "full":
+    recompute += 2 * layer_matmul_params(mc) * tokens + attn
+  elif mc.remat == "save_dots":
+    recompute += attn
+  if loss_chunk:
+    recompute += 2 * head_params(mc) * tokens
+  return model, model + recompute
+
+
+def cached_pass_flops(mc: ModelConfig, rows: int, width: int, cache_len: int) -> int:
+  """One decode pass of `width` tokens per row over a `cache_len`-entry KV buffer (the
+  einsum attention reads every entry) plus the chunk itself, logits for every token."""
+  return (2 * (layer_matmul_params(mc) + head_params(mc)) * rows * width
+          + rows * attention_flops(mc, width, cache_len + width))
+
+
+def canvas_pass_flops(mc: ModelConfig, rows: int, canvas: int, gen_length: int) -> int:
+  """One MDM pass: the whole canvas through the layers, logits for the response only."""
+  return (2 * layer_matmul_params(mc) * rows * canvas + 2 * head_params(mc) * rows * gen_length
+          + rows * attention_flops(mc, canvas, canvas))
+
+
+# --- train ---------------------------------------------------------------------------------
+
+
+def train_model_config(config) -> tuple[ModelConfig, str]:
+  """The ModelConfig the trainer would build, and where its shapes came from."""
+  if config.init_from_hf and os.path.isdir(config.init_from_hf):
+    tokenizer = settings.load_tokenizer(config)
+    mc = settings.build_model_config(config, tokenizer)
+    settings.validate_model_config(config, mc, tokenizer)
+    return mc, f"init_from_hf {config.init_from_hf}"
+  plain = ml_collections.ConfigDict(config.to_dict())
+  plain.init_from_hf = ""
+  mc = settings.build_model_config(plain, None)
+  source = f"preset {config.model.preset}"
+  if config.init_from_hf:
+    # The trainer adds <|beginoftext|> and <|mask|> from the HF folder's tokenizer;
+    # Qwen3's gives the release's ids and 151,671 rows.
+    if mc.vocab_size <= config_lib.REFUSION_MASK_ID:
+      raise ValueError(f"config.init_from_hf={config.init_from_hf!r} is not on this machine and "
+                       f"the preset {config.model.preset!r} is not a Qwen3 shape; point "
+                       "init_from_hf at a folder with its config.json and tokenizer")
+    mc = mc.replace(vocab_size=config_lib.REFUSION_MASK_ID + 1,
+                    bos_token_id=config_lib.REFUSION_BOS_ID,
+                    mask_token_id=config_lib.REFUSION_MASK_ID)
+    source += (f" (init_from_hf {config.init_from_hf!r} is not here: its shapes with "
+               "ReFusion's special tokens, vocabulary 151,671)")
+  if config.objective in ("refusion", "mdm") and mc.mask_token_id is None:
+    raise ValueError(f"config.objective={config.objective!r} needs a mask token, but the model "
+                     "config has mask_token_id=None (set config.model.mask_token_id)")
+  want = objective.attention_for(config.objective)
+  if mc.attention != want:
+    raise ValueError(f"config.objective={config.objective!r} needs config.model.attention="
+                     f"{want!r}, got {mc.attention!r}")
+  return mc, source
+
+
+def check_train(config, tpu_slice: tpu.Slice) -> dict:
+  devices = tpu.slice_devices(tpu_slice)
+  n = config.mesh.num_devices
+  if n:
+    if n > len(devices):
+      raise ValueError(f"config.mesh.num_devices={n} but {tpu_slice.name} has {len(devices)} chips")
+    devices = devices[:n]
+  sizes = settings.validate_config(config, num_devices=len(devices), check_files=False)
+  mc, source = train_model_config(config)
+  if config.data.seq_len > mc.max_position_embeddings:
+    raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds the model's "
+                     f"max_position_embeddings={mc.max_position_embeddings}")
+  mesh = sharding.make_mesh(devices=devices, **sizes)
+  log(f"train step of {source}: {mc.num_params() / 1e9:.3g}B parameters, mesh {sizes}, "
+      f"{len(devices)} chips")
+  trainer = trainer_lib.Trainer(config, mc, mesh=mesh,
+                                pad_id=mc.pad_token_id if mc.pad_token_id is not None else 0,
+                                total_steps=max(1, int(config.num_train_steps)))
+  rows, seq_len = config.global_batch_size, config.data.seq_len
+  lowered = trainer.lower_train_step(rows, seq_len)
+  compiled, seconds = compile_program(lowered, f"train step for {tpu_slice.name}")
+  memory = Memory.of(compiled)
+  chips = len(devices)
+  model_flops, executed = train_flops(mc, rows, seq_len, config.loss_chunk)
+  nbytes = hbm_traffic(compiled)
+  chip = tpu_slice.chip
+  estimated = roofline(executed / chips, nbytes, chip)
+  return {
+      "model": source, "params": mc.num_params(), "mesh": sizes,
+      "programs": [_program_entry("train_step", memory, seconds)],
+      "global_batch": rows, "seq_len": seq_len, "remat": mc.remat,
+      "scan_layers": mc.scan_layers, "loss_chunk": config.loss_chunk,
+      "flops": executed / chips, "model_flops": model_flops / chips, "bytes": nbytes,
+      "xla_flops": xla_flops(compiled),
+      "flops_source": "hand count per chip: 6 x matmul params x tokens + attention, "
+                      "plus recomputation",
+      "estimated_s": estimated,
+      "estimated_tokens_per_s_per_chip": rows * seq_len / chips / estimated,
+      "estimated_mfu": model_flops / chips / estimated / (chip.bf16_tflops * 1e12),
+  }
+
+
+# --- decode --------------------------------------------------------------------------------
+
+
+def decode_model_config(model: str, method: str) -> tuple[ModelConfig, str]:
+  """A preset name or a folder (config.json or model_config.json read, nothing else)."""
+  if model in config_lib.PRESETS:
+    mc, source = config_lib.get_preset(model), f"preset {model}"
+    if mc.mask_token_id is None and mc.vocab_size > config_lib.REFUSION_MASK_ID:
+      mc = mc.replace(mask_token_id=config_lib.REFUSION_MASK_ID,
+                      bos_token_id=config_lib.REFUSION_BOS_ID)
+  elif os.path.isdir(model) and checkpoint.is_model_dir(model):
+    return checkpoint.read_model_config(model), f"{model} (model_config.json)"
+  elif os.path.isfile(os.path.join(model, "config.json")):
+    mc, source = config_lib.from_hf_config(model), f"{model} (config.json)"
+  elif os.path.isdir(model):
+    raise ValueError(f"--model={model!r} has neither config.json nor model_config.json")
+  else:
+    raise ValueError(f"--model={model!r} is neither a preset {sorted(config_lib.PRESETS)} nor "
+                     "a folder")
+  if method == "mdm":  # presets and HF config.json do not record it: the MDM baseline's model
+    mc = mc.replace(attention="bidirectional")
+  return mc, source
+
+
+def _abstract_sharded_model(mc: ModelConfig, mesh, rules):
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(mc, rngs=nnx.Rngs(0))))
+  shardings = sharding.state_shardings(state, mesh, rules)
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                       state, shardings)
+  return nnx.merge(graphdef, state)
+
+
+def _cache_shapes(mc: ModelConfig, rows: int, max_len: int, mesh, rules) -> KVCache:
+  cache = jax.eval_shape(lambda: KVCache.init(mc, rows, max_len))
+  axes = (("layers",) if cache.stacked else ()) + (None, "kv_heads", "cache_seq", "head_dim")
+
+  def place(x, spec=PartitionSpec()):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+  kv = lambda x: place(x, sharding.logical_to_physical(axes, rules, x.shape, mesh))  # noqa: E731
+  return cache.map_kv(kv).replace(positions_bs=place(cache.positions_bs),
+                                  length_b=place(cache.length_b))
+
+
+def _pass_program(graphdef, params, cache, ids_bw, positions_bw, keys_bw2, temperature, *,
+                  width: int, vocab_chunk: int):
+  """One decode pass: every row feeds `width` tokens (one causal group) written into its
+  cache after the prompt, as a ReFusion or AR pass does."""
+  model = nnx.merge(graphdef, params)
+  b = ids_bw.shape[0]
+  zeros = jnp.zeros((b, width), jnp.int32)
+  feed = passes.Feed(fed_bn=jnp.ones((b, width), bool), ids_bn=ids_bw, positions_bn=positions_bw,
+                     group_bn=zeros, dest_bn=positions_bw, sample_bn=zeros > 0)
+  return passes.run_pass(model, cache, feed, (width,), temperature=temperature,
+                         keys_bn2=keys_bw2, vocab_chunk=vocab_chunk)
+
+
+_pass_jit = jax.jit(_pass_program, static_argnames=("graphdef", "width", "vocab_chunk"),
+                    donate_argnames=("cache",))
+
+
+def _step_program(graphdef, params, state, knobs, *, spec):
+  return engine.program(spec.method).step(nnx.merge(graphdef, params), spec, state, knobs)
+
+
+_step_jit = jax.jit(_step_program, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
+
+
+def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: str, batch: int,
+                 prompt_len: int, mesh_sizes: dict, widths, programs,
+                 scan_layers: bool | None) -> dict:
+  mc, source = decode_model_config(model, decode_config.method)
+  if scan_layers is not None:
+    mc = mc.replace(scan_layers=scan_layers)
+  decode_config.check_fits(mc, prompt_len)
+  devices = tpu.slice_devices(tpu_slice)
+  try:
+    sizes = settings.mesh_shape(ml_collections.ConfigDict(mesh_sizes), len(devices))
+  except ValueError as e:
+    raise ValueError(f"--mesh (data,fsdp,tensor) over {len(devices)} chips: {e}") from None
+  mesh = sharding.make_mesh(devices=devices, **sizes)
+  rules = sharding.ShardingRules()
+  decoder = engine.Decoder(_abstract_sharded_model(mc, mesh, rules), decode_config)
+  chip, chips = tpu_slice.chip, len(devices)
+  log(f"{decode_config.method} decode of {source}: {mc.num_params() / 1e9:.3g}B parameters "
+      f"({mc.param_dtype}, {'scanned' if mc.scan_layers else 'unrolled'} layers), mesh {sizes}, "
+      f"{batch} rows, prompts of {prompt_len}, {decode_config.gen_length} generated")
+  entries = []
+  for name in programs:
+    with sharding.use_mesh(mesh, rules):
+      lowered = engine.lower_program(decoder, name, batch, prompt_len)
+    compiled, seconds = compile_program(lowered, f"{decode_config.method} {name} program")
+    entries.append(_program_entry(name, Memory.of(compiled), seconds))
+    del compiled
+  result = {"model": source, "params": mc.num_params(), "mesh": sizes,
+            "method": decode_config.method, "batch": batch, "prompt_len": prompt_len,
+            "gen_length": decode_config.gen_length, "scan_layers": mc.scan_layers,
+            "programs": entries, "flops_source": "hand count per chip: 2 x matmul params per "
+            "token + attention", "pass_width": None, "flops": None, "bytes": None,
+            "estimated_s": None, "per_pass": []}
+  if max(e["total"] for e in entries) > chip.hbm_gib * GIB:
+    log("does not fit: no per-pass table")
+    return result
+
+  weights = decoder.params
+  if not mc.tie_embeddings:  # a pass gathers a few rows of the input embedding, not all
+    weights = {k: v for k, v in nnx.to_pure_dict(weights).items() if k != "embed"}
+  weight_bytes = per_chip_bytes(weights)
+  knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      jnp.shape(x), jnp.result_type(x), sharding=NamedSharding(mesh, PartitionSpec())),
+      decoder.knobs)
+  per_pass = []
+  if decode_config.method == "mdm":
+    canvas = prompt_len + decode_config.gen_length
+    state = engine.abstract_state(decoder, batch, prompt_len)
+    with sharding.use_mesh(mesh, rules):
+      lowered = _step_jit.lower(decoder.graphdef, decoder.params, state, knobs, spec=decoder.spec)
+    compiled, seconds = compile_program(lowered, f"one mdm pass ({canvas} tokens per row)")
+    nbytes = hbm_traffic(compiled)
+    flops = canvas_pass_flops(mc, batch, canvas, decode_config.gen_length) / chips
+    per_pass.append({"width": canvas, "bytes": nbytes, "bytes_floor": weight_bytes,
+                     "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
+                     "xla_flops": xla_flops(compiled), "compile_s": seconds})
+    top = per_pass[0]
+  else:
+    widest = 1 if decode_config.method == "ar" else max(refusion.widths(decoder.spec))
+    max_len = prompt_len + decode_config.gen_length
+    cache = _cache_shapes(mc, batch, max_len, mesh, rules)
+    kv_bytes = per_chip_bytes((cache.k, cache.v))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    for width in sorted(set(widths) | {widest}):
+      if prompt_len + width > max_len:
+        log(f"skipping pass width {width}: more than the {decode_config.gen_length} "
+            "generated entries of the cache")
+        continue
+      shape = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=replicated)  # noqa: E731
+      with sharding.use_mesh(mesh, rules):
+        lowered = _pass_jit.lower(
+            decoder.graphdef, decoder.params, cache, shape((batch, width), jnp.int32),
+            shape((batch, width), jnp.int32), shape((batch, width, 2), jnp.uint32),
+            shape((), jnp.float32), width=width, vocab_chunk=decoder.spec.vocab_chunk)
+      compiled, seconds = compile_program(lowered, f"one pass of width {width}")
+      nbytes = hbm_traffic(compiled)
+      flops = cached_pass_flops(mc, batch, width, max_len) / chips
+      per_pass.append({"width": width, "bytes": nbytes, "bytes_floor": weight_bytes + kv_bytes,
+                       "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
+                       "xla_flops": xla_flops(compiled), "compile_s": seconds})
+      del compiled
+    top = next(p for p in per_pass if p["width"] == widest)
+  return dict(result, pass_width=top["width"], flops=top["flops"], bytes=top["bytes"],
+              estimated_s=top["estimated_s"],
+              per_pass=[{k: v for k, v in p.items() if k != "compile_s"} for p in per_pass],
+              pass_compile_s=sum(p["compile_s"] for p in per_pass))
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def _program_entry(name: str, memory: Memory, seconds: float) -> dict:
+  return {"name": name, "argument": memory.argument, "output": memory.output,
+          "alias": memory.alias, "temp": memory.temp, "code": memory.code,
+          "total": memory.total, "compile_s": seconds}
+
+
+def finish(report: dict, tpu_slice: tpu.Slice) -> dict:
+  """Adds the fit verdict and the slice's figures to a check's report."""
+  hbm = tpu_slice.chip.hbm_gib
+  per_chip = max(p["total"] for p in report["programs"]) / GIB
+  return {"program": report.pop("kind"), "topology": tpu_slice.name,
+          "libtpu_topology": tpu_slice.topology, "num_slices": tpu_slice.num_slices,
+          "chip": tpu_slice.chip.name, "chips": tpu_slice.chips, "hbm_gib": hbm,
+          "per_chip_gib": per_chip, "fits": per_chip <= hbm,
+          "compile_s": sum(p["compile_s"] for p in report["programs"]), **report}
+
+
+def _gib(n: float) -> str:
+  return f"{n / GIB:.2f} GiB"
+
+
+def render(r: dict) -> str:
+  chip = tpu.CHIPS[r["chip"]]
+  lines = [f"{r['program']} on {r['topology']} ({r['libtpu_topology']} x {r['num_slices']} "
+           f"slice(s), {r['chips']} {r['chip']} chips of {r['hbm_gib']:g} GiB HBM, "
+           f"{chip.bf16_tflops:g} TFLOP/s bf16, {chip.hbm_gbps:g} GB/s)",
+           ]
+  if "model" in r:
+    lines.append(f"model: {r['model']}, {r['params'] / 1e9:.3f}B parameters, mesh {r['mesh']}")
+  if r["programs"]:
+    lines.append(f"{'program':12s}{'argument':>12s}{'output':>12s}{'aliased':>12s}"
+                 f"{'temporary':>12s}{'code':>10s}{'total':>12s}{'compile':>9s}")
+  for p in r["programs"]:
+    lines.append(f"{p['name']:12s}{_gib(p['argument']):>12s}{_gib(p['output']):>12s}"
+                 f"{_gib(p['alias']):>12s}{_gib(p['temp']):>12s}{_gib(p['code']):>10s}"
+                 f"{_gib(p['total']):>12s}{p['compile_s']:>8.1f}s")
+  if r["per_chip_gib"] is None:
+    lines.append(f"per chip: more than {r['hbm_gib']:g} GiB: does not fit")
+  else:
+    verdict = ("fits" if r["fits"] else
+               f"does not fit by {r['per_chip_gib'] - r['hbm_gib']:.2f} GiB")
+    lines.append(f"per chip: {r['per_chip_gib']:.2f} of {r['hbm_gib']:g} GiB "
+                 f"({100 * r['per_chip_gib'] / r['hbm_gib']:.0f}%): {verdict}")
+  if r.get("compiler_error"):
+    lines.append(f"the compiler: {r['compiler_error']}")
+    if r.get("compiler_limit_gib"):
+      lines.append(f"(the compiler's usable HBM per chip: {r['compiler_limit_gib']:.2f} GiB)")
+  if r["flops"] is None:
+    return "\n".join(lines)
+  if r["program"] == "train":
+    lines.append(
+        f"estimate per chip per step ({r['global_batch']} x {r['seq_len']} tokens, remat "
+        f"{r['remat']}): {r['flops'] / 1e12:.1f} TFLOP executed ({r['model_flops'] / 1e12:.1f} "
+        f"model; {r['flops_source']}), {r['bytes'] / 1e9:.1f} GB HBM traffic (hlo_traffic)")
+    lines.append(f"estimated step time {r['estimated_s']:.2f}s, "
+                 f"{r['estimated_tokens_per_s_per_chip']:,.0f} tokens/s per chip, "
+                 f"estimated MFU {100 * r['estimated_mfu']:.1f}% (roofline: "
+                 "max(flops / peak, bytes / bandwidth), a bound: collectives, overlap and "
+                 "kernel efficiency are not modelled)")
+  else:
+    lines.append(f"estimate per pass and chip ({r['batch']} rows, {r['flops_source']}; HBM "
+                 "bytes from hlo_traffic; floor = weights a pass reads + KV cache per chip):")
+    lines.append(f"{'width':>7s}{'HBM GB':>10s}{'floor GB':>10s}{'x floor':>9s}{'GFLOP':>10s}"
+                 f"{'est. ms':>10s}{'bound':>8s}")
+    for p in r["per_pass"]:
+      compute = p["flops"] / (chip.bf16_tflops * 1e12)
+      lines.append(f"{p['width']:>7d}{p['bytes'] / 1e9:>10.3f}{p['bytes_floor'] / 1e9:>10.3f}"
+                   f"{p['bytes'] / p['bytes_floor']:>8.2f}x{p['flops'] / 1e9:>10.1f}"
+                   f"{1e3 * p['estimated_s']:>10.3f}"
+                   f"{'flops' if compute >= p['estimated_s'] else 'HBM':>8s}")
+  return "\n".join(lines)
+
+
+def not_fitting_report(kind: str, tpu_slice: tpu.Slice, error: DoesNotFit, partial: dict) -> dict:
+  """The report of a program the compiler refused for lack of HBM."""
+  return {"program": kind, "topology": tpu_slice.name, "libtpu_topology": tpu_slice.topology,
+          "num_slices": tpu_slice.num_slices, "chip": tpu_slice.chip.name,
+          "chips": tpu_slice.chips, "hbm_gib": tpu_slice.chip.hbm_gib,
+          "per_chip_gib": None if error.used is None else error.used / GIB,
+          "fits": False, "compile_s": None,
+          "compiler_error": str(error),
+          "compiler_limit_gib": None if error.limit is None else error.limit / GIB, "flops": None, "bytes": None, "estimated_s": None,
+          "programs": [], **partial}
+
+
+# --- command line --------------------------------------------------------------------------
+
+
+def define_flags():
+  """The tool's flags (defined only when run as a program, as the other entry points do)."""
+  return dict(
+      config=config_flags.DEFINE_config_file(
+          "config", None, "Training config (train) or sampling config (decode, its "
+          "`decode` fields; configs/sample.py).", lock_config=True),
+      program=flags.DEFINE_enum("program", None, ["train", "decode"], "What to compile."),
+      topology=flags.DEFINE_string("topology", None, "Cloud TPU accelerator type (v5p-128, "
+                                   "v4-256, v5litepod-256, v6e-256) or libtpu topology."),
+      num_slices=flags.DEFINE_integer("num_slices", 1, "Slices of --topology (multislice)."),
+      model=flags.DEFINE_string("model", None, "decode: preset name (" + ", ".join(
+          sorted(config_lib.PRESETS)) + ") or a model folder (its config.json only)."),
+      batch=flags.DEFINE_integer("batch", 8, "decode: rows."),
+      prompt_len=flags.DEFINE_integer("prompt_len", 128, "decode: prompt width."),
+      mesh=flags.DEFINE_string("mesh", "1,1,-1", "decode: data,fsdp,tensor sizes (-1: the rest)."),
+      scan_layers=flags.DEFINE_bool("scan_layers", None, "decode: layer layout (default: the "
+                                    "model's; the config's scan_layers when it sets one)."),
+      pass_widths=flags.DEFINE_string("pass_widths", ",".join(map(str, DEFAULT_WIDTHS)),
+                                      "decode: widths of the per-pass table ('' = only the "
+                                      "method's widest pass)."),
+      decode_programs=flags.DEFINE_string("decode_programs", ",".join(engine.PROGRAM_NAMES),
+                                          "decode: which programs to compile."),
+  )
+
+
+def _ints(text: str, name: str) -> list[int]:
+  try:
+    values = [int(t) for t in text.split(",") if t.strip()]
+  except ValueError:
+    raise ValueError(f"--{name}={text!r}: expected comma-separated ints") from None
+  return values
+
+
+def run(f: dict) -> tuple[dict, int]:
+  """Runs the check the flags ask for; returns the report and the exit status."""
+  config = f["config"].value
+  if f["program"].value is None:
+    raise ValueError("--program=train or --program=decode is required")
+  if f["topology"].value is None:
+    raise ValueError("--topology is required (e.g. v5p-128, v5litepod-8)")
+  if config is None:
+    raise ValueError("--config is required (a training config for train, configs/sample.py "
+                     "for decode)")
+  tpu_slice = tpu.parse_slice(f["topology"].value, f["num_slices"].value)
+  kind = f["program"].value
+  try:
+    if kind == "train":
+      report = check_train(config, tpu_slice)
+    else:
+      report = _run_decode(f, config, tpu_slice)
+  except DoesNotFit as e:
+    partial = {"global_batch": config.global_batch_size, "seq_len": config.data.seq_len,
+               "estimated_mfu": None} if kind == "train" else {"per_pass": []}
+    return not_fitting_report(kind, tpu_slice, e, partial), EXIT_DOES_NOT_FIT
+  report = finish(dict(report, kind=kind), tpu_slice)
+  return report, 0 if report["fits"] else EXIT_DOES_NOT_FIT
+
+
+def _run_decode(f: dict, config, tpu_slice: tpu.Slice) -> dict:
+  if f["model"].value is None:
+    raise ValueError("--model is required with --program=decode (a preset such as qwen3_8b, "
+                     "or a model folder)")
+  if "decode" not in config:
+    raise ValueError("--config has no `decode` fields; use configs/sample.py")
+  for name in ("batch", "prompt_len"):
+    if f[name].value < 1:
+      raise ValueError(f"--{name} must be a positive int, got {f[name].value}")
+  widths = _ints(f["pass_widths"].value, "pass_widths")
+  if any(w < 1 for w in widths):
+    raise ValueError(f"--pass_widths must be positive, got {widths}")
+  mesh = _ints(f["mesh"].value, "mesh")
+  if len(mesh) != 3:
+    raise ValueError(f"--mesh={f['mesh'].value!r}: expected data,fsdp,tensor (e.g. 1,1,-1)")
+  programs = [p.strip() for p in f["decode_programs"].value.split(",") if p.strip()]
+  unknown = [p for p in programs if p not in engine.PROGRAM_NAMES]
+  if unknown or not programs:
+    raise ValueError(f"--decode_programs: {unknown or 'none'}; choose from "
+                     f"{list(engine.PROGRAM_NAMES)}")
+  try:
+    decode_config = DecodeConfig(**config.decode.to_dict())
+  except TypeError as e:
+    raise ValueError(f"--config.decode: {e}") from None
+  scan = f["scan_layers"].value
+  if scan is None:
+    scan = config.get("scan_layers")
+  return check_decode(decode_config, tpu_slice, model=f["model"].value,
+                      batch=f["batch"].value, prompt_len=f["prompt_len"].value,
+                      mesh_sizes=dict(zip(sharding.MESH_AXES, mesh)), widths=widths,
+                      programs=programs, scan_layers=scan)
+
+
+def parse_flags(argv):
+  """absl's parsing, with a bad flag reported on one line and exit status 2."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"error: {e}", file=sys.stderr)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:  # a --config.x override
+    message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    print(f"error: a --config override cannot be applied ({type(e).__name__}: {message}); "
+          "is the field name right?", file=sys.stderr)
+  sys.exit(EXIT_BAD_INPUT)
+
+
+def main(argv, f):
+  if len(argv) > 1:
+    print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+  try:
+    report, status = run(f)
+  except (ValueError, TypeError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+  print(render(report))
+  print(json.dumps(report))
+  sys.stdout.flush()
+  sys.exit(status)
+
+
+if __name__ == "__main__":
+  _flags = define_flags()
+  app.run(lambda argv: main(argv, _flags), flags_parser=parse_flags)

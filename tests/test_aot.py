@@ -1,0 +1,267 @@
+"""`python -m refusion_jax.aot`: programs compiled for a TPU slice without a TPU.
+
+The tiny configs' train step and every decode method go through the command
+line (libtpu from the test setup describes a v5litepod-4); its numbers are
+checked against counts made here by hand: the train step's arguments hold
+the float32 parameters and both AdamW moments split over four chips, the flop
+hand count agrees with XLA's own count where XLA's is right (unrolled
+layers), a decode pass reads at least every weight and the whole KV cache
+(the floor) and not several times more. An oversized program is reported as
+not fitting (exit 3); bad flags exit 2 on one line.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from refusion_jax import aot, config as config_lib, tpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOPOLOGY = "v5litepod-4"
+# One layer, wide enough that the matrix products outweigh the elementwise work (the hand
+# count of flops leaves it out); its config.json is all aot reads.
+SMALL = dict(num_layers=1, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+             mlp_dim=1024, max_position_embeddings=256, tie_embeddings=False)
+DECODE = ["--config=configs/sample.py", "--config.decode.gen_length=16",
+          "--config.decode.slot_size=4", "--config.decode.block_size=8", "--batch=4",
+          "--prompt_len=16", "--mesh=4,1,1"]
+
+
+def _aot(*args, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  done = subprocess.run([sys.executable, "-m", "refusion_jax.aot", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout, env=env)
+  lines = done.stdout.strip().splitlines()
+  report = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+  return done, report
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("small")
+  with open(folder / "config.json", "w") as f:
+    json.dump(config_lib.to_hf_config(config_lib.tiny(**SMALL)), f)
+  return str(folder)
+
+
+@pytest.fixture(scope="module")
+def train_run():
+  return _aot("--program=train", f"--topology={TOPOLOGY}", "--config=configs/tiny_refusion.py",
+              "--config.model.num_layers=2", "--config.data.seq_len=64",
+              "--config.global_batch_size=8")
+
+
+@pytest.fixture(scope="module")
+def decode_runs(small_model):
+  """Each method's programs; refusion compiles all three and the per-pass table."""
+  runs = {}
+  for method, extra in (("refusion", ["--pass_widths=1,2"]),
+                        ("ar", ["--decode_programs=generate", "--pass_widths="]),
+                        ("mdm", ["--decode_programs=generate,run"])):
+    runs[method] = _aot("--program=decode", f"--topology={TOPOLOGY}", f"--model={small_model}",
+                        *DECODE, f"--config.decode.method={method}", *extra)
+  return runs
+
+
+# --- topology names ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,topology,chips", [
+    ("v4-8", "v4:2x2x1", 4), ("v4-16", "v4:2x2x2", 8), ("v4-32", "v4:2x2x4", 16),
+    ("v4-64", "v4:2x4x4", 32), ("v4-128", "v4:4x4x4", 64), ("v4-256", "v4:4x4x8", 128),
+    ("v4-512", "v4:4x8x8", 256), ("v5p-8", "v5p:2x2x1", 4), ("v5p-128", "v5p:4x4x4", 64),
+    ("v5p-1024", "v5p:8x8x8", 512), ("v5litepod-1", "v5e:1x1", 1),
+    ("v5litepod-4", "v5e:2x2", 4), ("v5litepod-8", "v5e:2x4", 8),
+    ("v5litepod-16", "v5e:4x4", 16), ("v5litepod-32", "v5e:4x8", 32),
+    ("v5litepod-256", "v5e:16x16", 256), ("v5e-256", "v5e:16x16", 256),
+    ("v6e-8", "v6e:2x4", 8), ("v6e-256", "v6e:16x16", 256),
+    ("v5p:4x4x12", "v5p:4x4x12", 192), ("v5e:2x2", "v5e:2x2", 4),
+])
+def test_gcloud_names_map_to_libtpu_topologies(name, topology, chips):
+  s = tpu.parse_slice(name)
+  assert (s.topology, s.chips, s.num_slices) == (topology, chips, 1)
+  assert tpu.parse_slice(name, num_slices=4).chips == 4 * chips
+
+
+@pytest.mark.parametrize("name,message", [
+    ("v3-8", "unknown TPU accelerator type 'v3-8'"),
+    ("v5p", "unknown TPU accelerator type 'v5p'"),
+    ("tpu-v5p-128", "unknown TPU accelerator type"),
+    ("v4-9", "count TensorCores, two per chip; 9 is odd"),
+    ("v5p-24", "12 chips is not a power of two"),
+    ("v5litepod-2", "2 chips is not a v5e/v6e slice size"),
+    ("v5e:2x2x2", "a v5e slice has 2 dimensions"),
+])
+def test_unknown_slices_are_refused_by_name(name, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    tpu.parse_slice(name)
+  with pytest.raises(ValueError, match="--num_slices must be a positive int"):
+    tpu.parse_slice("v5p-8", num_slices=0)
+
+
+@pytest.mark.parametrize("name,num_slices,chips,kind", [
+    ("v4-8", 1, 4, "TPU v4"), ("v5p-16", 1, 8, "TPU v5"), ("v5litepod-4", 2, 8, "TPU v5 lite"),
+    ("v5litepod-1", 1, 1, "TPU v5 lite"), ("v6e-4", 1, 4, "TPU v6 lite"),
+])
+def test_libtpu_describes_one_device_per_chip(name, num_slices, chips, kind):
+  devices = tpu.slice_devices(tpu.parse_slice(name, num_slices))
+  assert len(devices) == chips
+  assert {d.device_kind for d in devices} == {kind}
+  if num_slices > 1:
+    assert sorted({d.slice_index for d in devices}) == list(range(num_slices))
+
+
+def test_default_3d_shapes_grow_the_smallest_side():
+  for chips in (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+    shape = tpu.default_shape(chips, 3)
+    assert math.prod(shape) == chips and max(shape) <= 2 * min(shape), shape
+
+
+# --- the train step ------------------------------------------------------------------------
+
+
+def test_tiny_train_step_compiles_and_fits(train_run):
+  done, r = train_run
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "compiling train step for v5litepod-4" in done.stderr  # progress
+  assert r["program"] == "train" and r["topology"] == TOPOLOGY and r["chips"] == 4
+  assert r["fits"] is True and "fits" in done.stdout
+  assert (r["global_batch"], r["seq_len"], r["mesh"]) == (8, 64, {"data": 1, "fsdp": 4,
+                                                                    "tensor": 1})
+  mc = config_lib.tiny(num_layers=2)
+  # Arguments: float32 parameters and AdamW's two moments, split 4 ways (FSDP), plus the
+  # batch; donated, so the updated state is aliased to them. TPU tiles (8 x 128) pad the
+  # tiny model's narrow minor dimensions (e.g. 2 kv heads x 32), hence the upper bound.
+  state = 3 * 4 * mc.num_params() / 4
+  (step,) = r["programs"]
+  assert state <= step["argument"] <= 2 * state, (step, state)
+  assert step["alias"] >= 0.95 * state
+  total = step["argument"] + step["output"] - step["alias"] + step["temp"] + step["code"]
+  assert step["total"] == total and r["per_chip_gib"] == pytest.approx(total / 2**30)
+  assert r["compile_s"] > 0 and r["bytes"] > state  # the step reads at least its state
+  # The hand count against XLA's (right for unrolled layers): within the elementwise work.
+  assert r["scan_layers"] is False
+  assert 0.8 * r["xla_flops"] <= r["flops"] <= 1.05 * r["xla_flops"], r
+  chip = tpu.CHIPS["v5e"]
+  want = max(r["flops"] / (chip.bf16_tflops * 1e12), r["bytes"] / (chip.hbm_gbps * 1e9))
+  assert r["estimated_s"] == pytest.approx(want)
+  assert r["estimated_mfu"] == pytest.approx(
+      r["model_flops"] / r["estimated_s"] / (chip.bf16_tflops * 1e12))
+  assert 0 < r["estimated_mfu"] <= 1
+  assert "estimated step time" in done.stdout and "estimated MFU" in done.stdout
+
+
+def test_train_flops_count_recomputation():
+  mc = config_lib.qwen3_8b()
+  model, executed = aot.train_flops(mc, 512, 4096, 0)
+  assert model == executed  # no remat, full logits
+  tokens = 512 * 4096
+  # 6 N T for Qwen3-8B's 7.57B matmul weights (layers + LM head; not the embedding lookup).
+  assert 6 * 7.56e9 * tokens < model - 3 * 512 * aot.attention_flops(mc, 4096, 4096) < \
+      6 * 7.58e9 * tokens
+  _, full = aot.train_flops(mc.replace(remat="full"), 512, 4096, 512)
+  layers = aot.layer_matmul_params(mc)
+  assert full - model == (2 * layers * tokens + 512 * aot.attention_flops(mc, 4096, 4096)
+                          + 2 * aot.head_params(mc) * tokens)
+
+
+# --- decoding ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_every_decode_method_compiles_and_fits(decode_runs, method):
+  done, r = decode_runs[method]
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert r["program"] == "decode" and r["method"] == method and r["fits"] is True
+  names = {"refusion": ["generate", "admit", "run"], "ar": ["generate"],
+           "mdm": ["generate", "run"]}[method]
+  assert [p["name"] for p in r["programs"]] == names
+  assert all(p["total"] > 0 and p["compile_s"] > 0 for p in r["programs"])
+  assert r["per_chip_gib"] == pytest.approx(max(p["total"] for p in r["programs"]) / 2**30)
+  mc = config_lib.tiny(**SMALL)
+  f32 = 4
+  # --mesh=4,1,1: every chip holds every weight and the whole cache.
+  weights = (mc.num_params() - mc.vocab_size * mc.hidden_size) * f32  # less the input embedding
+  cache = 2 * mc.num_layers * 4 * mc.num_kv_heads * (16 + 16) * mc.head_dim * f32
+  widths = {"refusion": [1, 2, 8], "ar": [1], "mdm": [16 + 16]}[method]
+  assert [p["width"] for p in r["per_pass"]] == widths
+  for p in r["per_pass"]:
+    floor = weights if method == "mdm" else weights + cache
+    assert p["bytes_floor"] == floor
+    # A pass reads every weight and (cached methods) the whole buffer, and little more.
+    assert floor <= p["bytes"] <= 3 * floor, p
+    # The hand count against XLA's (one unrolled layer: right).
+    assert 0.85 * p["xla_flops"] <= p["flops"] <= 1.05 * p["xla_flops"], p
+  assert r["pass_width"] == widths[-1] and r["bytes"] == r["per_pass"][-1]["bytes"]
+  assert r["estimated_s"] > 0 and "estimate per pass" in done.stdout
+
+
+def test_an_oversized_program_does_not_fit(small_model):
+  # 8192 rows of a 512 + 512 cache: the prefill's temporaries exceed a v5e chip's 16 GiB.
+  done, r = _aot("--program=decode", f"--topology={TOPOLOGY}", "--model=tiny",
+                 "--config=configs/sample.py", "--config.decode.gen_length=512", "--batch=8192",
+                 "--prompt_len=512", "--decode_programs=admit")
+  assert done.returncode == 3, done.stderr[-2000:]
+  assert "Traceback" not in done.stderr
+  assert "does not fit by" in done.stdout
+  assert r["fits"] is False and r["per_chip_gib"] > r["hbm_gib"] == 16
+  assert "RESOURCE_EXHAUSTED" in r["compiler_error"]
+
+
+def test_out_of_memory_messages_are_read():
+  class Lowered:
+    def __init__(self, message):
+      self.message = message
+
+    def compile(self):
+      raise RuntimeError(self.message)
+
+  for message, used, limit in (
+      ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+       "temporaries (35.35G) exceeds available HBM (15.75G).", 35.35, 15.75),
+      ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+       "space hbm. Used 101.5G of 95.74G hbm. Exceeded hbm capacity by 5.8G.", 101.5, 95.74)):
+    with pytest.raises(aot.DoesNotFit) as e:
+      aot.compile_program(Lowered(message), "x")
+    assert e.value.used == pytest.approx(used * 2**30)
+    assert e.value.limit == pytest.approx(limit * 2**30)
+  with pytest.raises(RuntimeError, match="something else"):
+    aot.compile_program(Lowered("something else"), "x")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--program=train", "--topology=v9-8", "--config=configs/tiny_refusion.py"],
+     "error: unknown TPU accelerator type 'v9-8'"),
+    (["--program=train", "--topology=v5e-4"], "error: --config is required"),
+    (["--program=serve", "--topology=v5e-4"], "error: flag --program=serve"),
+    (["--program=train", "--topology=v5e-4", "--config=configs/tiny_refusion.py",
+      "--config.nope=1"], "error: a --config override cannot be applied"),
+    (["--program=decode", "--topology=v5e-4", "--config=configs/sample.py"],
+     "error: --model is required"),
+    (["--program=train", "--topology=v5e-4", "--config=configs/tiny_refusion.py",
+      "--config.global_batch_size=6"], "error: config.global_batch_size=6 is not divisible"),
+])
+def test_bad_flags_exit_2_on_one_line(args, message):
+  done, report = _aot(*args)
+  assert done.returncode == 2, (done.stdout, done.stderr[-2000:])
+  assert report is None and done.stdout == ""
+  ours = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+  assert len(ours) == 1 and ours[0].startswith(message), done.stderr[-2000:]
+  assert "Traceback" not in done.stderr
+
+
+def test_the_fit_table_shows_each_row_with_its_command(train_run):
+  from benchmarks import aot_fit  # pylint: disable=import-outside-toplevel
+  _, r = train_run
+  command = ["python", "-m", "refusion_jax.aot", "--program=train"]
+  out = aot_fit.table([{"name": "tiny", "command": command, "report": r},
+                       {"name": "broken", "command": command, "error": "exit 2: error: x"}])
+  tiny, broken = out.splitlines()[2:]
+  assert tiny.startswith("| tiny | v5litepod-4 (4 chips) | 0.0 / 16 (0%) | yes | ")
+  assert f"{100 * r['estimated_mfu']:.0f}%" in tiny and "`python -m refusion_jax.aot" in tiny
+  assert broken.startswith("| broken | - |") and "(exit 2: error: x)" in broken
