@@ -14,7 +14,9 @@ Everything else is an internal error and keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import os
 import re
 import sys
 from typing import Callable, Sequence
@@ -24,7 +26,7 @@ from ml_collections import config_dict, config_flags
 
 from refusion_jax.checks import InputError
 
-__all__ = ["InputError", "define_config_and_workdir", "parse_flags", "run_program", "fail"]
+__all__ = ["InputError", "define_config_and_workdir", "parse_flags", "run_program", "errors_reported", "fail"]
 
 
 def define_config_and_workdir(config_help: str, workdir_help: str):
@@ -46,7 +48,8 @@ def fail(program: str, message) -> None:
 
 
 def _config_flags(fv: flags.FlagValues) -> list[str]:
-  return [name for name in fv if isinstance(fv[name], config_flags._ConfigFlag)]  # pylint: disable=protected-access
+  # ml_collections' config-file and config-dict flags parse to "config object"s.
+  return [name for name in fv if fv[name].flag_type() == "config object"]
 
 
 def _nearest(name: str, candidates: Sequence[str]) -> str:
@@ -68,19 +71,35 @@ def _field_problem(config, flag_name: str, path: str) -> str | None:
         return f"--{flag_name}.{path}: {walked} has only {len(node)} entries"
       node = node[int(part)]
     else:
-      return f"--{flag_name}.{path}: {walked} is a {type(node).__name__}, not a group of fields"
+      return (f"--{flag_name}.{path}: {walked} is a value ({type(node).__name__}), not a group "
+              "of fields")
     walked = f"{walked}.{part}"
+  return None
+
+
+def _config_spec(flag_name: str, argv: Sequence[str]) -> str | None:
+  """The last `--flag_name=SPEC` of argv (a config file, optionally `:argument`)."""
+  spec = None
+  for arg in argv:
+    m = re.match(rf"^--?{re.escape(flag_name)}=(.*)$", arg)
+    if m:
+      spec = m.group(1)
+  return spec
+
+
+def _unreadable_config(fv: flags.FlagValues, argv: Sequence[str]) -> str | None:
+  """`--config=FILE: ...` for the first config file of argv that does not exist."""
+  for flag_name in _config_flags(fv):
+    spec = _config_spec(flag_name, argv)
+    if spec is not None and not os.path.isfile(spec.split(":", 1)[0]):
+      return f"--{flag_name}={spec}: no such config file"
   return None
 
 
 def _unknown_field(fv: flags.FlagValues, argv: Sequence[str]) -> str | None:
   """The first `--config.x.y` override in `argv` naming no field, said with a suggestion."""
   for flag_name in _config_flags(fv):
-    spec = None
-    for arg in argv:
-      m = re.match(rf"^--?{re.escape(flag_name)}=(.*)$", arg)
-      if m:
-        spec = m.group(1)
+    spec = _config_spec(flag_name, argv)
     if spec is None:
       continue
     try:
@@ -104,22 +123,38 @@ def parse_flags(argv: Sequence[str], fv: flags.FlagValues | None = None) -> list
   """
   fv = flags.FLAGS if fv is None else fv
   argv = list(argv)
+  missing = _unreadable_config(fv, argv)
+  if missing:
+    raise InputError(missing)
   try:
     rest = fv(argv)
-  except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError) as e:
+  except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError,
+          SyntaxError) as e:
     message = _unknown_field(fv, argv)
     if message is None:
-      message = str(e).strip().strip("'\"").split("\n")[0] if isinstance(e, KeyError) else str(e)
+      lines = [line.strip() for line in str(e).strip().strip("'\"").splitlines() if line.strip()]
+      message = lines[0] if isinstance(e, KeyError) else lines[-1] if lines else repr(e)
+      if isinstance(e, SyntaxError) or str(e).startswith("Error whilst parsing config file"):
+        message = f"a config file given could not be loaded ({type(e).__name__}: {message})"
     raise InputError(message) from None
   for flag_name in _config_flags(fv):
     try:
       fv[flag_name].value.keys()  # an unreadable file parses to a value that raises on use
     except OSError as e:
-      raise InputError(f"--{flag_name}={fv[flag_name].serialize().split('=', 1)[-1]}: cannot "
-                       f"read the config file ({e})") from None
+      raise InputError(f"--{flag_name}={_config_spec(flag_name, argv)}: cannot read the config "
+                       f"file ({' '.join(str(e).split())})") from None
     except AttributeError:
       pass  # None (not given; the entry point says what it needs)
   return rest
+
+
+@contextlib.contextmanager
+def errors_reported(program: str, user_errors: tuple[type[BaseException], ...] = ()):
+  """Turns InputError (and `user_errors`) raised inside into `fail(program, ...)`."""
+  try:
+    yield
+  except (InputError, app.UsageError) + tuple(user_errors) as e:
+    fail(program, e)
 
 
 def run_program(main: Callable[[list[str]], object], program: str,
@@ -133,18 +168,12 @@ def run_program(main: Callable[[list[str]], object], program: str,
       for bad settings or inputs (an entry point whose work is mostly checking
       its inputs lists ValueError here; training does not).
   """
-  caught = (InputError, app.UsageError) + tuple(user_errors)
-
   def parser(argv):
-    try:
+    with errors_reported(program):
       return parse_flags(argv)
-    except InputError as e:
-      fail(program, e)
 
   def wrapped(argv):
-    try:
+    with errors_reported(program, user_errors):
       return main(argv)
-    except caught as e:
-      fail(program, e)
 
   app.run(wrapped, flags_parser=parser)
