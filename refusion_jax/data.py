@@ -43,7 +43,7 @@ import json
 import os
 import shutil
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from absl import logging
 from etils import epath
@@ -594,12 +594,15 @@ def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int |
   return Loader(data_loader, counter, num_records, per_process)
 
 
-def check_lengths(source, tokenizer, seq_len: int, *, drop_overlong: bool, what: str,
-                  min_fitting: int = 1, full: bool = False) -> int:
-  """Checks, before any training, that `source` gives batches; returns examples seen fitting.
+def check_lengths(examples: Iterable[Mapping[str, Any]], tokenizer, seq_len: int, *,
+                  drop_overlong: bool, what: str, min_fitting: int = 1,
+                  full: bool = False) -> int:
+  """Checks, before any training, that `examples` give batches; returns the fitting ones seen.
 
-  With `drop_overlong=False` every example is tokenised and the first one longer
-  than `seq_len` is an error naming its `file:line` (the loader would stop on it
+  `examples` are records with "query", "response" and "source" ('file:line'), e.g.
+  `iter_examples(files)` (nothing is built or written) or a built source. With
+  `drop_overlong=False` every example is tokenised and the first one longer than
+  `seq_len` is an error naming its `file:line` (the loader would stop on it
   mid-run). With `drop_overlong=True` the pass stops as soon as `min_fitting`
   examples fit (unless `full`), and fewer is an error: a loader that drops every
   example would wait forever for a batch.
@@ -609,9 +612,10 @@ def check_lengths(source, tokenizer, seq_len: int, *, drop_overlong: bool, what:
       the count, and seq_len.
   """
   tokenize = _Tokenize(tokenizer)
-  fitting, longest, shortest = 0, 0, None
-  for i in range(len(source)):
-    element = tokenize.map(source[i])
+  fitting, seen, longest, shortest = 0, 0, 0, None
+  for record in examples:
+    seen += 1
+    element = tokenize.map(record)
     length = len(element["prompt"]) + len(element["response"])
     if length <= seq_len:
       fitting += 1
@@ -627,11 +631,11 @@ def check_lengths(source, tokenizer, seq_len: int, *, drop_overlong: bool, what:
     longest = max(longest, length)
     shortest = length if shortest is None else min(shortest, length)
   if fitting < min_fitting:
-    dropped = len(source) - fitting
+    dropped = seen - fitting
     detail = (f"; the {dropped} over-long ones have {shortest} to {longest} tokens"
               if dropped else "")
     raise ValueError(
-        f"{what}: only {fitting} of {len(source)} example(s) fit in config.data.seq_len="
+        f"{what}: only {fitting} of {seen} example(s) fit in config.data.seq_len="
         f"{seq_len} (prompt + response + EOS), {min_fitting} needed{detail}; raise seq_len")
   return fitting
 

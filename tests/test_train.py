@@ -587,7 +587,7 @@ SHORT = {"query": "sort 321", "response": "123"}
                                   r"8 needed"),
     ("eval over-long kept", r"config\.data\.eval_files: example .*eval\.jsonl:1 has"),
     ("workdir is a file", r"--workdir=.* exists and is not a folder"),
-    ("tfds_dir is a file", r"TFDS data folder .* exists and is not a folder"),
+    ("tfds_dir is a file", r"config\.data\.tfds_dir=.* exists and is not a folder"),
     ("checkpoints is a file", r"checkpoints' is a file, where the run keeps its checkpoints"),
 ])
 def test_bad_data_and_paths_fail_before_compiling(tmp_path, tfds_dir, monkeypatch, case,
@@ -622,10 +622,12 @@ def test_bad_data_and_paths_fail_before_compiling(tmp_path, tfds_dir, monkeypatc
     workdir.mkdir()
     (workdir / loop.CHECKPOINT_DIR).write_text("x")
   c = small_config(tfds_dir, **changes)
+  existed = workdir.exists()
   start = time.monotonic()
   with pytest.raises(InputError, match=message):
     loop.train_and_evaluate(c, str(workdir))
   assert time.monotonic() - start < 60
+  assert workdir.exists() == existed  # nothing written
 
 
 def test_killed_dataset_build_is_cleaned_and_builds_do_not_collide(tmp_path):

@@ -195,28 +195,25 @@ def _as_input_errors():
 
 
 def _check_data(config, data_config: dict, tokenizer) -> None:
-  """Validates and builds the data files, and checks that they give batches.
+  """Checks the data files before anything is built, written or compiled.
 
-  Training data: every example is read (malformed lines, missing fields), and at
-  least one must fit in seq_len (with drop_overlong=False: every one must, else
-  the loader would stop mid-run on it; with all dropped it would wait forever).
-  Eval data: the same, plus (when evaluating) enough fitting examples for a
-  global batch.
+  Every line of every file is read (malformed JSON, missing fields); at least one
+  training example must fit in seq_len (with drop_overlong=False every one must,
+  else the loader would stop mid-run on it; with all of them dropped it would wait
+  forever); when evaluating, the eval files must fill a global batch.
   """
   from refusion_jax import data  # local: the TFDS import is slow
 
   seq_len, drop = int(config.data.seq_len), bool(config.data.drop_overlong)
-  source = data.split_source(data_config, "train")
-  data.check_lengths(source, tokenizer, seq_len, drop_overlong=drop,
-                     what="config.data.train_files", full=not drop)
+  data.validate_files(data_config["train_files"])
   if data_config["eval_files"]:
-    if config.eval_every_steps:
-      source = data.split_source(data_config, "eval")
-      data.check_lengths(source, tokenizer, seq_len, drop_overlong=drop,
-                         what="config.data.eval_files", full=True,
-                         min_fitting=int(config.global_batch_size))
-    else:
-      data.validate_files(data_config["eval_files"])
+    data.validate_files(data_config["eval_files"])
+  data.check_lengths(data.iter_examples(data_config["train_files"]), tokenizer, seq_len,
+                     drop_overlong=drop, what="config.data.train_files", full=not drop)
+  if data_config["eval_files"] and config.eval_every_steps:
+    data.check_lengths(data.iter_examples(data_config["eval_files"]), tokenizer, seq_len,
+                       drop_overlong=drop, what="config.data.eval_files", full=True,
+                       min_fitting=int(config.global_batch_size))
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
@@ -282,12 +279,16 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     tokenizer, model_config = resolved.tokenizer, resolved.model_config
     outputs.check_export_dir(config.export_hf_dir, workdir, config.data.tfds_dir)
     outputs.check_workdir(workdir)
-    os.makedirs(workdir, exist_ok=True)
     data_config = config.data.to_dict()
     data_config["train_files"] = list(data_config["train_files"])
     data_config["eval_files"] = list(data_config["eval_files"])
     data_config["tfds_dir"] = data_config["tfds_dir"] or os.path.join(workdir, TFDS_DIR)
+    if os.path.lexists(data_config["tfds_dir"]) and not os.path.isdir(data_config["tfds_dir"]):
+      raise ValueError(f"config.data.tfds_dir={config.data.tfds_dir!r} exists and is not a "
+                       "folder")
     _check_data(config, data_config, tokenizer)
+    # Nothing was written before this point: a run refused above leaves no trace.
+    os.makedirs(workdir, exist_ok=True)
     loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "train",
                                      jax.process_index(), jax.process_count())
     total_steps = settings.total_train_steps(config, loader.num_records)
