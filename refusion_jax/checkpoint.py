@@ -254,8 +254,12 @@ class TrainCheckpointer:
     while os.path.lexists(target):
       target, n = f"{where}.damaged.{n}", n + 1
     os.rename(where, target)
-    self._manager.reload()
+    self.reload()
     return target
+
+  def reload(self) -> None:
+    """Re-reads which steps exist (after another process moved one aside)."""
+    self._manager.reload()
 
   def save(self, step: int, state, data_iterator, meta: dict) -> None:
     """Starts saving `state` (a pytree of arrays), `meta` and the iterator position."""

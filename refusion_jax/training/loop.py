@@ -238,7 +238,7 @@ def _restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, trainer, meta: di
   it stops the run (`_check_resume`). When checkpoints exist but none is intact, an
   InputError names each and what is wrong with it.
   """
-  skipped = []
+  skipped, found = [], None
   for step in sorted(ckpt.all_steps(), reverse=True):
     where = os.path.join(ckpt.directory, str(step))
     problem = ckpt.damage(step)
@@ -251,16 +251,30 @@ def _restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, trainer, meta: di
     if problem is None:
       _check_resume(saved_meta, meta, where)
       try:
-        state, _ = ckpt.restore(step, trainer.abstract_train_state(), data_iter)
-        if skipped:
-          logging.warning("resuming from %s, the newest intact checkpoint", where)
-        return step, state
+        found = step, ckpt.restore(step, trainer.abstract_train_state(), data_iter)[0]
+        break
       except Exception as e:  # pylint: disable=broad-except
         problem = f"it cannot be restored ({_first_line(e)})"
-    moved = ckpt.move_aside(step) if is_chief else where
+    moved = ckpt.move_aside(step) if is_chief else f"{where}.damaged by process 0"
     logging.warning("checkpoint %s is damaged and was skipped: %s; moved to %s", where,
                     problem, moved)
     skipped.append(f"{where}: {problem} (moved to {moved})")
+  if jax.process_count() > 1:
+    # The processes must resume from one step: the oldest any of them could read (each
+    # reads its own data-iterator file). The others then see process 0's renames.
+    from jax.experimental import multihost_utils  # only multi-process runs need it
+    mine = -1 if found is None else found[0]
+    agreed = int(np.min(multihost_utils.process_allgather(np.asarray([mine]))))
+    ckpt.reload()
+    if agreed != mine:
+      found = None if agreed < 0 else (agreed, ckpt.restore(
+          agreed, trainer.abstract_train_state(), data_iter)[0])
+      skipped.append(f"step {mine} is unreadable on another process")
+  if found is not None:
+    if skipped:
+      logging.warning("resuming from %s, the newest intact checkpoint",
+                      os.path.join(ckpt.directory, str(found[0])))
+    return found
   if skipped:
     raise InputError("no intact checkpoint to resume from in " + ckpt.directory + ": "
                      + "; ".join(skipped) + ". Restore a checkpoint or use a new workdir")
@@ -287,10 +301,11 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
       raise ValueError(f"config.data.tfds_dir={config.data.tfds_dir!r} exists and is not a "
                        "folder")
     _check_data(config, data_config, tokenizer)
-    # Nothing was written before this point: a run refused above leaves no trace.
-    os.makedirs(workdir, exist_ok=True)
-    loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "train",
-                                     jax.process_index(), jax.process_count())
+  # Nothing was written before this point: a run refused above leaves no trace.
+  os.makedirs(workdir, exist_ok=True)
+  loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "train",
+                                   jax.process_index(), jax.process_count())
+  with _as_input_errors():
     total_steps = settings.total_train_steps(config, loader.num_records)
   mesh = sharding.make_mesh(devices=resolved.devices, **resolved.mesh_shape)
   trainer = trainer_lib.Trainer(config, model_config, mesh=mesh, pad_id=tokenizer.pad_id,
