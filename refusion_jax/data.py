@@ -309,8 +309,11 @@ def prepare(json_paths: Sequence[str] | Mapping[str, Sequence[str]],
       before anything is written.
 
   TFDS writes into a temporary folder renamed into place when complete, so
-  an interrupted build is never read as a dataset. Hosts sharing one
-  file system should build on process 0 first (then the others reuse it).
+  an interrupted build is never read as a dataset; its `incomplete.*`
+  leftover is removed by the next build of the same files. Builds of the same
+  files take a lock (`<data_dir>/query_response/<name>.lock`), so concurrent
+  runs build once and the others reuse it. Hosts sharing one file system
+  should build on process 0 first (then the others reuse it).
   """
   split_files = dict(json_paths) if isinstance(json_paths, Mapping) else {"train": json_paths}
   if not split_files:

@@ -2,12 +2,17 @@
 
 `train_and_evaluate(config, workdir)`:
 
-* resolves the config (`settings.resolve`: every check, the model config and
-  the tokenizer) before anything is compiled or loaded;
+* checks everything before anything is compiled, loaded or written: the
+  config (`settings.resolve`: every check, the model config and the
+  tokenizer), the export folder, the workdir, and the data files (every line
+  read; over-long examples; a training set with nothing left after dropping
+  them); a failure is an `InputError` naming the field, file or line;
 * builds the model on a (data, fsdp, tensor) mesh: a preset plus overrides,
   or a Hugging Face Qwen3 folder (`config.init_from_hf`) extended with
   ReFusion's two special tokens (`trainer.add_special_token_rows`);
-* resumes from the newest checkpoint in `W/checkpoints` when there is one:
+* resumes from the newest intact checkpoint in `W/checkpoints` when there is
+  one (a damaged one, with a missing or truncated file or unreadable JSON, is
+  named in a warning and moved to `<step>.damaged`):
   parameters, AdamW state, step and data position are restored and the step
   rng is `fold_in(fold_in(key(seed), 0), step)`, so a resumed run is
   bit-identical to an uninterrupted one;
