@@ -42,7 +42,11 @@ def define_config_and_workdir(config_help: str, workdir_help: str):
 
 
 def fail(program: str, message) -> None:
-  """Prints `program: error: message` (one line) to stderr and exits with status 2."""
+  """Prints `program: error: message` to stderr and exits with status 2.
+
+  The message is one line, except where it lists several problems (each data-file
+  problem on its own indented line below the first).
+  """
   print(f"{program}: error: {str(message).strip()}", file=sys.stderr, flush=True)
   sys.exit(2)
 
@@ -133,9 +137,12 @@ def parse_flags(argv: Sequence[str], fv: flags.FlagValues | None = None) -> list
     message = _unknown_field(fv, argv)
     if message is None:
       lines = [line.strip() for line in str(e).strip().strip("'\"").splitlines() if line.strip()]
-      message = lines[0] if isinstance(e, KeyError) else lines[-1] if lines else repr(e)
-      if isinstance(e, SyntaxError) or str(e).startswith("Error whilst parsing config file"):
-        message = f"a config file given could not be loaded ({type(e).__name__}: {message})"
+      message = "; ".join(lines) or repr(e)
+      if isinstance(e, KeyError) and lines:
+        message = lines[0]
+      elif isinstance(e, SyntaxError) or str(e).startswith("Error whilst parsing config file"):
+        # ml_collections puts the config's traceback in the message: its last line says why.
+        message = f"a config file given could not be loaded ({type(e).__name__}: {lines[-1]})"
     raise InputError(message) from None
   for flag_name in _config_flags(fv):
     try:
