@@ -245,3 +245,26 @@ def test_bad_input_gets_one_clear_error_line(outcomes, case):
   assert "Finished XLA compilation" not in stderr and "Compiling " not in stderr, stderr[-3000:]
   assert seconds < TIMEOUT_SECONDS, seconds
   assert changed == [], changed  # nothing created or changed where the outputs would go
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.optimzer.learning_rate=1",
+     "--config.optimzer.learning_rate: config has no field 'optimzer' (did you mean "
+     "'optimizer'?)"),
+    ("--config.data.seq_ln=8",
+     "--config.data.seq_ln: config.data has no field 'seq_ln' (did you mean 'seq_len'?)"),
+    ("--config.zzzz=1", "--config.zzzz: config has no field 'zzzz'"),
+    ("--config.seed.x=1", "--config.seed.x: config.seed is a value (int), not a group of fields"),
+])
+def test_unknown_config_fields_are_named_with_the_nearest_one(override, message):
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  from refusion_jax import entry_flags  # pylint: disable=import-outside-toplevel
+
+  argv = ["train", "--config=" + TRAIN_CONFIG, override]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True,
+                                  sys_argv=argv)
+  with pytest.raises(entry_flags.InputError) as info:
+    entry_flags.parse_flags(argv, fv)
+  assert str(info.value) == message
