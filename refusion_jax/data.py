@@ -195,10 +195,16 @@ def validate_files(paths: Sequence[str]) -> int:
   """
   if isinstance(paths, (str, bytes)) or not paths:
     raise ValueError(f"data files must be a non-empty list of paths, got {paths!r}")
-  problems, count = [], 0
   for path in paths:
     if not isinstance(path, str) or not os.path.isfile(path):
       raise ValueError(f"data file {path!r} does not exist (or is not a file)")
+  # The trainer checks its files before any work and `prepare` checks them again: a
+  # big file is read once while it is unchanged.
+  key = tuple((os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
+  if key in _VALID_FILES:
+    return _VALID_FILES[key]
+  problems, count = [], 0
+  for path in paths:
     in_file = 0
     for item in _iter_file(path):
       reason = item.problem or _problem(item.value)
@@ -216,7 +222,12 @@ def validate_files(paths: Sequence[str]) -> int:
     more = len(problems) - len(shown)
     raise ValueError(f"{len(problems)} problem(s) in the data files:\n  " + "\n  ".join(shown)
                      + (f"\n  ... and {more} more" if more else ""))
+  _VALID_FILES[key] = count
   return count
+
+
+# (path, size, mtime) of each file of a validated list -> its example count.
+_VALID_FILES: dict[tuple, int] = {}
 
 
 def files_digest(paths: Sequence[str]) -> str:
