@@ -36,6 +36,7 @@ host saves and restores its own shard's position.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -355,18 +356,39 @@ def prepare(json_paths: Sequence[str] | Mapping[str, Sequence[str]],
   # One build at a time per set of files: a second process (or run) waits for the
   # first and then finds its build. Under the lock no other build of these files is
   # running, so an `incomplete.*` folder beside the build is a killed build's leftover.
-  lock_dir = os.path.join(data_dir, QueryResponse.name)
-  os.makedirs(lock_dir, exist_ok=True)
-  with open(os.path.join(lock_dir, f"{config.name}.lock"), "a") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
+  with _build_lock(os.path.join(data_dir, QueryResponse.name, f"{config.name}.lock")) as locked:
+    builder = QueryResponse(config=config, data_dir=data_dir, file_format="array_record")
+    if locked and not builder.is_prepared():
+      remove_incomplete_builds(os.path.dirname(os.fspath(builder.data_path)))
+    builder.download_and_prepare()
+  return builder
+
+
+@contextlib.contextmanager
+def _build_lock(path: str) -> Iterator[bool]:
+  """Holds an exclusive lock on `path` (created) while inside; yields whether it could.
+
+  A folder that cannot hold one (read-only with a finished build, or a file system
+  without locks) still builds and reads, without the lock and without cleaning up.
+  """
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lock = open(path, "a")  # pylint: disable=consider-using-with
+  except OSError as e:
+    logging.warning("cannot create the build lock %s (%s); building without it", path, e)
+    yield False
+    return
+  with lock:
     try:
-      builder = QueryResponse(config=config, data_dir=data_dir, file_format="array_record")
-      if not builder.is_prepared():
-        remove_incomplete_builds(os.path.dirname(os.fspath(builder.data_path)))
-      builder.download_and_prepare()
+      fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as e:
+      logging.warning("cannot lock %s (%s); building without the lock", path, e)
+      yield False
+      return
+    try:
+      yield True
     finally:
       fcntl.flock(lock, fcntl.LOCK_UN)
-  return builder
 
 
 def remove_incomplete_builds(config_dir: str) -> list[str]:
