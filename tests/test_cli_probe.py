@@ -268,3 +268,22 @@ def test_unknown_config_fields_are_named_with_the_nearest_one(override, message)
   with pytest.raises(entry_flags.InputError) as info:
     entry_flags.parse_flags(argv, fv)
   assert str(info.value) == message
+
+
+def test_bad_input_exits_2_and_internal_errors_keep_their_traceback(capsys):
+  from refusion_jax import entry_flags  # pylint: disable=import-outside-toplevel
+
+  with pytest.raises(SystemExit) as info:
+    with entry_flags.errors_reported("refusion_jax.train"):
+      raise entry_flags.InputError("config.seed must be an int, got 'x'")
+  assert info.value.code == 2
+  assert capsys.readouterr().err == "refusion_jax.train: error: config.seed must be an int, got 'x'\n"
+  # A ValueError is a user's error only where the entry point says so (sample, convert ...).
+  with pytest.raises(SystemExit):
+    with entry_flags.errors_reported("refusion_jax.sample", (ValueError,)):
+      raise ValueError("--config.batch_size must be a positive int")
+  # Anything else is a bug: it propagates with its traceback.
+  for error in (RuntimeError("bug"), ValueError("bug inside training"), KeyError("k")):
+    with pytest.raises(type(error)):
+      with entry_flags.errors_reported("refusion_jax.train"):
+        raise error
