@@ -586,6 +586,8 @@ SHORT = {"query": "sort 321", "response": "123"}
     ("eval smaller than a batch", r"config\.data\.eval_files: only 2 of 2 example\(s\) fit .*"
                                   r"8 needed"),
     ("eval over-long kept", r"config\.data\.eval_files: example .*eval\.jsonl:1 has"),
+    ("epochs give no step", r"config\.num_epochs=1 over 3 examples at "
+                            r"config\.global_batch_size=8 gives no step"),
     ("workdir is a file", r"--workdir=.* exists and is not a folder"),
     ("tfds_dir is a file", r"config\.data\.tfds_dir=.* exists and is not a folder"),
     ("checkpoints is a file", r"checkpoints' is a file, where the run keeps its checkpoints"),
@@ -613,6 +615,10 @@ def test_bad_data_and_paths_fail_before_compiling(tmp_path, tfds_dir, monkeypatc
     changes["data.eval_files"] = (_jsonl(tmp_path / "eval.jsonl", [LONG] + [SHORT] * 8),)
     changes["eval_every_steps"] = 10
     changes["data.drop_overlong"] = False
+  elif case == "epochs give no step":
+    changes["data.train_files"] = (_jsonl(tmp_path / "train.jsonl", [SHORT] * 3),)
+    changes.update(num_train_steps=0, num_epochs=1)
+    changes["optimizer.warmup_steps"] = 0
   elif case == "workdir is a file":
     workdir.write_text("not a folder")
   elif case == "tfds_dir is a file":

@@ -199,8 +199,9 @@ def _as_input_errors():
     raise InputError(str(e)) from None
 
 
-def _check_data(config, data_config: dict, tokenizer) -> None:
-  """Checks the data files before anything is built, written or compiled.
+def _check_data(config, data_config: dict, tokenizer) -> int:
+  """Checks the data files before anything is built, written or compiled; returns the
+  number of training examples.
 
   Every line of every file is read (malformed JSON, missing fields); at least one
   training example must fit in seq_len (with drop_overlong=False every one must,
@@ -210,7 +211,7 @@ def _check_data(config, data_config: dict, tokenizer) -> None:
   from refusion_jax import data  # local: the TFDS import is slow
 
   seq_len, drop = int(config.data.seq_len), bool(config.data.drop_overlong)
-  data.validate_files(data_config["train_files"])
+  num_examples = data.validate_files(data_config["train_files"])
   if data_config["eval_files"]:
     data.validate_files(data_config["eval_files"])
   data.check_lengths(data.iter_examples(data_config["train_files"]), tokenizer, seq_len,
@@ -219,6 +220,7 @@ def _check_data(config, data_config: dict, tokenizer) -> None:
     data.check_lengths(data.iter_examples(data_config["eval_files"]), tokenizer, seq_len,
                        drop_overlong=drop, what="config.data.eval_files", full=True,
                        min_fitting=int(config.global_batch_size))
+  return num_examples
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
@@ -305,13 +307,13 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     if os.path.lexists(data_config["tfds_dir"]) and not os.path.isdir(data_config["tfds_dir"]):
       raise ValueError(f"config.data.tfds_dir={config.data.tfds_dir!r} exists and is not a "
                        "folder")
-    _check_data(config, data_config, tokenizer)
+    num_examples = _check_data(config, data_config, tokenizer)
+    total_steps = settings.total_train_steps(config, num_examples)
   # Nothing was written before this point: a run refused above leaves no trace.
   os.makedirs(workdir, exist_ok=True)
   loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "train",
                                    jax.process_index(), jax.process_count())
-  with _as_input_errors():
-    total_steps = settings.total_train_steps(config, loader.num_records)
+  assert loader.num_records == num_examples, (loader.num_records, num_examples)
   mesh = sharding.make_mesh(devices=resolved.devices, **resolved.mesh_shape)
   trainer = trainer_lib.Trainer(config, model_config, mesh=mesh, pad_id=tokenizer.pad_id,
                                 total_steps=total_steps)
