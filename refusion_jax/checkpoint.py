@@ -191,6 +191,10 @@ class _IteratorSnapshot:
     return self._state
 
 
+# Files of a checkpoint step that orbax writes as JSON (besides `*.json`).
+_JSON_FILES = ("_METADATA", "metadata", "_CHECKPOINT_METADATA")
+
+
 class TrainCheckpointer:
   """Keeps the last `max_to_keep` training checkpoints under `directory`."""
 
@@ -217,6 +221,45 @@ class TrainCheckpointer:
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
+
+  def damage(self, step: int) -> str | None:
+    """What is visibly wrong with checkpoint `step` (a missing item or metadata file, a JSON
+    file that does not parse), or None. A truncated array shows only when restored."""
+    where = os.path.join(self.directory, str(int(step)))
+    for item in (STATE_ITEM, META_ITEM, DATA_ITEM):
+      if not os.path.isdir(os.path.join(where, item)):
+        return f"its {item!r} folder is missing"
+    if not os.path.isfile(os.path.join(where, STATE_ITEM, "_METADATA")):
+      return f"{STATE_ITEM}/_METADATA (the array metadata) is missing"
+    for item in (STATE_ITEM, META_ITEM, DATA_ITEM):
+      folder = os.path.join(where, item)
+      for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not (name.endswith(".json") or name in _JSON_FILES) or not os.path.isfile(path):
+          continue
+        try:
+          with open(path, encoding="utf-8") as f:
+            json.load(f)
+        except (OSError, ValueError) as e:
+          return f"{item}/{name} is not valid JSON ({e})"
+    return None
+
+  def move_aside(self, step: int) -> str:
+    """Renames checkpoint `step` to `<step>.damaged` (or `.damaged.N`); returns the new path.
+
+    The manager forgets the step, so a later save of the same step starts afresh.
+    """
+    where = os.path.join(self.directory, str(int(step)))
+    target, n = where + ".damaged", 1
+    while os.path.lexists(target):
+      target, n = f"{where}.damaged.{n}", n + 1
+    os.rename(where, target)
+    self.reload()
+    return target
+
+  def reload(self) -> None:
+    """Re-reads which steps exist (after another process moved one aside)."""
+    self._manager.reload()
 
   def save(self, step: int, state, data_iterator, meta: dict) -> None:
     """Starts saving `state` (a pytree of arrays), `meta` and the iterator position."""

@@ -8,6 +8,15 @@ from __future__ import annotations
 import numbers
 
 
+class InputError(ValueError):
+  """A bad setting or input, named in the message.
+
+  Entry points report it as one `error:` line and exit status 2, without a
+  traceback (refusion_jax.entry_flags.run_program); it is a ValueError, so
+  library callers that catch ValueError still catch it.
+  """
+
+
 def is_int(value) -> bool:
   """An integer that is not a bool (`True` would pass as 1 otherwise)."""
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -18,6 +27,6 @@ def is_real(value) -> bool:
 
 
 def require(condition: bool, field: str, value, what: str) -> None:
-  """Raises ValueError("config.FIELD must be WHAT, got VALUE") unless `condition`."""
+  """Raises InputError("config.FIELD must be WHAT, got VALUE") unless `condition`."""
   if not condition:
-    raise ValueError(f"config.{field} must be {what}, got {value!r}")
+    raise InputError(f"config.{field} must be {what}, got {value!r}")

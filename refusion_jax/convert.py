@@ -20,7 +20,7 @@ import os
 from absl import app
 from absl import flags
 
-from refusion_jax import checkpoint
+from refusion_jax import checkpoint, entry_flags
 from refusion_jax import hf
 
 _HF_DIR = flags.DEFINE_string(
@@ -77,4 +77,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  entry_flags.run_program(main, "refusion_jax.convert", user_errors=(ValueError, OSError))

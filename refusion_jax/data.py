@@ -36,12 +36,15 @@ host saves and restores its own shard's position.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
+import shutil
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from absl import logging
 from etils import epath
@@ -193,10 +196,16 @@ def validate_files(paths: Sequence[str]) -> int:
   """
   if isinstance(paths, (str, bytes)) or not paths:
     raise ValueError(f"data files must be a non-empty list of paths, got {paths!r}")
-  problems, count = [], 0
   for path in paths:
     if not isinstance(path, str) or not os.path.isfile(path):
       raise ValueError(f"data file {path!r} does not exist (or is not a file)")
+  # The trainer checks its files before any work and `prepare` checks them again: a
+  # big file is read once while it is unchanged.
+  key = tuple((os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
+  if key in _VALID_FILES:
+    return _VALID_FILES[key]
+  problems, count = [], 0
+  for path in paths:
     in_file = 0
     for item in _iter_file(path):
       reason = item.problem or _problem(item.value)
@@ -207,12 +216,19 @@ def validate_files(paths: Sequence[str]) -> int:
     if in_file == 0 and not any(p.startswith(f"{path}:") for p in problems):
       problems.append(f"{path}:1: no examples in the file")
     count += in_file
+  if len(problems) == 1:
+    raise ValueError(f"data file {problems[0]}")
   if problems:
     shown = problems[:_MAX_REPORTED_PROBLEMS]
     more = len(problems) - len(shown)
     raise ValueError(f"{len(problems)} problem(s) in the data files:\n  " + "\n  ".join(shown)
                      + (f"\n  ... and {more} more" if more else ""))
+  _VALID_FILES[key] = count
   return count
+
+
+# (path, size, mtime) of each file of a validated list -> its example count.
+_VALID_FILES: dict[tuple, int] = {}
 
 
 def files_digest(paths: Sequence[str]) -> str:
@@ -305,8 +321,11 @@ def prepare(json_paths: Sequence[str] | Mapping[str, Sequence[str]],
       before anything is written.
 
   TFDS writes into a temporary folder renamed into place when complete, so
-  an interrupted build is never read as a dataset. Hosts sharing one
-  file system should build on process 0 first (then the others reuse it).
+  an interrupted build is never read as a dataset; its `incomplete.*`
+  leftover is removed by the next build of the same files. Builds of the same
+  files take a lock (`<data_dir>/query_response/<name>.lock`), so concurrent
+  runs build once and the others reuse it. Hosts sharing one file system
+  should build on process 0 first (then the others reuse it).
   """
   split_files = dict(json_paths) if isinstance(json_paths, Mapping) else {"train": json_paths}
   if not split_files:
@@ -331,10 +350,64 @@ def prepare(json_paths: Sequence[str] | Mapping[str, Sequence[str]],
                                    f"{s}={[os.path.basename(p) for p in ps]}"
                                    for s, ps in normalized),
                                split_files=tuple(normalized))
-  builder = QueryResponse(config=config, data_dir=os.path.abspath(data_dir),
-                          file_format="array_record")
-  builder.download_and_prepare()
+  data_dir = os.path.abspath(data_dir)
+  if os.path.lexists(data_dir) and not os.path.isdir(data_dir):
+    raise ValueError(f"TFDS data folder {data_dir!r} exists and is not a folder")
+  # One build at a time per set of files: a second process (or run) waits for the
+  # first and then finds its build. Under the lock no other build of these files is
+  # running, so an `incomplete.*` folder beside the build is a killed build's leftover.
+  with _build_lock(os.path.join(data_dir, QueryResponse.name, f"{config.name}.lock")) as locked:
+    builder = QueryResponse(config=config, data_dir=data_dir, file_format="array_record")
+    if locked and not builder.is_prepared():
+      remove_incomplete_builds(os.path.dirname(os.fspath(builder.data_path)))
+    builder.download_and_prepare()
   return builder
+
+
+@contextlib.contextmanager
+def _build_lock(path: str) -> Iterator[bool]:
+  """Holds an exclusive lock on `path` (created) while inside; yields whether it could.
+
+  A folder that cannot hold one (read-only with a finished build, or a file system
+  without locks) still builds and reads, without the lock and without cleaning up.
+  """
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lock = open(path, "a")  # pylint: disable=consider-using-with
+  except OSError as e:
+    logging.warning("cannot create the build lock %s (%s); building without it", path, e)
+    yield False
+    return
+  with lock:
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as e:
+      logging.warning("cannot lock %s (%s); building without the lock", path, e)
+      yield False
+      return
+    try:
+      yield True
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def remove_incomplete_builds(config_dir: str) -> list[str]:
+  """Deletes the `incomplete.*` folders a killed TFDS build left in `config_dir`; returns them.
+
+  Call it only while holding the build's lock (see `prepare`).
+  """
+  removed = []
+  if not os.path.isdir(config_dir):
+    return removed
+  for name in sorted(os.listdir(config_dir)):
+    path = os.path.join(config_dir, name)
+    if name.startswith("incomplete.") and os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path)
+      removed.append(path)
+  if removed:
+    logging.warning("removed %d unfinished dataset build(s) left by an interrupted run: %s",
+                    len(removed), ", ".join(removed))
+  return removed
 
 
 # --------------------------------------------------------------- grain loader
@@ -557,6 +630,52 @@ def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int |
   return Loader(data_loader, counter, num_records, per_process)
 
 
+def check_lengths(examples: Iterable[Mapping[str, Any]], tokenizer, seq_len: int, *,
+                  drop_overlong: bool, what: str, min_fitting: int = 1,
+                  full: bool = False) -> int:
+  """Checks, before any training, that `examples` give batches; returns the fitting ones seen.
+
+  `examples` are records with "query", "response" and "source" ('file:line'), e.g.
+  `iter_examples(files)` (nothing is built or written) or a built source. With
+  `drop_overlong=False` every example is tokenised and the first one longer than
+  `seq_len` is an error naming its `file:line` (the loader would stop on it
+  mid-run). With `drop_overlong=True` the pass stops as soon as `min_fitting`
+  examples fit (unless `full`), and fewer is an error: a loader that drops every
+  example would wait forever for a batch.
+
+  Raises:
+    ValueError: naming `what` (e.g. "config.data.train_files"), the example or
+      the count, and seq_len.
+  """
+  tokenize = _Tokenize(tokenizer)
+  fitting, seen, longest, shortest = 0, 0, 0, None
+  for record in examples:
+    seen += 1
+    element = tokenize.map(record)
+    length = len(element["prompt"]) + len(element["response"])
+    if length <= seq_len:
+      fitting += 1
+      if fitting >= min_fitting and drop_overlong and not full:
+        return fitting
+      continue
+    if not drop_overlong:
+      raise ValueError(
+          f"{what}: example {element['source']} has {length} tokens (prompt "
+          f"{len(element['prompt'])} + response {len(element['response'])} with EOS) > "
+          f"config.data.seq_len={seq_len}; raise seq_len or set config.data.drop_overlong=True "
+          "to skip it")
+    longest = max(longest, length)
+    shortest = length if shortest is None else min(shortest, length)
+  if fitting < min_fitting:
+    dropped = seen - fitting
+    detail = (f"; the {dropped} over-long ones have {shortest} to {longest} tokens"
+              if dropped else "")
+    raise ValueError(
+        f"{what}: only {fitting} of {seen} example(s) fit in config.data.seq_len="
+        f"{seq_len} (prompt + response + EOS), {min_fitting} needed{detail}; raise seq_len")
+  return fitting
+
+
 def count_overlong(source, tokenizer, seq_len: int) -> int:
   """Examples of `source` that exceed seq_len (a full pass; for reports and tests)."""
   tokenize = _Tokenize(tokenizer)
@@ -568,6 +687,19 @@ def count_overlong(source, tokenizer, seq_len: int) -> int:
 
 
 # ----------------------------------------------------------------- config glue
+
+def split_source(data_config, split: str) -> IdentifiedSource:
+  """The built source of `config.data.<split>_files` (building it once, on process 0 first)."""
+  files = list(data_config[f"{split}_files"])
+  if jax.process_count() > 1:
+    # Several hosts share the build folder: process 0 builds, the others wait
+    # for it and then find the finished build.
+    from jax.experimental import multihost_utils
+    if jax.process_index() == 0:
+      prepare({split: files}, data_config["tfds_dir"])
+    multihost_utils.sync_global_devices(f"refusion_jax.data.prepare.{split}")
+  return source_of(prepare({split: files}, data_config["tfds_dir"]), split)
+
 
 def loader_from_config(data_config, tokenizer, batch_size: int, split: str = "train",
                        process_index: int = 0, process_count: int = 1,
@@ -592,15 +724,7 @@ def loader_from_config(data_config, tokenizer, batch_size: int, split: str = "tr
   if not data_config["tfds_dir"]:
     raise ValueError("loader_from_config: config.data.tfds_dir is empty; give a folder for "
                      "the TFDS build")
-  if jax.process_count() > 1:
-    # Several hosts share the build folder: process 0 builds, the others wait
-    # for it and then find the finished build.
-    from jax.experimental import multihost_utils
-    if jax.process_index() == 0:
-      prepare({split: files}, data_config["tfds_dir"])
-    multihost_utils.sync_global_devices(f"refusion_jax.data.prepare.{split}")
-  builder = prepare({split: files}, data_config["tfds_dir"])
-  source = source_of(builder, split)
+  source = split_source(data_config, split)
   training = split == "train"
   return make_loader(
       source, tokenizer, seq_len=data_config["seq_len"], batch_size=batch_size,

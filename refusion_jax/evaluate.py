@@ -282,6 +282,8 @@ def run_synthetic(c) -> dict:
     raise ValueError(f"--config.model_dir={c.model_dir!r} is not a folder")
   if not c.data or not os.path.isfile(c.data):
     raise ValueError(f"--config.data={c.data!r} is not a file")
+  if c.output_dir and os.path.lexists(c.output_dir) and not os.path.isdir(c.output_dir):
+    raise ValueError(f"--config.output_dir={c.output_dir!r} exists and is not a folder")
   try:
     decode_config = DecodeConfig(**c.decode.to_dict())
   except (TypeError, ValueError) as e:
@@ -314,7 +316,8 @@ def main(argv: Sequence[str]) -> dict:
       "config", None, "Evaluation config: configs/eval/<benchmark>.py (one of the paper's "
       "seven) or configs/eval/synthetic.py (the bundled suite).", flag_values=fv,
       lock_config=True, sys_argv=list(argv))
-  rest = fv(list(argv))
+  from refusion_jax import entry_flags  # pylint: disable=import-outside-toplevel
+  rest = entry_flags.parse_flags(list(argv), fv)
   if len(rest) > 1:
     raise ValueError(f"unexpected arguments: {rest[1:]}")
   c = config_flag.value
@@ -328,8 +331,6 @@ def main(argv: Sequence[str]) -> dict:
 
 
 if __name__ == "__main__":
-  try:
+  from refusion_jax import entry_flags  # pylint: disable=import-outside-toplevel
+  with entry_flags.errors_reported("refusion_jax.evaluate", (ValueError, OSError, TypeError)):
     main(sys.argv)
-  except (ValueError, FileNotFoundError, TypeError) as _e:
-    print(f"refusion_jax.evaluate: error: {_e}", file=sys.stderr)
-    sys.exit(2)

@@ -13,8 +13,6 @@ plots) and `pipeline` (`run`, the order of it all).
 
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags, logging
 
 from refusion_jax import entry_flags
@@ -32,14 +30,11 @@ def main(argv, config_flag, workdir_flag):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  try:
-    pipeline.run(config_flag.value, workdir_flag.value)
-  except (ValueError, FileNotFoundError) as e:
-    # A bad setting, named by its field: say so and exit non-zero, without a traceback.
-    print(f"refusion_jax.reproduce: error: {e}", file=sys.stderr)
-    sys.exit(2)
+  pipeline.run(config_flag.value, workdir_flag.value)
 
 
 if __name__ == "__main__":
   _config_flag, _workdir_flag = define_flags()
-  app.run(lambda argv: main(argv, _config_flag, _workdir_flag))
+  # A bad setting, named by its field: one error line and exit status 2, no traceback.
+  entry_flags.run_program(lambda argv: main(argv, _config_flag, _workdir_flag),
+                          "refusion_jax.reproduce", user_errors=(ValueError, FileNotFoundError))

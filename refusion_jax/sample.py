@@ -35,7 +35,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from refusion_jax import checkpoint, fileio, trace
+from refusion_jax import checkpoint, entry_flags, fileio, trace
 from refusion_jax.config import DecodeConfig, ModelConfig, tiny
 from refusion_jax.decode import engine as engine_lib
 
@@ -251,13 +251,10 @@ def main(argv, config_flag):
     raise app.UsageError("--config=configs/sample.py is required")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  try:
-    run(config_flag.value)
-  except (ValueError, FileNotFoundError, TypeError) as e:
-    _log(f"error: {e}")
-    sys.exit(2)
+  run(config_flag.value)
 
 
 if __name__ == "__main__":
   _config_flag = define_flags()
-  app.run(lambda argv: main(argv, _config_flag))
+  entry_flags.run_program(lambda argv: main(argv, _config_flag), "refusion_jax.sample",
+                          user_errors=(ValueError, OSError, TypeError))

@@ -3,6 +3,10 @@
   python -m refusion_jax.train --config=configs/tiny_refusion.py --workdir=W \\
       [--config.field=value ...]
 
+A bad setting or input (a config field, a data file, an output path, a damaged
+checkpoint with no intact one to fall back to) is reported before any compile
+as one `refusion_jax.train: error: ...` line, exit status 2.
+
 Joins the multi-process runtime when `config.distributed` is set, then runs
 `training.loop.train_and_evaluate(config, W)`: checkpoints in `W/checkpoints`
 (a rerun resumes bit-identically), metrics in `W/metrics.jsonl` and
@@ -51,4 +55,5 @@ def main(argv, config_flag, workdir_flag):
 
 if __name__ == "__main__":
   _config_flag, _workdir_flag = define_flags()
-  app.run(lambda argv: main(argv, _config_flag, _workdir_flag))
+  entry_flags.run_program(lambda argv: main(argv, _config_flag, _workdir_flag),
+                          "refusion_jax.train")

@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TASKS = list(tasks_lib.TASKS)
 ROWS = list(settings.ROWS)
-CELL = re.compile(r"^\*{0,2}(\d+\.\d) / (\d+\.\d|n/a)\*{0,2}$")
+CELL = re.compile(r"^\*{0,2}(\d+\.\d)(?: \[(\d+\.\d), (\d+\.\d)\])? / (\d+\.\d|n/a)\*{0,2}$")
 
 
 def _png_size(path):
@@ -137,11 +137,15 @@ def test_pipeline_writes_every_artefact(smoke_run):
       assert m["n"] == 2 and m["speed_n"] == 1 and 0 <= m["correct"] <= 2
       assert m["accuracy"] == pytest.approx(100.0 * m["correct"] / m["n"])
       assert m["tokens_per_sec"] == pytest.approx(m["speed_tokens"] / m["speed_seconds"])
-      acc, tps = CELL.match(main[name][i]).groups()
+      acc, _, _, tps = CELL.match(main[name][i]).groups()
       assert float(acc) == pytest.approx(m["accuracy"], abs=0.051)
       assert float(tps) == pytest.approx(m["tokens_per_sec"], abs=0.051)
     mean_acc = sum(result["per_task"][t]["accuracy"] for t in TASKS) / len(TASKS)
     assert result["average"]["accuracy"] == pytest.approx(mean_acc)
+    # The average carries its bootstrap interval over problems.
+    acc, lo, hi, _ = CELL.match(main[name][-1].strip("*")).groups()
+    assert (float(lo), float(hi)) == pytest.approx(report.accuracy_interval(result), abs=0.051)
+    assert float(lo) <= float(acc) <= float(hi)
     assert len(result["samples"]) == 2 * len(TASKS)
 
   # Ratios vs ARM recomputed from the JSON.
@@ -314,7 +318,7 @@ def test_command_line_names_a_bad_setting_and_exits_2(tmp_path):
 
 
 def _fake_result(acc, tps, tpf):
-  per_task = {t: {"n": 10, "correct": 0, "accuracy": acc, "tokens_per_sec": tps,
+  per_task = {t: {"n": 200, "correct": round(2 * acc), "accuracy": acc, "tokens_per_sec": tps,
                   "tokens_per_forward": tpf, "speed_n": 5, "tpf_paper": tpf + 1.0,
                   "engine_tokens_per_sec": 2 * tps} for t in TASKS}
   return {"per_task": per_task,
@@ -342,11 +346,44 @@ def test_targets_and_rows_in_the_report():
       "2026-01-01", {"platform": "Linux", "processor": "x86_64", "cpus": 2, "jax": "0",
                      "backend": "cpu", "python": "3"})
   main = _table_section(table, "# ReFusion in miniature")
-  assert main["ReFusion-L2R"][-1] == "**70.0 / 90.0**"
-  assert main["ReFusion"][-1] == "**87.5 / 350.0**"
+  for name, r in results.items():
+    lo, hi = report.accuracy_interval(r)
+    assert lo < r["average"]["accuracy"] < hi
+  lo, hi = report.accuracy_interval(results["ReFusion-L2R"])
+  assert main["ReFusion-L2R"][-1] == f"**70.0 [{lo:.1f}, {hi:.1f}] / 90.0**"
+  lo, hi = report.accuracy_interval(results["ReFusion"])
+  assert main["ReFusion"][-1] == f"**87.5 [{lo:.1f}, {hi:.1f}] / 350.0**"
+  assert "bootstrap 95% interval over problems" in table
   assert _table_section(table, "## Relative to ARM-AR")["ReFusion"] == ["-2.5", "3.50x"]
   tpf = _table_section(table, "## The paper's TPF")
   assert tpf["ReFusion"] == ["5.50 / 700.0"] * len(TASKS) + ["**5.50 / 700.0**"]
+
+
+def test_average_accuracy_interval_is_a_bootstrap_over_problems():
+  # Tasks of different sizes and accuracies, as right/wrong outcomes per problem.
+  outcomes = {t: np.arange(n) < k for t, n, k in zip(TASKS, (30, 30, 12, 50, 30, 8, 40),
+                                                     (21, 30, 5, 44, 0, 6, 33))}
+  result = {"per_task": {t: {"n": len(o), "correct": int(o.sum()),
+                             "accuracy": 100.0 * o.mean()} for t, o in outcomes.items()}}
+  result["average"] = {"accuracy": float(np.mean([m["accuracy"]
+                                                  for m in result["per_task"].values()]))}
+  lo, hi = report.accuracy_interval(result)
+  assert (lo, hi) == report.accuracy_interval(result)  # a fixed seed: the same interval
+  assert lo < result["average"]["accuracy"] < hi
+  # Oracle: the plain bootstrap, resampling each task's problems by index.
+  rng = np.random.default_rng(123)
+  draws = [np.mean([100.0 * o[rng.integers(0, len(o), len(o))].mean()
+                    for o in outcomes.values()]) for _ in range(4000)]
+  ref_lo, ref_hi = np.percentile(draws, [2.5, 97.5])
+  assert abs(lo - ref_lo) < 0.8 and abs(hi - ref_hi) < 0.8, ((lo, hi), (ref_lo, ref_hi))
+  # With 30 problems per task the interval is several points wide, as the table now says.
+  assert hi - lo > 3.0
+  # No spread where every outcome is the same; none without problems.
+  perfect = {"per_task": {t: {"n": 5, "correct": 5, "accuracy": 100.0} for t in TASKS},
+             "average": {"accuracy": 100.0}}
+  assert report.accuracy_interval(perfect) == (100.0, 100.0)
+  perfect["per_task"][TASKS[0]]["n"] = 0
+  assert report.accuracy_interval(perfect) is None
 
 
 def test_refusion_settings_are_chosen_on_the_validation_split(smoke_run):

@@ -30,6 +30,42 @@ def _avg(result: dict, field: str):
   return result["average"][field]
 
 
+# The interval each average accuracy carries: a bootstrap over problems.
+BOOTSTRAP_DRAWS = 2000
+BOOTSTRAP_SEED = 0
+BOOTSTRAP_LEVEL = 0.95
+
+
+def accuracy_interval(result: Mapping, draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED,
+                      level: float = BOOTSTRAP_LEVEL) -> tuple[float, float] | None:
+  """A bootstrap `level` interval (percentile) of the average accuracy, over problems.
+
+  The average is the mean over tasks of each task's accuracy; a draw resamples
+  each task's `n` problems with replacement and recomputes it. Resampling a
+  task's right/wrong outcomes with replacement is a Binomial(n, correct / n)
+  draw, so the per-task counts suffice. The seed is fixed: the same results
+  give the same interval. None when a task has no problems.
+  """
+  per_task = list(result["per_task"].values())
+  if not per_task or any(int(m.get("n", 0)) <= 0 for m in per_task):
+    return None
+  rng = np.random.default_rng(seed)
+  n = np.asarray([int(m["n"]) for m in per_task])
+  p = np.asarray([int(m["correct"]) for m in per_task]) / n
+  resampled = rng.binomial(n, p, size=(draws, len(n))) / n  # [draws, tasks] accuracies
+  averages = 100.0 * resampled.mean(axis=1)
+  tail = 100.0 * (1.0 - level) / 2
+  lo, hi = np.percentile(averages, [tail, 100.0 - tail])
+  return float(lo), float(hi)
+
+
+def _with_interval(result: Mapping) -> str:
+  """`acc [lo, hi]` for an average accuracy and its bootstrap interval."""
+  interval = accuracy_interval(result)
+  acc = f"{result['average']['accuracy']:.1f}"
+  return acc if interval is None else f"{acc} [{interval[0]:.1f}, {interval[1]:.1f}]"
+
+
 def machine_line(m: Mapping) -> str:
   """One line for a `scoring.machine()` record."""
   return (f"{m['platform']} ({m['processor']}), {m['cpus']} CPU core(s), jax {m['jax']} "
@@ -126,6 +162,10 @@ def _preamble(config, results: Mapping[str, dict], trained: Mapping[str, dict], 
       + ", ".join(f"{n} {m['seconds']:.0f}s" for n, m in trained.items()),
       "- Held-out problems per task (accuracy, batched decode): "
       + ", ".join(f"{t} {n}" for t, n in n_acc.items()),
+      f"- Noise: [lo, hi] after each average accuracy is a bootstrap "
+      f"{BOOTSTRAP_LEVEL:.0%} interval over problems (each task's problems resampled, "
+      f"{BOOTSTRAP_DRAWS:,} draws, seed {BOOTSTRAP_SEED}); differences inside it are "
+      "sampling noise, not a change of method",
       f"- Speed: first {max(n_speed.values()) if n_speed else 0} problems per task decoded "
       f"at batch 1, greedy, compile excluded, fastest of {config.eval.speed_repeats} "
       "decodes per problem; tokens counted up to and including EOS; "
@@ -150,7 +190,7 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
   lines = _preamble(config, results, trained, when, here, base) + ["", header, rule]
   lines += _decoder_rows(
       results, task_names, lambda m: f"{m['accuracy']:.1f} / {_fmt(m['tokens_per_sec'])}",
-      lambda r: f"{r['average']['accuracy']:.1f} / {_fmt(r['average']['tokens_per_sec'])}")
+      lambda r: f"{_with_interval(r)} / {_fmt(r['average']['tokens_per_sec'])}")
 
   lines += ["", "## Tokens per forward pass (every pass counted)", "", header, rule]
   lines += _decoder_rows(results, task_names, lambda m: f"{m['tokens_per_forward']:.2f}",
@@ -192,11 +232,12 @@ def render_sweep_table(results: Mapping[tuple[str, float], dict], per_task: int)
   """The sweep's markdown: one row per (parameter, value)."""
   lines = ["# ReFusion sweep (the paper's Figure 4 in miniature)", "",
            f"Each parameter varied alone, the others at each task's setting; {per_task} "
-           "problems per task, batch-1 speed.", "",
+           "problems per task, batch-1 speed; [lo, hi]: bootstrap "
+           f"{BOOTSTRAP_LEVEL:.0%} interval of the accuracy over problems.", "",
            "| parameter | value | accuracy | tokens/s | tokens/forward |", "|---|---|---|---|---|"]
   for (param, value), r in results.items():
     a = r["average"]
-    lines.append(f"| {param} | {value} | {a['accuracy']:.1f} | {_fmt(a['tokens_per_sec'])} | "
+    lines.append(f"| {param} | {value} | {_with_interval(r)} | {_fmt(a['tokens_per_sec'])} | "
                  f"{a['tokens_per_forward']:.2f} |")
   return "\n".join(lines) + "\n"
 

@@ -2,12 +2,17 @@
 
 `train_and_evaluate(config, workdir)`:
 
-* resolves the config (`settings.resolve`: every check, the model config and
-  the tokenizer) before anything is compiled or loaded;
+* checks everything before anything is compiled, loaded or written: the
+  config (`settings.resolve`: every check, the model config and the
+  tokenizer), the export folder, the workdir, and the data files (every line
+  read; over-long examples; a training set with nothing left after dropping
+  them); a failure is an `InputError` naming the field, file or line;
 * builds the model on a (data, fsdp, tensor) mesh: a preset plus overrides,
   or a Hugging Face Qwen3 folder (`config.init_from_hf`) extended with
   ReFusion's two special tokens (`trainer.add_special_token_rows`);
-* resumes from the newest checkpoint in `W/checkpoints` when there is one:
+* resumes from the newest intact checkpoint in `W/checkpoints` when there is
+  one (a damaged one, with a missing or truncated file or unreadable JSON, is
+  named in a warning and moved to `<step>.damaged`):
   parameters, AdamW state, step and data position are restored and the step
   rng is `fold_in(fold_in(key(seed), 0), step)`, so a resumed run is
   bit-identical to an uninterrupted one;
@@ -19,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -31,6 +37,7 @@ import numpy as np
 from absl import logging
 
 from refusion_jax import checkpoint, hf, sharding
+from refusion_jax.checks import InputError
 from refusion_jax.config import ModelConfig
 from refusion_jax.training import outputs, settings
 from refusion_jax.training import trainer as trainer_lib
@@ -125,7 +132,7 @@ def _check_resume(saved: Mapping[str, Any], wanted: Mapping[str, Any], where: st
     if key == "model_config":
       _check_resume_model(saved[key], value, where)
     elif saved[key] != value:
-      raise ValueError(f"{where} was written with {key}={saved[key]!r} but the config now "
+      raise InputError(f"{where} was written with {key}={saved[key]!r} but the config now "
                        f"gives {value!r}; use a new workdir or restore the old setting")
 
 
@@ -135,7 +142,7 @@ def _check_resume_model(saved: Mapping[str, Any], wanted: Mapping[str, Any], whe
   try:
     saved = dataclasses.asdict(ModelConfig(**saved))
   except (TypeError, ValueError) as e:
-    raise ValueError(f"{where}: its model config cannot be read ({e})") from None
+    raise InputError(f"{where}: its model config cannot be read ({e})") from None
   for name, value in wanted.items():
     if name in _RESUMABLE_MODEL_FIELDS or saved.get(name) == value:
       continue
@@ -143,7 +150,7 @@ def _check_resume_model(saved: Mapping[str, Any], wanted: Mapping[str, Any], whe
             f"--config.model.scan_layers={str(saved.get(name)).lower()} (a finished model "
             "folder converts with checkpoint.load_model(..., scan_layers=...))"
             if name == "scan_layers" else "use a new workdir or restore the old setting")
-    raise ValueError(f"{where} was written with model.{name}={saved.get(name)!r} but the config "
+    raise InputError(f"{where} was written with model.{name}={saved.get(name)!r} but the config "
                      f"now gives {value!r}; {hint}")
 
 
@@ -180,23 +187,133 @@ def _evaluate(trainer: trainer_lib.Trainer, params, data_config, tokenizer) -> d
   return {k: v / count for k, v in totals.items()}
 
 
+@contextlib.contextmanager
+def _as_input_errors():
+  """Re-raises a ValueError or OSError (a bad setting, a missing or unreadable file) as an
+  InputError with the same message: the entry point reports it in one line."""
+  try:
+    yield
+  except InputError:
+    raise
+  except (ValueError, OSError) as e:
+    raise InputError(str(e)) from None
+
+
+def _check_data(config, data_config: dict, tokenizer) -> int:
+  """Checks the data files before anything is built, written or compiled; returns the
+  number of training examples.
+
+  Every line of every file is read (malformed JSON, missing fields); at least one
+  training example must fit in seq_len (with drop_overlong=False every one must,
+  else the loader would stop mid-run on it; with all of them dropped it would wait
+  forever); when evaluating, the eval files must fill a global batch.
+  """
+  from refusion_jax import data  # local: the TFDS import is slow
+
+  seq_len, drop = int(config.data.seq_len), bool(config.data.drop_overlong)
+  num_examples = data.validate_files(data_config["train_files"])
+  if data_config["eval_files"]:
+    data.validate_files(data_config["eval_files"])
+  data.check_lengths(data.iter_examples(data_config["train_files"]), tokenizer, seq_len,
+                     drop_overlong=drop, what="config.data.train_files", full=not drop)
+  if data_config["eval_files"] and config.eval_every_steps:
+    data.check_lengths(data.iter_examples(data_config["eval_files"]), tokenizer, seq_len,
+                       drop_overlong=drop, what="config.data.eval_files", full=True,
+                       min_fitting=int(config.global_batch_size))
+  return num_examples
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+  """The root cause of `error` on one line (orbax wraps TensorStore's precise message)."""
+  seen = set()
+  while id(error) not in seen and (error.__cause__ or error.__context__) is not None:
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  text = " ".join(str(error).split()) or type(error).__name__
+  text = f"{type(error).__name__}: {text}"
+  return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, trainer, meta: dict, data_iter,
+                           is_chief: bool):
+  """`(step, state)` of the newest checkpoint that reads back whole, or None when there is none.
+
+  A checkpoint that cannot be read (a missing or truncated file, unreadable JSON) is
+  named with what is wrong in a warning and moved aside to `<step>.damaged` (by the
+  chief), so that it is neither retried nor confused with the step saved again later;
+  the next older one is tried. A checkpoint written with other settings is not damage:
+  it stops the run (`_check_resume`). When checkpoints exist but none is intact, an
+  InputError names each and what is wrong with it.
+  """
+  skipped, found = [], None
+  for step in sorted(ckpt.all_steps(), reverse=True):
+    where = os.path.join(ckpt.directory, str(step))
+    problem = ckpt.damage(step)
+    saved_meta = None
+    if problem is None:
+      try:
+        saved_meta = ckpt.read_meta(step)
+      except Exception as e:  # pylint: disable=broad-except
+        problem = f"its meta item cannot be read ({_first_line(e)})"
+    if problem is None:
+      _check_resume(saved_meta, meta, where)
+      try:
+        found = step, ckpt.restore(step, trainer.abstract_train_state(), data_iter)[0]
+        break
+      except Exception as e:  # pylint: disable=broad-except
+        problem = f"it cannot be restored ({_first_line(e)})"
+    moved = ckpt.move_aside(step) if is_chief else f"{where}.damaged by process 0"
+    logging.warning("checkpoint %s is damaged and was skipped: %s; moved to %s", where,
+                    problem, moved)
+    skipped.append(f"{where}: {problem} (moved to {moved})")
+  if jax.process_count() > 1:
+    # The processes must resume from one step: the oldest any of them could read (each
+    # reads its own data-iterator file). The others then see process 0's renames.
+    from jax.experimental import multihost_utils  # only multi-process runs need it
+    mine = -1 if found is None else found[0]
+    agreed = int(np.min(multihost_utils.process_allgather(np.asarray([mine]))))
+    ckpt.reload()
+    if agreed != mine:
+      found = None if agreed < 0 else (agreed, ckpt.restore(
+          agreed, trainer.abstract_train_state(), data_iter)[0])
+      skipped.append(f"step {mine} is unreadable on another process")
+  if found is not None:
+    if skipped:
+      logging.warning("resuming from %s, the newest intact checkpoint",
+                      os.path.join(ckpt.directory, str(found[0])))
+    return found
+  if skipped:
+    raise InputError("no intact checkpoint to resume from in " + ckpt.directory + ": "
+                     + "; ".join(skipped) + ". Restore a checkpoint or use a new workdir")
+  return None
+
+
 def train_and_evaluate(config, workdir: str) -> TrainResult:
   """Trains (resuming from `workdir` when it holds checkpoints); see the module doc."""
   from refusion_jax import data  # local: the TFDS import is slow and validation comes first
 
   workdir = os.path.abspath(workdir)
-  resolved = settings.resolve(config)
-  tokenizer, model_config = resolved.tokenizer, resolved.model_config
-  outputs.check_export_dir(config.export_hf_dir, workdir, config.data.tfds_dir)
-
+  # Everything the run reads or writes is checked before anything is compiled:
+  # a failure here is the config's or the data's, reported as an InputError.
+  with _as_input_errors():
+    resolved = settings.resolve(config)
+    tokenizer, model_config = resolved.tokenizer, resolved.model_config
+    outputs.check_export_dir(config.export_hf_dir, workdir, config.data.tfds_dir)
+    outputs.check_workdir(workdir)
+    data_config = config.data.to_dict()
+    data_config["train_files"] = list(data_config["train_files"])
+    data_config["eval_files"] = list(data_config["eval_files"])
+    data_config["tfds_dir"] = data_config["tfds_dir"] or os.path.join(workdir, TFDS_DIR)
+    if os.path.lexists(data_config["tfds_dir"]) and not os.path.isdir(data_config["tfds_dir"]):
+      raise ValueError(f"config.data.tfds_dir={config.data.tfds_dir!r} exists and is not a "
+                       "folder")
+    num_examples = _check_data(config, data_config, tokenizer)
+    total_steps = settings.total_train_steps(config, num_examples)
+  # Nothing was written before this point: a run refused above leaves no trace.
   os.makedirs(workdir, exist_ok=True)
-  data_config = config.data.to_dict()
-  data_config["train_files"] = list(data_config["train_files"])
-  data_config["eval_files"] = list(data_config["eval_files"])
-  data_config["tfds_dir"] = data_config["tfds_dir"] or os.path.join(workdir, TFDS_DIR)
   loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "train",
                                    jax.process_index(), jax.process_count())
-  total_steps = settings.total_train_steps(config, loader.num_records)
+  assert loader.num_records == num_examples, (loader.num_records, num_examples)
   mesh = sharding.make_mesh(devices=resolved.devices, **resolved.mesh_shape)
   trainer = trainer_lib.Trainer(config, model_config, mesh=mesh, pad_id=tokenizer.pad_id,
                                 total_steps=total_steps)
@@ -209,13 +326,11 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
   log = None
   try:
     data_iter = iter(loader)
-    start = ckpt.latest_step()
-    if start is not None:
-      where = os.path.join(ckpt.directory, str(start))
-      _check_resume(ckpt.read_meta(start), meta, where)
-      state, _ = ckpt.restore(start, trainer.abstract_train_state(), data_iter)
+    resumed = _restore_newest_intact(ckpt, trainer, meta, data_iter, is_chief)
+    if resumed is not None:
+      start, state = resumed
       params, opt_state = state["params"], state["opt_state"]
-      logging.info("resumed from %s", where)
+      logging.info("resumed from %s", os.path.join(ckpt.directory, str(start)))
     else:
       start = 0
       if config.init_from_hf:

@@ -89,3 +89,32 @@ def check_export_dir(export_dir: str, workdir: str, tfds_dir: str = "") -> None:
   raise ValueError(f"{field} is a folder that holds files this run did not write ({why}); "
                    "the export would replace them. Export to a new or empty folder, or move "
                    "those files away first")
+
+
+def check_workdir(workdir: str) -> None:
+  """Raises ValueError unless `workdir` is (or can become) a writable folder of the run.
+
+  Checks the path and its nearest existing parent only: nothing is created here.
+  """
+  path = os.path.abspath(workdir)
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise ValueError(f"--workdir={workdir!r} exists and is not a folder")
+  existing = path
+  while not os.path.exists(existing):
+    parent = os.path.dirname(existing)
+    if os.path.lexists(existing) or parent == existing:
+      break  # a dangling link, or the root
+    existing = parent
+  if not os.path.isdir(existing):
+    raise ValueError(f"--workdir={workdir!r}: {existing!r} is not a folder")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f"--workdir={workdir!r}: {existing!r} is not writable")
+  for name in (CHECKPOINT_DIR, FINAL_MODEL_DIR, TENSORBOARD_DIR):
+    inner = os.path.join(path, name)
+    if os.path.lexists(inner) and not os.path.isdir(inner):
+      raise ValueError(f"--workdir={workdir!r}: {inner!r} is a file, where the run keeps "
+                       f"its {name} folder")
+  metrics = os.path.join(path, METRICS_FILE)
+  if os.path.isdir(metrics):
+    raise ValueError(f"--workdir={workdir!r}: {metrics!r} is a folder, where the run writes "
+                     "its metrics file")
