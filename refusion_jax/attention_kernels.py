@@ -46,9 +46,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from refusion_jax import sharding
+from refusion_jax.config import ATTENTION_IMPLS
 
 SPLASH_BLOCK = 128  # splash attention's query / key tile (its default BlockSizes)
-IMPLS = ("xla", "splash", "cudnn")
 _CUDNN_DTYPES = ("bfloat16", "float16")
 
 
@@ -56,13 +56,13 @@ def check_supported(impl: str, *, seq_len: int, dtype: str, platform: str,
                     field: str = "ModelConfig.attention_impl") -> None:
   """Raises ValueError (naming `field`) when `impl` cannot run full-sequence attention
   over `seq_len` tokens in compute dtype `dtype` on `platform` ("tpu", "gpu", "cpu")."""
-  if impl not in IMPLS:
-    raise ValueError(f"{field} must be one of {IMPLS}, got {impl!r}")
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"{field} must be one of {ATTENTION_IMPLS}, got {impl!r}")
   if impl == "splash" and seq_len % SPLASH_BLOCK:
-    raise ValueError(
-        f"{field}='splash' needs a sequence length that is a multiple of its "
-        f"{SPLASH_BLOCK}-token tile, got {seq_len} (use {-(-seq_len // SPLASH_BLOCK) * SPLASH_BLOCK} "
-        "or attention_impl='xla')")
+    tiled = -(-seq_len // SPLASH_BLOCK) * SPLASH_BLOCK
+    raise ValueError(f"{field}='splash' needs a sequence length that is a multiple of its "
+                     f"{SPLASH_BLOCK}-token tile, got {seq_len} (use {tiled} or "
+                     "attention_impl='xla')")
   if impl == "cudnn":
     if platform != "gpu":
       raise ValueError(f"{field}='cudnn' runs on NVIDIA GPUs only, but the devices are "
@@ -107,21 +107,35 @@ def attend_full(q_btnh, k_btkh, v_btkh, *, impl: str, causal: bool = True, lengt
   if impl == "splash":
     fn = functools.partial(_splash, causal=causal, interpret=where != "tpu")
   else:
-    fn = functools.partial(_cudnn, causal=causal)
+    fn = functools.partial(_cudnn, causal=causal, padded=length_b is not None)
   q_btnh = q_btnh * (h ** -0.5)  # the reference's scaling, in q's dtype
   if length_b is None:
     length_b = jnp.full((b,), t, jnp.int32)
   return _sharded(fn, q_btnh, k_btkh, v_btkh, jnp.asarray(length_b, jnp.int32))
 
 
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(t: int, n: int, causal: bool, interpret: bool):
+  # Built once per shape: its block-mask tables are host constants (an unrolled model
+  # would otherwise rebuild them in every layer).
+  from jax.experimental.pallas.ops.tpu import splash_attention  # pylint: disable=C0415
+  head_mask = splash_attention.CausalMask((t, t)) if causal else splash_attention.FullMask((t, t))
+  b = SPLASH_BLOCK
+  # One fused backward kernel (dq and dk/dv together) instead of two passes over the scores.
+  block_sizes = splash_attention.BlockSizes(
+      block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+      block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
+  with jax.ensure_compile_time_eval():  # concrete tables even when first built while tracing
+    return splash_attention.make_splash_mha(
+        splash_attention.MultiHeadMask([head_mask] * n), block_sizes=block_sizes,
+        head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
 def _splash(q_btnh, k_btkh, v_btkh, length_b, *, causal: bool, interpret: bool):
   # Imported here: the Pallas TPU modules are needed only by this path.
-  from jax.experimental.pallas.ops.tpu import splash_attention  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas.ops.tpu import splash_attention  # pylint: disable=C0415
   _, t, n, _ = q_btnh.shape
-  head_mask = splash_attention.CausalMask((t, t)) if causal else splash_attention.FullMask((t, t))
-  kernel = splash_attention.make_splash_mha(
-      splash_attention.MultiHeadMask([head_mask] * n), head_shards=1, q_seq_shards=1,
-      interpret=interpret)
+  kernel = _splash_kernel(t, n, causal, interpret)
   # Valid tokens share segment 0; padding token i is alone in segment i + 1.
   index_t = jnp.arange(t, dtype=jnp.int32)
   segments_bt = jnp.where(index_t[None] < length_b[:, None], 0, index_t[None] + 1)
@@ -134,10 +148,11 @@ def _splash(q_btnh, k_btkh, v_btkh, length_b, *, causal: bool, interpret: bool):
   return out_bnth.transpose(0, 2, 1, 3)
 
 
-def _cudnn(q_btnh, k_btkh, v_btkh, length_b, *, causal: bool):
+def _cudnn(q_btnh, k_btkh, v_btkh, length_b, *, causal: bool, padded: bool):
   # q is already scaled (in its dtype, like the reference), hence scale=1.
   return jax.nn.dot_product_attention(q_btnh, k_btkh, v_btkh, scale=1.0, is_causal=causal,
-                                      key_value_seq_lengths=length_b, implementation="cudnn")
+                                      key_value_seq_lengths=length_b if padded else None,
+                                      implementation="cudnn")
 
 
 def _sharded(fn, q_btnh, k_btkh, v_btkh, length_b):

@@ -92,12 +92,27 @@ def _batch(b=4, t=T, seed=0):
           "response_len": jnp.asarray(response_len, jnp.int32)}
 
 
-def _loss_and_grads(model, batch, objective_name):
-  def loss(m):
-    return objective.loss_fn(m, batch, jax.random.key(7), objective=objective_name, mask_id=3,
-                             pad_id=0)[0]
-  value, grads = nnx.value_and_grad(loss)(model)
-  return float(value), nnx.to_pure_dict(grads)
+def _outputs(model, batch, positions_bt, objective_name, mesh=None):
+  """Logits of the tokens at `positions_bt`, and the loss and its gradients, in one jit."""
+  graphdef, state = nnx.split(model)
+  rules = sharding.ShardingRules()
+
+  @jax.jit
+  def run(state, batch, positions_bt):
+    with sharding.use_mesh(mesh, rules):
+      model = nnx.merge(graphdef, state)
+
+      def loss(m):
+        return objective.loss_fn(m, batch, jax.random.key(7), objective=objective_name,
+                                 mask_id=3, pad_id=0)[0]
+
+      value, grads = nnx.value_and_grad(loss)(model)
+      return model(batch["tokens"], positions_bt), value, nnx.to_pure_dict(grads)
+
+  with sharding.use_mesh(mesh, rules):
+    jaxpr = str(jax.make_jaxpr(run)(state, batch, positions_bt))
+  logits, loss, grads = run(state, batch, positions_bt)
+  return jaxpr, np.asarray(logits), float(loss), grads
 
 
 def _assert_trees_close(got, want, atol):
@@ -114,14 +129,11 @@ def test_model_logits_loss_and_gradients_equal_the_einsum_path(objective_name, s
   fast = Qwen3(_config("splash", scan_layers=scan, remat=remat, attention=attention),
                rngs=nnx.Rngs(1))
   batch = _batch()
-  ids = batch["tokens"]
   pos = jnp.stack([jax.random.permutation(jax.random.key(i), T) for i in range(4)])
-  assert _runs_kernel(fast, ids, pos)
-  assert not _runs_kernel(ref, ids, pos)
-  np.testing.assert_allclose(np.asarray(fast(ids, pos)), np.asarray(ref(ids, pos)), atol=1e-5,
-                             rtol=0)
-  loss, grads = _loss_and_grads(fast, batch, objective_name)
-  want_loss, want_grads = _loss_and_grads(ref, batch, objective_name)
+  jaxpr, logits, loss, grads = _outputs(fast, batch, pos, objective_name)
+  ref_jaxpr, want_logits, want_loss, want_grads = _outputs(ref, batch, pos, objective_name)
+  assert "pallas_call" in jaxpr and "pallas_call" not in ref_jaxpr
+  np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=0)
   assert abs(loss - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
   _assert_trees_close(grads, want_grads, 1e-5)
 
@@ -132,31 +144,113 @@ def test_sharded_kernel_equals_the_unsharded_einsum_path(data, fsdp, tensor):
   # query heads (each device then holds the key/value head its queries read).
   ref = Qwen3(_config(), rngs=nnx.Rngs(2))
   batch = _batch(b=4, seed=1)
-  want_loss, want_grads = _loss_and_grads(ref, batch, "refusion")
+  pos = jnp.broadcast_to(jnp.arange(T)[None], (4, T))
+  _, want_logits, want_loss, want_grads = _outputs(ref, batch, pos, "refusion")
 
   mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
   rules = sharding.ShardingRules()
   model = sharding.shard_model(Qwen3(_config("splash"), rngs=nnx.Rngs(2)), mesh, rules)
-  graphdef, state = nnx.split(model)
-  batch = jax.device_put(batch, sharding.data_sharding(mesh, rules, ndim=1))
-  batch["tokens"] = jax.device_put(batch["tokens"], sharding.data_sharding(mesh, rules))
-
-  run = _jit_loss(graphdef, mesh, rules)
-  with sharding.use_mesh(mesh, rules):
-    jaxpr = str(jax.make_jaxpr(run)(state, batch))
+  batch = {name: jax.device_put(x, sharding.data_sharding(mesh, rules, x.ndim))
+           for name, x in batch.items()}
+  jaxpr, logits, loss, grads = _outputs(model, batch, pos, "refusion", mesh)
   assert "shard_map" in jaxpr and "pallas_call" in jaxpr
-  loss, grads = run(state, batch)
-  assert abs(float(loss) - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
+  np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=0)
+  assert abs(loss - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
   _assert_trees_close(grads, want_grads, 1e-5)
 
 
-def _jit_loss(graphdef, mesh, rules):
-  @jax.jit
-  def run(state, batch):
-    with sharding.use_mesh(mesh, rules):
-      def loss(m):
-        return objective.loss_fn(m, batch, jax.random.key(7), objective="refusion", mask_id=3,
-                                 pad_id=0)[0]
-      value, grads = nnx.value_and_grad(loss)(nnx.merge(graphdef, state))
-      return value, nnx.to_pure_dict(grads)
-  return run
+def test_explicit_masks_and_decode_passes_keep_the_einsum_path():
+  ref = Qwen3(_config(), rngs=nnx.Rngs(3))
+  fast = Qwen3(_config("splash"), rngs=nnx.Rngs(3))
+  ids = _batch(b=2)["tokens"][:, :40]  # not a tile multiple: only the einsum path takes it
+  pos = jnp.broadcast_to(jnp.arange(40)[None], (2, 40))
+  mask_btt = masks.prefix_causal_btt(jnp.array([40, 25]), 40)
+  graphdef, state = nnx.split(fast)
+
+  def masked(state, ids, pos):
+    return nnx.merge(graphdef, state)(ids, pos, mask_btt)
+
+  def chunk(state, ids, pos):
+    model = nnx.merge(graphdef, state)
+    return model.forward_chunk(ids, pos, KVCache.init(model.config, 2, 64), mask_btt)[0]
+
+  for fn in (masked, chunk):
+    assert "pallas_call" not in str(jax.make_jaxpr(fn)(state, ids, pos))
+  np.testing.assert_array_equal(np.asarray(fast(ids, pos, mask_btt)),
+                                np.asarray(ref(ids, pos, mask_btt)))
+
+
+def _train_config(**model):
+  c = tiny_refusion.get_config()
+  for name, value in model.items():
+    c.model[name] = value
+  return c
+
+
+def test_untileable_sequence_length_is_refused():
+  c = _train_config(attention_impl="splash")
+  c.data.seq_len = 200
+  with pytest.raises(ValueError, match=r"config.model.attention_impl='splash' needs a sequence "
+                     r"length that is a multiple of its 128-token tile, got 200 \(use 256"):
+    settings.resolve(c)
+  c.data.seq_len = 256
+  assert settings.resolve(c).model_config.attention_impl == "splash"
+  # A direct call refuses before tracing any kernel, naming the field.
+  model = Qwen3(_config("splash"), rngs=nnx.Rngs(0))
+  ids = jnp.zeros((1, 100), jnp.int32)
+  with pytest.raises(ValueError, match="ModelConfig.attention_impl='splash' needs .* got 100"):
+    model(ids, jnp.broadcast_to(jnp.arange(100)[None], (1, 100)))
+
+
+def test_cudnn_is_refused_off_gpu():
+  c = _train_config(attention_impl="cudnn", dtype="bfloat16")
+  with pytest.raises(ValueError, match="config.model.attention_impl='cudnn' runs on NVIDIA GPUs "
+                     "only, but the devices are 'cpu'"):
+    settings.resolve(c)
+  with pytest.raises(ValueError, match="needs a bfloat16 or float16 compute dtype"):
+    attention_kernels.check_supported("cudnn", seq_len=128, dtype="float32", platform="gpu")
+  model = Qwen3(_config("cudnn", dtype="bfloat16"), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="'cudnn' runs on NVIDIA GPUs only"):
+    model(jnp.zeros((1, T), jnp.int32), jnp.broadcast_to(jnp.arange(T)[None], (1, T)))
+  q, k, v = _qkv(jnp.bfloat16, t=T)
+  with pytest.raises(ValueError, match="'cudnn' runs on NVIDIA GPUs only"):
+    attention_kernels.attend_full(q, k, v, impl="cudnn")
+  with pytest.raises(ValueError, match="the einsum reference is model.attend"):
+    attention_kernels.attend_full(q, k, v, impl="xla")
+
+
+def test_tpu_program_holds_less_scratch_with_splash():
+  # Compiled for a v5e 2x2 slice without a TPU. At 4096 tokens the einsum path keeps each
+  # row's [heads, T, T] float32 scores; splash keeps tiles. (At 2048 and below XLA's TPU
+  # fusions already avoid materialising them in this tiny model, so the gap is not robust.)
+  topologies = pytest.importorskip("jax.experimental.topologies")
+  devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+  mesh = sharding.make_mesh(data=1, fsdp=4, tensor=1, devices=devices)
+  rules = sharding.ShardingRules()
+  b, t = 4, 4096
+  row = sharding.data_sharding(mesh, rules, 1)
+  batch = {"tokens": jax.ShapeDtypeStruct((b, t), jnp.int32,
+                                          sharding=sharding.data_sharding(mesh, rules)),
+           "prompt_len": jax.ShapeDtypeStruct((b,), jnp.int32, sharding=row),
+           "response_len": jax.ShapeDtypeStruct((b,), jnp.int32, sharding=row)}
+  temp = {}
+  for impl in ("xla", "splash"):
+    cfg = _config(impl, num_layers=1, hidden_size=128, num_heads=2, num_kv_heads=1,
+                  head_dim=128, mlp_dim=256, max_position_embeddings=t, dtype="bfloat16")
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda cfg=cfg: Qwen3(cfg, rngs=nnx.Rngs(0))))
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         abstract, sharding.state_shardings(abstract, mesh, rules))
+
+    def step(state, batch, graphdef=graphdef):
+      with sharding.use_mesh(mesh, rules):
+        def loss(m):
+          return objective.loss_fn(m, batch, jax.random.key(0), objective="refusion",
+                                   mask_id=3, pad_id=0)[0]
+        return nnx.value_and_grad(loss)(nnx.merge(graphdef, state))
+
+    compiled = jax.jit(step).lower(state, batch).compile()
+    # The Mosaic kernel itself, not its interpreted form, is in the TPU program.
+    assert ("tpu_custom_call" in compiled.as_text()) == (impl == "splash")
+    temp[impl] = compiled.memory_analysis().temp_size_in_bytes
+  scores = 2 * t * t * 4  # one row's float32 scores over its 2 heads
+  assert temp["xla"] >= scores and temp["splash"] < scores / 4, temp
