@@ -5,7 +5,9 @@ mask, the call every objective's loss makes) attends over the whole row with
 one fixed mask: causal in input order (ReFusion's reorganised row and the ARM)
 or full (the MDM baseline). The einsum reference (`model.attend`, "xla")
 materialises `[B, N, T, T]` float32 scores and keeps them for the backward
-pass; the kernels here never hold more than a tile of them:
+pass (XLA's TPU fusions avoid that only for short rows: in a v5e program of a
+small model, at 2048 tokens but not at 4096); the kernels here never hold more
+than a tile of them:
 
 * "splash": the Pallas TPU splash-attention kernel shipped with JAX
   (`jax.experimental.pallas.ops.tpu.splash_attention`), one kernel per row

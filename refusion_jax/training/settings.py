@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import jax
+from absl import logging
 
 from refusion_jax import attention_kernels, objective, sharding
 from refusion_jax import config as config_lib
@@ -259,6 +260,10 @@ def validate_attention_impl(config, model_config: ModelConfig, platform: str) ->
                                       field="config.model.attention_impl")
   except ValueError as e:
     raise ValueError(f"{e} (config.data.seq_len={config.data.seq_len})") from None
+  if model_config.attention_impl == "splash" and platform != "tpu":
+    logging.warning("config.model.attention_impl='splash' on %s devices runs the TPU kernel in "
+                    "Pallas interpret mode: exact but slow (meant for checking numerics)",
+                    platform)
 
 
 def total_train_steps(config, num_records: int) -> int:
