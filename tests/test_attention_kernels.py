@@ -120,9 +120,10 @@ def _assert_trees_close(got, want, atol):
                                                        rtol=0), got, want)
 
 
+# The ARM trains through the very same causal kernel call as ReFusion (only its
+# positions and labels differ), so the two ReFusion cases stand for it.
 @pytest.mark.parametrize("objective_name,scan,remat", [
-    ("refusion", False, "none"), ("refusion", True, "full"), ("arm", False, "save_dots"),
-    ("mdm", True, "save_dots")])
+    ("refusion", False, "save_dots"), ("refusion", True, "full"), ("mdm", True, "none")])
 def test_model_logits_loss_and_gradients_equal_the_einsum_path(objective_name, scan, remat):
   attention = objective.attention_for(objective_name)
   ref = Qwen3(_config(scan_layers=scan, remat=remat, attention=attention), rngs=nnx.Rngs(1))
