@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from configs import tiny_refusion
 from refusion_jax import attention_kernels, masks, objective, sharding
