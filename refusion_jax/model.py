@@ -8,7 +8,11 @@ ReFusion changes no layer of Qwen3; what matters here is that
 * attention has one entry point, `forward_chunk`, where a chunk of new tokens
   attends to a static KV buffer (per-row valid length) and to itself under a
   given chunk mask, and the chunk's own K/V are *returned, not written*: the
-  decoder decides what to commit.
+  decoder decides what to commit;
+* the full-sequence training call (`__call__` / `hidden` without a mask) may
+  run a memory-efficient kernel instead of the einsum reference `attend`
+  (`ModelConfig.attention_impl`, attention_kernels.py); decoding passes always
+  use `attend`.
 
 Einsum letters: B batch, T chunk length, S cache length, N query heads,
 K kv heads, G query heads per kv head, H head dim, D model, F mlp, V vocab.
@@ -21,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from refusion_jax import masks, sharding
+from refusion_jax import attention_kernels, masks, sharding
 from refusion_jax.config import ModelConfig
 from refusion_jax.kv_cache import KVCache
 
@@ -175,7 +179,13 @@ class Attention(nnx.Module):
     q = sharding.constrain(q, ("batch", "seq", "q_heads", "head_dim"))
     k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-    out = attend(q, k, v, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_valid_bs)
+    if chunk_mask_btt is None:  # the whole row under the config's own mask: a kernel
+      if cache_k_bksh is not None:
+        raise ValueError("a kernel attention call (chunk_mask_btt=None) takes no KV cache")
+      out = attention_kernels.attend_full(q, k, v, impl=self.config.attention_impl,
+                                          causal=self.config.attention == "causal")
+    else:
+      out = attend(q, k, v, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_valid_bs)
     y = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dtype))
     return y, k, v
 
@@ -387,7 +397,12 @@ class Qwen3(nnx.Module):
     positions_bt = jnp.asarray(positions_bt)
     self._check_inputs(input_ids_bt, positions_bt)
     b, t = input_ids_bt.shape
-    if attention_mask_btt is None:
+    if attention_mask_btt is None and self.config.attention_impl != "xla":
+      # None tells every layer to run ModelConfig.attention_impl's kernel over the row.
+      attention_kernels.check_supported(
+          self.config.attention_impl, seq_len=t, dtype=self.config.dtype,
+          platform=attention_kernels.current_platform())
+    elif attention_mask_btt is None:
       causal = self.config.attention == "causal"
       attention_tt = masks.causal_tt(t) if causal else masks.full_tt(t)
       attention_mask_btt = jnp.broadcast_to(attention_tt[None], (b, t, t))
@@ -399,7 +414,9 @@ class Qwen3(nnx.Module):
     """Logits `[B, T, V]`.
 
     Attention is causal in *input order* (bidirectional for an MDM config)
-    unless `attention_mask_btt` (True = may attend) is given.
+    unless `attention_mask_btt` (True = may attend) is given. Without a mask,
+    `ModelConfig.attention_impl` picks how it is computed ("splash" / "cudnn":
+    attention_kernels.py; an explicit mask always takes the einsum path).
     """
     h = self.hidden(input_ids_bt, positions_bt, attention_mask_btt)
     return sharding.constrain(self.unembed().project(h), ("batch", "seq", "vocab"))

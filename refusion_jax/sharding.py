@@ -140,6 +140,11 @@ def use_mesh(mesh: Mesh | None, rules: ShardingRules | None = None):
     _ACTIVE.reset(token)
 
 
+def active() -> tuple[Mesh, ShardingRules] | None:
+  """The `(mesh, rules)` of the enclosing `use_mesh` (None outside one)."""
+  return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """Sharding constraint on an activation; a no-op outside `use_mesh`."""
   active = _ACTIVE.get()

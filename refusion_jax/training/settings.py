@@ -14,8 +14,9 @@ import os
 from typing import Any
 
 import jax
+from absl import logging
 
-from refusion_jax import objective, sharding
+from refusion_jax import attention_kernels, objective, sharding
 from refusion_jax import config as config_lib
 from refusion_jax.checks import is_int, is_real, require
 from refusion_jax.config import ModelConfig
@@ -43,6 +44,7 @@ def resolve(config) -> Resolved:
   tokenizer = load_tokenizer(config)
   model_config = build_model_config(config, tokenizer)
   validate_model_config(config, model_config, tokenizer)
+  validate_attention_impl(config, model_config, devices[0].platform)
   return Resolved(devices=devices, mesh_shape=sizes, tokenizer=tokenizer,
                   model_config=model_config)
 
@@ -249,6 +251,21 @@ def validate_model_config(config, model_config: ModelConfig, tokenizer: Tokenize
   if model_config.mask_token_id is not None and model_config.mask_token_id != tokenizer.mask_id:
     raise ValueError(f"config.model.mask_token_id={model_config.mask_token_id} but the "
                      f"tokenizer's <|mask|> id is {tokenizer.mask_id}")
+
+
+def validate_attention_impl(config, model_config: ModelConfig, platform: str) -> None:
+  """config.model.attention_impl can run the training forward: rows of data.seq_len
+  tokens, the model's compute dtype, on `platform` ("tpu", "gpu" or "cpu")."""
+  try:
+    attention_kernels.check_supported(model_config.attention_impl, seq_len=config.data.seq_len,
+                                      dtype=model_config.dtype, platform=platform,
+                                      field="config.model.attention_impl")
+  except ValueError as e:
+    raise ValueError(f"{e} (config.data.seq_len={config.data.seq_len})") from None
+  if model_config.attention_impl == "splash" and platform != "tpu":
+    logging.warning("config.model.attention_impl='splash' on %s devices runs the TPU kernel in "
+                    "Pallas interpret mode: exact but slow (meant for checking numerics)",
+                    platform)
 
 
 def total_train_steps(config, num_records: int) -> int:
