@@ -15,6 +15,7 @@ def get_config():
   c.model.preset = "qwen3_0_6b"  # documentation only: the shapes come from init_from_hf
   c.model.dtype = "bfloat16"  # bf16 compute
   c.model.param_dtype = "float32"  # float32 master weights and AdamW moments
+  c.model.scan_layers = True  # one scanned layer body: TPU compiles in minutes, not tens
   c.loss_chunk = 256  # 8 rows/chip: [8, 256, 151936] f32 logits = 1.2 GB, not 20 GB per pass
   c.init_from_hf = "Qwen3-0.6B"  # HF Qwen3-0.6B folder (weights + tokenizer); override per machine
   c.tokenizer_dir = ""  # "" = the tokenizer of init_from_hf (+ <|beginoftext|>, <|mask|>)

@@ -26,6 +26,8 @@ def get_config():
   c.model.dtype = "bfloat16"  # bf16 compute, as in the paper
   c.model.param_dtype = "float32"  # float32 master weights and AdamW moments
   c.model.remat = "full"  # 4096-token rows: keep only layer inputs for the backward pass
+  c.model.scan_layers = True  # one scanned layer body: TPU compiles in minutes, not tens
+  c.model.attention_impl = "splash"  # Pallas TPU kernel: no [rows, heads, 4096, 4096] scores (GPU: cudnn)
   c.loss_chunk = 512  # 4 rows/chip: [4, 512, 151936] f32 logits = 1.2 GB, not 10 GB per pass
   c.init_from_hf = "Qwen3-8B"  # HF Qwen3-8B folder (weights + tokenizer); override per machine
   c.tokenizer_dir = ""  # "" = the tokenizer of init_from_hf (+ <|beginoftext|>, <|mask|>)

@@ -63,7 +63,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from refusion_jax import checkpoint, hlo_traffic, objective, sharding, tpu  # noqa: E402
+from refusion_jax import checkpoint, entry_flags, hlo_traffic, objective, sharding, tpu  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax.config import DecodeConfig, ModelConfig  # noqa: E402
 from refusion_jax.decode import engine, passes  # noqa: E402
@@ -640,28 +640,21 @@ def _run_decode(f: dict, config, tpu_slice: tpu.Slice) -> dict:
                       programs=programs, scan_layers=scan)
 
 
+PROGRAM = "refusion_jax.aot"
+
+
 def parse_flags(argv):
-  """absl's parsing, with a bad flag reported on one line and exit status 2."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    print(f"error: {e}", file=sys.stderr)
-  except (AttributeError, KeyError, TypeError, ValueError) as e:  # a --config.x override
-    message = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    print(f"error: a --config override cannot be applied ({type(e).__name__}: {message}); "
-          "is the field name right?", file=sys.stderr)
-  sys.exit(EXIT_BAD_INPUT)
+  """absl's parsing through the one error path of every entry point (entry_flags):
+  a bad flag or --config override is one line, exit status 2."""
+  with entry_flags.errors_reported(PROGRAM):
+    return entry_flags.parse_flags(argv)
 
 
 def main(argv, f):
-  if len(argv) > 1:
-    print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
-  try:
+  with entry_flags.errors_reported(PROGRAM, (ValueError, TypeError, FileNotFoundError)):
+    if len(argv) > 1:
+      raise entry_flags.InputError(f"unexpected arguments {argv[1:]}")
     report, status = run(f)
-  except (ValueError, TypeError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
   print(render(report))
   print(json.dumps(report))
   sys.stdout.flush()

@@ -240,7 +240,7 @@ def test_out_of_memory_messages_are_read():
     (["--program=train", "--topology=v5e-4"], "error: --config is required"),
     (["--program=serve", "--topology=v5e-4"], "error: flag --program=serve"),
     (["--program=train", "--topology=v5e-4", "--config=configs/tiny_refusion.py",
-      "--config.nope=1"], "error: a --config override cannot be applied"),
+      "--config.nope=1"], "error: --config.nope: config has no field 'nope'"),
     (["--program=decode", "--topology=v5e-4", "--config=configs/sample.py"],
      "error: --model is required"),
     (["--program=train", "--topology=v5e-4", "--config=configs/tiny_refusion.py",
@@ -250,8 +250,8 @@ def test_bad_flags_exit_2_on_one_line(args, message):
   done, report = _aot(*args)
   assert done.returncode == 2, (done.stdout, done.stderr[-2000:])
   assert report is None and done.stdout == ""
-  ours = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-  assert len(ours) == 1 and ours[0].startswith(message), done.stderr[-2000:]
+  ours = [line for line in done.stderr.splitlines() if line.startswith("refusion_jax.aot: error:")]
+  assert len(ours) == 1 and ours[0].startswith("refusion_jax.aot: " + message), done.stderr[-2000:]
   assert "Traceback" not in done.stderr
 
 
