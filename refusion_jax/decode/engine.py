@@ -286,7 +286,8 @@ def _free_rows(state, free_b, place: Placement | None = None):
 def compiled_programs() -> dict[str, int]:
   """Compiled programs so far, per entry point (tests prove reuse with it)."""
   return {"generate": _generate._cache_size(), "run": _engine_run._cache_size(),
-          "admit": _engine_admit._cache_size()}
+          "admit": _engine_admit._cache_size(), "read": _live_read._cache_size(),
+          "free": _free_rows._cache_size()}
 
 
 # --- host side ----------------------------------------------------------------------------
@@ -514,6 +515,12 @@ def _release_done(state, place: Placement | None = None):
   return _placed(state, place)
 
 
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _live_read(state, knobs, spec):
+  out = program(spec.method).output(spec, state, knobs)
+  return out, out.counters.as_dict(), state.rows.phase_b, state.passes
+
+
 @dataclasses.dataclass
 class Snapshot:
   """A `LiveBatch`'s rows as the host reads them between runs (numpy)."""
@@ -558,8 +565,14 @@ class LiveBatch:
     self.knobs = decoder.knobs if knobs is None else knobs
     self.admit_max = rows if admit_max is None else max(1, min(admit_max, rows))
     d = decoder
-    self.state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=rows, width=width,
-                              place=d.place)
+    state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=rows, width=width,
+                         place=d.place)
+    # Committed where the parameters are, as every later program's output is; an
+    # uncommitted state would be a different cache entry of the first program it meets.
+    leaves = jax.tree.leaves(d.params)
+    if d.place is None and leaves and hasattr(leaves[0], "sharding"):
+      state = jax.device_put(state, leaves[0].sharding)
+    self.state = state
 
   def admit_sizes(self) -> list[int]:
     """The admission batch sizes compiled (powers of two up to `admit_max`)."""
@@ -601,18 +614,18 @@ class LiveBatch:
     """Dispatches passes until no row is active, a row is done (stop_on_done), or
     `max_passes` passes (None: no bound). Asynchronous: `read` waits for it."""
     d = self.decoder
-    limit = np.int32(np.iinfo(np.int32).max if max_passes is None else max_passes)
+    # "No bound" is a bound no decode reaches (passes + bound must not overflow int32).
+    limit = np.int32(1 << 30 if max_passes is None else min(max_passes, 1 << 30))
     self.state = _engine_run(d.graphdef, d.params, self.state, self.knobs,
                              np.bool_(stop_on_done), spec=d.spec, max_passes=limit,
                              place=d.place)
 
   def read(self) -> Snapshot:
-    out, phase, passes = jax.device_get(_engine_output(self.state, self.knobs,
-                                                       spec=self.decoder.spec))
-    return Snapshot(tokens_bg=np.asarray(out.tokens_bg), commit_step_bg=np.asarray(
-        out.commit_step_bg), length_b=np.asarray(out.length_b), phase_b=np.asarray(phase),
-                    passes=int(passes),
-                    counters={k: np.asarray(v) for k, v in out.counters.as_dict().items()})
+    """Waits for what was dispatched and reads every row (one device-to-host copy)."""
+    out, counters, phase, passes = jax.device_get(_live_read(self.state, self.knobs,
+                                                             spec=self.decoder.spec))
+    return Snapshot(tokens_bg=out.tokens_bg, commit_step_bg=out.commit_step_bg,
+                    length_b=out.length_b, phase_b=phase, passes=int(passes), counters=counters)
 
   def free(self, rows: Sequence[int]) -> None:
     if len(rows) == 0:
@@ -632,6 +645,5 @@ class LiveBatch:
                                  place=d.place)
     self.run(1)
     self.read()
-    self.free([])
     self.state = _free_rows(self.state, np.zeros((self.rows,), bool), place=d.place)
     jax.block_until_ready(self.state)

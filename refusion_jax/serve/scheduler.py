@@ -209,7 +209,8 @@ class Scheduler:
     return sum(lane.busy() for lane in list(self._lanes.values()))
 
   def hold(self, on: bool) -> None:
-    """Pauses (True) or resumes admission and decoding; submissions still queue."""
+    """Pauses (True) or resumes decoding: while held, jobs are still admitted into free
+    rows (and cancelled ones freed), but no pass runs."""
     if on:
       self._hold.set()
     else:
@@ -380,9 +381,6 @@ class Scheduler:
       if self._stop:
         self._fail_all("the server shut down before this request finished")
         return
-      if self._hold.is_set():
-        self._wake.wait(0.05)
-        continue
       try:
         self._route()
         for lane in self._lanes.values():
@@ -390,8 +388,8 @@ class Scheduler:
         busy = [lane for lane in self._lanes.values() if lane.busy()]
         if self.metrics is not None:
           self.metrics.busy_rows.set(sum(lane.busy() for lane in busy))
-        if not busy:
-          self._wake.wait(0.5)
+        if not busy or self._hold.is_set():
+          self._wake.wait(0.05 if busy else 0.5)
           continue
         for lane in busy:
           lane.batch.run(self._max_passes(lane, len(busy)))
