@@ -291,6 +291,8 @@ def test_cancelled_stream_frees_its_row(served):
       while sched.busy_rows() != 1:
         assert time.time() < deadline, "the request was not admitted"
         time.sleep(0.02)
+      # The HTTP side answers while the engine holds a request mid-decode.
+      assert httpx.get(served["url"] + "/health", timeout=5).json()["busy_rows"] == 1
     # The client has gone; the row is freed without decoding further.
     deadline = time.time() + 10
     while sched.busy_rows() != 0:
