@@ -8,8 +8,13 @@ same `--prompts` prompts until none is left. Per level: throughput (completion
 tokens / wall time), time to first token and request latency (p50 / p99), and
 whether every response's tokens equal the offline engine's. The offline
 baseline is `decode.engine.Engine` in this process on the same prompts, same
-width and decode settings, with min(clients, rows) rows (what the server can
-use at that load), compiled before timing.
+width, decode settings and rows as the server, compiled before timing; server
+and offline runs alternate `--repeats` times per level (medians; the ratio is
+the median of back-to-back pairs), so both see the same machine load. The
+engine with min(clients, rows) rows is shown beside it, and the server's
+forward passes (its /metrics) over the offline run's: above 1 when rows sat
+idle (a closed-loop client leaves its row empty between a response and its
+next request, which the offline engine's full queue never does).
 
   python benchmarks/serve_load.py                       # the main job's models when present
   python benchmarks/serve_load.py --model_dir DIR --methods refusion,ar
@@ -58,6 +63,8 @@ def parse_args(argv=None):
   p.add_argument("--token_threshold", type=float, default=0.1)
   p.add_argument("--chunk_passes", type=int, default=4, help="the server's --config.chunk_passes")
   p.add_argument("--no_stream", action="store_true", help="clients ask for whole responses")
+  p.add_argument("--repeats", type=int, default=3,
+                 help="server / offline runs alternated per level (medians reported)")
   args = p.parse_args(argv)
   try:
     args.clients = [int(x) for x in args.clients.split(",") if x.strip()]
@@ -65,8 +72,8 @@ def parse_args(argv=None):
     p.error(f"--clients must be comma-separated ints, got {args.clients!r}")
   if not args.clients or min(args.clients) < 1:
     p.error("--clients must be positive")
-  if args.prompts < 1 or args.rows < 1:
-    p.error("--prompts and --rows must be >= 1")
+  if args.prompts < 1 or args.rows < 1 or args.repeats < 1:
+    p.error("--prompts, --rows and --repeats must be >= 1")
   args.methods = [m for m in args.methods.split(",") if m]
   return args
 
@@ -89,14 +96,26 @@ def load_prompts(path: str, n: int, tokenizer) -> list[list[int]]:
   return out
 
 
-def offline(model, dc, prompts, rows: int, width: int) -> tuple[float, list[list[int]]]:
-  """(tokens/s, tokens per prompt) of the engine with `rows` rows, compiled before timing."""
+def offline_engine(model, dc, prompts, rows: int, width: int):
+  """The engine with `rows` rows, every program it calls on `prompts` compiled."""
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
   eng = engine.Decoder(model, dc).engine(rows, width=width)
-  eng.run(prompts)  # compiles every program the timed run calls
+  eng.run(prompts)
+  return eng
+
+
+def offline(eng, prompts) -> tuple[float, list[list[int]], int]:
+  """(tokens/s, tokens per prompt, forward passes) of one timed run."""
   run = eng.run(prompts)
   tokens = [r.tokens for r in run.results]
-  return sum(len(t) for t in tokens) / run.seconds, tokens
+  return sum(len(t) for t in tokens) / run.seconds, tokens, run.passes
+
+
+def server_passes(url) -> float:
+  """The server's forward passes so far (its /metrics)."""
+  import httpx  # pylint: disable=import-outside-toplevel
+  text = httpx.get(url + "/metrics", timeout=30).text
+  return float(re.search(r"^refusion_forward_passes_total (\S+)$", text, re.M).group(1))
 
 
 def start_server(model_dir, method, args, width) -> tuple[subprocess.Popen, str]:
@@ -181,7 +200,7 @@ def main(argv=None) -> list[dict]:
         f"{args.prompts} prompts per level; gen {args.gen_length}, slot {args.slot_size}, "
         f"block {args.block_size}, tau_s {args.slot_threshold}, tau_t {args.token_threshold}; "
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
-        f"{args.chunk_passes}")
+        f"{args.chunk_passes}, {args.repeats} alternated repeats per level")
   rows_out = []
   for method, model_dir in models:
     model_config, model = sample.load_model(model_dir)
@@ -196,20 +215,28 @@ def main(argv=None) -> list[dict]:
                       block_size=block, slot_threshold=args.slot_threshold,
                       token_threshold=args.token_threshold)
     dc.check_fits(model_config, width)
-    base = {}
-    for rows in sorted({min(c, args.rows) for c in args.clients}):
-      base[rows] = offline(model, dc, prompts, rows, width)
-      print(f"  offline {method} rows {rows}: {base[rows][0]:,.0f} tok/s", file=sys.stderr,
-            flush=True)
+    engines = {rows: offline_engine(model, dc, prompts, rows, width)
+               for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
     proc, url = start_server(model_dir, method, args, width)
     try:
       for clients in args.clients:
-        wall, res = asyncio.run(load(url, prompts, clients, args))
-        tokens = sum(len(t) for _, _, t in res)
-        off_tps, off_tokens = base[min(clients, args.rows)]
+        # Server and offline runs alternate, so that both see the same machine load.
+        pairs, small, res, off_tokens = [], None, None, None
+        for _ in range(args.repeats):
+          off_tps, off_tokens, off_passes = offline(engines[args.rows], prompts)
+          before = server_passes(url)
+          wall, res = asyncio.run(load(url, prompts, clients, args))
+          # The load's own warm-up request is one prompt's passes at most.
+          passes = server_passes(url) - before
+          pairs.append((sum(len(t) for _, _, t in res) / wall, off_tps, passes / off_passes))
+          if clients < args.rows:
+            small = offline(engines[clients], prompts)[0]
+        srv = statistics.median(p[0] for p in pairs)
         row = {"model": os.path.relpath(model_dir, REPO), "method": method, "clients": clients,
-               "tok_s": tokens / wall, "offline_tok_s": off_tps,
-               "ratio": tokens / wall / off_tps,
+               "tok_s": srv, "offline_tok_s": statistics.median(p[1] for p in pairs),
+               "offline_small_tok_s": small,
+               "ratio": statistics.median(p[0] / p[1] for p in pairs),
+               "pass_ratio": statistics.median(p[2] for p in pairs),
                "ttft_p50_ms": 1e3 * _pct([f for _, f, _ in res], 0.5),
                "lat_p50_ms": 1e3 * _pct([l for l, _, _ in res], 0.5),
                "lat_p99_ms": 1e3 * _pct([l for l, _, _ in res], 0.99),
@@ -223,12 +250,14 @@ def main(argv=None) -> list[dict]:
         proc.wait(timeout=60)
       except subprocess.TimeoutExpired:
         proc.kill()
-  print("\n| model | method | clients | server tok/s | offline tok/s (rows) | server / offline "
-        "| TTFT p50 ms | latency p50 ms | latency p99 ms | same tokens |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print(f"\n| model | method | clients | server tok/s | offline tok/s, {args.rows} rows | "
+        "server / offline | passes / offline | offline, clients rows | TTFT p50 ms | "
+        "latency p50 ms | latency p99 ms | same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows_out:
+    small = "–" if r["offline_small_tok_s"] is None else f"{r['offline_small_tok_s']:,.0f}"
     print(f"| {r['model']} | {r['method']} | {r['clients']} | {r['tok_s']:,.0f} | "
-          f"{r['offline_tok_s']:,.0f} ({min(r['clients'], args.rows)}) | {r['ratio']:.2f}x | "
+          f"{r['offline_tok_s']:,.0f} | {r['ratio']:.2f}x | {r['pass_ratio']:.2f} | {small} | "
           f"{r['ttft_p50_ms']:.1f} | {r['lat_p50_ms']:.1f} | {r['lat_p99_ms']:.1f} | "
           f"{'yes' if r['same_tokens'] else 'NO'} |")
   sixteen = [r["ratio"] for r in rows_out if r["clients"] == 16]

@@ -518,7 +518,7 @@ def _release_done(state, place: Placement | None = None):
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _live_read(state, knobs, spec):
   out = program(spec.method).output(spec, state, knobs)
-  return out, out.counters.as_dict(), state.rows.phase_b, state.passes
+  return out, out.counters.nfe_b(), state.rows.phase_b, state.passes
 
 
 @dataclasses.dataclass
@@ -530,7 +530,7 @@ class Snapshot:
   length_b: np.ndarray  # text length once done (up to and including EOS)
   phase_b: np.ndarray
   passes: int  # forward passes this batch has run
-  counters: dict[str, np.ndarray]  # DecodeCounters.as_dict, per row
+  nfe_b: np.ndarray  # each row's own forward passes (DecodeCounters.nfe_b)
 
   def prefix_b(self) -> np.ndarray:
     """Per row, how many leading positions are committed: text that can no longer
@@ -622,10 +622,10 @@ class LiveBatch:
 
   def read(self) -> Snapshot:
     """Waits for what was dispatched and reads every row (one device-to-host copy)."""
-    out, counters, phase, passes = jax.device_get(_live_read(self.state, self.knobs,
-                                                             spec=self.decoder.spec))
+    out, nfe_b, phase, passes = jax.device_get(_live_read(self.state, self.knobs,
+                                                          spec=self.decoder.spec))
     return Snapshot(tokens_bg=out.tokens_bg, commit_step_bg=out.commit_step_bg,
-                    length_b=out.length_b, phase_b=phase, passes=int(passes), counters=counters)
+                    length_b=out.length_b, phase_b=phase, passes=int(passes), nfe_b=nfe_b)
 
   def free(self, rows: Sequence[int]) -> None:
     if len(rows) == 0:

@@ -127,6 +127,7 @@ class _Lane:
     self.jobs: list[Job | None] = [None] * batch.rows
     self.waiting: collections.deque[Job] = collections.deque()
     self.passes = 0
+    self.inflight = False  # a run was dispatched and not yet read
 
   def busy(self) -> int:
     return sum(j is not None for j in self.jobs)
@@ -313,14 +314,17 @@ class Scheduler:
       return self.chunk_passes
     return None
 
-  def _collect(self, lane: _Lane) -> None:
+  def _collect(self, lane: _Lane) -> list:
+    """Reads the lane's run, frees finished rows; returns the deliveries to make
+    (made after the next run is dispatched, so that they overlap it)."""
     snap = lane.batch.read()
+    lane.inflight = False
     if self.metrics is not None:
       self.metrics.forward_passes.inc(snap.passes - lane.passes)
     lane.passes = snap.passes
     prefix_b = snap.prefix_b()
-    nfe_b = snap.counters["nfe_b"]
-    finished = []
+    nfe_b = snap.nfe_b
+    finished, out = [], []
     for r, job in enumerate(lane.jobs):
       if job is None:
         continue
@@ -328,22 +332,21 @@ class Scheduler:
       n = int(snap.length_b[r]) if done else int(prefix_b[r])
       if not done and n >= job.max_tokens:
         done = True
+      if job.slots:
+        out.append((self._send_slots, (job, snap, r, lane.bucket)))
       if done:
         keep = min(n, job.max_tokens)
-        tokens = snap.tokens_bg[r, :keep].tolist()
-        if job.slots:
-          self._send_slots(job, snap, r, lane.bucket)
-        self._send(job, "done", Done(tokens=tokens, forward_passes=int(nfe_b[r]),
-                                     truncated=keep < n or snap.phase_b[r] != engine_lib.DONE))
+        out.append((self._send, (job, "done", Done(
+            tokens=snap.tokens_bg[r, :keep].tolist(), forward_passes=int(nfe_b[r]),
+            truncated=keep < n or snap.phase_b[r] != engine_lib.DONE))))
         lane.jobs[r] = None
         finished.append(r)
-        continue
-      if job.slots:
-        self._send_slots(job, snap, r, lane.bucket)
-      if job.watch and n > job.sent:
-        self._send(job, "progress", (snap.tokens_bg[r, :n].tolist(), int(nfe_b[r])))
+      elif job.watch and n > job.sent:
+        out.append((self._send, (job, "progress", (snap.tokens_bg[r, :n].tolist(),
+                                                   int(nfe_b[r])))))
         job.sent = n
     lane.batch.free(finished)
+    return out
 
   def _send_slots(self, job: Job, snap: engine_lib.Snapshot, r: int, bucket: Bucket) -> None:
     """Newly committed positions as runs within a slot: [(position, [token ids])]."""
@@ -392,9 +395,20 @@ class Scheduler:
           self._wake.wait(0.05 if busy else 0.5)
           continue
         for lane in busy:
-          lane.batch.run(self._max_passes(lane, len(busy)))
+          if not lane.inflight:
+            lane.batch.run(self._max_passes(lane, len(busy)))
+            lane.inflight = True
         for lane in busy:
-          self._collect(lane)
+          deliveries = self._collect(lane)
+          # The lane's next chunk is dispatched before the deliveries are made, so
+          # the device works while this thread hands results over.
+          self._route()
+          self._cancel_and_admit(lane)
+          if lane.busy() and not self._hold.is_set() and not self._stop:
+            lane.batch.run(self._max_passes(lane, len(busy)))
+            lane.inflight = True
+          for fn, fn_args in deliveries:
+            fn(*fn_args)
       except Exception as e:  # pylint: disable=broad-except
         log.exception("engine thread failed")
         self.error = f"{type(e).__name__}: {e}"
@@ -403,4 +417,5 @@ class Scheduler:
           lane.batch = engine_lib.LiveBatch(self.decoders[lane.bucket], self.rows, self.width,
                                             self._knobs_for(lane.bucket, lane.knobs),
                                             admit_max=self.admit_max)
+          lane.inflight = False
           self._lanes[key] = lane
