@@ -7,6 +7,7 @@ exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
 
@@ -45,8 +46,6 @@ def main(argv, config_flag):
       for sock in s.sockets:
         host, port = sock.getsockname()[:2]
         print(f"[serve] listening on http://{host}:{port}", file=sys.stderr, flush=True)
-
-  import asyncio  # pylint: disable=import-outside-toplevel
 
   async def run():
     task = asyncio.ensure_future(started())
