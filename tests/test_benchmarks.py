@@ -76,3 +76,13 @@ def test_decode_speed_memory_only_compiles_from_shapes(capsys):
   assert by[("ar", 2)]["program_mb"] > by[("ar", 1)]["program_mb"]
   out = capsys.readouterr().out
   assert "compiled from shapes only" in out and "1.00x" in out
+
+
+@pytest.mark.parametrize("flag, needle", [("--clients=1,x", "comma-separated ints"),
+                                          ("--clients=0", "must be positive"),
+                                          ("--repeats=0", "must be >= 1")])
+def test_serve_load_rejects_bad_flags(flag, needle, capsys):
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit):
+    serve_load.parse_args([flag])
+  assert needle in capsys.readouterr().err

@@ -217,10 +217,13 @@ def set_rows(full, new, rows_a):
 # --- the compiled programs ----------------------------------------------------------------
 
 
-def _loop(model, prog: Program, spec: Spec, state, knobs: Knobs, stop_on_done):
+def _loop(model, prog: Program, spec: Spec, state, knobs: Knobs, stop_on_done, pass_limit=None):
+  """Passes until no row is active, or (stop_on_done) some row is done, or (a traced
+  `pass_limit`) the state has run that many passes in all."""
   def cond(s):
     phase_b = s.rows.phase_b
-    return (phase_b >= FIRST_PHASE).any() & ~(stop_on_done & (phase_b == DONE).any())
+    go = (phase_b >= FIRST_PHASE).any() & ~(stop_on_done & (phase_b == DONE).any())
+    return go if pass_limit is None else go & (s.passes < pass_limit)
   return jax.lax.while_loop(cond, lambda s: prog.step(model, spec, s, knobs), state)
 
 
@@ -247,18 +250,24 @@ def _engine_init(graphdef, params, spec: Spec, rows: int, width: int,
                    donate_argnames=("state",))
 def _engine_admit(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, knobs, spec,
                   place: Placement | None = None):
+  """Prefills prompts into rows; prompt j draws from `fold_in(rng, pids_a[j])`, where
+  `rng` is one key `[2]` or a key per prompt `[A, 2]` (prompts of different seeds)."""
   model = nnx.merge(graphdef, params)
-  state = program(spec.method).admit(model, spec, state, ids_ap, lens_a, rows_a,
-                                     prompt_keys(rng, pids_a), knobs)
+  rng_a2 = jnp.broadcast_to(rng, (ids_ap.shape[0], 2))
+  keys_a2 = jax.vmap(jax.random.fold_in)(rng_a2, pids_a)
+  state = program(spec.method).admit(model, spec, state, ids_ap, lens_a, rows_a, keys_a2, knobs)
   return _placed(state, place)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
                    donate_argnames=("state",))
-def _engine_run(graphdef, params, state, knobs, stop_on_done, spec,
+def _engine_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes=None,
                 place: Placement | None = None):
+  """The loop; with a (traced) `max_passes` it also returns after that many passes."""
   model = nnx.merge(graphdef, params)
-  return _placed(_loop(model, program(spec.method), spec, state, knobs, stop_on_done), place)
+  limit = None if max_passes is None else state.passes + max_passes
+  return _placed(_loop(model, program(spec.method), spec, state, knobs, stop_on_done, limit),
+                 place)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -266,10 +275,19 @@ def _engine_output(state, knobs, spec):
   return program(spec.method).output(spec, state, knobs), state.rows.phase_b, state.passes
 
 
+@functools.partial(jax.jit, static_argnames=("place",), donate_argnames=("state",))
+def _free_rows(state, free_b, place: Placement | None = None):
+  """Frees the rows where `free_b` is set (a finished row once its result is taken, or a
+  cancelled one mid-decode: admission rewrites everything a row holds)."""
+  phase_b = jnp.where(free_b, FREE, state.rows.phase_b)
+  return _placed(state.replace(rows=state.rows.replace(phase_b=phase_b)), place)
+
+
 def compiled_programs() -> dict[str, int]:
   """Compiled programs so far, per entry point (tests prove reuse with it)."""
   return {"generate": _generate._cache_size(), "run": _engine_run._cache_size(),
-          "admit": _engine_admit._cache_size()}
+          "admit": _engine_admit._cache_size(), "read": _live_read._cache_size(),
+          "free": _free_rows._cache_size()}
 
 
 # --- host side ----------------------------------------------------------------------------
@@ -542,3 +560,137 @@ def lower_program(decoder: Decoder, name: str, rows: int, width: int) -> jax.sta
                                ids, ids, ids, rng, knobs, spec=d.spec, place=d.place)
   return _engine_run.lower(d.graphdef, d.params, state, knobs, shape((), jnp.bool_),
                            spec=d.spec, place=d.place)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _live_read(state, knobs, spec):
+  out = program(spec.method).output(spec, state, knobs)
+  return out, out.counters.nfe_b(), state.rows.phase_b, state.passes
+
+
+@dataclasses.dataclass
+class Snapshot:
+  """A `LiveBatch`'s rows as the host reads them between runs (numpy)."""
+
+  tokens_bg: np.ndarray  # committed tokens within each row's text (pad elsewhere)
+  commit_step_bg: np.ndarray  # the row's step that committed each position (-1: not yet)
+  length_b: np.ndarray  # text length once done (up to and including EOS)
+  phase_b: np.ndarray
+  passes: int  # forward passes this batch has run
+  nfe_b: np.ndarray  # each row's own forward passes (DecodeCounters.nfe_b)
+
+  def prefix_b(self) -> np.ndarray:
+    """Per row, how many leading positions are committed: text that can no longer
+    change (a slot committed past a gap joins it once the gap is filled)."""
+    committed = self.commit_step_bg >= 0
+    return np.where(committed.all(-1), committed.shape[-1], np.argmin(committed, -1))
+
+
+class LiveBatch:
+  """A fixed set of rows that prompts join and leave one by one, run in bounded
+  chunks of passes, for callers that interleave decoding with other work (a server).
+
+  `admit` prefills prompts into free rows; `run(max_passes)` runs at most that many
+  passes (returning early when a row is done) and hands control back; `read` gives
+  what every row has committed so far; `free` releases rows (finished or cancelled).
+  Splitting a decode into chunks changes nothing: each pass advances every active
+  row by its own state, so tokens and pass counts equal an uninterrupted decode,
+  whatever the other rows hold. Every shape is fixed at construction, so after
+  `warm_up` nothing compiles.
+  """
+
+  def __init__(self, decoder: Decoder, rows: int, width: int, knobs: Knobs | None = None,
+               *, admit_max: int | None = None):
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+      raise ValueError(f"live batch rows must be a positive int, got {rows!r}")
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+      raise ValueError(f"live batch width must be a positive int, got {width!r}")
+    decoder.config.check_fits(decoder.model.config, width)
+    self.decoder = decoder
+    self.rows = rows
+    self.width = width
+    self.knobs = decoder.knobs if knobs is None else knobs
+    self.admit_max = rows if admit_max is None else max(1, min(admit_max, rows))
+    d = decoder
+    state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=rows, width=width,
+                         place=d.place)
+    # Committed where the parameters are, as every later program's output is; an
+    # uncommitted state would be a different cache entry of the first program it meets.
+    leaves = jax.tree.leaves(d.params)
+    if d.place is None and leaves and hasattr(leaves[0], "sharding"):
+      state = jax.device_put(state, leaves[0].sharding)
+    self.state = state
+
+  def admit_sizes(self) -> list[int]:
+    """The admission batch sizes compiled (powers of two up to `admit_max`)."""
+    sizes, a = [], 1
+    while a < self.admit_max:
+      sizes.append(a)
+      a *= 2
+    return sizes + [self.admit_max]
+
+  def _admit_size(self, n: int) -> int:
+    return min(s for s in self.admit_sizes() if s >= n)
+
+  def admit(self, prompts: Sequence[Sequence[int]], rows: Sequence[int],
+            rng_a2: np.ndarray, pids: Sequence[int] | None = None) -> None:
+    """Prefills `prompts` into `rows` (which must be free); prompt j draws from
+    `fold_in(rng_a2[j], pids[j])` (pids default to 0: each prompt its own seed)."""
+    d, n = self.decoder, len(prompts)
+    if n == 0:
+      return
+    if n > self.admit_max or len(rows) != n or len(rng_a2) != n:
+      raise ValueError(f"admit: {n} prompts, {len(rows)} rows, {len(rng_a2)} keys "
+                       f"(at most {self.admit_max} at a time)")
+    a = self._admit_size(n)
+    ids_ap = np.zeros((a, self.width), np.int32)
+    lens_a = np.ones((a,), np.int32)
+    rows_a = np.full((a,), self.rows, np.int32)  # index `rows`: padding, dropped
+    pids_a = np.zeros((a,), np.int32)
+    keys_a2 = np.zeros((a, 2), np.uint32)
+    for j, p in enumerate(prompts):
+      if not 1 <= len(p) <= self.width:
+        raise ValueError(f"admit: prompt {j} has {len(p)} tokens; the width is {self.width}")
+      ids_ap[j, :len(p)] = p
+      lens_a[j], rows_a[j], keys_a2[j] = len(p), rows[j], rng_a2[j]
+      pids_a[j] = 0 if pids is None else pids[j]
+    self.state = _engine_admit(d.graphdef, d.params, self.state, ids_ap, lens_a, rows_a,
+                               pids_a, keys_a2, self.knobs, spec=d.spec, place=d.place)
+
+  def run(self, max_passes: int | None = None, stop_on_done: bool = True) -> None:
+    """Dispatches passes until no row is active, a row is done (stop_on_done), or
+    `max_passes` passes (None: no bound). Asynchronous: `read` waits for it."""
+    d = self.decoder
+    # "No bound" is a bound no decode reaches (passes + bound must not overflow int32).
+    limit = np.int32(1 << 30 if max_passes is None else min(max_passes, 1 << 30))
+    self.state = _engine_run(d.graphdef, d.params, self.state, self.knobs,
+                             np.bool_(stop_on_done), spec=d.spec, max_passes=limit,
+                             place=d.place)
+
+  def read(self) -> Snapshot:
+    """Waits for what was dispatched and reads every row (one device-to-host copy)."""
+    out, nfe_b, phase, passes = jax.device_get(_live_read(self.state, self.knobs,
+                                                          spec=self.decoder.spec))
+    return Snapshot(tokens_bg=out.tokens_bg, commit_step_bg=out.commit_step_bg,
+                    length_b=out.length_b, phase_b=phase, passes=int(passes), nfe_b=nfe_b)
+
+  def free(self, rows: Sequence[int]) -> None:
+    if len(rows) == 0:
+      return
+    free_b = np.zeros((self.rows,), bool)
+    free_b[list(rows)] = True
+    self.state = _free_rows(self.state, free_b, place=self.decoder.place)
+
+  def warm_up(self) -> None:
+    """Compiles every program this batch calls (padding rows only: nothing runs)."""
+    d = self.decoder
+    for a in self.admit_sizes():
+      self.state = _engine_admit(d.graphdef, d.params, self.state,
+                                 np.zeros((a, self.width), np.int32), np.ones((a,), np.int32),
+                                 np.full((a,), self.rows, np.int32), np.zeros((a,), np.int32),
+                                 np.zeros((a, 2), np.uint32), self.knobs, spec=d.spec,
+                                 place=d.place)
+    self.run(1)
+    self.read()
+    self.state = _free_rows(self.state, np.zeros((self.rows,), bool), place=d.place)
+    jax.block_until_ready(self.state)

@@ -1,0 +1,272 @@
+"""Load on the OpenAI-compatible server beside the same engine run offline.
+
+For each model and decoding method, the server runs as its own process
+(`python -m refusion_jax.serve`, `--rows` rows, prompt width and decode shape
+as below) and this process plays 1, 4, 16 and 64 concurrent streaming clients
+(asyncio + httpx, one connection each), every client taking the next of the
+same `--prompts` prompts until none is left. Per level: throughput (completion
+tokens / wall time), time to first token and request latency (p50 / p99), and
+whether every response's tokens equal the offline engine's. The offline
+baseline is `decode.engine.Engine` in this process on the same prompts, same
+width, decode settings and rows as the server, compiled before timing; server
+and offline runs alternate `--repeats` times per level (medians; the ratio is
+the median of back-to-back pairs), so both see the same machine load. The
+engine with min(clients, rows) rows is shown beside it, and the server's
+forward passes (its /metrics) over the offline run's: above 1 when rows sat
+idle (a closed-loop client leaves its row empty between a response and its
+next request, which the offline engine's full queue never does).
+
+  python benchmarks/serve_load.py                       # the main job's models when present
+  python benchmarks/serve_load.py --model_dir DIR --methods refusion,ar
+
+Default models: the main job's trained ReFusion model and its AR twin
+(runs/repro_tiny/models/{refusion,arm}/final_model) when both exist, else
+`--model_dir` (default: the bundled base, refusion_jax/assets/base_tiny) with
+every method in `--methods`. Prompts: the chat-templated queries of
+`--task_prompts`, sent as token ids (both sides decode identical ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN_JOB = {"refusion": "runs/repro_tiny/models/refusion/final_model",
+            "ar": "runs/repro_tiny/models/arm/final_model"}
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model_dir", default="refusion_jax/assets/base_tiny",
+                 help="model for every method when the main job's models are absent")
+  p.add_argument("--methods", default="refusion,ar")
+  p.add_argument("--clients", default="1,4,16,64", help="concurrency levels")
+  p.add_argument("--prompts", type=int, default=64, help="requests per level")
+  p.add_argument("--rows", type=int, default=16, help="server rows (offline: min(clients, rows))")
+  p.add_argument("--task_prompts", default="refusion_jax/assets/data/tiny_test.jsonl")
+  p.add_argument("--gen_length", type=int, default=24)
+  p.add_argument("--slot_size", type=int, default=4)
+  p.add_argument("--block_size", type=int, default=24)
+  p.add_argument("--slot_threshold", type=float, default=0.5)
+  p.add_argument("--token_threshold", type=float, default=0.1)
+  p.add_argument("--chunk_passes", type=int, default=4, help="the server's --config.chunk_passes")
+  p.add_argument("--no_stream", action="store_true", help="clients ask for whole responses")
+  p.add_argument("--repeats", type=int, default=3,
+                 help="server / offline runs alternated per level (medians reported)")
+  args = p.parse_args(argv)
+  try:
+    args.clients = [int(x) for x in args.clients.split(",") if x.strip()]
+  except ValueError:
+    p.error(f"--clients must be comma-separated ints, got {args.clients!r}")
+  if not args.clients or min(args.clients) < 1:
+    p.error("--clients must be positive")
+  if args.prompts < 1 or args.rows < 1 or args.repeats < 1:
+    p.error("--prompts, --rows and --repeats must be >= 1")
+  args.methods = [m for m in args.methods.split(",") if m]
+  return args
+
+
+def _pct(xs, q):
+  xs = sorted(xs)
+  return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def load_prompts(path: str, n: int, tokenizer) -> list[list[int]]:
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      if line.strip():
+        out.append(tokenizer.encode_prompt(json.loads(line)["query"]))
+      if len(out) == n:
+        break
+  while len(out) < n:  # a short file: cycle through it
+    out.append(out[len(out) % max(1, len(out))])
+  return out
+
+
+def offline_engine(model, dc, prompts, rows: int, width: int):
+  """The engine with `rows` rows, every program it calls on `prompts` compiled."""
+  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
+  eng = engine.Decoder(model, dc).engine(rows, width=width)
+  eng.run(prompts)
+  return eng
+
+
+def offline(eng, prompts) -> tuple[float, list[list[int]], int]:
+  """(tokens/s, tokens per prompt, forward passes) of one timed run."""
+  run = eng.run(prompts)
+  tokens = [r.tokens for r in run.results]
+  return sum(len(t) for t in tokens) / run.seconds, tokens, run.passes
+
+
+def server_passes(url) -> float:
+  """The server's forward passes so far (its /metrics)."""
+  import httpx  # pylint: disable=import-outside-toplevel
+  text = httpx.get(url + "/metrics", timeout=30).text
+  return float(re.search(r"^refusion_forward_passes_total (\S+)$", text, re.M).group(1))
+
+
+def start_server(model_dir, method, args, width) -> tuple[subprocess.Popen, str]:
+  slot, block = ((args.gen_length, args.gen_length) if method == "ar"
+                 else (args.slot_size, args.block_size))
+  cmd = [sys.executable, "-m", "refusion_jax.serve", "--config=configs/serve.py",
+         f"--config.model_dir={model_dir}", "--config.port=0", f"--config.rows={args.rows}",
+         f"--config.max_prompt_len={width}", f"--config.max_queue={max(args.clients) * 2}",
+         f"--config.chunk_passes={args.chunk_passes}", "--config.model_name=m",
+         f"--config.decode.method={method}", f"--config.decode.gen_length={args.gen_length}",
+         f"--config.decode.slot_size={slot}", f"--config.decode.block_size={block}",
+         f"--config.decode.slot_threshold={args.slot_threshold}",
+         f"--config.decode.token_threshold={args.token_threshold}"]
+  proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
+  while True:
+    line = proc.stderr.readline()
+    if not line and proc.poll() is not None:
+      raise RuntimeError(f"the server exited with {proc.returncode}")
+    m = re.search(r"listening on (http://\S+)", line)
+    if m:
+      return proc, m.group(1)
+
+
+async def _one(client, url, prompt, args, out):
+  body = {"model": "m", "prompt": prompt, "max_tokens": args.gen_length,
+          "stream": not args.no_stream}
+  t0 = time.perf_counter()
+  first = None
+  if args.no_stream:
+    r = await client.post(url + "/v1/completions", json=body)
+    r.raise_for_status()
+    tokens = r.json()["choices"][0]["token_ids"]
+  else:
+    tokens = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+      r.raise_for_status()
+      async for line in r.aiter_lines():
+        if not line.startswith("data: {"):
+          continue
+        choice = json.loads(line[6:])["choices"][0]
+        if first is None and choice["text"]:
+          first = time.perf_counter() - t0
+        if choice["finish_reason"] is not None:
+          tokens = choice["token_ids"]
+  latency = time.perf_counter() - t0
+  out.append((latency, first if first is not None else latency, tokens))
+
+
+async def load(url, prompts, clients: int, args) -> tuple[float, list]:
+  import httpx  # pylint: disable=import-outside-toplevel
+  todo = list(enumerate(prompts))
+  results: dict[int, tuple] = {}
+
+  async def worker(client):
+    while todo:
+      i, prompt = todo.pop(0)
+      out = []
+      await _one(client, url, prompt, args, out)
+      results[i] = out[0]
+
+  limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+  async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    await _one(client, url, prompts[0], args, [])  # connection and first-request warm-up
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(client) for _ in range(clients)))
+    wall = time.perf_counter() - t0
+  return wall, [results[i] for i in range(len(prompts))]
+
+
+def main(argv=None) -> list[dict]:
+  args = parse_args(argv)
+  import jax  # pylint: disable=import-outside-toplevel
+  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
+  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+
+  main_job = all(os.path.isdir(os.path.join(REPO, d)) for d in MAIN_JOB.values())
+  models = ([(m, os.path.join(REPO, MAIN_JOB[m])) for m in ("refusion", "ar")] if main_job
+            else [(m, args.model_dir) for m in args.methods])
+  device = jax.devices()[0]
+  print(f"device: {device.platform} ({device.device_kind}); server rows {args.rows}; "
+        f"{args.prompts} prompts per level; gen {args.gen_length}, slot {args.slot_size}, "
+        f"block {args.block_size}, tau_s {args.slot_threshold}, tau_t {args.token_threshold}; "
+        f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
+        f"{args.chunk_passes}, {args.repeats} alternated repeats per level")
+  rows_out = []
+  for method, model_dir in models:
+    model_config, model = sample.load_model(model_dir)
+    tok = (Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir,
+                                                                         "tokenizer.json"))
+           else Tokenizer.tiny())
+    prompts = load_prompts(os.path.join(REPO, args.task_prompts), args.prompts, tok)
+    width = -(-max(len(p) for p in prompts) // 16) * 16
+    slot, block = ((args.gen_length, args.gen_length) if method == "ar"
+                   else (args.slot_size, args.block_size))
+    dc = DecodeConfig(method=method, gen_length=args.gen_length, slot_size=slot,
+                      block_size=block, slot_threshold=args.slot_threshold,
+                      token_threshold=args.token_threshold)
+    dc.check_fits(model_config, width)
+    engines = {rows: offline_engine(model, dc, prompts, rows, width)
+               for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
+    proc, url = start_server(model_dir, method, args, width)
+    try:
+      for clients in args.clients:
+        # Server and offline runs alternate, so that both see the same machine load.
+        pairs, small, res, off_tokens = [], None, None, None
+        for _ in range(args.repeats):
+          off_tps, off_tokens, off_passes = offline(engines[args.rows], prompts)
+          before = server_passes(url)
+          wall, res = asyncio.run(load(url, prompts, clients, args))
+          # The load's own warm-up request is one prompt's passes at most.
+          passes = server_passes(url) - before
+          pairs.append((sum(len(t) for _, _, t in res) / wall, off_tps, passes / off_passes))
+          if clients < args.rows:
+            small = offline(engines[clients], prompts)[0]
+        srv = statistics.median(p[0] for p in pairs)
+        row = {"model": os.path.relpath(model_dir, REPO), "method": method, "clients": clients,
+               "tok_s": srv, "offline_tok_s": statistics.median(p[1] for p in pairs),
+               "offline_small_tok_s": small,
+               "ratio": statistics.median(p[0] / p[1] for p in pairs),
+               "pass_ratio": statistics.median(p[2] for p in pairs),
+               "ttft_p50_ms": 1e3 * _pct([f for _, f, _ in res], 0.5),
+               "lat_p50_ms": 1e3 * _pct([l for l, _, _ in res], 0.5),
+               "lat_p99_ms": 1e3 * _pct([l for l, _, _ in res], 0.99),
+               "same_tokens": [t for _, _, t in res] == off_tokens}
+        rows_out.append(row)
+        print(f"  {method} clients {clients}: {row['tok_s']:,.0f} tok/s "
+              f"({row['ratio']:.2f}x offline)", file=sys.stderr, flush=True)
+    finally:
+      proc.send_signal(signal.SIGTERM)
+      try:
+        proc.wait(timeout=60)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+  print(f"\n| model | method | clients | server tok/s | offline tok/s, {args.rows} rows | "
+        "server / offline | passes / offline | offline, clients rows | TTFT p50 ms | "
+        "latency p50 ms | latency p99 ms | same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  for r in rows_out:
+    small = "–" if r["offline_small_tok_s"] is None else f"{r['offline_small_tok_s']:,.0f}"
+    print(f"| {r['model']} | {r['method']} | {r['clients']} | {r['tok_s']:,.0f} | "
+          f"{r['offline_tok_s']:,.0f} | {r['ratio']:.2f}x | {r['pass_ratio']:.2f} | {small} | "
+          f"{r['ttft_p50_ms']:.1f} | {r['lat_p50_ms']:.1f} | {r['lat_p99_ms']:.1f} | "
+          f"{'yes' if r['same_tokens'] else 'NO'} |")
+  sixteen = [r["ratio"] for r in rows_out if r["clients"] == 16]
+  if sixteen:
+    print(f"\nserver / offline throughput at 16 clients: "
+          + ", ".join(f"{r['method']} {r['ratio']:.2f}x" for r in rows_out if r["clients"] == 16)
+          + f" (target >= 0.90x; median {statistics.median(sixteen):.2f}x)")
+  return rows_out
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,35 @@
+"""Serving a model over HTTP: `python -m refusion_jax.serve --config=configs/serve.py
+--config.model_dir=DIR`.
+
+An OpenAI-compatible server (/v1/completions, /v1/chat/completions,
+/v1/models, /health, /metrics). `decode` is the default decode shape and
+settings, as in configs/sample.py; `buckets` adds more compiled shapes that a
+request can pick (by max_tokens, method, gen_length, slot_size, block_size).
+Every shape is compiled at start-up; nothing compiles per request.
+"""
+
+import ml_collections
+
+from configs import sample
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.model_dir = ""  # HF folder (config.json + safetensors) or a refusion_jax model folder
+  c.scan_layers = ml_collections.config_dict.placeholder(bool)  # layer layout: None = as saved
+  c.tokenizer_dir = ""  # "" = model_dir if it has tokenizer.json, else the bundled tiny one when it fits
+  c.model_name = ""  # the id clients name in "model" ("" = the model folder's name)
+  c.host = "127.0.0.1"  # address to listen on
+  c.port = 8000  # TCP port (0 = any free port, printed at start-up)
+  c.rows = 16  # engine rows per lane: requests decoded at once
+  c.max_prompt_len = 256  # prompt width of every compiled program (longer prompts get a 400)
+  c.buckets = ""  # more compiled shapes, "method:gen_length:slot_size:block_size,..." (ar: "ar:G")
+  c.max_queue = 256  # requests waiting for a row at most (more get 429 with Retry-After)
+  c.max_lanes = 4  # row sets alive at once (one per shape and knob values in use)
+  c.chunk_passes = 4  # passes between returns to the host while streaming / rows are free
+  c.admit_max = 0  # prompts prefilled per admission call at most (0 = rows)
+  c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)
+  c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled
+  c.log_level = "warning"  # uvicorn's log level
+  c.decode = sample.get_config().decode  # default decode shape and settings (configs/sample.py)
+  return c

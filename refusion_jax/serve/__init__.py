@@ -1,0 +1,81 @@
+"""An OpenAI-compatible HTTP server on the continuous-batching engine.
+
+  python -m refusion_jax.serve --config=configs/serve.py --config.model_dir=DIR
+
+`scheduler` runs the engine on its own thread (requests join rows as rows free
+up; shapes come from buckets compiled at start-up), `app` is the Starlette app
+(endpoints, streaming of the committed prefix, errors in OpenAI's shape,
+Prometheus metrics), `text` makes text deltas that are never revised, and
+`protocol` checks the OpenAI request fields. `build` loads a model and returns
+the app ready to run under uvicorn.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import ml_collections
+
+from refusion_jax import sample
+from refusion_jax.config import DecodeConfig
+
+
+def _log(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def check_flags(c: ml_collections.ConfigDict) -> None:
+  """Everything that can be checked before loading anything."""
+  if not c.model_dir:
+    raise ValueError("--config.model_dir is required (a HF or refusion_jax model folder)")
+  if not os.path.isdir(c.model_dir):
+    raise FileNotFoundError(f"--config.model_dir={c.model_dir!r} does not exist")
+  if c.tokenizer_dir and not os.path.isdir(c.tokenizer_dir):
+    raise FileNotFoundError(f"--config.tokenizer_dir={c.tokenizer_dir!r} does not exist")
+  for name in ("rows", "max_prompt_len", "max_queue", "max_lanes", "chunk_passes"):
+    if not isinstance(c[name], int) or isinstance(c[name], bool) or c[name] <= 0:
+      raise ValueError(f"--config.{name} must be a positive int, got {c[name]!r}")
+  if not isinstance(c.admit_max, int) or c.admit_max < 0:
+    raise ValueError(f"--config.admit_max must be an int >= 0, got {c.admit_max!r}")
+  if not isinstance(c.port, int) or not 0 <= c.port < 65536:
+    raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
+  for name in ("request_timeout_s", "drain_timeout_s"):
+    if not isinstance(c[name], (int, float)) or c[name] <= 0:
+      raise ValueError(f"--config.{name} must be a positive number, got {c[name]!r}")
+
+
+def build(c: ml_collections.ConfigDict, *, warm_up: bool = True):
+  """`(app, server)`: the model loaded, every bucket compiled, the engine not yet
+  started (the app's lifespan starts it)."""
+  from refusion_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
+  from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
+  check_flags(c)
+  try:
+    default = DecodeConfig(**c.decode.to_dict())
+  except TypeError as e:
+    raise ValueError(f"--config.decode: {e}") from None
+  configs = sched_lib.parse_buckets(c.buckets, default)
+  t = time.perf_counter()
+  model_config, model = sample.load_model(c.model_dir, c.get("scan_layers"))
+  tokenizer = sample.load_tokenizer(c, model_config)
+  for dc in configs:
+    dc.check_fits(model_config, c.max_prompt_len)
+  metrics = app_lib.Metrics()
+  scheduler = sched_lib.Scheduler(model, configs, rows=c.rows, width=c.max_prompt_len,
+                                  max_queue=c.max_queue, max_lanes=c.max_lanes,
+                                  chunk_passes=c.chunk_passes, admit_max=c.admit_max or None,
+                                  metrics=metrics)
+  _log(f"[serve] loaded {c.model_dir} in {time.perf_counter() - t:.1f}s")
+  if warm_up:
+    t = time.perf_counter()
+    scheduler.warm_up()
+    _log(f"[serve] compiled {len(configs)} bucket(s) ("
+         + ", ".join(b.name for b in scheduler.buckets)
+         + f"), {c.rows} rows, prompts up to {c.max_prompt_len} tokens, in "
+         f"{time.perf_counter() - t:.1f}s")
+  name = c.model_name or os.path.basename(os.path.normpath(c.model_dir))
+  server = app_lib.Server(scheduler, tokenizer, name, request_timeout_s=c.request_timeout_s,
+                          metrics=metrics)
+  return app_lib.make_app(server), server

@@ -1,0 +1,61 @@
+"""`python -m refusion_jax.serve --config=configs/serve.py --config.model_dir=DIR`.
+
+Serves until SIGTERM or Ctrl-C: then it stops accepting connections, lets
+in-flight requests finish for up to `drain_timeout_s`, cancels the rest and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from refusion_jax import serve
+
+
+def main(argv, config_flag):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if config_flag.value is None:
+    raise app.UsageError("--config=configs/serve.py is required")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  c = config_flag.value
+  try:
+    asgi, _ = serve.build(c)
+  except (ValueError, FileNotFoundError, TypeError) as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  import uvicorn  # pylint: disable=import-outside-toplevel
+  config = uvicorn.Config(asgi, host=c.host, port=c.port, log_level=c.log_level,
+                          timeout_graceful_shutdown=c.drain_timeout_s, access_log=False)
+  server = uvicorn.Server(config)
+  # uvicorn re-raises the signal that stopped it once it has shut down; a handler
+  # that does nothing turns that into a normal return (exit status 0).
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: None)
+
+  async def started():
+    while not server.started:
+      await asyncio.sleep(0.05)
+    for s in server.servers:
+      for sock in s.sockets:
+        host, port = sock.getsockname()[:2]
+        print(f"[serve] listening on http://{host}:{port}", file=sys.stderr, flush=True)
+
+  async def run():
+    task = asyncio.ensure_future(started())
+    await server.serve()
+    task.cancel()
+
+  asyncio.run(run())
+
+
+if __name__ == "__main__":
+  _config_flag = config_flags.DEFINE_config_file(
+      "config", None, "Serving config file (configs/serve.py).", lock_config=True)
+  app.run(lambda argv: main(argv, _config_flag))

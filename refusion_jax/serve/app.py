@@ -1,0 +1,413 @@
+"""The HTTP side: a Starlette app over a `Scheduler` (OpenAI's API shapes).
+
+Handlers run on the event loop: they parse and tokenize the request, submit a
+`Job`, and turn the engine thread's events (handed over with
+`call_soon_threadsafe`) into the response. A stream sends only the committed
+left-to-right prefix (`TextStream`), so nothing sent is ever revised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import prometheus_client
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from refusion_jax.serve import protocol
+from refusion_jax.serve.protocol import ApiError
+from refusion_jax.serve.scheduler import Bucket, Done, Job, QueueFull, Scheduler, bucket_of
+from refusion_jax.serve.text import TextStream
+
+
+class Metrics:
+  """Prometheus metrics of one server (its own registry)."""
+
+  def __init__(self):
+    prometheus_client.disable_created_metrics()  # no *_created series beside each counter
+    self.registry = r = prometheus_client.CollectorRegistry()
+    self.requests = prometheus_client.Counter(
+        "refusion_requests", "Requests answered, by endpoint and outcome.",
+        ["endpoint", "outcome"], registry=r)
+    self.prompt_tokens = prometheus_client.Counter(
+        "refusion_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+    self.completion_tokens = prometheus_client.Counter(
+        "refusion_completion_tokens", "Tokens generated and returned.", registry=r)
+    self.forward_passes = prometheus_client.Counter(
+        "refusion_forward_passes", "Forward passes run by the engine (all rows at once).",
+        registry=r)
+    self.cancelled_rows = prometheus_client.Counter(
+        "refusion_cancelled_rows", "Rows freed mid-decode (disconnect, stop string, timeout).",
+        registry=r)
+    self.queue_depth = prometheus_client.Gauge(
+        "refusion_queue_depth", "Requests waiting for a row.", registry=r)
+    self.busy_rows = prometheus_client.Gauge(
+        "refusion_busy_rows", "Rows decoding a request.", registry=r)
+    buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+    self.latency = prometheus_client.Histogram(
+        "refusion_request_latency_seconds", "Request latency, arrival to last byte.",
+        ["endpoint"], buckets=buckets, registry=r)
+    self.ttft = prometheus_client.Histogram(
+        "refusion_time_to_first_token_seconds", "Streams: arrival to the first text sent.",
+        ["endpoint"], buckets=buckets, registry=r)
+
+
+def _error(e: ApiError) -> JSONResponse:
+  return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class Server:
+  """Endpoints over one model (see the module docstring)."""
+
+  def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, *,
+               request_timeout_s: float, metrics: Metrics):
+    self.scheduler = scheduler
+    self.tokenizer = tokenizer
+    self.model_name = model_name
+    self.timeout = request_timeout_s
+    self.metrics = metrics
+    self.vocab_size = scheduler.model.config.vocab_size
+    self.eos_id = scheduler.model.config.eos_token_id
+    self.created = int(time.time())
+
+  # --- helpers --------------------------------------------------------------------------
+
+  def _decode(self, tokens) -> str:
+    if self.tokenizer is None:
+      return ""
+    return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+  def _encode(self, req: protocol.Request) -> list[int]:
+    if isinstance(req.prompt, list) and not req.chat:
+      bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
+      if bad:
+        raise protocol.bad("prompt", f"token id {bad[0]} is outside the vocabulary "
+                           f"[0, {self.vocab_size})")
+      return list(req.prompt)
+    if self.tokenizer is None:
+      raise protocol.bad("prompt" if not req.chat else "messages",
+                         "this model has no tokenizer: give the prompt as token ids")
+    if not req.chat:
+      return self.tokenizer.encode(req.prompt)
+    try:
+      text = self.tokenizer.apply_chat_template(req.prompt, add_generation_prompt=True,
+                                                enable_thinking=req.enable_thinking)
+    except ValueError as e:
+      raise protocol.bad("messages", str(e)) from None
+    return self.tokenizer.encode(text)
+
+  def _bucket(self, req: protocol.Request) -> Bucket:
+    default = bucket_of(self.scheduler.default_config)
+    method = req.method or default.method
+    found = [b for b in self.scheduler.buckets if b.method == method
+             and (req.gen_length is None or b.gen_length == req.gen_length)
+             and (b.method == "ar" or req.slot_size is None or b.slot_size == req.slot_size)
+             and (b.method == "ar" or req.block_size is None or b.block_size == req.block_size)
+             and (req.max_tokens is None or b.gen_length >= req.max_tokens)]
+    if not found:
+      asked = {k: v for k, v in (("method", method), ("gen_length", req.gen_length),
+                                 ("slot_size", req.slot_size), ("block_size", req.block_size),
+                                 ("max_tokens", req.max_tokens)) if v is not None}
+      names = ", ".join(b.name for b in self.scheduler.buckets)
+      raise ApiError(400, f"no compiled decode shape fits {asked}; this server has "
+                     f"(method:gen_length[:slot_size:block_size]): {names}", param="max_tokens"
+                     if req.max_tokens else "method", code="unsupported_shape")
+    return default if default in found else min(found, key=lambda b: b.gen_length)
+
+  def _job(self, req: protocol.Request, ids: list[int], bucket: Bucket, deliver) -> Job:
+    s, t, temp = self.scheduler.default_knobs(bucket)
+    temp = temp if req.temperature is None else req.temperature
+    if bucket.method == "refusion":
+      s = s if req.slot_threshold is None else req.slot_threshold
+      t = t if req.token_threshold is None else req.token_threshold
+    if req.seed is not None:
+      seed = req.seed
+    elif temp > 0:
+      seed = int.from_bytes(os.urandom(4), "little")
+    else:
+      seed = 0
+    # jax.random.key(seed)'s raw key for seed < 2**32 (threefry): [0, seed].
+    rng2 = np.array([0, seed], np.uint32)
+    max_tokens = bucket.gen_length if req.max_tokens is None else req.max_tokens
+    return Job(prompt=ids, bucket=bucket, knobs=(float(s), float(t), float(temp)), rng2=rng2,
+               max_tokens=max_tokens,
+               watch=req.stream or bool(req.stops) or max_tokens < bucket.gen_length,
+               slots=req.stream and req.stream_slots, deliver=deliver)
+
+  # --- endpoints ------------------------------------------------------------------------
+
+  async def health(self, request: Request) -> Response:
+    del request
+    if self.scheduler.error:
+      return JSONResponse({"status": "error", "error": self.scheduler.error}, status_code=503)
+    return JSONResponse({"status": "ok", "busy_rows": self.scheduler.busy_rows(),
+                         "queue_depth": self.scheduler.queue_depth()})
+
+  async def models(self, request: Request) -> Response:
+    del request
+    return JSONResponse({"object": "list", "data": [{
+        "id": self.model_name, "object": "model", "created": self.created,
+        "owned_by": "refusion_jax",
+        "buckets": [b.describe() for b in self.scheduler.buckets]}]})
+
+  async def metrics_text(self, request: Request) -> Response:
+    del request
+    return Response(prometheus_client.generate_latest(self.metrics.registry),
+                    media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+  async def completions(self, request: Request) -> Response:
+    return await self._serve(request, chat=False)
+
+  async def chat_completions(self, request: Request) -> Response:
+    return await self._serve(request, chat=True)
+
+  async def _serve(self, request: Request, chat: bool) -> Response:
+    endpoint = "chat" if chat else "completions"
+    start = time.perf_counter()
+    try:
+      raw = await request.body()
+      try:
+        body = json.loads(raw)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+      req = protocol.parse(body, chat)
+      if req.model != self.model_name:
+        raise ApiError(404, f"model: {req.model!r} does not exist; this server serves "
+                       f"{self.model_name!r}", param="model", code="model_not_found")
+      ids = self._encode(req)
+      if len(ids) > self.scheduler.width:
+        raise protocol.bad("prompt" if not chat else "messages",
+                           f"the prompt has {len(ids)} tokens; this server takes at most "
+                           f"{self.scheduler.width} (--config.max_prompt_len)")
+      if not ids:
+        raise protocol.bad("prompt" if not chat else "messages", "the prompt has no tokens")
+      bucket = self._bucket(req)
+      loop = asyncio.get_running_loop()
+      events: asyncio.Queue = asyncio.Queue()
+      job = self._job(req, ids, bucket,
+                      lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait,
+                                                                      (kind, payload)))
+      try:
+        self.scheduler.submit(job)
+      except QueueFull as e:
+        raise ApiError(429, str(e), type_="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    except ApiError as e:
+      self.metrics.requests.labels(endpoint, str(e.status)).inc()
+      return _error(e)
+    self.metrics.prompt_tokens.inc(len(ids))
+    reply = _Reply(self, req, ids, job, events, endpoint, start)
+    if req.stream:
+      return StreamingResponse(reply.stream(), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+    return await reply.whole(request)
+
+
+class _Reply:
+  """One request's answer, from the engine's events."""
+
+  def __init__(self, server: Server, req, ids, job: Job, events: asyncio.Queue, endpoint, start):
+    self.s, self.req, self.ids, self.job, self.events = server, req, ids, job, events
+    self.endpoint, self.start = endpoint, start
+    self.text = TextStream(server._decode, req.stops)  # pylint: disable=protected-access
+    self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+    self.created = int(time.time())
+    self.forward_passes = 0
+    self.finished = False
+
+  def _deadline_left(self) -> float:
+    return self.s.timeout - (time.perf_counter() - self.start)
+
+  def _finish_reason(self, tokens: list[int]) -> str:
+    if self.text.stopped or (tokens and tokens[-1] == self.s.eos_id):
+      return "stop"
+    return "length"
+
+  def _usage(self, tokens) -> dict:
+    return {"prompt_tokens": len(self.ids), "completion_tokens": len(tokens),
+            "total_tokens": len(self.ids) + len(tokens), "forward_passes": self.forward_passes}
+
+  async def _next(self):
+    """The next engine event, as (kind, payload); ("timeout", None) past the deadline."""
+    try:
+      return await asyncio.wait_for(self.events.get(), max(self._deadline_left(), 0.0))
+    except asyncio.TimeoutError:
+      return "timeout", None
+
+  def _close(self, outcome: str, tokens=None) -> None:
+    self.finished = True
+    m = self.s.metrics
+    m.requests.labels(self.endpoint, outcome).inc()
+    if outcome == "ok":
+      m.completion_tokens.inc(len(tokens))
+      m.latency.labels(self.endpoint).observe(time.perf_counter() - self.start)
+
+  async def _events(self):
+    """Engine events until the text is final: yields ("text", delta) and
+    ("slots", runs); ends with ("done", tokens) or ("error", ApiError)."""
+    while True:
+      kind, payload = await self._next()
+      if kind == "progress":
+        tokens, self.forward_passes = payload
+        delta = self.text.update(tokens)
+        if delta:
+          yield "text", delta
+        if self.text.stopped:
+          self.s.scheduler.cancel(self.job)
+          yield "done", self.text.tokens
+          return
+      elif kind == "slots":
+        yield "slots", payload
+      elif kind == "done":
+        done: Done = payload
+        self.forward_passes = done.forward_passes
+        delta = self.text.update(done.tokens, final=True)
+        if delta:
+          yield "text", delta
+        yield "done", self.text.tokens
+        return
+      elif kind == "timeout":
+        self.s.scheduler.cancel(self.job)
+        yield "error", ApiError(408, f"the request did not finish within {self.s.timeout} s "
+                                "(--config.request_timeout_s)", type_="timeout",
+                                code="request_timeout")
+        return
+      else:
+        yield "error", ApiError(503, str(payload), type_="server_error", code="engine_error")
+        return
+
+  async def whole(self, request: Request) -> Response:
+    disconnect = asyncio.ensure_future(_disconnected(request))
+    gen = self._events()
+    try:
+      text, result = "", None
+      while result is None:
+        step = asyncio.ensure_future(gen.__anext__())
+        await asyncio.wait({step, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if not step.done():
+          step.cancel()
+          with contextlib.suppress(asyncio.CancelledError):
+            await step
+          self.s.scheduler.cancel(self.job)
+          self._close("cancelled")
+          return Response(status_code=499)
+        kind, payload = step.result()
+        if kind == "text":
+          text += payload
+        elif kind in ("done", "error"):
+          result = (kind, payload)
+      kind, payload = result
+      if kind == "error":
+        self._close(str(payload.status))
+        return _error(payload)
+      tokens = payload
+      choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish_reason(tokens),
+                                "logprobs": None, "token_ids": tokens}
+      if self.req.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+      else:
+        choice["text"] = text
+      self._close("ok", tokens)
+      return JSONResponse({"id": self.id, "object": "chat.completion" if self.req.chat
+                           else "text_completion", "created": self.created,
+                           "model": self.s.model_name, "choices": [choice],
+                           "usage": self._usage(tokens)})
+    finally:
+      disconnect.cancel()
+      await gen.aclose()
+      if not self.finished:
+        self.s.scheduler.cancel(self.job)
+
+  def _chunk(self, delta: str | None = None, *, finish=None, role=False, extra=None,
+             usage=None) -> str:
+    choices = []
+    if usage is None:
+      choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+      if self.req.chat:
+        d: dict[str, Any] = {"role": "assistant"} if role else {}
+        if delta is not None:
+          d["content"] = delta
+        choice["delta"] = d
+      else:
+        choice["text"] = delta or ""
+      choice.update(extra or {})
+      choices.append(choice)
+    body = {"id": self.id, "object": "chat.completion.chunk" if self.req.chat
+            else "text_completion", "created": self.created, "model": self.s.model_name,
+            "choices": choices}
+    if usage is not None:
+      body["usage"] = usage
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+  async def stream(self):
+    first = True
+    try:
+      if self.req.chat:
+        yield self._chunk("", role=True)
+      async for kind, payload in self._events():
+        if kind == "text":
+          if first:
+            first = False
+            self.s.metrics.ttft.labels(self.endpoint).observe(time.perf_counter() - self.start)
+          yield self._chunk(payload)
+        elif kind == "slots":
+          runs = [{"position": p, "token_ids": t, "text": self.s._decode(t)}  # pylint: disable=protected-access
+                  for p, t in payload]
+          yield self._chunk(None if self.req.chat else "", extra={"refusion_slots": runs})
+        elif kind == "done":
+          tokens = payload
+          yield self._chunk(None if self.req.chat else "",
+                            finish=self._finish_reason(tokens), extra={"token_ids": tokens})
+          if self.req.include_usage:
+            yield self._chunk(usage=self._usage(tokens))
+          self._close("ok", tokens)
+        else:
+          self._close(str(payload.status))
+          yield f"data: {json.dumps(payload.body())}\n\n"
+      yield "data: [DONE]\n\n"
+    finally:
+      if not self.finished:  # the client went away (or the server is stopping)
+        self.s.scheduler.cancel(self.job)
+        self._close("cancelled")
+
+
+async def _disconnected(request: Request) -> None:
+  while True:
+    message = await request.receive()
+    if message["type"] == "http.disconnect":
+      return
+
+
+def make_app(server: Server) -> Starlette:
+  """The ASGI app; its lifespan starts and stops the engine thread."""
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    del app
+    server.scheduler.start()
+    try:
+      yield
+    finally:
+      server.scheduler.stop()
+
+  async def http_error(request, exc: HTTPException):
+    del request
+    return _error(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
+
+  routes = [Route("/health", server.health, methods=["GET"]),
+            Route("/metrics", server.metrics_text, methods=["GET"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/v1/chat/completions", server.chat_completions, methods=["POST"])]
+  return Starlette(routes=routes, lifespan=lifespan,
+                   exception_handlers={HTTPException: http_error})

@@ -1,0 +1,421 @@
+"""The engine thread: requests join the rows of live batches as rows free up.
+
+A *bucket* is one compiled decode shape (method, gen_length, slot and block
+size), built once at start-up. A *lane* is a `LiveBatch` of a bucket with one
+set of knobs (thresholds, temperature: traced, so a lane with new values reuses
+the bucket's programs); requests with the knobs of a lane share its rows. At
+most `max_lanes` lanes exist; an idle one gives way to a new combination.
+
+The engine thread owns every lane. Each turn it takes the submitted jobs,
+frees the rows of cancelled ones, admits waiting jobs into free rows (in
+batches), runs each busy lane for a chunk of passes and reads what its rows
+committed. It never waits on the HTTP side: results go out through each job's
+`deliver` callback (the server hands them to its event loop with
+`call_soon_threadsafe`), and text is made on the event loop, not here.
+
+A lane runs without a pass bound (returning when a row is done, as the
+offline engine does) unless one of its jobs watches progress (streaming, stop
+strings, max_tokens below the bucket's gen_length), a row is free (a new
+request must not wait for a whole decode), or other lanes are busy (fair
+turns): then it hands control back every `chunk_passes` passes. Chunking
+changes no token and no pass count (`LiveBatch`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import engine as engine_lib
+
+log = logging.getLogger("refusion_jax.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+  """One compiled decode shape."""
+
+  method: str
+  gen_length: int
+  slot_size: int
+  block_size: int
+
+  @property
+  def name(self) -> str:
+    if self.method == "ar":
+      return f"ar:{self.gen_length}"
+    return f"{self.method}:{self.gen_length}:{self.slot_size}:{self.block_size}"
+
+  def describe(self) -> dict:
+    return {"method": self.method, "gen_length": self.gen_length, "slot_size": self.slot_size,
+            "block_size": self.block_size}
+
+
+def bucket_of(dc: DecodeConfig) -> Bucket:
+  if dc.method == "ar":  # slot and block play no part
+    return Bucket("ar", dc.gen_length, dc.gen_length, dc.gen_length)
+  return Bucket(dc.method, dc.gen_length, dc.slot_size, dc.block_size)
+
+
+def parse_buckets(text: str, default: DecodeConfig) -> list[DecodeConfig]:
+  """`method:gen_length[:slot_size:block_size]` entries, comma-separated, as decode
+  configs (the default's other fields); the default's own shape comes first."""
+  out = [default]
+  for entry in (e.strip() for e in text.split(",")):
+    if not entry:
+      continue
+    parts = entry.split(":")
+    try:
+      if parts[0] == "ar" and len(parts) == 2:
+        dc = default.replace(method="ar", gen_length=int(parts[1]), slot_size=int(parts[1]),
+                             block_size=int(parts[1]), left_to_right=False, recompute_kv=False)
+      elif len(parts) == 4:
+        dc = default.replace(method=parts[0], gen_length=int(parts[1]),
+                             slot_size=int(parts[2]), block_size=int(parts[3]))
+        if dc.method != "refusion":
+          dc = dc.replace(left_to_right=False, recompute_kv=False)
+      else:
+        raise ValueError("expected method:gen_length:slot_size:block_size (ar: ar:gen_length)")
+    except ValueError as e:
+      raise ValueError(f"--config.buckets entry {entry!r}: {e}") from None
+    if bucket_of(dc) not in {bucket_of(d) for d in out}:
+      out.append(dc)
+  return out
+
+
+class QueueFull(Exception):
+  """The bounded queue is full (the server answers 429)."""
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+  """One request as the engine thread sees it."""
+
+  prompt: list[int]
+  bucket: Bucket
+  knobs: tuple[float, float, float]  # slot_threshold, token_threshold, temperature
+  rng2: np.ndarray  # uint32[2], the request's key (prompt id 0 within it)
+  max_tokens: int  # keep at most this many tokens
+  watch: bool  # deliver the committed prefix as it grows
+  slots: bool  # also deliver each newly committed run of positions
+  deliver: Callable[[str, Any], None]  # ("progress" | "done" | "error", payload)
+  cancelled: bool = False
+  # Engine-thread bookkeeping.
+  row: int = -1
+  sent: int = 0  # committed prefix delivered so far
+  seen: np.ndarray | None = None  # positions reported to a `slots` job
+  submitted: float = 0.0
+
+
+@dataclasses.dataclass
+class Done:
+  tokens: list[int]  # up to and including EOS, at most max_tokens
+  forward_passes: int  # the decoder's passes for this request (its own counter)
+  truncated: bool  # max_tokens cut it before the decoder finished
+
+
+class _Lane:
+  def __init__(self, bucket: Bucket, knobs, batch: engine_lib.LiveBatch):
+    self.bucket, self.knobs, self.batch = bucket, knobs, batch
+    self.jobs: list[Job | None] = [None] * batch.rows
+    self.waiting: collections.deque[Job] = collections.deque()
+    self.passes = 0
+    self.inflight = False  # a run was dispatched and not yet read
+
+  def busy(self) -> int:
+    return sum(j is not None for j in self.jobs)
+
+  def idle(self) -> bool:
+    return not self.busy() and not self.waiting
+
+
+class Scheduler:
+  """Runs the lanes on its own thread (module docstring)."""
+
+  def __init__(self, model, decode_configs: list[DecodeConfig], *, rows: int, width: int,
+               max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
+               metrics: Any = None):
+    self.model = model
+    self.decoders = {}
+    for dc in decode_configs:
+      self.decoders[bucket_of(dc)] = engine_lib.Decoder(model, dc)
+    self.default_config = decode_configs[0]
+    self.rows, self.width = rows, width
+    self.max_queue, self.max_lanes = max_queue, max(max_lanes, len(self.decoders))
+    self.chunk_passes = chunk_passes
+    self.admit_max = admit_max
+    self.metrics = metrics
+    self._lanes: dict[tuple, _Lane] = {}
+    self._parked: collections.deque[Job] = collections.deque()  # no lane to be had yet
+    self._lock = threading.Lock()
+    self._wake = threading.Event()
+    self._inbox: list[Job] = []
+    self._waiting = 0  # submitted, not yet admitted (the bounded queue)
+    self._stop = False
+    self._hold = threading.Event()  # set: the thread admits and runs nothing
+    self._thread: threading.Thread | None = None
+    self.error: str | None = None
+
+  @property
+  def buckets(self) -> list[Bucket]:
+    return list(self.decoders)
+
+  def _knobs_for(self, bucket: Bucket, knobs):
+    dc = self.decoders[bucket].config.replace(slot_threshold=knobs[0], token_threshold=knobs[1],
+                                               temperature=knobs[2])
+    return engine_lib.knobs_of(self.model.config, dc)
+
+  def default_knobs(self, bucket: Bucket) -> tuple[float, float, float]:
+    dc = self.decoders[bucket].config
+    return (dc.slot_threshold, dc.token_threshold, dc.temperature)
+
+  def warm_up(self) -> None:
+    """Compiles every program of every bucket; one lane per bucket stays ready."""
+    for bucket, decoder in self.decoders.items():
+      knobs = self.default_knobs(bucket)
+      batch = engine_lib.LiveBatch(decoder, self.rows, self.width, self._knobs_for(bucket, knobs),
+                                   admit_max=self.admit_max)
+      batch.warm_up()
+      self._lanes[(bucket, knobs)] = _Lane(bucket, knobs, batch)
+
+  # --- called from other threads ----------------------------------------------------------
+
+  def submit(self, job: Job) -> None:
+    with self._lock:
+      if self._stop:
+        raise QueueFull("the server is shutting down")
+      if self._waiting >= self.max_queue:
+        raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+      self._waiting += 1
+      job.submitted = time.perf_counter()
+      self._inbox.append(job)
+    self._gauge()
+    self._wake.set()
+
+  def cancel(self, job: Job) -> None:
+    job.cancelled = True
+    self._wake.set()
+
+  def queue_depth(self) -> int:
+    return self._waiting
+
+  def busy_rows(self) -> int:
+    return sum(lane.busy() for lane in list(self._lanes.values()))
+
+  def hold(self, on: bool) -> None:
+    """Pauses (True) or resumes decoding: while held, jobs are still admitted into free
+    rows (and cancelled ones freed), but no pass runs."""
+    if on:
+      self._hold.set()
+    else:
+      self._hold.clear()
+    self._wake.set()
+
+  def start(self) -> None:
+    self._thread = threading.Thread(target=self._main, name="refusion-engine", daemon=True)
+    self._thread.start()
+
+  def stop(self, timeout: float = 10.0) -> None:
+    """Stops the thread; jobs still queued or running get an error."""
+    with self._lock:
+      self._stop = True
+    self._hold.clear()
+    self._wake.set()
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  # --- the engine thread ------------------------------------------------------------------
+
+  def _gauge(self) -> None:
+    if self.metrics is not None:
+      self.metrics.queue_depth.set(self._waiting)
+
+  def _dequeued(self, n: int = 1) -> None:
+    with self._lock:
+      self._waiting -= n
+    self._gauge()
+
+  @staticmethod
+  def _send(job: Job, kind: str, payload) -> None:
+    try:
+      job.deliver(kind, payload)
+    except Exception:  # pylint: disable=broad-except
+      log.exception("delivering a %s event failed", kind)  # the loop is gone: nobody listens
+
+  def _lane_for(self, job: Job) -> _Lane | None:
+    key = (job.bucket, job.knobs)
+    lane = self._lanes.get(key)
+    if lane is not None:
+      return lane
+    if len(self._lanes) >= self.max_lanes:
+      idle = [k for k, l in self._lanes.items() if l.idle()]
+      if not idle:
+        return None
+      same = [k for k in idle if k[0] == job.bucket]
+      old = self._lanes.pop((same or idle)[0])
+      if old.bucket == job.bucket:  # same shapes: reuse the buffers with new knobs
+        old.batch.knobs = self._knobs_for(job.bucket, job.knobs)
+        old.knobs = job.knobs
+        self._lanes[key] = old
+        return old
+    batch = engine_lib.LiveBatch(self.decoders[job.bucket], self.rows, self.width,
+                                 self._knobs_for(job.bucket, job.knobs), admit_max=self.admit_max)
+    lane = self._lanes[key] = _Lane(job.bucket, job.knobs, batch)
+    return lane
+
+  def _route(self) -> None:
+    with self._lock:
+      inbox, self._inbox = self._inbox, []
+    self._parked.extend(inbox)
+    parked, self._parked = self._parked, collections.deque()
+    for job in parked:
+      if job.cancelled:
+        self._dequeued()
+        continue
+      lane = self._lane_for(job)
+      if lane is None:
+        self._parked.append(job)
+      else:
+        lane.waiting.append(job)
+
+  def _cancel_and_admit(self, lane: _Lane) -> None:
+    gone = [r for r, j in enumerate(lane.jobs) if j is not None and j.cancelled]
+    for r in gone:
+      lane.jobs[r] = None
+    lane.batch.free(gone)
+    if self.metrics is not None and gone:
+      self.metrics.cancelled_rows.inc(len(gone))
+    kept = collections.deque(j for j in lane.waiting if not j.cancelled)
+    if len(kept) < len(lane.waiting):
+      self._dequeued(len(lane.waiting) - len(kept))
+    lane.waiting = kept
+    free = [r for r, j in enumerate(lane.jobs) if j is None]
+    while free and lane.waiting:
+      n = min(len(free), len(lane.waiting), lane.batch.admit_max)
+      take = [lane.waiting.popleft() for _ in range(n)]
+      rows, free = free[:n], free[n:]
+      lane.batch.admit([j.prompt for j in take], rows, np.stack([j.rng2 for j in take]))
+      for job, r in zip(take, rows):
+        job.row = r
+        lane.jobs[r] = job
+      self._dequeued(n)
+
+  def _max_passes(self, lane: _Lane, busy_lanes: int) -> int | None:
+    jobs = [j for j in lane.jobs if j is not None]
+    if (busy_lanes > 1 or len(jobs) < len(lane.jobs) or lane.waiting
+        or any(j.watch for j in jobs)):
+      return self.chunk_passes
+    return None
+
+  def _collect(self, lane: _Lane) -> list:
+    """Reads the lane's run, frees finished rows; returns the deliveries to make
+    (made after the next run is dispatched, so that they overlap it)."""
+    snap = lane.batch.read()
+    lane.inflight = False
+    if self.metrics is not None:
+      self.metrics.forward_passes.inc(snap.passes - lane.passes)
+    lane.passes = snap.passes
+    prefix_b = snap.prefix_b()
+    nfe_b = snap.nfe_b
+    finished, out = [], []
+    for r, job in enumerate(lane.jobs):
+      if job is None:
+        continue
+      done = snap.phase_b[r] == engine_lib.DONE
+      n = int(snap.length_b[r]) if done else int(prefix_b[r])
+      if not done and n >= job.max_tokens:
+        done = True
+      if job.slots:
+        out.append((self._send_slots, (job, snap, r, lane.bucket)))
+      if done:
+        keep = min(n, job.max_tokens)
+        out.append((self._send, (job, "done", Done(
+            tokens=snap.tokens_bg[r, :keep].tolist(), forward_passes=int(nfe_b[r]),
+            truncated=keep < n or snap.phase_b[r] != engine_lib.DONE))))
+        lane.jobs[r] = None
+        finished.append(r)
+      elif job.watch and n > job.sent:
+        out.append((self._send, (job, "progress", (snap.tokens_bg[r, :n].tolist(),
+                                                   int(nfe_b[r])))))
+        job.sent = n
+    lane.batch.free(finished)
+    return out
+
+  def _send_slots(self, job: Job, snap: engine_lib.Snapshot, r: int, bucket: Bucket) -> None:
+    """Newly committed positions as runs within a slot: [(position, [token ids])]."""
+    committed = snap.commit_step_bg[r] >= 0
+    if job.seen is None:
+      job.seen = np.zeros_like(committed)
+    new = np.flatnonzero(committed & ~job.seen)
+    job.seen = job.seen | committed
+    runs: list[tuple[int, list[int]]] = []
+    for p in new.tolist():
+      if runs and p == runs[-1][0] + len(runs[-1][1]) and p % bucket.slot_size:
+        runs[-1][1].append(int(snap.tokens_bg[r, p]))
+      else:
+        runs.append((p, [int(snap.tokens_bg[r, p])]))
+    if runs:
+      self._send(job, "slots", runs)
+
+  def _fail_all(self, message: str) -> None:
+    for lane in self._lanes.values():
+      for job in [j for j in lane.jobs if j is not None] + list(lane.waiting):
+        self._send(job, "error", message)
+      lane.jobs = [None] * lane.batch.rows
+      n, lane.waiting = len(lane.waiting), collections.deque()
+      self._dequeued(n)
+    with self._lock:
+      inbox, self._inbox = self._inbox, []
+    for job in inbox + list(self._parked):
+      self._send(job, "error", message)
+    self._dequeued(len(inbox) + len(self._parked))
+    self._parked = collections.deque()
+
+  def _main(self) -> None:
+    while True:
+      self._wake.clear()
+      if self._stop:
+        self._fail_all("the server shut down before this request finished")
+        return
+      try:
+        self._route()
+        for lane in self._lanes.values():
+          self._cancel_and_admit(lane)
+        busy = [lane for lane in self._lanes.values() if lane.busy()]
+        if self.metrics is not None:
+          self.metrics.busy_rows.set(sum(lane.busy() for lane in busy))
+        if not busy or self._hold.is_set():
+          self._wake.wait(0.05 if busy else 0.5)
+          continue
+        for lane in busy:
+          if not lane.inflight:
+            lane.batch.run(self._max_passes(lane, len(busy)))
+            lane.inflight = True
+        for lane in busy:
+          deliveries = self._collect(lane)
+          # The lane's next chunk is dispatched before the deliveries are made, so
+          # the device works while this thread hands results over.
+          self._route()
+          self._cancel_and_admit(lane)
+          if lane.busy() and not self._hold.is_set() and not self._stop:
+            lane.batch.run(self._max_passes(lane, len(busy)))
+            lane.inflight = True
+          for fn, fn_args in deliveries:
+            fn(*fn_args)
+      except Exception as e:  # pylint: disable=broad-except
+        log.exception("engine thread failed")
+        self.error = f"{type(e).__name__}: {e}"
+        self._fail_all(f"the decoder failed: {self.error}")
+        for key, lane in list(self._lanes.items()):  # fresh buffers (the old ones may be donated)
+          lane.batch = engine_lib.LiveBatch(self.decoders[lane.bucket], self.rows, self.width,
+                                            self._knobs_for(lane.bucket, lane.knobs),
+                                            admit_max=self.admit_max)
+          lane.inflight = False
+          self._lanes[key] = lane

@@ -1,0 +1,480 @@
+"""The OpenAI-compatible server (refusion_jax/serve) through the real `openai` client.
+
+One server (in-process, on 127.0.0.1, a free port) serves every test but the
+SIGTERM one (a subprocess). The oracle is `refusion_jax.sample` run on the
+same prompts with the same settings: greedy text and tokens must be equal.
+"""
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax
+import openai
+import pytest
+from flax import nnx
+
+from configs import sample as sample_config
+from configs import serve as serve_config
+from refusion_jax import checkpoint, sample, serve
+from refusion_jax import config as config_lib
+from refusion_jax.decode import engine
+from refusion_jax.model import Qwen3
+from refusion_jax.serve import protocol, text as text_lib
+from refusion_jax.tokenizer import Tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GEN, SLOT, BLOCK, WIDTH, ROWS, QUEUE = 16, 4, 8, 32, 4, 16
+SETTINGS = {"slot_threshold": 0.5, "token_threshold": 0.3}
+TEXTS = ["sort 5 2 9", "hello world", "add 3 4", "reverse abc", "count to 3", "a b c d",
+         "what is 2+3?", "copy xyz", "max 4 8 1", "the cat", "lookup k", "min 7 2",
+         "repeat hi", "upper abc", "9 8 7", "go"]
+
+
+def _save_model(path):
+  mc = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                       mlp_dim=64, attention="causal", max_position_embeddings=256)
+  model = Qwen3(mc, rngs=nnx.Rngs(0))
+  # Scaled weights, so that greedy texts vary and ReFusion commits slots out of order.
+  nnx.update(model, jax.tree.map(lambda x: x * 4.0, nnx.state(model, nnx.Param)))
+  checkpoint.save_model(path, mc, model)
+  return path
+
+
+def _oracle(model_dir, tmp, method, prompts, **decode):
+  """refusion_jax.sample on `prompts` ([("ids", [int]) | ("query", str)]): its result dicts."""
+  path = os.path.join(tmp, f"prompts_{method}_{len(prompts)}.jsonl")
+  with open(path, "w", encoding="utf-8") as f:
+    for kind, value in prompts:
+      f.write(json.dumps({"prompt_ids": value} if kind == "ids" else {"query": value}) + "\n")
+  c = sample_config.get_config()
+  c.model_dir, c.prompts_file, c.output_json = model_dir, path, ""
+  c.prompt_bucket, c.batch_size = WIDTH, 8
+  c.decode.method, c.decode.gen_length = method, GEN
+  c.decode.slot_size, c.decode.block_size = (GEN, GEN) if method == "ar" else (SLOT, BLOCK)
+  for k, v in {**SETTINGS, **decode}.items():
+    c.decode[k] = v
+  return sample.run(c)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  import uvicorn  # pylint: disable=import-outside-toplevel
+  tmp = str(tmp_path_factory.mktemp("serve"))
+  model_dir = _save_model(os.path.join(tmp, "tiny"))
+  c = serve_config.get_config()
+  c.model_dir, c.model_name, c.rows, c.max_prompt_len = model_dir, "tiny", ROWS, WIDTH
+  c.max_queue, c.chunk_passes, c.buckets = QUEUE, 2, f"ar:{GEN}"
+  c.decode.gen_length, c.decode.slot_size, c.decode.block_size = GEN, SLOT, BLOCK
+  for k, v in SETTINGS.items():
+    c.decode[k] = v
+  asgi, server = serve.build(c)
+  uv = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=0, log_level="error"))
+  thread = threading.Thread(target=uv.run, daemon=True)
+  thread.start()
+  deadline = time.time() + 30
+  while not uv.started:
+    assert time.time() < deadline and thread.is_alive(), "the server did not start"
+    time.sleep(0.02)
+  port = uv.servers[0].sockets[0].getsockname()[1]
+  tok = Tokenizer.tiny()
+  completions = [("ids", tok.encode(t)) for t in TEXTS]
+  chats = [("query", t) for t in TEXTS[:6]]
+  oracle = {m: _oracle(model_dir, tmp, m, completions + chats) for m in ("refusion", "ar")}
+  compiled = engine.compiled_programs()
+  yield {"url": f"http://127.0.0.1:{port}", "server": server, "tok": tok, "tmp": tmp,
+         "compiled": compiled,
+         "model_dir": model_dir, "completion": {m: o[:len(TEXTS)] for m, o in oracle.items()},
+         "chat": {m: o[len(TEXTS):] for m, o in oracle.items()}}
+  uv.should_exit = True
+  thread.join(30)
+
+
+def _client(served):
+  return openai.OpenAI(base_url=served["url"] + "/v1", api_key="none", max_retries=0,
+                       timeout=60)
+
+
+def _finish(tokens):
+  return "stop" if tokens and tokens[-1] == 1 else "length"  # config.tiny(): EOS id 1
+
+
+def _complete(cl, i, method, stream, **kw):
+  """(text, token_ids, finish_reason, usage) of completion prompt i."""
+  args = dict(model="tiny", prompt=TEXTS[i], max_tokens=GEN, extra_body={"method": method, **kw})
+  if not stream:
+    r = cl.completions.create(**args)
+    return r.choices[0].text, r.choices[0].token_ids, r.choices[0].finish_reason, r.usage
+  text, ids, finish, usage = "", None, None, None
+  for chunk in cl.completions.create(stream=True, stream_options={"include_usage": True}, **args):
+    if chunk.usage is not None:
+      usage = chunk.usage
+    for ch in chunk.choices:
+      text += ch.text
+      if ch.finish_reason is not None:
+        finish, ids = ch.finish_reason, ch.token_ids
+  return text, ids, finish, usage
+
+
+def _chat(cl, i, method, stream):
+  args = dict(model="tiny", messages=[{"role": "user", "content": TEXTS[i]}],
+              extra_body={"method": method})
+  if not stream:
+    r = cl.chat.completions.create(**args)
+    return r.choices[0].message.content, r.choices[0].token_ids, r.choices[0].finish_reason
+  text, ids, finish = "", None, None
+  for chunk in cl.chat.completions.create(stream=True, **args):
+    for ch in chunk.choices:
+      text += ch.delta.content or ""
+      if ch.finish_reason is not None:
+        finish, ids = ch.finish_reason, ch.token_ids
+  return text, ids, finish
+
+
+def _metric(served, name):
+  text = httpx.get(served["url"] + "/metrics").text
+  m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+  return float(m.group(1))
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar"])
+def test_greedy_equals_sample(served, method):
+  cl = _client(served)
+  for i in range(4):
+    want = served["completion"][method][i]
+    for stream in (False, True):
+      text, ids, finish, usage = _complete(cl, i, method, stream)
+      assert (text, ids) == (want["text"], want["tokens"]), (method, i, stream)
+      assert finish == _finish(want["tokens"])
+      assert usage.completion_tokens == len(want["tokens"])
+      assert usage.prompt_tokens == len(served["tok"].encode(TEXTS[i]))
+      assert usage.model_extra["forward_passes"] == want["nfe"]
+  for i in range(3):
+    want = served["chat"][method][i]
+    for stream in (False, True):
+      text, ids, finish = _chat(cl, i, method, stream)
+      assert (text, ids, finish) == (want["text"], want["tokens"], _finish(want["tokens"]))
+
+
+def test_enable_thinking_changes_the_prompt(served):
+  cl = _client(served)
+  body = dict(model="tiny", messages=[{"role": "user", "content": TEXTS[0]}], max_tokens=GEN)
+  off = cl.chat.completions.create(**body)
+  on = cl.chat.completions.create(**body, extra_body={"chat_template_kwargs": {
+      "enable_thinking": True}})
+  tok = served["tok"]
+  n_on = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": TEXTS[0]}],
+                                                enable_thinking=True)))
+  assert on.usage.prompt_tokens == n_on == off.usage.prompt_tokens + len(tok.encode("<think>\n"))
+
+
+def test_sixteen_concurrent_streams(served):
+  cl = _client(served)
+  jobs = [(i, "refusion" if i % 3 else "ar") for i in range(16)]
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    got = list(pool.map(lambda job: _complete(cl, job[0], job[1], True), jobs))
+  for (i, method), (text, ids, _, _) in zip(jobs, got):
+    want = served["completion"][method][i]
+    assert (text, ids) == (want["text"], want["tokens"]), (i, method)
+    assert text == _complete(cl, i, method, False)[0]
+
+
+def _sse(served, path, body):
+  """The data objects of a raw SSE stream, in order (checks the [DONE] terminator)."""
+  out = []
+  with httpx.stream("POST", served["url"] + path, json=body, timeout=60) as r:
+    assert r.status_code == 200
+    for line in r.iter_lines():
+      if line.startswith("data: "):
+        out.append(line[6:])
+  assert out[-1] == "[DONE]"
+  return [json.loads(x) for x in out[:-1]]
+
+
+def test_stream_is_never_revised_while_slots_commit_out_of_order(served):
+  tok = served["tok"]
+  out_of_order_seen = 0
+  for i in range(len(TEXTS)):
+    want = served["completion"]["refusion"][i]
+    events = _sse(served, "/v1/completions", {"model": "tiny", "prompt": TEXTS[i],
+                                              "stream": True, "stream_slots": True})
+    committed, sent = {}, ""
+    for ev in events:
+      ch = ev["choices"][0]
+      for run in ch.get("refusion_slots", []):
+        prefix = len(committed)
+        while prefix in committed:
+          prefix += 1
+        out_of_order_seen += run["position"] > prefix
+        for j, t in enumerate(run["token_ids"]):
+          assert committed.setdefault(run["position"] + j, t) == t  # a slot is sent once
+          assert want["tokens"][run["position"] + j] == t
+      sent += ch["text"]
+      prefix = 0
+      while prefix in committed:
+        prefix += 1
+      # Everything sent is final text, and no more than the committed prefix holds.
+      assert want["text"].startswith(sent)
+      assert tok.decode(want["tokens"][:prefix], skip_special_tokens=True).startswith(sent)
+    assert sent == want["text"]
+  assert out_of_order_seen > 0  # some decodes committed a slot past a gap
+
+
+def test_stop_sequences_and_max_tokens(served):
+  cl = _client(served)
+  tok = served["tok"]
+  tried = 0
+  for i, want in enumerate(served["completion"]["refusion"]):
+    m = re.search(r"[a-z]{2}", want["text"][1:])
+    if not m:
+      continue
+    stop = m.group(0)
+    cut = want["text"].find(stop)
+    n = next(n for n in range(1, len(want["tokens"]) + 1)
+             if stop in tok.decode(want["tokens"][:n], skip_special_tokens=True))
+    for stream in (False, True):
+      text, ids, finish, usage = _complete(cl, i, "refusion", stream, stop=[stop, "\x00\x01"])
+      assert (text, ids, finish) == (want["text"][:cut], want["tokens"][:n], "stop")
+      assert usage.completion_tokens == n
+    tried += 1
+    if tried == 3:
+      break
+  assert tried
+  for i in range(3):
+    want = served["completion"]["ar"][i]
+    r = cl.completions.create(model="tiny", prompt=TEXTS[i], max_tokens=5,
+                              extra_body={"method": "ar"})
+    assert r.choices[0].token_ids == want["tokens"][:5]
+    assert r.choices[0].text == tok.decode(want["tokens"][:5], skip_special_tokens=True)
+
+
+def test_text_stream_holds_back_partial_stops_and_characters():
+  pieces = {1: "ab", 2: "c", 3: "\xe9", 4: "STO", 5: "P", 6: "x"}
+  decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+  ts = text_lib.TextStream(decode, ["STOP"])
+  assert ts.update([1, 2]) == "abc"
+  assert ts.update([1, 2, 4]) == ""  # "STO" may begin "STOP"
+  assert ts.update([1, 2, 4, 5, 6]) == "" and ts.stopped and ts.tokens == [1, 2, 4, 5]
+  ts = text_lib.TextStream(lambda ids: "ab\ufffd" if len(ids) == 1 else "ab\xe9")
+  assert ts.update([1]) == "ab" and ts.update([1, 2], final=True) == "\xe9"
+
+
+def test_seeded_sampling_equals_sample(served):
+  cl = _client(served)
+  tok = served["tok"]
+  prompts = [("ids", tok.encode(t)) for t in TEXTS[:8]]
+  want = _oracle(served["model_dir"], served["tmp"], "refusion", prompts, temperature=0.8,
+                 )[0]  # prompt 0 draws from fold_in(key(seed=0), 0), as a request with seed 0
+  r = cl.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=GEN, temperature=0.8,
+                            seed=0)
+  assert r.choices[0].token_ids == want["tokens"]
+
+
+def test_cancelled_stream_frees_its_row(served):
+  sched = served["server"].scheduler
+  before = _metric(served, "refusion_cancelled_rows_total")
+  sched.hold(True)  # admitted, but no pass runs: the row is busy mid-decode
+  try:
+    with httpx.stream("POST", served["url"] + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}) as r:
+      assert r.status_code == 200
+      lines = r.iter_lines()  # kept open: dropping the iterator closes the stream
+      assert next(lines).startswith("data: ")  # the role chunk: the request is in
+      deadline = time.time() + 10
+      while sched.busy_rows() != 1:
+        assert time.time() < deadline, "the request was not admitted"
+        time.sleep(0.02)
+      # The HTTP side answers while the engine holds a request mid-decode.
+      assert httpx.get(served["url"] + "/health", timeout=5).json()["busy_rows"] == 1
+    # The client has gone; the row is freed without decoding further.
+    deadline = time.time() + 10
+    while sched.busy_rows() != 0:
+      assert time.time() < deadline, "the cancelled request kept its row"
+      time.sleep(0.02)
+  finally:
+    sched.hold(False)
+  assert _metric(served, "refusion_cancelled_rows_total") == before + 1
+  assert _metric(served, 'refusion_requests_total{endpoint="chat",outcome="cancelled"}') >= 1
+  assert _complete(_client(served), 0, "ar", False)[1] == served["completion"]["ar"][0]["tokens"]
+
+
+def test_full_queue_gets_429_and_the_rest_are_served(served):
+  sched = served["server"].scheduler
+  n = ROWS + QUEUE + 3
+  sched.hold(True)
+  results = []
+  try:
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+      futures = [pool.submit(httpx.post, served["url"] + "/v1/completions", timeout=60,
+                             json={"model": "tiny", "prompt": TEXTS[i % 4], "method": "ar"})
+                 for i in range(n)]
+      deadline = time.time() + 20
+      while sum(f.done() for f in futures) < n - ROWS - QUEUE:
+        assert time.time() < deadline
+        time.sleep(0.02)
+      sched.hold(False)
+      results = [(i, f.result()) for i, f in enumerate(futures)]
+  finally:
+    sched.hold(False)
+  rejected = [r for _, r in results if r.status_code == 429]
+  assert len(rejected) >= 3
+  for r in rejected:
+    assert r.headers["Retry-After"] == "1"
+    assert r.json()["error"]["code"] == "queue_full"
+  for i, r in results:
+    if r.status_code != 429:
+      assert r.status_code == 200
+      assert r.json()["choices"][0]["token_ids"] == served["completion"]["ar"][i % 4]["tokens"]
+
+
+def test_request_timeout(served):
+  srv = served["server"]
+  srv.timeout, old = 0.3, srv.timeout
+  srv.scheduler.hold(True)
+  try:
+    r = httpx.post(served["url"] + "/v1/completions", timeout=30,
+                   json={"model": "tiny", "prompt": "go"})
+  finally:
+    srv.timeout = old
+    srv.scheduler.hold(False)
+  assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+  deadline = time.time() + 10
+  while srv.scheduler.busy_rows():
+    assert time.time() < deadline
+    time.sleep(0.02)
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": "hot"}, 400,
+     "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"model": "tiny", "prompt": "word " * 40}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 0.5}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 64}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "method": "mdm"}, 400, "method"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "slot_size": 8}, 400, "method"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "slot_threshold": 2}, 400,
+     "slot_threshold"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": [1]}, 400, "stop"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]},
+     400, "messages[0].role"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 3}]},
+     400, "messages[0].content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"tools": 1}}, 400,
+     "chat_template_kwargs"),
+]
+
+
+def test_bad_input_gets_its_4xx_and_the_server_keeps_serving(served):
+  for path, body, status, param in BAD:
+    if isinstance(body, bytes):
+      r = httpx.post(served["url"] + path, content=body, timeout=30,
+                     headers={"Content-Type": "application/json"})
+    else:
+      r = httpx.post(served["url"] + path, json=body, timeout=30)
+    assert r.status_code == status, (body, r.text)
+    err = r.json()["error"]
+    assert err["message"] and err["type"], body
+    assert err["param"] == param, (body, err)
+  r = httpx.post(served["url"] + "/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                                          "max_tokens": 64}, timeout=30)
+  assert "refusion:16:4:8" in r.json()["error"]["message"]  # names what is compiled
+  assert "ar:16" in r.json()["error"]["message"]
+  with pytest.raises(openai.NotFoundError):
+    _client(served).completions.create(model="nope", prompt="hi")
+  assert httpx.get(served["url"] + "/health").json()["status"] == "ok"
+  assert _complete(_client(served), 1, "refusion", False)[1] == (
+      served["completion"]["refusion"][1]["tokens"])
+
+
+def test_models_health_metrics(served):
+  models = _client(served).models.list().data
+  assert [m.id for m in models] == ["tiny"]
+  assert {(b["method"], b["gen_length"]) for b in models[0].model_extra["buckets"]} == {
+      ("refusion", GEN), ("ar", GEN)}
+  text = httpx.get(served["url"] + "/metrics").text
+  for name in ("refusion_requests_total", "refusion_prompt_tokens_total",
+               "refusion_completion_tokens_total", "refusion_forward_passes_total",
+               "refusion_queue_depth", "refusion_busy_rows",
+               "refusion_request_latency_seconds_bucket",
+               "refusion_time_to_first_token_seconds_bucket"):
+    assert name in text, name
+  passes = _metric(served, "refusion_forward_passes_total")
+  _complete(_client(served), 2, "ar", False)
+  assert _metric(served, "refusion_forward_passes_total") > passes
+
+
+def test_protocol_refuses_stream_options_without_stream():
+  with pytest.raises(protocol.ApiError, match="stream_options"):
+    protocol.parse({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
+                   chat=False)
+
+
+def test_nothing_compiled_while_serving(served):
+  # Every request above (shapes, knobs, seeds, admissions of any size) reused the
+  # programs compiled at start-up (and the oracle's, compiled before).
+  assert engine.compiled_programs() == served["compiled"]
+
+
+def test_sigterm_drains_and_exits_zero(served, tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  long_gen = 192
+  cmd = [sys.executable, "-m", "refusion_jax.serve", "--config=configs/serve.py",
+         f"--config.model_dir={served['model_dir']}", "--config.port=0", "--config.rows=2",
+         "--config.max_prompt_len=16", "--config.decode.method=ar",
+         f"--config.decode.gen_length={long_gen}", f"--config.decode.slot_size={long_gen}",
+         f"--config.decode.block_size={long_gen}", "--config.chunk_passes=1",
+         "--config.drain_timeout_s=20", "--config.model_name=tiny"]
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+  try:
+    url = None
+    deadline = time.time() + 120
+    while url is None:
+      assert time.time() < deadline and proc.poll() is None, "the server did not start"
+      line = proc.stderr.readline()
+      m = re.search(r"listening on (http://\S+)", line)
+      url = m.group(1) if m else None
+    # A stream in flight when SIGTERM arrives is finished, then the process exits 0.
+    chunks, finish = [], None
+    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": [5, 6, 7], "stream": True}) as r:
+      lines = r.iter_lines()
+      for line in lines:
+        if line.startswith("data: {"):
+          chunks.append(json.loads(line[6:]))
+          break
+      proc.send_signal(signal.SIGTERM)
+      for line in lines:
+        if line.startswith("data: {"):
+          chunks.append(json.loads(line[6:]))
+          finish = chunks[-1]["choices"][0]["finish_reason"] or finish
+    assert sum(bool(c["choices"][0]["text"]) for c in chunks[1:]) >= 2  # text came after it
+    assert finish in ("stop", "length")
+    tokens = chunks[-1]["choices"][0]["token_ids"]
+    assert len(tokens) == long_gen or tokens[-1] == 1
+    assert proc.wait(timeout=60) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
