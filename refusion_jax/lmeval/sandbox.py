@@ -660,6 +660,15 @@ def check_platform(allow_network: bool = False, allow_no_namespaces: bool = Fals
       f"[{'; '.join(refusals) or 'no tool tried'}]")
 
 
+def _interpreter() -> str:
+  """The interpreter as the sample's view can reach it: its folder with every
+  link resolved (a venv reached through a link below /tmp, which the sample
+  sees as a fresh tmpfs, is named where it really is), its own name kept, so a
+  venv's python still finds its pyvenv.cfg."""
+  return os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(sys.executable))),
+                      os.path.basename(sys.executable))
+
+
 def _interpreter_paths() -> list[str]:
   """Folders the sample's interpreter reads: its prefixes and every folder on
   the chain of symbolic links to its binary."""
@@ -784,7 +793,7 @@ def _run(source: str, limits: Limits, plan: Plan) -> Outcome:
       expose = sorted({*expose, os.path.dirname(launcher)})
     spec = {
         "mode": plan.mode, "folder": folder, "uid": uid, "gid": gid, "status_fd": write_fd,
-        "python": sys.executable, "expose": expose,
+        "python": _interpreter(), "expose": expose,
         "hide": [] if plan.mode == "root" else _home_folders(),
         "other_processes": _OTHER_PROCESSES[plan.mode],
         "limits": dataclasses.asdict(limits), "env": {**_ENV_ESSENTIALS, "HOME": folder},
@@ -806,7 +815,7 @@ def _run(source: str, limits: Limits, plan: Plan) -> Outcome:
       if not plan.allow_network:
         command.append("--net")
     command += (["--"] if command else []) + [
-        sys.executable, "-I", "-S", launcher, json.dumps(spec)]
+        _interpreter(), "-I", "-S", launcher, json.dumps(spec)]
     start = time.monotonic()
     with open(output_path, "wb") as output:
       proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=output,
