@@ -364,6 +364,14 @@ class Qwen3(nnx.Module):
         state, i = xs
         layer = nnx.merge(graphdef, state)
         x, k, v = layer(x, positions_bt, chunk_mask_btt, k_buf[i], v_buf[i], valid_bs)
+        # The chunk's K/V pass through a barrier (an identity) before the write: without
+        # it libtpu 0.0.42 aborts compiling AR decode's loop around this scan (grouped-
+        # query heads on a tensor-parallel mesh) in a loop analysis that finds a cycle
+        # (algebraic_simplifier.cc "A cycle is detected"): the K/V projection gets the
+        # control edge ordering the in-place write after the attention that reads the
+        # buffer, and that attention depends on the projection. The barrier keeps only
+        # the small [B, T, K, H] chunk apart; the buffers are still written in place.
+        k, v = jax.lax.optimization_barrier((k, v))
         k_buf = k_buf.at[i, rows_bt, :, dest_bt].set(k.astype(k_buf.dtype), mode="drop")
         v_buf = v_buf.at[i, rows_bt, :, dest_bt].set(v.astype(v_buf.dtype), mode="drop")
         return (x, k_buf, v_buf), None

@@ -201,6 +201,25 @@ def test_every_decode_method_compiles_and_fits(decode_runs, method):
   assert r["estimated_s"] > 0 and "estimate per pass" in done.stdout
 
 
+def test_ar_decode_compiles_with_scanned_layers_on_a_tensor_mesh(tmp_path):
+  # Grouped-query heads split over the chips and layers in a scan that writes the K/V
+  # into the stacked cache: libtpu 0.0.42 used to abort compiling the AR program
+  # ("A cycle is detected", a fatal check: hence the subprocess) unless the chunk's K/V
+  # pass a barrier before the write (model.py, _scan_layers).
+  mc = config_lib.tiny(num_layers=1, hidden_size=256, num_heads=8, num_kv_heads=4,
+                       head_dim=64, mlp_dim=256)
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(config_lib.to_hf_config(mc), f)
+  done, r = _aot("--program=decode", f"--topology={TOPOLOGY}", f"--model={tmp_path}",
+                 "--config=configs/sample.py", "--config.decode.method=ar",
+                 "--config.decode.gen_length=8", "--config.decode.slot_size=8",
+                 "--config.decode.block_size=8", "--batch=2", "--prompt_len=8", "--mesh=1,1,4",
+                 "--scan_layers", "--decode_programs=generate", "--pass_widths=")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert r["scan_layers"] is True and r["mesh"] == {"data": 1, "fsdp": 1, "tensor": 4}
+  assert [p["name"] for p in r["programs"]] == ["generate"] and r["fits"] is True
+
+
 def test_an_oversized_program_does_not_fit(small_model):
   # 8192 rows of a 512 + 512 cache: the prefill's temporaries exceed a v5e chip's 16 GiB.
   done, r = _aot("--program=decode", f"--topology={TOPOLOGY}", "--model=tiny",
