@@ -7,7 +7,8 @@ the float32 parameters and both AdamW moments split over four chips, the flop
 hand count agrees with XLA's own count where XLA's is right (unrolled
 layers), a decode pass reads at least every weight and the whole KV cache
 (the floor) and not several times more. An oversized program is reported as
-not fitting (exit 3); bad flags exit 2 on one line.
+not fitting (exit 3); bad flags exit 2 on one line. AR decode with scanned
+layers on a tensor-parallel mesh compiles (libtpu 0.0.42 aborted on it).
 """
 
 import json
