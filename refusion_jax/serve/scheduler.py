@@ -17,7 +17,10 @@ A lane runs without a pass bound (returning when a row is done, as the
 offline engine does) unless one of its jobs watches progress (streaming, stop
 strings, max_tokens below the bucket's gen_length), a row is free (a new
 request must not wait for a whole decode), or other lanes are busy (fair
-turns): then it hands control back every `chunk_passes` passes. Chunking
+turns): then it hands control back every `chunk_passes` passes, and every
+`free_chunk_passes` passes (default 1) while a row is free, so that a request
+arriving mid-run joins at the next pass rather than after a whole chunk (a
+closed-loop client's next request comes while the others' rows run). Chunking
 changes no token and no pass count (`LiveBatch`).
 """
 
@@ -141,7 +144,7 @@ class Scheduler:
 
   def __init__(self, model, decode_configs: list[DecodeConfig], *, rows: int, width: int,
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
-               metrics: Any = None):
+               metrics: Any = None, free_chunk_passes: int = 1):
     self.model = model
     self.decoders = {}
     for dc in decode_configs:
@@ -150,6 +153,7 @@ class Scheduler:
     self.rows, self.width = rows, width
     self.max_queue, self.max_lanes = max_queue, max(max_lanes, len(self.decoders))
     self.chunk_passes = chunk_passes
+    self.free_chunk_passes = min(chunk_passes, free_chunk_passes)
     self.admit_max = admit_max
     self.metrics = metrics
     self._lanes: dict[tuple, _Lane] = {}
@@ -309,8 +313,9 @@ class Scheduler:
 
   def _max_passes(self, lane: _Lane, busy_lanes: int) -> int | None:
     jobs = [j for j in lane.jobs if j is not None]
-    if (busy_lanes > 1 or len(jobs) < len(lane.jobs) or lane.waiting
-        or any(j.watch for j in jobs)):
+    if len(jobs) < len(lane.jobs):  # a request may arrive for the free row
+      return self.free_chunk_passes
+    if busy_lanes > 1 or lane.waiting or any(j.watch for j in jobs):
       return self.chunk_passes
     return None
 
