@@ -65,6 +65,8 @@ def parse_args(argv=None):
   p.add_argument("--slot_threshold", type=float, default=0.5)
   p.add_argument("--token_threshold", type=float, default=0.1)
   p.add_argument("--chunk_passes", type=int, default=4, help="the server's --config.chunk_passes")
+  p.add_argument("--free_chunk_passes", type=int, default=1,
+                 help="the server's --config.free_chunk_passes")
   p.add_argument("--no_stream", action="store_true", help="clients ask for whole responses")
   p.add_argument("--repeats", type=int, default=3,
                  help="server / offline runs alternated per level (medians reported)")
@@ -128,6 +130,7 @@ def start_server(model_dir, method, args, width) -> tuple[subprocess.Popen, str]
          f"--config.model_dir={model_dir}", "--config.port=0", f"--config.rows={args.rows}",
          f"--config.max_prompt_len={width}", f"--config.max_queue={max(args.clients) * 2}",
          f"--config.chunk_passes={args.chunk_passes}", "--config.model_name=m",
+         f"--config.free_chunk_passes={args.free_chunk_passes}",
          f"--config.decode.method={method}", f"--config.decode.gen_length={args.gen_length}",
          f"--config.decode.slot_size={slot}", f"--config.decode.block_size={block}",
          f"--config.decode.slot_threshold={args.slot_threshold}",
@@ -250,7 +253,8 @@ def main(argv=None) -> list[dict]:
         f"{args.prompts} prompts per level; gen {args.gen_length}, slot {args.slot_size}, "
         f"block {args.block_size}, tau_s {args.slot_threshold}, tau_t {args.token_threshold}; "
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
-        f"{args.chunk_passes}, {args.repeats} alternated repeats per level")
+        f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), {args.repeats} "
+        "alternated repeats per level")
   rows_out = []
   for method, model_dir in models:
     model_config, model = sample.load_model(model_dir)
