@@ -3,7 +3,7 @@
 For each model and decoding method, the server runs as its own process
 (`python -m refusion_jax.serve`, `--rows` rows, prompt width and decode shape
 as below) and this process plays 1, 4, 16 and 64 concurrent streaming clients
-(asyncio + httpx, one connection each), every client taking the next of the
+(asyncio, one keep-alive connection each), every client taking the next of the
 same `--prompts` prompts until none is left. Per level: throughput (completion
 tokens / wall time), time to first token and request latency (p50 / p99), and
 whether every response's tokens equal the offline engine's. The offline
@@ -14,7 +14,10 @@ the median of back-to-back pairs), so both see the same machine load. The
 engine with min(clients, rows) rows is shown beside it, and the server's
 forward passes (its /metrics) over the offline run's: above 1 when rows sat
 idle (a closed-loop client leaves its row empty between a response and its
-next request, which the offline engine's full queue never does).
+next request, which the offline engine's full queue never does). The clients
+speak HTTP/1.1 over asyncio streams directly (`Connection`): on a small CPU
+host a general client library spends enough CPU to slow the server it shares
+the cores with, which the offline run does not pay.
 
   python benchmarks/serve_load.py                       # the main job's models when present
   python benchmarks/serve_load.py --model_dir DIR --methods refusion,ar
@@ -62,6 +65,8 @@ def parse_args(argv=None):
   p.add_argument("--slot_threshold", type=float, default=0.5)
   p.add_argument("--token_threshold", type=float, default=0.1)
   p.add_argument("--chunk_passes", type=int, default=4, help="the server's --config.chunk_passes")
+  p.add_argument("--free_chunk_passes", type=int, default=1,
+                 help="the server's --config.free_chunk_passes")
   p.add_argument("--no_stream", action="store_true", help="clients ask for whole responses")
   p.add_argument("--repeats", type=int, default=3,
                  help="server / offline runs alternated per level (medians reported)")
@@ -125,6 +130,7 @@ def start_server(model_dir, method, args, width) -> tuple[subprocess.Popen, str]
          f"--config.model_dir={model_dir}", "--config.port=0", f"--config.rows={args.rows}",
          f"--config.max_prompt_len={width}", f"--config.max_queue={max(args.clients) * 2}",
          f"--config.chunk_passes={args.chunk_passes}", "--config.model_name=m",
+         f"--config.free_chunk_passes={args.free_chunk_passes}",
          f"--config.decode.method={method}", f"--config.decode.gen_length={args.gen_length}",
          f"--config.decode.slot_size={slot}", f"--config.decode.block_size={block}",
          f"--config.decode.slot_threshold={args.slot_threshold}",
@@ -139,23 +145,64 @@ def start_server(model_dir, method, args, width) -> tuple[subprocess.Popen, str]
       return proc, m.group(1)
 
 
-async def _one(client, url, prompt, args, out):
+class Connection:
+  """One keep-alive HTTP/1.1 connection that posts JSON and reads the reply (a body of
+  `Content-Length` bytes or chunked, e.g. a server-sent event stream)."""
+
+  def __init__(self, url: str):
+    m = re.match(r"http://([^/:]+):(\d+)", url)
+    self.host, self.port = m.group(1), int(m.group(2))
+    self.reader = self.writer = None
+
+  async def post(self, path: str, body: dict):
+    """Sends the request; yields the body's bytes as they come."""
+    if self.writer is None:
+      self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+    data = json.dumps(body).encode()
+    self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                      "\r\n".encode() + data)
+    status = await self.reader.readline()
+    if not status.startswith(b"HTTP/1.1 200"):
+      raise RuntimeError(f"the server answered {status.decode().strip()!r}")
+    headers = {}
+    while (line := await self.reader.readline()) not in (b"\r\n", b""):
+      k, _, v = line.decode().partition(":")
+      headers[k.strip().lower()] = v.strip()
+    if "content-length" in headers:
+      yield await self.reader.readexactly(int(headers["content-length"]))
+    else:
+      while (size := int((await self.reader.readline()).strip(), 16)):
+        yield await self.reader.readexactly(size)
+        await self.reader.readexactly(2)
+      await self.reader.readexactly(2)
+    if headers.get("connection") == "close":
+      self.close()
+
+  def close(self):
+    if self.writer is not None:
+      self.writer.close()
+      self.reader = self.writer = None
+
+
+async def _one(conn: Connection, prompt, args, out):
   body = {"model": "m", "prompt": prompt, "max_tokens": args.gen_length,
           "stream": not args.no_stream}
   t0 = time.perf_counter()
   first = None
+  tokens = None
   if args.no_stream:
-    r = await client.post(url + "/v1/completions", json=body)
-    r.raise_for_status()
-    tokens = r.json()["choices"][0]["token_ids"]
+    data = b"".join([part async for part in conn.post("/v1/completions", body)])
+    tokens = json.loads(data)["choices"][0]["token_ids"]
   else:
-    tokens = None
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-      r.raise_for_status()
-      async for line in r.aiter_lines():
-        if not line.startswith("data: {"):
+    pending = b""
+    async for part in conn.post("/v1/completions", body):
+      pending += part
+      *events, pending = pending.split(b"\n\n")
+      for event in events:
+        if not event.startswith(b"data: {"):
           continue
-        choice = json.loads(line[6:])["choices"][0]
+        choice = json.loads(event[6:])["choices"][0]
         if first is None and choice["text"]:
           first = time.perf_counter() - t0
         if choice["finish_reason"] is not None:
@@ -164,25 +211,31 @@ async def _one(client, url, prompt, args, out):
   out.append((latency, first if first is not None else latency, tokens))
 
 
-async def load(url, prompts, clients: int, args) -> tuple[float, list]:
-  import httpx  # pylint: disable=import-outside-toplevel
+async def load(url, prompts, clients: int, args) -> tuple[float, list, float]:
+  """(wall seconds, (latency, TTFT, tokens) per prompt, server passes) of one timed load."""
   todo = list(enumerate(prompts))
   results: dict[int, tuple] = {}
 
-  async def worker(client):
+  async def worker(conn):
     while todo:
       i, prompt = todo.pop(0)
       out = []
-      await _one(client, url, prompt, args, out)
+      await _one(conn, prompt, args, out)
       results[i] = out[0]
 
-  limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-  async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-    await _one(client, url, prompts[0], args, [])  # connection and first-request warm-up
+  conns = [Connection(url) for _ in range(clients)]
+  try:
+    # Connections opened and a first request each (warm-up), then the timed load.
+    await asyncio.gather(*(_one(c, prompts[0], args, []) for c in conns))
+    before = server_passes(url)
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker(client) for _ in range(clients)))
+    await asyncio.gather(*(worker(c) for c in conns))
     wall = time.perf_counter() - t0
-  return wall, [results[i] for i in range(len(prompts))]
+    passes = server_passes(url) - before
+  finally:
+    for c in conns:
+      c.close()
+  return wall, [results[i] for i in range(len(prompts))], passes
 
 
 def main(argv=None) -> list[dict]:
@@ -200,7 +253,8 @@ def main(argv=None) -> list[dict]:
         f"{args.prompts} prompts per level; gen {args.gen_length}, slot {args.slot_size}, "
         f"block {args.block_size}, tau_s {args.slot_threshold}, tau_t {args.token_threshold}; "
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
-        f"{args.chunk_passes}, {args.repeats} alternated repeats per level")
+        f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), {args.repeats} "
+        "alternated repeats per level")
   rows_out = []
   for method, model_dir in models:
     model_config, model = sample.load_model(model_dir)
@@ -224,10 +278,7 @@ def main(argv=None) -> list[dict]:
         pairs, small, res, off_tokens = [], None, None, None
         for _ in range(args.repeats):
           off_tps, off_tokens, off_passes = offline(engines[args.rows], prompts)
-          before = server_passes(url)
-          wall, res = asyncio.run(load(url, prompts, clients, args))
-          # The load's own warm-up request is one prompt's passes at most.
-          passes = server_passes(url) - before
+          wall, res, passes = asyncio.run(load(url, prompts, clients, args))
           pairs.append((sum(len(t) for _, _, t in res) / wall, off_tps, passes / off_passes))
           if clients < args.rows:
             small = offline(engines[clients], prompts)[0]

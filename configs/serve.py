@@ -26,7 +26,8 @@ def get_config():
   c.buckets = ""  # more compiled shapes, "method:gen_length:slot_size:block_size,..." (ar: "ar:G")
   c.max_queue = 256  # requests waiting for a row at most (more get 429 with Retry-After)
   c.max_lanes = 4  # row sets alive at once (one per shape and knob values in use)
-  c.chunk_passes = 4  # passes between returns to the host while streaming / rows are free
+  c.chunk_passes = 4  # passes between returns to the host while streaming / lanes take turns
+  c.free_chunk_passes = 1  # the same while a row is free (a new request waits at most this long)
   c.admit_max = 0  # prompts prefilled per admission call at most (0 = rows)
   c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)
   c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled

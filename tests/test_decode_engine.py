@@ -545,3 +545,31 @@ def test_decode_program_holds_no_copy_of_the_kv_cache(method):
   memory = compiled.memory_analysis()
   cache_bytes = 2 * cfg.num_layers * b * cfg.num_kv_heads * (p + 512) * cfg.head_dim * 4
   assert memory.temp_size_in_bytes < 0.5 * cache_bytes, (memory.temp_size_in_bytes, cache_bytes)
+
+
+def test_live_batch_read_later_is_a_snapshot_of_its_dispatch_point(models):
+  """A read dispatched before more passes gives the rows as they stood then (the
+  passes dispatched after it, onto the donated state, change neither it nor the
+  texts), and the decode still equals each prompt decoded alone."""
+  model, dc = models["refusion"], _CONFIGS["refusion"]
+  prompts = [p[:8] for p in _prompts(np.random.RandomState(5), 2)]
+  dec = engine.Decoder(model, dc)
+  keys = np.zeros((2, 2), np.uint32)
+  live, ref = engine.LiveBatch(dec, 2, 8), engine.LiveBatch(dec, 2, 8)
+  for batch in (live, ref):
+    batch.admit(prompts, [0, 1], keys)
+    batch.run(1, stop_on_done=False)
+  later = live.read_later()
+  live.run(2, stop_on_done=False)  # dispatched before the read is waited for
+  early, now = later(), ref.read()
+  assert early.passes == now.passes == 1
+  for field in ("tokens_bg", "commit_step_bg", "phase_b", "nfe_b"):
+    np.testing.assert_array_equal(getattr(early, field), getattr(now, field))
+  assert live.read().passes == 3
+  live.run(None, stop_on_done=False)
+  done = live.read()
+  assert (done.phase_b == engine.DONE).all()
+  for r, p in enumerate(prompts):
+    tokens, counters = _single(model, dc, p)
+    assert done.tokens_bg[r, :int(done.length_b[r])].tolist() == tokens
+    assert int(done.nfe_b[r]) == counters["nfe_b"]

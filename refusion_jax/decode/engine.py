@@ -669,10 +669,22 @@ class LiveBatch:
 
   def read(self) -> Snapshot:
     """Waits for what was dispatched and reads every row (one device-to-host copy)."""
-    out, nfe_b, phase, passes = jax.device_get(_live_read(self.state, self.knobs,
-                                                          spec=self.decoder.spec))
-    return Snapshot(tokens_bg=out.tokens_bg, commit_step_bg=out.commit_step_bg,
-                    length_b=out.length_b, phase_b=phase, passes=int(passes), nfe_b=nfe_b)
+    return self.read_later()()
+
+  def read_later(self) -> Callable[[], Snapshot]:
+    """Dispatches the read of every row as it stands after what was dispatched so
+    far, without waiting; the function returned waits for it and gives the
+    `Snapshot`. More passes may be dispatched in between (the device then runs
+    them while the host reads): the snapshot is still of this point."""
+    arrays = _live_read(self.state, self.knobs, spec=self.decoder.spec)
+    for leaf in jax.tree.leaves(arrays):
+      leaf.copy_to_host_async()
+
+    def get() -> Snapshot:
+      out, nfe_b, phase, passes = jax.device_get(arrays)
+      return Snapshot(tokens_bg=out.tokens_bg, commit_step_bg=out.commit_step_bg,
+                      length_b=out.length_b, phase_b=phase, passes=int(passes), nfe_b=nfe_b)
+    return get
 
   def free(self, rows: Sequence[int]) -> None:
     if len(rows) == 0:

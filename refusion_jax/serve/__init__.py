@@ -34,7 +34,8 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
     raise FileNotFoundError(f"--config.model_dir={c.model_dir!r} does not exist")
   if c.tokenizer_dir and not os.path.isdir(c.tokenizer_dir):
     raise FileNotFoundError(f"--config.tokenizer_dir={c.tokenizer_dir!r} does not exist")
-  for name in ("rows", "max_prompt_len", "max_queue", "max_lanes", "chunk_passes"):
+  for name in ("rows", "max_prompt_len", "max_queue", "max_lanes", "chunk_passes",
+               "free_chunk_passes"):
     if not isinstance(c[name], int) or isinstance(c[name], bool) or c[name] <= 0:
       raise ValueError(f"--config.{name} must be a positive int, got {c[name]!r}")
   if not isinstance(c.admit_max, int) or c.admit_max < 0:
@@ -66,7 +67,7 @@ def build(c: ml_collections.ConfigDict, *, warm_up: bool = True):
   scheduler = sched_lib.Scheduler(model, configs, rows=c.rows, width=c.max_prompt_len,
                                   max_queue=c.max_queue, max_lanes=c.max_lanes,
                                   chunk_passes=c.chunk_passes, admit_max=c.admit_max or None,
-                                  metrics=metrics)
+                                  metrics=metrics, free_chunk_passes=c.free_chunk_passes)
   _log(f"[serve] loaded {c.model_dir} in {time.perf_counter() - t:.1f}s")
   if warm_up:
     t = time.perf_counter()

@@ -52,7 +52,15 @@ def main(argv, config_flag):
     await server.serve()
     task.cancel()
 
-  asyncio.run(run())
+  # uvloop when installed (as uvicorn's own "auto" loop picks): fewer microseconds per
+  # event, so responses reach clients sooner while the decoder keeps the cores busy.
+  try:
+    import uvloop  # pylint: disable=import-outside-toplevel
+    loop_factory = uvloop.new_event_loop
+  except ImportError:
+    loop_factory = None
+  with asyncio.Runner(loop_factory=loop_factory) as runner:
+    runner.run(run())
 
 
 if __name__ == "__main__":

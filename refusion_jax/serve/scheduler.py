@@ -17,7 +17,10 @@ A lane runs without a pass bound (returning when a row is done, as the
 offline engine does) unless one of its jobs watches progress (streaming, stop
 strings, max_tokens below the bucket's gen_length), a row is free (a new
 request must not wait for a whole decode), or other lanes are busy (fair
-turns): then it hands control back every `chunk_passes` passes. Chunking
+turns): then it hands control back every `chunk_passes` passes, and every
+`free_chunk_passes` passes (default 1) while a row is free, so that a request
+arriving mid-run joins at the next pass rather than after a whole chunk (a
+closed-loop client's next request comes while the others' rows run). Chunking
 changes no token and no pass count (`LiveBatch`).
 """
 
@@ -111,6 +114,7 @@ class Job:
   row: int = -1
   sent: int = 0  # committed prefix delivered so far
   seen: np.ndarray | None = None  # positions reported to a `slots` job
+  admission: int = 0  # the lane's admission call that prefilled it
   submitted: float = 0.0
 
 
@@ -127,6 +131,7 @@ class _Lane:
     self.jobs: list[Job | None] = [None] * batch.rows
     self.waiting: collections.deque[Job] = collections.deque()
     self.passes = 0
+    self.admissions = 0  # admission calls so far
     self.inflight = False  # a run was dispatched and not yet read
 
   def busy(self) -> int:
@@ -141,7 +146,7 @@ class Scheduler:
 
   def __init__(self, model, decode_configs: list[DecodeConfig], *, rows: int, width: int,
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
-               metrics: Any = None):
+               metrics: Any = None, free_chunk_passes: int = 1):
     self.model = model
     self.decoders = {}
     for dc in decode_configs:
@@ -150,6 +155,7 @@ class Scheduler:
     self.rows, self.width = rows, width
     self.max_queue, self.max_lanes = max_queue, max(max_lanes, len(self.decoders))
     self.chunk_passes = chunk_passes
+    self.free_chunk_passes = min(chunk_passes, free_chunk_passes)
     self.admit_max = admit_max
     self.metrics = metrics
     self._lanes: dict[tuple, _Lane] = {}
@@ -302,23 +308,25 @@ class Scheduler:
       take = [lane.waiting.popleft() for _ in range(n)]
       rows, free = free[:n], free[n:]
       lane.batch.admit([j.prompt for j in take], rows, np.stack([j.rng2 for j in take]))
+      lane.admissions += 1
       for job, r in zip(take, rows):
         job.row = r
+        job.admission = lane.admissions
         lane.jobs[r] = job
       self._dequeued(n)
 
   def _max_passes(self, lane: _Lane, busy_lanes: int) -> int | None:
     jobs = [j for j in lane.jobs if j is not None]
-    if (busy_lanes > 1 or len(jobs) < len(lane.jobs) or lane.waiting
-        or any(j.watch for j in jobs)):
+    if len(jobs) < len(lane.jobs):  # a request may arrive for the free row
+      return self.free_chunk_passes
+    if busy_lanes > 1 or lane.waiting or any(j.watch for j in jobs):
       return self.chunk_passes
     return None
 
-  def _collect(self, lane: _Lane) -> list:
-    """Reads the lane's run, frees finished rows; returns the deliveries to make
-    (made after the next run is dispatched, so that they overlap it)."""
-    snap = lane.batch.read()
-    lane.inflight = False
+  def _collect(self, lane: _Lane, snap: engine_lib.Snapshot, admissions: int) -> list:
+    """Takes a snapshot of the lane's rows (read after `admissions` admission calls:
+    jobs admitted later are not in it yet) and frees finished rows; returns the
+    deliveries to make (made after the next run is dispatched, so that they overlap it)."""
     if self.metrics is not None:
       self.metrics.forward_passes.inc(snap.passes - lane.passes)
     lane.passes = snap.passes
@@ -326,7 +334,7 @@ class Scheduler:
     nfe_b = snap.nfe_b
     finished, out = [], []
     for r, job in enumerate(lane.jobs):
-      if job is None:
+      if job is None or job.admission > admissions:
         continue
       done = snap.phase_b[r] == engine_lib.DONE
       n = int(snap.length_b[r]) if done else int(prefix_b[r])
@@ -399,14 +407,27 @@ class Scheduler:
             lane.batch.run(self._max_passes(lane, len(busy)))
             lane.inflight = True
         for lane in busy:
-          deliveries = self._collect(lane)
-          # The lane's next chunk is dispatched before the deliveries are made, so
-          # the device works while this thread hands results over.
-          self._route()
-          self._cancel_and_admit(lane)
-          if lane.busy() and not self._hold.is_set() and not self._stop:
-            lane.batch.run(self._max_passes(lane, len(busy)))
-            lane.inflight = True
+          read, admissions = lane.batch.read_later(), lane.admissions
+          go = lambda lane=lane: lane.busy() and not self._hold.is_set() and not self._stop
+          ahead = lane.busy() < len(lane.jobs) and go()
+          if ahead:
+            # A row is free: the next pass is dispatched behind the read, before
+            # waiting for it, so the device runs it while this thread reads and
+            # delivers (rows that finished sit out that pass, done, until freed);
+            # requests that came in the meantime join it.
+            self._route()
+            self._cancel_and_admit(lane)
+            lane.batch.run(self.free_chunk_passes, stop_on_done=False)
+          deliveries = self._collect(lane, read(), admissions)
+          lane.inflight = ahead
+          if not ahead:
+            # The lane's next chunk is dispatched before the deliveries are made, so
+            # the device works while this thread hands results over.
+            self._route()
+            self._cancel_and_admit(lane)
+            if go():
+              lane.batch.run(self._max_passes(lane, len(busy)))
+              lane.inflight = True
           for fn, fn_args in deliveries:
             fn(*fn_args)
       except Exception as e:  # pylint: disable=broad-except
