@@ -63,7 +63,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from refusion_jax import checkpoint, entry_flags, hlo_traffic, objective, sharding, tpu  # noqa: E402
+from refusion_jax import checkpoint, entry_flags, hlo_traffic, sharding, tpu  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax.config import DecodeConfig, ModelConfig  # noqa: E402
 from refusion_jax.decode import engine, passes  # noqa: E402
@@ -251,13 +251,7 @@ def train_model_config(config) -> tuple[ModelConfig, str]:
                     mask_token_id=config_lib.REFUSION_MASK_ID)
     source += (f" (init_from_hf {config.init_from_hf!r} is not here: its shapes with "
                "ReFusion's special tokens, vocabulary 151,671)")
-  if config.objective in ("refusion", "mdm") and mc.mask_token_id is None:
-    raise ValueError(f"config.objective={config.objective!r} needs a mask token, but the model "
-                     "config has mask_token_id=None (set config.model.mask_token_id)")
-  want = objective.attention_for(config.objective)
-  if mc.attention != want:
-    raise ValueError(f"config.objective={config.objective!r} needs config.model.attention="
-                     f"{want!r}, got {mc.attention!r}")
+  settings.check_objective_fits(config, mc)
   return mc, source
 
 

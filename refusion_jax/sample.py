@@ -44,12 +44,17 @@ def _log(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
 
 
-def check_flags(c: ml_collections.ConfigDict) -> None:
-  """Everything that can be checked before loading anything."""
+def check_model_dir(c: ml_collections.ConfigDict) -> None:
+  """--config.model_dir is given and is a folder (sample and serve)."""
   if not c.model_dir:
     raise ValueError("--config.model_dir is required (a HF or refusion_jax model folder)")
   if not os.path.isdir(c.model_dir):
     raise FileNotFoundError(f"--config.model_dir={c.model_dir!r} does not exist")
+
+
+def check_flags(c: ml_collections.ConfigDict) -> None:
+  """Everything that can be checked before loading anything."""
+  check_model_dir(c)
   given = [name for name in ("prompt", "prompt_ids", "prompts_file") if c[name]]
   if len(given) != 1:
     raise ValueError("set exactly one of --config.prompt, --config.prompt_ids, "

@@ -28,10 +28,7 @@ def _log(message: str) -> None:
 
 def check_flags(c: ml_collections.ConfigDict) -> None:
   """Everything that can be checked before loading anything."""
-  if not c.model_dir:
-    raise ValueError("--config.model_dir is required (a HF or refusion_jax model folder)")
-  if not os.path.isdir(c.model_dir):
-    raise FileNotFoundError(f"--config.model_dir={c.model_dir!r} does not exist")
+  sample.check_model_dir(c)
   if c.tokenizer_dir and not os.path.isdir(c.tokenizer_dir):
     raise FileNotFoundError(f"--config.tokenizer_dir={c.tokenizer_dir!r} does not exist")
   for name in ("rows", "max_prompt_len", "max_queue", "max_lanes", "chunk_passes",

@@ -14,7 +14,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from refusion_jax import serve
+from refusion_jax import entry_flags, serve
 
 
 def main(argv, config_flag):
@@ -25,11 +25,7 @@ def main(argv, config_flag):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   c = config_flag.value
-  try:
-    asgi, _ = serve.build(c)
-  except (ValueError, FileNotFoundError, TypeError) as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(2)
+  asgi, _ = serve.build(c)
   import uvicorn  # pylint: disable=import-outside-toplevel
   config = uvicorn.Config(asgi, host=c.host, port=c.port, log_level=c.log_level,
                           timeout_graceful_shutdown=c.drain_timeout_s, access_log=False)
@@ -66,4 +62,5 @@ def main(argv, config_flag):
 if __name__ == "__main__":
   _config_flag = config_flags.DEFINE_config_file(
       "config", None, "Serving config file (configs/serve.py).", lock_config=True)
-  app.run(lambda argv: main(argv, _config_flag))
+  entry_flags.run_program(lambda argv: main(argv, _config_flag), "refusion_jax.serve",
+                          user_errors=(ValueError, FileNotFoundError, TypeError))

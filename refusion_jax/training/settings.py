@@ -231,11 +231,8 @@ def build_model_config(config, tokenizer: Tokenizer) -> ModelConfig:
     raise ValueError(f"config.model (on top of init_from_hf): {e}") from None
 
 
-def validate_model_config(config, model_config: ModelConfig, tokenizer: Tokenizer) -> None:
-  """Checks that the model, the tokenizer and the objective fit together."""
-  if config.data.seq_len > model_config.max_position_embeddings:
-    raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds the model's "
-                     f"max_position_embeddings={model_config.max_position_embeddings}")
+def check_objective_fits(config, model_config: ModelConfig) -> None:
+  """The objective's needs of the model: a mask token, and its attention kind."""
   if config.objective in ("refusion", "mdm") and model_config.mask_token_id is None:
     raise ValueError(f"config.objective={config.objective!r} needs a mask token, but the model "
                      "config has mask_token_id=None (set config.model.mask_token_id)")
@@ -243,6 +240,14 @@ def validate_model_config(config, model_config: ModelConfig, tokenizer: Tokenize
   if model_config.attention != want:
     raise ValueError(f"config.objective={config.objective!r} needs config.model.attention="
                      f"{want!r}, got {model_config.attention!r}")
+
+
+def validate_model_config(config, model_config: ModelConfig, tokenizer: Tokenizer) -> None:
+  """Checks that the model, the tokenizer and the objective fit together."""
+  if config.data.seq_len > model_config.max_position_embeddings:
+    raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds the model's "
+                     f"max_position_embeddings={model_config.max_position_embeddings}")
+  check_objective_fits(config, model_config)
   try:
     tokenizer.check_compatible(model_config)
   except ValueError as e:
