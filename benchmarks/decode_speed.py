@@ -13,6 +13,8 @@ the allocator's `peak_bytes_in_use` is printed as well).
   python benchmarks/decode_speed.py                        # random tiny models
   python benchmarks/decode_speed.py --refusion_dir R --ar_dir A --mdm_dir M
   python benchmarks/decode_speed.py --preset qwen3_0_6b --memory_only   # any machine
+  python benchmarks/decode_speed.py --preset qwen3_0_6b --prompt_len 256 --gen_length 256 \
+      --engine_prompts 0 --no_fixed_cost --batch_sizes 1,4    # a GPU: ~5 min, mostly compiles
 
 `--memory_only` compiles each decode program from shapes alone (no weights are
 created, nothing runs) and prints its buffer assignment beside AR's: the
@@ -87,6 +89,9 @@ def parse_args(argv=None):
   parser.add_argument("--mdm_threshold", type=float, default=None)
   parser.add_argument("--repeats", type=int, default=3, help="timed calls; the median is kept")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--no_fixed_cost", action="store_true",
+                      help="skip the fixed cost of a call (it compiles each method's engine "
+                           "program once more: minutes for a full-size model)")
   parser.add_argument("--memory_only", action="store_true",
                       help="only compile each program from shapes (no weights, no decoding) "
                            "and print its memory (with --preset: no model is materialised)")
@@ -312,8 +317,9 @@ def main(argv=None) -> list[dict]:
     for method in args.methods:
       row = bench_one(method, models[method], batch, args)
       rows.append(row)
-      print(f"  done {method} batch {batch} (compile {row['compile_s']:.1f}s)", file=sys.stderr,
-            flush=True)
+      print(f"  done {method} batch {batch} (compile {row['compile_s']:.1f}s): "
+            f"{row['tok_s']:.1f} tok/s, {row['pass_ms']:.3f} ms/pass, {row['loop_passes']:.1f} "
+            f"passes/call, prog {row['program_mb']:.1f} MB", file=sys.stderr, flush=True)
   gpu = any(r["device_peak_mb"] for r in rows)
   header = (f"{'method':9s}{'batch':>6s}{'tokens':>8s}{'tok/s':>11s}{'tok/fwd':>9s}"
             f"{'NFE/row':>9s}{'passes':>8s}{'ms/pass':>9s}{'sec':>9s}{'compile':>9s}"
@@ -343,7 +349,7 @@ def main(argv=None) -> list[dict]:
       if first and last:
         print(f"{method}: batch {batch} / batch {first['batch']} tokens/s = "
               f"{last['tok_s'] / first['tok_s']:.2f}x")
-  for method in args.methods:
+  for method in ([] if args.no_fixed_cost else args.methods):
     print(f"{method}: fixed cost of a call (dispatch + launch + sync, no pass) "
           f"{fixed_cost_ms(engine.Decoder(models[method], _decode_config(method, args))):.3f} ms")
   print("\nprog MB: XLA buffer assignment of the compiled decode program (parameters, prompts, "
