@@ -22,10 +22,10 @@ the cores with, which the offline run does not pay.
   python benchmarks/serve_load.py                       # the main job's models when present
   python benchmarks/serve_load.py --model_dir DIR --methods refusion,ar
 
-Default models: the main job's trained ReFusion model and its AR twin
-(runs/repro_tiny/models/{refusion,arm}/final_model) when both exist, else
-`--model_dir` (default: the bundled base, refusion_jax/assets/base_tiny) with
-every method in `--methods`. Prompts: the chat-templated queries of
+Models: `--model_dir` for every method in `--methods` when given; else the
+main job's trained ReFusion model and its AR twin
+(runs/repro_tiny/models/{refusion,arm}/final_model) when both exist, else the
+bundled base (refusion_jax/assets/base_tiny). Prompts: the chat-templated queries of
 `--task_prompts`, sent as token ids (both sides decode identical ids).
 """
 
@@ -52,8 +52,9 @@ MAIN_JOB = {"refusion": "runs/repro_tiny/models/refusion/final_model",
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model_dir", default="refusion_jax/assets/base_tiny",
-                 help="model for every method when the main job's models are absent")
+  p.add_argument("--model_dir", default="",
+                 help="model for every method in --methods (default: the main job's models "
+                      "when present, else the bundled base, refusion_jax/assets/base_tiny)")
   p.add_argument("--methods", default="refusion,ar")
   p.add_argument("--clients", default="1,4,16,64", help="concurrency levels")
   p.add_argument("--prompts", type=int, default=64, help="requests per level")
@@ -67,6 +68,9 @@ def parse_args(argv=None):
   p.add_argument("--chunk_passes", type=int, default=4, help="the server's --config.chunk_passes")
   p.add_argument("--free_chunk_passes", type=int, default=1,
                  help="the server's --config.free_chunk_passes")
+  p.add_argument("--row_counts", default="auto", help="the server's --config.row_counts")
+  p.add_argument("--server_flags", default="",
+                 help="more server flags, space-separated (e.g. --config.switch_interval_ms=5)")
   p.add_argument("--no_stream", action="store_true", help="clients ask for whole responses")
   p.add_argument("--repeats", type=int, default=3,
                  help="server / offline runs alternated per level (medians reported)")
@@ -116,6 +120,11 @@ def offline(eng, prompts) -> tuple[float, list[list[int]], int]:
   return sum(len(t) for t in tokens) / run.seconds, tokens, run.passes
 
 
+def request_passes(eng, prompts) -> float:
+  """Mean forward passes a request's own decode takes (its row's NFE)."""
+  return statistics.mean(r.counters["nfe_b"] for r in eng.run(prompts).results)
+
+
 def server_passes(url) -> float:
   """The server's forward passes so far (its /metrics)."""
   import httpx  # pylint: disable=import-outside-toplevel
@@ -131,10 +140,11 @@ def start_server(model_dir, method, args, width) -> tuple[subprocess.Popen, str]
          f"--config.max_prompt_len={width}", f"--config.max_queue={max(args.clients) * 2}",
          f"--config.chunk_passes={args.chunk_passes}", "--config.model_name=m",
          f"--config.free_chunk_passes={args.free_chunk_passes}",
+         f"--config.row_counts={args.row_counts}",
          f"--config.decode.method={method}", f"--config.decode.gen_length={args.gen_length}",
          f"--config.decode.slot_size={slot}", f"--config.decode.block_size={block}",
          f"--config.decode.slot_threshold={args.slot_threshold}",
-         f"--config.decode.token_threshold={args.token_threshold}"]
+         f"--config.decode.token_threshold={args.token_threshold}"] + args.server_flags.split()
   proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
   while True:
     line = proc.stderr.readline()
@@ -246,14 +256,19 @@ def main(argv=None) -> list[dict]:
   from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
 
   main_job = all(os.path.isdir(os.path.join(REPO, d)) for d in MAIN_JOB.values())
-  models = ([(m, os.path.join(REPO, MAIN_JOB[m])) for m in ("refusion", "ar")] if main_job
-            else [(m, args.model_dir) for m in args.methods])
+  if args.model_dir:
+    models = [(m, args.model_dir) for m in args.methods]
+  elif main_job:
+    models = [(m, os.path.join(REPO, MAIN_JOB[m])) for m in ("refusion", "ar")]
+  else:
+    models = [(m, os.path.join(REPO, "refusion_jax/assets/base_tiny")) for m in args.methods]
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}); server rows {args.rows}; "
         f"{args.prompts} prompts per level; gen {args.gen_length}, slot {args.slot_size}, "
         f"block {args.block_size}, tau_s {args.slot_threshold}, tau_t {args.token_threshold}; "
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
-        f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), {args.repeats} "
+        f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), row_counts "
+        f"{args.row_counts!r}{', ' + args.server_flags if args.server_flags else ''}, {args.repeats} "
         "alternated repeats per level")
   rows_out = []
   for method, model_dir in models:
@@ -271,6 +286,7 @@ def main(argv=None) -> list[dict]:
     dc.check_fits(model_config, width)
     engines = {rows: offline_engine(model, dc, prompts, rows, width)
                for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
+    per_request = request_passes(engines[args.rows], prompts)
     proc, url = start_server(model_dir, method, args, width)
     try:
       for clients in args.clients:
@@ -288,6 +304,7 @@ def main(argv=None) -> list[dict]:
                "offline_small_tok_s": small,
                "ratio": statistics.median(p[0] / p[1] for p in pairs),
                "pass_ratio": statistics.median(p[2] for p in pairs),
+               "request_passes": per_request,
                "ttft_p50_ms": 1e3 * _pct([f for _, f, _ in res], 0.5),
                "lat_p50_ms": 1e3 * _pct([l for l, _, _ in res], 0.5),
                "lat_p99_ms": 1e3 * _pct([l for l, _, _ in res], 0.99),
@@ -302,13 +319,14 @@ def main(argv=None) -> list[dict]:
       except subprocess.TimeoutExpired:
         proc.kill()
   print(f"\n| model | method | clients | server tok/s | offline tok/s, {args.rows} rows | "
-        "server / offline | passes / offline | offline, clients rows | TTFT p50 ms | "
-        "latency p50 ms | latency p99 ms | same tokens |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "server / offline | passes / offline | passes / request | offline, clients rows | "
+        "TTFT p50 ms | latency p50 ms | latency p99 ms | same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows_out:
     small = "–" if r["offline_small_tok_s"] is None else f"{r['offline_small_tok_s']:,.0f}"
     print(f"| {r['model']} | {r['method']} | {r['clients']} | {r['tok_s']:,.0f} | "
-          f"{r['offline_tok_s']:,.0f} | {r['ratio']:.2f}x | {r['pass_ratio']:.2f} | {small} | "
+          f"{r['offline_tok_s']:,.0f} | {r['ratio']:.2f}x | {r['pass_ratio']:.2f} | "
+          f"{r['request_passes']:.1f} | {small} | "
           f"{r['ttft_p50_ms']:.1f} | {r['lat_p50_ms']:.1f} | {r['lat_p99_ms']:.1f} | "
           f"{'yes' if r['same_tokens'] else 'NO'} |")
   sixteen = [r["ratio"] for r in rows_out if r["clients"] == 16]
@@ -316,6 +334,13 @@ def main(argv=None) -> list[dict]:
     print(f"\nserver / offline throughput at 16 clients: "
           + ", ".join(f"{r['method']} {r['ratio']:.2f}x" for r in rows_out if r["clients"] == 16)
           + f" (target >= 0.90x; median {statistics.median(sixteen):.2f}x)")
+    # A closed-loop client's row is empty from its response to its next request: at
+    # least the pass in which the response is read. With as many clients as rows
+    # and passes costing the same whatever rows are busy, the server then does at
+    # most N / (N + 1) of the offline work per pass (N: passes per request).
+    print("closed-loop bound at 16 clients (one idle pass per request, full-row passes): "
+          + ", ".join(f"{r['method']} {r['request_passes'] / (r['request_passes'] + 1):.2f}x"
+                      for r in rows_out if r["clients"] == 16))
   return rows_out
 
 

@@ -28,9 +28,11 @@ def get_config():
   c.max_lanes = 4  # row sets alive at once (one per shape and knob values in use)
   c.chunk_passes = 4  # passes between returns to the host while streaming / lanes take turns
   c.free_chunk_passes = 1  # the same while a row is free (a new request waits at most this long)
+  c.row_counts = "auto"  # also passes over fewer rows when fewer are busy: "auto", "" or "4,8,12"
   c.admit_max = 0  # prompts prefilled per admission call at most (0 = rows)
   c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)
   c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled
+  c.switch_interval_ms = 0.5  # Python's thread switch interval (engine thread vs HTTP side)
   c.log_level = "warning"  # uvicorn's log level
   c.decode = sample.get_config().decode  # default decode shape and settings (configs/sample.py)
   return c

@@ -59,6 +59,25 @@ class KVCache:
     """One stacked array per K and V (a scanned model's cache)."""
     return not isinstance(self.k, tuple)
 
+  def take_rows(self, idx_n: jax.Array) -> "KVCache":
+    """The cache of rows `idx_n` (in that order): a cache of `len(idx_n)` rows."""
+    axis = 1 if self.stacked else 0
+    take = lambda x: jnp.take(x, idx_n, axis=axis)
+    k = take(self.k) if self.stacked else tuple(take(x) for x in self.k)
+    v = take(self.v) if self.stacked else tuple(take(x) for x in self.v)
+    return KVCache(k=k, v=v, positions_bs=self.positions_bs[idx_n], length_b=self.length_b[idx_n])
+
+  def put_rows(self, idx_n: jax.Array, sub: "KVCache") -> "KVCache":
+    """This cache with rows `idx_n` (distinct) replaced by the rows of `sub`."""
+    if self.stacked:
+      put = lambda full, x: full.at[:, idx_n].set(x)
+      k, v = put(self.k, sub.k), put(self.v, sub.v)
+    else:
+      k = tuple(f.at[idx_n].set(x) for f, x in zip(self.k, sub.k))
+      v = tuple(f.at[idx_n].set(x) for f, x in zip(self.v, sub.v))
+    return KVCache(k=k, v=v, positions_bs=self.positions_bs.at[idx_n].set(sub.positions_bs),
+                   length_b=self.length_b.at[idx_n].set(sub.length_b))
+
   @property
   def max_len(self) -> int:
     return self.positions_bs.shape[1]

@@ -202,6 +202,43 @@ def test_untileable_sequence_length_is_refused():
     model(ids, jnp.broadcast_to(jnp.arange(100)[None], (1, 100)))
 
 
+def _rel(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_cudnn_is_as_close_to_float32_as_the_bf16_einsum_path(causal):
+  """On a GPU: cuDNN's output and gradients (bf16, GQA, a padded row) are within 2x of
+  the bf16 einsum path's error against float32 on the same values, and both under 1e-2."""
+  q, k, v = _qkv(jnp.bfloat16, n=8, k=4)
+  q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+  length_b = jnp.array([256, 150], jnp.int32)
+  mask_btt = _reference_mask(length_b, 256, causal)
+  valid = (jnp.arange(256)[None, :] < length_b[:, None])[:, :, None, None]
+  cudnn = lambda q, k, v: attention_kernels.attend_full(  # noqa: E731
+      q, k, v, impl="cudnn", causal=causal, length_b=length_b)
+  einsum = lambda q, k, v: attend(q, k, v, mask_btt)  # noqa: E731
+
+  def out_and_grads(fn, q, k, v):
+    loss = lambda q, k, v: jnp.sum(jnp.sin(  # noqa: E731
+        jnp.where(valid, fn(q, k, v), 0.0).astype(jnp.float32)))
+    return jax.jit(fn)(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+  sel = np.asarray(valid[:, :, 0, 0])
+  (o_cu, g_cu), (o_bf, g_bf), (o_32, g_32) = (
+      out_and_grads(cudnn, q, k, v), out_and_grads(einsum, q, k, v),
+      out_and_grads(einsum, q32, k32, v32))
+  assert o_cu.dtype == jnp.bfloat16
+  pairs = [(np.asarray(o_cu, np.float32)[sel], np.asarray(o_bf, np.float32)[sel],
+            np.asarray(o_32)[sel])] + list(zip(g_cu, g_bf, g_32))
+  for got, bf, want in pairs:
+    err, bf_err = _rel(got, want), _rel(bf, want)
+    assert err < 1e-2 and err < 2 * bf_err + 1e-4, (err, bf_err)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off a GPU")
 def test_cudnn_is_refused_off_gpu():
   c = _train_config(attention_impl="cudnn", dtype="bfloat16")
   with pytest.raises(ValueError, match="config.model.attention_impl='cudnn' runs on NVIDIA GPUs "

@@ -573,3 +573,68 @@ def test_live_batch_read_later_is_a_snapshot_of_its_dispatch_point(models):
     tokens, counters = _single(model, dc, p)
     assert done.tokens_bg[r, :int(done.length_b[r])].tolist() == tokens
     assert int(done.nfe_b[r]) == counters["nfe_b"]
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_live_batch_passes_over_the_busy_rows_only_equal_full_passes(models, method):
+  """Prompts joining and leaving a 6-row batch whose passes run over the busy rows
+  only (2 or 4 of them where they fit, else all 6): each prompt's tokens and passes
+  equal its decode alone, and the smaller programs were really used."""
+  model, dc = models[method], _CONFIGS[method]
+  prompts = _prompts(np.random.RandomState(7), 9)
+  dec = engine.Decoder(model, dc)
+  live = engine.LiveBatch(dec, 6, 16, row_counts=(2, 4))
+  assert live.row_counts == [2, 4]
+  live.warm_up()
+  compiled = engine.compiled_programs()
+  queue, jobs, results, sizes = list(range(len(prompts))), [None] * 6, {}, []
+  while queue or any(j is not None for j in jobs):
+    free = [r for r, j in enumerate(jobs) if j is None]
+    # All rows fill at first (a full pass), then one prompt every third chunk: rows idle.
+    if queue and free and (len(sizes) < 6 or len(sizes) % 3 == 0):
+      k = min(len(free), len(queue), 6 - len(sizes) if len(sizes) < 6 else 1)
+      take, queue = queue[:k], queue[k:]
+      live.admit([prompts[i] for i in take], free[-k:], np.zeros((k, 2), np.uint32),
+                 pids=[0] * k)
+      for r, i in zip(free[-k:], take):
+        jobs[r] = i
+    busy = [r for r, j in enumerate(jobs) if j is not None]
+    sizes.append(live._row_count(len(busy)))  # pylint: disable=protected-access
+    live.run(1 + len(sizes) % 3, stop_on_done=False, busy=busy)
+    snap = live.read()
+    done = [r for r in busy if snap.phase_b[r] == engine.DONE]
+    for r in done:
+      results[jobs[r]] = (snap.tokens_bg[r, :int(snap.length_b[r])].tolist(),
+                          int(snap.nfe_b[r]))
+      jobs[r] = None
+    live.free(done)
+  assert engine.compiled_programs() == compiled  # warm_up compiled every size
+  assert 6 in sizes and min(sizes) < 6, sizes
+  for i, p in enumerate(prompts):
+    tokens, counters = _single(model, dc, p)
+    assert results[i] == (tokens, counters["nfe_b"]), (method, i)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_kv_cache_take_and_put_rows(scan):
+  cfg = config_lib.tiny(num_layers=2, vocab_size=VOCAB, hidden_size=32, num_heads=2,
+                        num_kv_heads=1, head_dim=16, mlp_dim=64, scan_layers=scan)
+  from refusion_jax.kv_cache import KVCache  # pylint: disable=import-outside-toplevel
+  cache = KVCache.init(cfg, 5, 8)
+  rs = np.random.RandomState(0)
+  cache = jax.tree.map(lambda x: jnp.asarray(rs.randint(0, 100, x.shape)).astype(x.dtype), cache)
+  idx = jnp.asarray([3, 0])
+  sub = cache.take_rows(idx)
+  k0 = cache.k if scan else cache.k[0]
+  s0 = sub.k if scan else sub.k[0]
+  row_axis = 1 if scan else 0
+  np.testing.assert_array_equal(s0, np.take(k0, [3, 0], axis=row_axis))
+  np.testing.assert_array_equal(sub.length_b, np.asarray(cache.length_b)[[3, 0]])
+  back = cache.put_rows(idx, jax.tree.map(lambda x: x + 1, sub))
+  for full, new in zip(jax.tree.leaves(cache), jax.tree.leaves(back)):
+    full, new = np.asarray(full), np.asarray(new)
+    axis = row_axis if full.ndim == (5 if scan else 4) else 0
+    changed = np.take(new, [3, 0], axis=axis) - np.take(full, [3, 0], axis=axis)
+    np.testing.assert_array_equal(changed, 1)
+    np.testing.assert_array_equal(np.take(new, [1, 2, 4], axis=axis),
+                                  np.take(full, [1, 2, 4], axis=axis))

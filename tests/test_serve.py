@@ -5,6 +5,7 @@ SIGTERM one (a subprocess). The oracle is `refusion_jax.sample` run on the
 same prompts with the same settings: greedy text and tokens must be equal.
 """
 
+import collections
 import concurrent.futures
 import json
 import os
@@ -429,6 +430,30 @@ def test_protocol_refuses_stream_options_without_stream():
   with pytest.raises(protocol.ApiError, match="stream_options"):
     protocol.parse({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
                    chat=False)
+
+
+def test_row_counts():
+  assert serve.parse_row_counts("auto", 16, "cpu") == (4, 8, 12)
+  assert serve.parse_row_counts("auto", 4, "cpu") == (1, 2, 3)
+  assert serve.parse_row_counts("auto", 16, "gpu") == ()
+  assert serve.parse_row_counts("", 16, "cpu") == ()
+  assert serve.parse_row_counts(" 12, 4,8,4 ", 16, "tpu") == (4, 8, 12)
+  for bad in ("16", "0", "4,x", "auto,4"):
+    with pytest.raises(ValueError, match="--config.row_counts: .* is not a row count from 1 "
+                                         "to 15"):
+      serve.parse_row_counts(bad, 16, "cpu")
+  with pytest.raises(ValueError, match="must be a string"):
+    serve.parse_row_counts(8, 16, "cpu")
+
+
+def test_served_passes_ran_over_fewer_rows(served):
+  # The fixture's server (4 rows, row_counts "auto" on a CPU) ran single requests
+  # (test_greedy_equals_sample) over 1 row: the smaller programs are in use.
+  sched = served["server"].scheduler
+  assert sched.row_counts == (1, 2, 3)
+  used = sum((lane.batch.runs_by_rows for lane in sched._lanes.values()),  # pylint: disable=protected-access
+             collections.Counter())
+  assert used[1] > 0 and used[ROWS] > 0, used
 
 
 def test_nothing_compiled_while_serving(served):

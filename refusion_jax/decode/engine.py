@@ -35,6 +35,7 @@ program per bucket).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -51,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from refusion_jax import sharding
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import common, heads
+from refusion_jax.kv_cache import KVCache
 
 FREE, DONE, FIRST_PHASE = 0, 1, 2
 
@@ -270,6 +272,47 @@ def _engine_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes=N
                  place)
 
 
+def take_rows(state, idx_n):
+  """The state of rows `idx_n` only (a program's state of `len(idx_n)` rows): every
+  per-row leaf gathered, the KV buffer by its own layout, `passes` as it is."""
+  parts = {}
+  for f in dataclasses.fields(state):
+    x = getattr(state, f.name)
+    if f.name == "passes":
+      continue
+    parts[f.name] = (x.take_rows(idx_n) if isinstance(x, KVCache)
+                     else jax.tree.map(lambda a: a[idx_n], x))
+  return state.replace(**parts)
+
+
+def put_rows(state, sub, idx_n):
+  """`state` with rows `idx_n` (distinct) replaced by `sub`'s rows; `passes` from `sub`."""
+  parts = {}
+  for f in dataclasses.fields(state):
+    x, y = getattr(state, f.name), getattr(sub, f.name)
+    if f.name == "passes":
+      parts[f.name] = y
+    elif isinstance(x, KVCache):
+      parts[f.name] = x.put_rows(idx_n, y)
+    else:
+      parts[f.name] = jax.tree.map(lambda a, b: a.at[idx_n].set(b), x, y)
+  return state.replace(**parts)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
+                   donate_argnames=("state",))
+def _engine_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, max_passes,
+                     place: Placement | None = None):
+  """`_engine_run` over rows `idx_n` only (the others must be free or idle): a pass then
+  costs what a pass over `len(idx_n)` rows costs. Rows are independent, so each row's
+  tokens and passes are those of a run over every row."""
+  model = nnx.merge(graphdef, params)
+  sub = take_rows(state, idx_n)
+  sub = _loop(model, program(spec.method), spec, sub, knobs, stop_on_done,
+              sub.passes + max_passes)
+  return _placed(put_rows(state, sub, idx_n), place)
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _engine_output(state, knobs, spec):
   return program(spec.method).output(spec, state, knobs), state.rows.phase_b, state.passes
@@ -286,6 +329,7 @@ def _free_rows(state, free_b, place: Placement | None = None):
 def compiled_programs() -> dict[str, int]:
   """Compiled programs so far, per entry point (tests prove reuse with it)."""
   return {"generate": _generate._cache_size(), "run": _engine_run._cache_size(),
+          "run_rows": _engine_run_rows._cache_size(),
           "admit": _engine_admit._cache_size(), "read": _live_read._cache_size(),
           "free": _free_rows._cache_size()}
 
@@ -600,11 +644,18 @@ class LiveBatch:
   """
 
   def __init__(self, decoder: Decoder, rows: int, width: int, knobs: Knobs | None = None,
-               *, admit_max: int | None = None):
+               *, admit_max: int | None = None, row_counts: Sequence[int] = ()):
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
       raise ValueError(f"live batch rows must be a positive int, got {rows!r}")
     if not isinstance(width, int) or isinstance(width, bool) or width < 1:
       raise ValueError(f"live batch width must be a positive int, got {width!r}")
+    bad = [n for n in row_counts if not isinstance(n, int) or isinstance(n, bool)
+           or not 1 <= n <= rows]
+    if bad:
+      raise ValueError(f"live batch row_counts must be ints from 1 to rows={rows}, got {bad}")
+    # Smaller passes compiled besides the full one: a run over the busy rows only.
+    self.row_counts = sorted(set(row_counts) - {rows})
+    self.runs_by_rows: collections.Counter = collections.Counter()  # run calls per row count
     decoder.config.check_fits(decoder.model.config, width)
     self.decoder = decoder
     self.rows = rows
@@ -657,15 +708,33 @@ class LiveBatch:
     self.state = _engine_admit(d.graphdef, d.params, self.state, ids_ap, lens_a, rows_a,
                                pids_a, keys_a2, self.knobs, spec=d.spec, place=d.place)
 
-  def run(self, max_passes: int | None = None, stop_on_done: bool = True) -> None:
+  def run(self, max_passes: int | None = None, stop_on_done: bool = True,
+          busy: Sequence[int] | None = None) -> None:
     """Dispatches passes until no row is active, a row is done (stop_on_done), or
-    `max_passes` passes (None: no bound). Asynchronous: `read` waits for it."""
+    `max_passes` passes (None: no bound). Asynchronous: `read` waits for it.
+
+    `busy` (optional) lists every row that is not free; the others must be. The
+    passes then run over the smallest compiled row count that holds them
+    (`row_counts`), padded with free rows, which costs less where a pass's cost
+    grows with its rows (a CPU); tokens and pass counts are unchanged."""
     d = self.decoder
     # "No bound" is a bound no decode reaches (passes + bound must not overflow int32).
     limit = np.int32(1 << 30 if max_passes is None else min(max_passes, 1 << 30))
+    n = self._row_count(len(busy)) if busy is not None else self.rows
+    self.runs_by_rows[n] += 1
+    if n < self.rows:
+      taken = set(busy)
+      idx = list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)]
+      self.state = _engine_run_rows(d.graphdef, d.params, self.state, self.knobs,
+                                    np.bool_(stop_on_done), np.asarray(idx, np.int32),
+                                    spec=d.spec, max_passes=limit, place=d.place)
+      return
     self.state = _engine_run(d.graphdef, d.params, self.state, self.knobs,
                              np.bool_(stop_on_done), spec=d.spec, max_passes=limit,
                              place=d.place)
+
+  def _row_count(self, busy: int) -> int:
+    return min([n for n in self.row_counts if n >= busy] or [self.rows])
 
   def read(self) -> Snapshot:
     """Waits for what was dispatched and reads every row (one device-to-host copy)."""
@@ -703,6 +772,9 @@ class LiveBatch:
                                  np.zeros((a, 2), np.uint32), self.knobs, spec=d.spec,
                                  place=d.place)
     self.run(1)
+    for n in self.row_counts:
+      self.run(1, busy=list(range(n)))
     self.read()
     self.state = _free_rows(self.state, np.zeros((self.rows,), bool), place=d.place)
     jax.block_until_ready(self.state)
+    self.runs_by_rows.clear()  # counts runs that decode, not these

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+import jax
 import ml_collections
 
 from refusion_jax import sample
@@ -39,9 +40,37 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
     raise ValueError(f"--config.admit_max must be an int >= 0, got {c.admit_max!r}")
   if not isinstance(c.port, int) or not 0 <= c.port < 65536:
     raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
-  for name in ("request_timeout_s", "drain_timeout_s"):
+  parse_row_counts(c.row_counts, c.rows, "cpu")
+  for name in ("request_timeout_s", "drain_timeout_s", "switch_interval_ms"):
     if not isinstance(c[name], (int, float)) or c[name] <= 0:
       raise ValueError(f"--config.{name} must be a positive number, got {c[name]!r}")
+
+
+def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
+  """`--config.row_counts`: "auto" (on a CPU every multiple of rows/4 below rows,
+  elsewhere none: an accelerator's pass costs about the same over fewer rows),
+  "" (none), or counts such as "4,8,12" (each from 1 to rows - 1)."""
+  if not isinstance(text, str):
+    raise ValueError(f"--config.row_counts must be a string (\"auto\", \"\" or counts such "
+                     f"as \"4,8,12\"), got {text!r}")
+  text = text.strip()
+  if text == "auto":
+    if platform != "cpu":
+      return ()
+    step = max(1, rows // 4)
+    return tuple(range(step, rows, step))
+  counts = []
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    try:
+      n = int(part)
+    except ValueError:
+      n = None
+    if n is None or not 1 <= n < rows:
+      raise ValueError(f"--config.row_counts: {part!r} is not a row count from 1 to "
+                       f"{rows - 1} (--config.rows={rows}); give \"auto\", \"\" or counts "
+                       "such as \"4,8,12\"")
+    counts.append(n)
+  return tuple(sorted(set(counts)))
 
 
 def build(c: ml_collections.ConfigDict, *, warm_up: bool = True):
@@ -64,14 +93,19 @@ def build(c: ml_collections.ConfigDict, *, warm_up: bool = True):
   scheduler = sched_lib.Scheduler(model, configs, rows=c.rows, width=c.max_prompt_len,
                                   max_queue=c.max_queue, max_lanes=c.max_lanes,
                                   chunk_passes=c.chunk_passes, admit_max=c.admit_max or None,
-                                  metrics=metrics, free_chunk_passes=c.free_chunk_passes)
+                                  metrics=metrics, free_chunk_passes=c.free_chunk_passes,
+                                  row_counts=parse_row_counts(c.row_counts, c.rows,
+                                                              jax.default_backend()))
   _log(f"[serve] loaded {c.model_dir} in {time.perf_counter() - t:.1f}s")
   if warm_up:
     t = time.perf_counter()
     scheduler.warm_up()
     _log(f"[serve] compiled {len(configs)} bucket(s) ("
          + ", ".join(b.name for b in scheduler.buckets)
-         + f"), {c.rows} rows, prompts up to {c.max_prompt_len} tokens, in "
+         + f"), {c.rows} rows"
+         + (f" (passes also over {', '.join(map(str, scheduler.row_counts))})"
+            if scheduler.row_counts else "")
+         + f", prompts up to {c.max_prompt_len} tokens, in "
          f"{time.perf_counter() - t:.1f}s")
   name = c.model_name or os.path.basename(os.path.normpath(c.model_dir))
   server = app_lib.Server(scheduler, tokenizer, name, request_timeout_s=c.request_timeout_s,

@@ -22,6 +22,12 @@ turns): then it hands control back every `chunk_passes` passes, and every
 arriving mid-run joins at the next pass rather than after a whole chunk (a
 closed-loop client's next request comes while the others' rows run). Chunking
 changes no token and no pass count (`LiveBatch`).
+
+With `row_counts`, a lane's passes run over its rows in use only, padded to the
+smallest of those counts that holds them (one more compiled program each):
+where a pass costs in proportion to its rows (a CPU), the rows a closed-loop
+client leaves idle between its requests then cost nothing. Tokens and pass
+counts are unchanged.
 """
 
 from __future__ import annotations
@@ -137,6 +143,10 @@ class _Lane:
   def busy(self) -> int:
     return sum(j is not None for j in self.jobs)
 
+  def rows_in_use(self) -> list[int]:
+    """Rows holding a request (decoding, or done and not yet taken); the others are free."""
+    return [r for r, j in enumerate(self.jobs) if j is not None]
+
   def idle(self) -> bool:
     return not self.busy() and not self.waiting
 
@@ -146,7 +156,7 @@ class Scheduler:
 
   def __init__(self, model, decode_configs: list[DecodeConfig], *, rows: int, width: int,
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
-               metrics: Any = None, free_chunk_passes: int = 1):
+               metrics: Any = None, free_chunk_passes: int = 1, row_counts=()):
     self.model = model
     self.decoders = {}
     for dc in decode_configs:
@@ -157,6 +167,7 @@ class Scheduler:
     self.chunk_passes = chunk_passes
     self.free_chunk_passes = min(chunk_passes, free_chunk_passes)
     self.admit_max = admit_max
+    self.row_counts = tuple(row_counts)  # smaller passes compiled besides the full one
     self.metrics = metrics
     self._lanes: dict[tuple, _Lane] = {}
     self._parked: collections.deque[Job] = collections.deque()  # no lane to be had yet
@@ -187,7 +198,7 @@ class Scheduler:
     for bucket, decoder in self.decoders.items():
       knobs = self.default_knobs(bucket)
       batch = engine_lib.LiveBatch(decoder, self.rows, self.width, self._knobs_for(bucket, knobs),
-                                   admit_max=self.admit_max)
+                                   admit_max=self.admit_max, row_counts=self.row_counts)
       batch.warm_up()
       self._lanes[(bucket, knobs)] = _Lane(bucket, knobs, batch)
 
@@ -272,7 +283,8 @@ class Scheduler:
         self._lanes[key] = old
         return old
     batch = engine_lib.LiveBatch(self.decoders[job.bucket], self.rows, self.width,
-                                 self._knobs_for(job.bucket, job.knobs), admit_max=self.admit_max)
+                                 self._knobs_for(job.bucket, job.knobs), admit_max=self.admit_max,
+                                 row_counts=self.row_counts)
     lane = self._lanes[key] = _Lane(job.bucket, job.knobs, batch)
     return lane
 
@@ -404,7 +416,7 @@ class Scheduler:
           continue
         for lane in busy:
           if not lane.inflight:
-            lane.batch.run(self._max_passes(lane, len(busy)))
+            lane.batch.run(self._max_passes(lane, len(busy)), busy=lane.rows_in_use())
             lane.inflight = True
         for lane in busy:
           read, admissions = lane.batch.read_later(), lane.admissions
@@ -417,7 +429,7 @@ class Scheduler:
             # requests that came in the meantime join it.
             self._route()
             self._cancel_and_admit(lane)
-            lane.batch.run(self.free_chunk_passes, stop_on_done=False)
+            lane.batch.run(self.free_chunk_passes, stop_on_done=False, busy=lane.rows_in_use())
           deliveries = self._collect(lane, read(), admissions)
           lane.inflight = ahead
           if not ahead:
@@ -426,7 +438,7 @@ class Scheduler:
             self._route()
             self._cancel_and_admit(lane)
             if go():
-              lane.batch.run(self._max_passes(lane, len(busy)))
+              lane.batch.run(self._max_passes(lane, len(busy)), busy=lane.rows_in_use())
               lane.inflight = True
           for fn, fn_args in deliveries:
             fn(*fn_args)
@@ -437,6 +449,6 @@ class Scheduler:
         for key, lane in list(self._lanes.items()):  # fresh buffers (the old ones may be donated)
           lane.batch = engine_lib.LiveBatch(self.decoders[lane.bucket], self.rows, self.width,
                                             self._knobs_for(lane.bucket, lane.knobs),
-                                            admit_max=self.admit_max)
+                                            admit_max=self.admit_max, row_counts=self.row_counts)
           lane.inflight = False
           self._lanes[key] = lane
