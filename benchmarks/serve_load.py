@@ -70,7 +70,7 @@ def parse_args(argv=None):
                  help="the server's --config.free_chunk_passes")
   p.add_argument("--row_counts", default="auto", help="the server's --config.row_counts")
   p.add_argument("--server_flags", default="",
-                 help="more server flags, space-separated (e.g. --config.switch_interval_ms=5)")
+                 help="more server flags, space-separated (e.g. --config.chunk_passes=2)")
   p.add_argument("--no_stream", action="store_true", help="clients ask for whole responses")
   p.add_argument("--repeats", type=int, default=3,
                  help="server / offline runs alternated per level (medians reported)")

@@ -32,7 +32,6 @@ def get_config():
   c.admit_max = 0  # prompts prefilled per admission call at most (0 = rows)
   c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)
   c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled
-  c.switch_interval_ms = 0.5  # Python's thread switch interval (engine thread vs HTTP side)
   c.log_level = "warning"  # uvicorn's log level
   c.decode = sample.get_config().decode  # default decode shape and settings (configs/sample.py)
   return c

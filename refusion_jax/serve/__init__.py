@@ -41,7 +41,7 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
   if not isinstance(c.port, int) or not 0 <= c.port < 65536:
     raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
   parse_row_counts(c.row_counts, c.rows, "cpu")
-  for name in ("request_timeout_s", "drain_timeout_s", "switch_interval_ms"):
+  for name in ("request_timeout_s", "drain_timeout_s"):
     if not isinstance(c[name], (int, float)) or c[name] <= 0:
       raise ValueError(f"--config.{name} must be a positive number, got {c[name]!r}")
 

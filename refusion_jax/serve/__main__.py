@@ -26,10 +26,6 @@ def main(argv, config_flag):
     logging.set_verbosity(logging.WARNING)
   c = config_flag.value
   asgi, _ = serve.build(c)
-  # The engine thread and the HTTP event loop share one interpreter lock: a thread
-  # that wants it waits for the holder to yield, every `switch_interval_ms` at most
-  # (Python's default 5 ms, longer than a decode pass on an accelerator).
-  sys.setswitchinterval(c.switch_interval_ms / 1e3)
   import uvicorn  # pylint: disable=import-outside-toplevel
   config = uvicorn.Config(asgi, host=c.host, port=c.port, log_level=c.log_level,
                           timeout_graceful_shutdown=c.drain_timeout_s, access_log=False)
