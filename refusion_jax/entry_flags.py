@@ -21,12 +21,13 @@ import re
 import sys
 from typing import Callable, Sequence
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
 from refusion_jax.checks import InputError
 
-__all__ = ["InputError", "define_config_and_workdir", "parse_flags", "run_program", "errors_reported", "fail"]
+__all__ = ["InputError", "define_config_and_workdir", "config_value", "parse_flags", "run_program",
+           "errors_reported", "fail"]
 
 
 def define_config_and_workdir(config_help: str, workdir_help: str):
@@ -39,6 +40,19 @@ def define_config_and_workdir(config_help: str, workdir_help: str):
   workdir = flags.DEFINE_string("workdir", None, workdir_help)
   flags.mark_flags_as_required(["config", "workdir"])
   return config, workdir
+
+
+def config_value(argv: Sequence[str], config_flag, config_file: str):
+  """The value of a required `--config` flag (`config_file` names it in the error), after
+  refusing positional arguments; absl logging drops to WARNING unless --verbosity is
+  given (orbax logs every save and restore at INFO)."""
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if config_flag.value is None:
+    raise app.UsageError(f"--config={config_file} is required")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  return config_flag.value
 
 
 def fail(program: str, message) -> None:

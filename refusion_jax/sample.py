@@ -32,7 +32,6 @@ import time
 
 import jax
 import ml_collections
-from absl import app, flags, logging
 from ml_collections import config_flags
 
 from refusion_jax import checkpoint, entry_flags, fileio, trace
@@ -250,13 +249,7 @@ def define_flags():
 
 
 def main(argv, config_flag):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if config_flag.value is None:
-    raise app.UsageError("--config=configs/sample.py is required")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  run(config_flag.value)
+  run(entry_flags.config_value(argv, config_flag, "configs/sample.py"))
 
 
 if __name__ == "__main__":

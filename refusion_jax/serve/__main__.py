@@ -11,20 +11,13 @@ import asyncio
 import signal
 import sys
 
-from absl import app, flags, logging
 from ml_collections import config_flags
 
 from refusion_jax import entry_flags, serve
 
 
 def main(argv, config_flag):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if config_flag.value is None:
-    raise app.UsageError("--config=configs/serve.py is required")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  c = config_flag.value
+  c = entry_flags.config_value(argv, config_flag, "configs/serve.py")
   asgi, _ = serve.build(c)
   import uvicorn  # pylint: disable=import-outside-toplevel
   config = uvicorn.Config(asgi, host=c.host, port=c.port, log_level=c.log_level,
