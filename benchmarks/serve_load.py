@@ -113,16 +113,13 @@ def offline_engine(model, dc, prompts, rows: int, width: int):
   return eng
 
 
-def offline(eng, prompts) -> tuple[float, list[list[int]], int]:
-  """(tokens/s, tokens per prompt, forward passes) of one timed run."""
+def offline(eng, prompts) -> tuple[float, list[list[int]], int, float]:
+  """(tokens/s, tokens per prompt, forward passes, mean passes of a request's own decode
+  (its row's NFE)) of one timed run."""
   run = eng.run(prompts)
   tokens = [r.tokens for r in run.results]
-  return sum(len(t) for t in tokens) / run.seconds, tokens, run.passes
-
-
-def request_passes(eng, prompts) -> float:
-  """Mean forward passes a request's own decode takes (its row's NFE)."""
-  return statistics.mean(r.counters["nfe_b"] for r in eng.run(prompts).results)
+  return (sum(len(t) for t in tokens) / run.seconds, tokens, run.passes,
+          statistics.mean(r.counters["nfe_b"] for r in run.results))
 
 
 def server_passes(url) -> float:
@@ -286,14 +283,13 @@ def main(argv=None) -> list[dict]:
     dc.check_fits(model_config, width)
     engines = {rows: offline_engine(model, dc, prompts, rows, width)
                for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
-    per_request = request_passes(engines[args.rows], prompts)
     proc, url = start_server(model_dir, method, args, width)
     try:
       for clients in args.clients:
         # Server and offline runs alternate, so that both see the same machine load.
         pairs, small, res, off_tokens = [], None, None, None
         for _ in range(args.repeats):
-          off_tps, off_tokens, off_passes = offline(engines[args.rows], prompts)
+          off_tps, off_tokens, off_passes, per_request = offline(engines[args.rows], prompts)
           wall, res, passes = asyncio.run(load(url, prompts, clients, args))
           pairs.append((sum(len(t) for _, _, t in res) / wall, off_tps, passes / off_passes))
           if clients < args.rows:

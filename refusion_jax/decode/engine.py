@@ -295,7 +295,7 @@ def put_rows(state, sub, idx_n):
     elif isinstance(x, KVCache):
       parts[f.name] = x.put_rows(idx_n, y)
     else:
-      parts[f.name] = jax.tree.map(lambda a, b: a.at[idx_n].set(b), x, y)
+      parts[f.name] = set_rows(x, y, idx_n)
   return state.replace(**parts)
 
 

@@ -189,16 +189,21 @@ class Scheduler:
                                                temperature=knobs[2])
     return engine_lib.knobs_of(self.model.config, dc)
 
+  def _batch(self, bucket: Bucket, knobs) -> engine_lib.LiveBatch:
+    """Fresh rows of `bucket` with these knob values (every lane's batch is made here)."""
+    return engine_lib.LiveBatch(self.decoders[bucket], self.rows, self.width,
+                                self._knobs_for(bucket, knobs), admit_max=self.admit_max,
+                                row_counts=self.row_counts)
+
   def default_knobs(self, bucket: Bucket) -> tuple[float, float, float]:
     dc = self.decoders[bucket].config
     return (dc.slot_threshold, dc.token_threshold, dc.temperature)
 
   def warm_up(self) -> None:
     """Compiles every program of every bucket; one lane per bucket stays ready."""
-    for bucket, decoder in self.decoders.items():
+    for bucket in self.decoders:
       knobs = self.default_knobs(bucket)
-      batch = engine_lib.LiveBatch(decoder, self.rows, self.width, self._knobs_for(bucket, knobs),
-                                   admit_max=self.admit_max, row_counts=self.row_counts)
+      batch = self._batch(bucket, knobs)
       batch.warm_up()
       self._lanes[(bucket, knobs)] = _Lane(bucket, knobs, batch)
 
@@ -282,9 +287,7 @@ class Scheduler:
         old.knobs = job.knobs
         self._lanes[key] = old
         return old
-    batch = engine_lib.LiveBatch(self.decoders[job.bucket], self.rows, self.width,
-                                 self._knobs_for(job.bucket, job.knobs), admit_max=self.admit_max,
-                                 row_counts=self.row_counts)
+    batch = self._batch(job.bucket, job.knobs)
     lane = self._lanes[key] = _Lane(job.bucket, job.knobs, batch)
     return lane
 
@@ -447,8 +450,6 @@ class Scheduler:
         self.error = f"{type(e).__name__}: {e}"
         self._fail_all(f"the decoder failed: {self.error}")
         for key, lane in list(self._lanes.items()):  # fresh buffers (the old ones may be donated)
-          lane.batch = engine_lib.LiveBatch(self.decoders[lane.bucket], self.rows, self.width,
-                                            self._knobs_for(lane.bucket, lane.knobs),
-                                            admit_max=self.admit_max, row_counts=self.row_counts)
+          lane.batch = self._batch(lane.bucket, lane.knobs)
           lane.inflight = False
           self._lanes[key] = lane
