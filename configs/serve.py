@@ -21,6 +21,7 @@ def get_config():
   c.model_name = ""  # the id clients name in "model" ("" = the model folder's name)
   c.host = "127.0.0.1"  # address to listen on
   c.port = 8000  # TCP port (0 = any free port, printed at start-up)
+  c.engine = "process"  # the engine loop in its own process ("thread": in the server's)
   c.rows = 16  # engine rows per lane: requests decoded at once
   c.max_prompt_len = 256  # prompt width of every compiled program (longer prompts get a 400)
   c.buckets = ""  # more compiled shapes, "method:gen_length:slot_size:block_size,..." (ar: "ar:G")

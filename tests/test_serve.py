@@ -8,6 +8,7 @@ same prompts with the same settings: greedy text and tokens must be equal.
 import collections
 import concurrent.futures
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -28,7 +29,7 @@ from refusion_jax import checkpoint, sample, serve
 from refusion_jax import config as config_lib
 from refusion_jax.decode import engine
 from refusion_jax.model import Qwen3
-from refusion_jax.serve import protocol, text as text_lib
+from refusion_jax.serve import engine_process, protocol, text as text_lib
 from refusion_jax.tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,13 +67,27 @@ def _oracle(model_dir, tmp, method, prompts, **decode):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-  import uvicorn  # pylint: disable=import-outside-toplevel
+def oracle(tmp_path_factory):
+  """The model folder and `refusion_jax.sample`'s outputs on the test prompts."""
   tmp = str(tmp_path_factory.mktemp("serve"))
   model_dir = _save_model(os.path.join(tmp, "tiny"))
+  tok = Tokenizer.tiny()
+  completions = [("ids", tok.encode(t)) for t in TEXTS]
+  chats = [("query", t) for t in TEXTS[:6]]
+  out = {m: _oracle(model_dir, tmp, m, completions + chats) for m in ("refusion", "ar")}
+  return {"tmp": tmp, "model_dir": model_dir, "tok": tok,
+          "completion": {m: o[:len(TEXTS)] for m, o in out.items()},
+          "chat": {m: o[len(TEXTS):] for m, o in out.items()}}
+
+
+def _serving(oracle, engine_mode):
+  """A server on a free port (uvicorn on a thread of this process; under
+  engine_mode "process" the engine runs in a child process)."""
+  import uvicorn  # pylint: disable=import-outside-toplevel
   c = serve_config.get_config()
-  c.model_dir, c.model_name, c.rows, c.max_prompt_len = model_dir, "tiny", ROWS, WIDTH
+  c.model_dir, c.model_name, c.rows, c.max_prompt_len = oracle["model_dir"], "tiny", ROWS, WIDTH
   c.max_queue, c.chunk_passes, c.buckets = QUEUE, 2, f"ar:{GEN}"
+  c.engine = engine_mode
   c.decode.gen_length, c.decode.slot_size, c.decode.block_size = GEN, SLOT, BLOCK
   for k, v in SETTINGS.items():
     c.decode[k] = v
@@ -85,17 +100,29 @@ def served(tmp_path_factory):
     assert time.time() < deadline and thread.is_alive(), "the server did not start"
     time.sleep(0.02)
   port = uv.servers[0].sockets[0].getsockname()[1]
-  tok = Tokenizer.tiny()
-  completions = [("ids", tok.encode(t)) for t in TEXTS]
-  chats = [("query", t) for t in TEXTS[:6]]
-  oracle = {m: _oracle(model_dir, tmp, m, completions + chats) for m in ("refusion", "ar")}
-  compiled = engine.compiled_programs()
-  yield {"url": f"http://127.0.0.1:{port}", "server": server, "tok": tok, "tmp": tmp,
-         "compiled": compiled,
-         "model_dir": model_dir, "completion": {m: o[:len(TEXTS)] for m, o in oracle.items()},
-         "chat": {m: o[len(TEXTS):] for m, o in oracle.items()}}
+  return {**oracle, "url": f"http://127.0.0.1:{port}", "server": server,
+          "compiled": engine.compiled_programs()}, lambda: _stop(uv, thread)
+
+
+def _stop(uv, thread):
   uv.should_exit = True
   thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served(oracle):
+  """The default server: the engine in its own process."""
+  info, stop = _serving(oracle, "process")
+  yield info
+  stop()
+
+
+@pytest.fixture(scope="module")
+def served_thread(oracle):
+  """The engine on a thread of the server's process (its state can be inspected)."""
+  info, stop = _serving(oracle, "thread")
+  yield info
+  stop()
 
 
 def _client(served):
@@ -446,20 +473,78 @@ def test_row_counts():
     serve.parse_row_counts(8, 16, "cpu")
 
 
-def test_served_passes_ran_over_fewer_rows(served):
-  # The fixture's server (4 rows, row_counts "auto" on a CPU) ran single requests
-  # (test_greedy_equals_sample) over 1 row: the smaller programs are in use.
-  sched = served["server"].scheduler
+def test_thread_engine_serves_the_same(served_thread):
+  # --config.engine=thread: the same scheduler on a thread of the server's process.
+  cl = _client(served_thread)
+  for method in ("refusion", "ar"):
+    for i in range(2):
+      want = served_thread["completion"][method][i]
+      for stream in (False, True):
+        text, ids, _, usage = _complete(cl, i, method, stream)
+        assert (text, ids) == (want["text"], want["tokens"]), (method, i, stream)
+        assert usage.model_extra["forward_passes"] == want["nfe"]
+  jobs = [(i, "refusion" if i % 3 else "ar") for i in range(16)]
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    got = list(pool.map(lambda job: _complete(cl, job[0], job[1], True), jobs))
+  for (i, method), (text, ids, _, _) in zip(jobs, got):
+    want = served_thread["completion"][method][i]
+    assert (text, ids) == (want["text"], want["tokens"]), (i, method)
+
+
+def test_served_passes_ran_over_fewer_rows(served_thread):
+  # The server (4 rows, row_counts "auto" on a CPU) ran single requests over 1 row
+  # and the 16 concurrent ones over all 4: the smaller programs are in use.
+  sched = served_thread["server"].scheduler
   assert sched.row_counts == (1, 2, 3)
+  _complete(_client(served_thread), 5, "refusion", False)
   used = sum((lane.batch.runs_by_rows for lane in sched._lanes.values()),  # pylint: disable=protected-access
              collections.Counter())
   assert used[1] > 0 and used[ROWS] > 0, used
 
 
-def test_nothing_compiled_while_serving(served):
+def test_nothing_compiled_while_serving(served_thread):
   # Every request above (shapes, knobs, seeds, admissions of any size) reused the
   # programs compiled at start-up (and the oracle's, compiled before).
-  assert engine.compiled_programs() == served["compiled"]
+  assert engine.compiled_programs() == served_thread["compiled"]
+
+
+def test_engine_process_start_up_error_is_raised(oracle, tmp_path):
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  (bad / "config.json").write_text("{\"model_type\": \"qwen3\"}")
+  c = serve_config.get_config()
+  c.model_dir, c.rows, c.max_prompt_len = str(bad), 2, WIDTH
+  # Raised in the engine process, raised again here with its type (the entry point
+  # reports it as a user error), and the engine process is gone.
+  before = set(multiprocessing.active_children())
+  with pytest.raises(FileNotFoundError, match=f"no safetensors weights in {bad}"):
+    serve.build(c)
+  assert set(multiprocessing.active_children()) <= before
+
+
+def test_engine_process_death_fails_requests_and_health(oracle):
+  info, stop = _serving(oracle, "process")
+  try:
+    sched = info["server"].scheduler
+    sched.hold(True)
+    with httpx.stream("POST", info["url"] + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "hi", "stream": True}) as r:
+      deadline = time.time() + 10
+      while sched.busy_rows() != 1:
+        assert time.time() < deadline, "the request was not admitted"
+        time.sleep(0.02)
+      sched._proc.kill()  # pylint: disable=protected-access
+      events = [json.loads(line[6:]) for line in r.iter_lines()
+                if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "engine_error"
+    assert "engine process exited" in events[-1]["error"]["message"]
+    h = httpx.get(info["url"] + "/health", timeout=5)
+    assert h.status_code == 503 and "engine process exited" in h.json()["error"]
+    r = httpx.post(info["url"] + "/v1/completions", timeout=10,
+                   json={"model": "tiny", "prompt": "hi"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_down"
+  finally:
+    stop()
 
 
 def test_sigterm_drains_and_exits_zero(served, tmp_path):

@@ -3,7 +3,9 @@
   python -m refusion_jax.serve --config=configs/serve.py --config.model_dir=DIR
 
 `scheduler` runs the engine on its own thread (requests join rows as rows free
-up; shapes come from buckets compiled at start-up), `app` is the Starlette app
+up; shapes come from buckets compiled at start-up), `engine_process` runs that
+thread in a process of its own (the default: HTTP work and the engine loop
+then never wait on one interpreter lock), `app` is the Starlette app
 (endpoints, streaming of the committed prefix, errors in OpenAI's shape,
 Prometheus metrics), `text` makes text deltas that are never revised, and
 `protocol` checks the OpenAI request fields. `build` loads a model and returns
@@ -41,6 +43,8 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
   if not isinstance(c.port, int) or not 0 <= c.port < 65536:
     raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
   parse_row_counts(c.row_counts, c.rows, "cpu")
+  if c.engine not in ("process", "thread"):
+    raise ValueError(f"--config.engine must be \"process\" or \"thread\", got {c.engine!r}")
   for name in ("request_timeout_s", "drain_timeout_s"):
     if not isinstance(c[name], (int, float)) or c[name] <= 0:
       raise ValueError(f"--config.{name} must be a positive number, got {c[name]!r}")
@@ -73,23 +77,17 @@ def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
   return tuple(sorted(set(counts)))
 
 
-def build(c: ml_collections.ConfigDict, *, warm_up: bool = True):
-  """`(app, server)`: the model loaded, every bucket compiled, the engine not yet
-  started (the app's lifespan starts it)."""
-  from refusion_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
+def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None, warm_up: bool = True):
+  """The model loaded and its `Scheduler` (engine thread not started), every bucket
+  compiled unless `warm_up` is False. Runs in the engine process under
+  `--config.engine=process`."""
   from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
   check_flags(c)
-  try:
-    default = DecodeConfig(**c.decode.to_dict())
-  except TypeError as e:
-    raise ValueError(f"--config.decode: {e}") from None
-  configs = sched_lib.parse_buckets(c.buckets, default)
+  configs = decode_configs(c)
   t = time.perf_counter()
   model_config, model = sample.load_model(c.model_dir, c.get("scan_layers"))
-  tokenizer = sample.load_tokenizer(c, model_config)
   for dc in configs:
     dc.check_fits(model_config, c.max_prompt_len)
-  metrics = app_lib.Metrics()
   scheduler = sched_lib.Scheduler(model, configs, rows=c.rows, width=c.max_prompt_len,
                                   max_queue=c.max_queue, max_lanes=c.max_lanes,
                                   chunk_passes=c.chunk_passes, admit_max=c.admit_max or None,
@@ -107,6 +105,37 @@ def build(c: ml_collections.ConfigDict, *, warm_up: bool = True):
             if scheduler.row_counts else "")
          + f", prompts up to {c.max_prompt_len} tokens, in "
          f"{time.perf_counter() - t:.1f}s")
+  return scheduler
+
+
+def decode_configs(c: ml_collections.ConfigDict) -> list[DecodeConfig]:
+  """The default decode config and one per `--config.buckets` entry."""
+  from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
+  try:
+    default = DecodeConfig(**c.decode.to_dict())
+  except TypeError as e:
+    raise ValueError(f"--config.decode: {e}") from None
+  return sched_lib.parse_buckets(c.buckets, default)
+
+
+def build(c: ml_collections.ConfigDict, *, warm_up: bool = True):
+  """`(app, server)`: the model loaded, every bucket compiled, the engine not yet
+  started (the app's lifespan starts it). With `--config.engine=process` the model
+  lives in the engine process, started here; this process loads only the tokenizer."""
+  from refusion_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
+  check_flags(c)
+  decode_configs(c)  # flag errors before anything starts
+  metrics = app_lib.Metrics()
+  if c.engine == "process":
+    from refusion_jax.serve import engine_process  # pylint: disable=import-outside-toplevel
+    scheduler = engine_process.EngineProcess(c, metrics=metrics)
+  else:
+    scheduler = make_scheduler(c, metrics=metrics, warm_up=warm_up)
+  try:
+    tokenizer = sample.load_tokenizer(c, scheduler.model_config)
+  except Exception:
+    scheduler.stop()
+    raise
   name = c.model_name or os.path.basename(os.path.normpath(c.model_dir))
   server = app_lib.Server(scheduler, tokenizer, name, request_timeout_s=c.request_timeout_s,
                           metrics=metrics)

@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from refusion_jax.serve import protocol
 from refusion_jax.serve.protocol import ApiError
-from refusion_jax.serve.scheduler import Bucket, Done, Job, QueueFull, Scheduler, bucket_of
+from refusion_jax.serve.scheduler import (Bucket, Done, EngineDown, Job, QueueFull, Scheduler,
+                                          bucket_of)
 from refusion_jax.serve.text import TextStream
 
 
@@ -76,8 +77,8 @@ class Server:
     self.model_name = model_name
     self.timeout = request_timeout_s
     self.metrics = metrics
-    self.vocab_size = scheduler.model.config.vocab_size
-    self.eos_id = scheduler.model.config.eos_token_id
+    self.vocab_size = scheduler.model_config.vocab_size
+    self.eos_id = scheduler.model_config.eos_token_id
     self.created = int(time.time())
 
   # --- helpers --------------------------------------------------------------------------
@@ -202,6 +203,8 @@ class Server:
       except QueueFull as e:
         raise ApiError(429, str(e), type_="rate_limit_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
+      except EngineDown as e:
+        raise ApiError(503, str(e), type_="server_error", code="engine_down") from None
     except ApiError as e:
       self.metrics.requests.labels(endpoint, str(e.status)).inc()
       return _error(e)

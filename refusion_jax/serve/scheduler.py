@@ -103,6 +103,10 @@ class QueueFull(Exception):
   """The bounded queue is full (the server answers 429)."""
 
 
+class EngineDown(Exception):
+  """The engine cannot take requests any more (the server answers 503)."""
+
+
 @dataclasses.dataclass(eq=False)
 class Job:
   """One request as the engine thread sees it."""
@@ -156,7 +160,8 @@ class Scheduler:
 
   def __init__(self, model, decode_configs: list[DecodeConfig], *, rows: int, width: int,
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
-               metrics: Any = None, free_chunk_passes: int = 1, row_counts=()):
+               metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
+               after_turn: Callable[[], None] | None = None):
     self.model = model
     self.decoders = {}
     for dc in decode_configs:
@@ -169,6 +174,9 @@ class Scheduler:
     self.admit_max = admit_max
     self.row_counts = tuple(row_counts)  # smaller passes compiled besides the full one
     self.metrics = metrics
+    # Called on the engine thread after each lane's deliveries and before it waits
+    # (the engine process sends what the turn delivered from there).
+    self.after_turn = after_turn or (lambda: None)
     self._lanes: dict[tuple, _Lane] = {}
     self._parked: collections.deque[Job] = collections.deque()  # no lane to be had yet
     self._lock = threading.Lock()
@@ -183,6 +191,10 @@ class Scheduler:
   @property
   def buckets(self) -> list[Bucket]:
     return list(self.decoders)
+
+  @property
+  def model_config(self):
+    return self.model.config
 
   def _knobs_for(self, bucket: Bucket, knobs):
     dc = self.decoders[bucket].config.replace(slot_threshold=knobs[0], token_threshold=knobs[1],
@@ -406,6 +418,7 @@ class Scheduler:
       self._wake.clear()
       if self._stop:
         self._fail_all("the server shut down before this request finished")
+        self.after_turn()
         return
       try:
         self._route()
@@ -415,6 +428,7 @@ class Scheduler:
         if self.metrics is not None:
           self.metrics.busy_rows.set(sum(lane.busy() for lane in busy))
         if not busy or self._hold.is_set():
+          self.after_turn()
           self._wake.wait(0.05 if busy else 0.5)
           continue
         for lane in busy:
@@ -445,10 +459,12 @@ class Scheduler:
               lane.inflight = True
           for fn, fn_args in deliveries:
             fn(*fn_args)
+          self.after_turn()
       except Exception as e:  # pylint: disable=broad-except
         log.exception("engine thread failed")
         self.error = f"{type(e).__name__}: {e}"
         self._fail_all(f"the decoder failed: {self.error}")
+        self.after_turn()
         for key, lane in list(self._lanes.items()):  # fresh buffers (the old ones may be donated)
           lane.batch = self._batch(lane.bucket, lane.knobs)
           lane.inflight = False

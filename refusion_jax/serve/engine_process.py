@@ -1,0 +1,313 @@
+"""The engine in a process of its own (`--config.engine=process`).
+
+The HTTP side and the engine loop are both Python: in one process they share
+one interpreter lock, so every microsecond spent parsing a request or sending
+an event is one the engine thread cannot spend dispatching the next pass (and
+the reverse). Where a pass is short (a GPU), that, not the decoder, bounds the
+server. Here the `Scheduler` runs in a child process (spawned: JAX and the
+model live only there) and the server process talks to it over two pipes:
+
+- server -> engine: `submit` (a job's prompt, bucket, knobs, key and limits),
+  `cancel`, `hold`, `stop`;
+- engine -> server: at start-up `ready` (the model config, buckets, width) or
+  `failed` (the error, raised again by `start`); then one message per engine
+  turn with that turn's events (`progress`, `slots`, `done`, `error` per job)
+  and the engine's counters (forward passes, cancelled rows, busy rows,
+  requests taken off the queue, the last decoder error) when they changed.
+
+`EngineProcess` has the `Scheduler` interface the app uses (submit, cancel,
+hold, busy_rows, queue_depth, error, buckets, ...); the bounded queue is
+counted on the server side, so a full queue answers 429 without a round trip.
+If the engine process dies, every request in flight gets an error, /health
+reports it, and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+from typing import Any
+
+import ml_collections
+
+from refusion_jax.serve.scheduler import Bucket, EngineDown, Job, QueueFull
+
+log = logging.getLogger("refusion_jax.serve")
+
+
+class EngineFailed(RuntimeError):
+  """The engine process could not start (the error it raised, by name and message)."""
+
+
+class _Tally:
+  """The engine's metrics as plain numbers (the Scheduler's `metrics` in the child)."""
+
+  class _Counter:
+    def __init__(self):
+      self.value = 0
+
+    def inc(self, n=1):
+      self.value += n
+
+    def set(self, v):
+      self.value = v
+
+  def __init__(self):
+    self.forward_passes = self._Counter()
+    self.cancelled_rows = self._Counter()
+    self.busy_rows = self._Counter()
+    self.queue_depth = self._Counter()
+
+
+def _child(c_dict: dict, commands, events) -> None:
+  """The engine process: builds the scheduler, then serves commands until `stop`."""
+  # Signals go to the server process, which stops this one when it is done draining.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  from refusion_jax import serve  # pylint: disable=import-outside-toplevel
+  send_lock = threading.Lock()
+
+  def send(msg) -> None:
+    with send_lock:
+      events.send(msg)
+
+  tally = _Tally()
+  outbox: list = []
+  jobs: dict[int, Job] = {}
+  submitted = [0]
+  last: list = [None]
+  try:
+    c = ml_collections.ConfigDict(c_dict)
+    sched = serve.make_scheduler(c, metrics=tally)
+  except Exception as e:  # pylint: disable=broad-except
+    send(("failed", type(e).__name__, str(e)))
+    return
+
+  def after_turn() -> None:
+    # Runs on the engine thread only (every delivery is made there).
+    counters = (tally.forward_passes.value, tally.cancelled_rows.value, tally.busy_rows.value,
+                submitted[0] - sched.queue_depth(), sched.error)
+    if not outbox and counters == last[0]:
+      return
+    batch, outbox[:] = list(outbox), []
+    last[0] = counters
+    send(("turn", batch, counters))
+
+  sched.after_turn = after_turn
+  send(("ready", {"model_config": sched.model_config, "buckets": sched.buckets,
+                  "default_config": sched.default_config, "width": sched.width,
+                  "rows": sched.rows, "row_counts": sched.row_counts,
+                  "default_knobs": {b: sched.default_knobs(b) for b in sched.buckets}}))
+  sched.start()
+
+  def deliverer(key: int):
+    def deliver(kind: str, payload: Any) -> None:
+      outbox.append((key, kind, payload))
+      if kind in ("done", "error"):
+        jobs.pop(key, None)
+    return deliver
+
+  try:
+    while True:
+      try:
+        msg = commands.recv()
+      except (EOFError, OSError):  # the server process is gone
+        break
+      op = msg[0]
+      if op == "submit":
+        _, key, prompt, bucket, knobs, rng2, max_tokens, watch, slots = msg
+        job = Job(prompt=prompt, bucket=bucket, knobs=knobs, rng2=rng2, max_tokens=max_tokens,
+                  watch=watch, slots=slots, deliver=deliverer(key))
+        jobs[key] = job
+        submitted[0] += 1
+        try:
+          sched.submit(job)
+        except QueueFull as e:
+          submitted[0] -= 1
+          jobs.pop(key, None)
+          send(("turn", [(key, "error", str(e))], None))
+      elif op == "cancel":
+        job = jobs.pop(msg[1], None)
+        if job is not None:
+          sched.cancel(job)
+      elif op == "hold":
+        sched.hold(msg[1])
+      elif op == "stop":
+        break
+  finally:
+    sched.stop()
+
+
+class EngineProcess:
+  """A `Scheduler` run in a child process (module docstring), as the app sees it."""
+
+  def __init__(self, c: ml_collections.ConfigDict, *, metrics: Any = None,
+               start_timeout_s: float = 3600.0):
+    self.metrics = metrics
+    self.max_queue = c.max_queue
+    ctx = multiprocessing.get_context("spawn")
+    cmd_recv, self._commands = ctx.Pipe(duplex=False)
+    self._events, evt_send = ctx.Pipe(duplex=False)
+    self._proc = ctx.Process(target=_child, args=(c.to_dict(), cmd_recv, evt_send),
+                             name="refusion-engine", daemon=True)
+    self._proc.start()
+    cmd_recv.close()
+    evt_send.close()
+    self._lock = threading.Lock()  # the command pipe and the job tables
+    self._jobs: dict[int, Job] = {}
+    self._keys: dict[Job, int] = {}
+    self._ids = itertools.count()
+    self._submitted = 0
+    self._dequeued = 0
+    self._busy = 0
+    self._passes = 0
+    self._cancelled = 0
+    self._engine_error: str | None = None
+    self._died: str | None = None
+    self._stopping = False
+    if not self._events.poll(start_timeout_s):
+      self._proc.kill()
+      raise EngineFailed(f"the engine process did not start within {start_timeout_s:.0f} s")
+    try:
+      msg = self._events.recv()
+    except EOFError:
+      self._proc.join(5)
+      raise EngineFailed(f"the engine process exited while starting (exit code "
+                         f"{self._proc.exitcode})") from None
+    if msg[0] == "failed":
+      self._proc.join(30)
+      raise _reraise(msg[1], msg[2])
+    info = msg[1]
+    self.model_config = info["model_config"]
+    self.buckets: list[Bucket] = info["buckets"]
+    self.default_config = info["default_config"]
+    self.width, self.rows, self.row_counts = info["width"], info["rows"], info["row_counts"]
+    self._default_knobs = info["default_knobs"]
+    self._reader: threading.Thread | None = None
+
+  # --- the Scheduler interface ------------------------------------------------------------
+
+  @property
+  def error(self) -> str | None:
+    return self._died or self._engine_error
+
+  def default_knobs(self, bucket: Bucket) -> tuple[float, float, float]:
+    return self._default_knobs[bucket]
+
+  def queue_depth(self) -> int:
+    return self._submitted - self._dequeued
+
+  def busy_rows(self) -> int:
+    return self._busy
+
+  def _send(self, msg) -> None:
+    try:
+      self._commands.send(msg)
+    except (OSError, ValueError):  # the engine process is gone; the reader reports it
+      pass
+
+  def submit(self, job: Job) -> None:
+    with self._lock:
+      if self._stopping:
+        raise QueueFull("the server is shutting down")
+      if self._died:
+        raise EngineDown(self._died)
+      if self.queue_depth() >= self.max_queue:
+        raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+      key = next(self._ids)
+      self._jobs[key], self._keys[job] = job, key
+      self._submitted += 1
+      self._send(("submit", key, list(job.prompt), job.bucket, job.knobs, job.rng2,
+                  job.max_tokens, job.watch, job.slots))
+    self._gauge()
+
+  def cancel(self, job: Job) -> None:
+    job.cancelled = True
+    with self._lock:
+      key = self._keys.pop(job, None)
+      if key is None:
+        return
+      self._jobs.pop(key, None)
+      self._send(("cancel", key))
+
+  def hold(self, on: bool) -> None:
+    with self._lock:
+      self._send(("hold", bool(on)))
+
+  def start(self) -> None:
+    self._reader = threading.Thread(target=self._read, name="refusion-engine-events",
+                                    daemon=True)
+    self._reader.start()
+
+  def stop(self, timeout: float = 10.0) -> None:
+    """Stops the engine process; requests still queued or running get an error."""
+    with self._lock:
+      self._stopping = True
+      self._send(("stop",))
+    self._proc.join(timeout)
+    if self._proc.is_alive():
+      self._proc.kill()
+      self._proc.join(5)
+    if self._reader is not None:
+      self._reader.join(timeout)
+
+  # --- the server's reader thread ---------------------------------------------------------
+
+  def _gauge(self) -> None:
+    if self.metrics is not None:
+      self.metrics.queue_depth.set(self.queue_depth())
+      self.metrics.busy_rows.set(self._busy)
+
+  def _count(self, counters) -> None:
+    passes, cancelled, busy, dequeued, error = counters
+    if self.metrics is not None:
+      self.metrics.forward_passes.inc(passes - self._passes)
+      self.metrics.cancelled_rows.inc(cancelled - self._cancelled)
+    self._passes, self._cancelled, self._busy = passes, cancelled, busy
+    self._dequeued, self._engine_error = dequeued, error
+    self._gauge()
+
+  def _read(self) -> None:
+    while True:
+      try:
+        msg = self._events.recv()
+      except (EOFError, OSError):
+        break
+      _, batch, counters = msg
+      if counters is not None:
+        self._count(counters)
+      for key, kind, payload in batch:
+        with self._lock:
+          job = self._jobs.get(key)
+          if job is not None and kind in ("done", "error"):
+            del self._jobs[key]
+            self._keys.pop(job, None)
+        if job is not None:
+          try:
+            job.deliver(kind, payload)
+          except Exception:  # pylint: disable=broad-except
+            log.exception("delivering a %s event failed", kind)
+    self._proc.join(5)
+    with self._lock:
+      if not self._stopping:
+        self._died = f"the engine process exited (exit code {self._proc.exitcode})"
+        log.error("%s", self._died)
+      left, self._jobs, self._keys = list(self._jobs.values()), {}, {}
+      self._dequeued, self._busy = self._submitted, 0
+    for job in left:
+      try:
+        job.deliver("error", self._died or "the server shut down before this request finished")
+      except Exception:  # pylint: disable=broad-except
+        log.exception("delivering an error event failed")
+    self._gauge()
+
+
+def _reraise(name: str, message: str) -> Exception:
+  """The engine process's start-up error as the server process raises it (user errors
+  keep their type, so the entry point reports them as such)."""
+  kinds = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
+           "TypeError": TypeError}
+  return kinds.get(name, EngineFailed)(message if name in kinds else f"{name}: {message}")
