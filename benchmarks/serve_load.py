@@ -4,9 +4,13 @@ For each model and decoding method, the server runs as its own process
 (`python -m refusion_jax.serve`, `--rows` rows, prompt width and decode shape
 as below) and this process plays 1, 4, 16 and 64 concurrent streaming clients
 (asyncio, one keep-alive connection each), every client taking the next of the
-same `--prompts` prompts until none is left. Per level: throughput (completion
-tokens / wall time), time to first token and request latency (p50 / p99), and
-whether every response's tokens equal the offline engine's. The offline
+level's prompts until none is left (`--requests_per_client` x clients, or
+`--prompts`: a timed window much longer than one request's latency, else the
+ramp and the tail dominate, above all on a GPU). Per level: throughput
+(completion tokens / wall time), time to first token and request latency
+(p50 / p99), the CPU cores used by the client, the server's HTTP process and
+its engine process, and whether every response's tokens equal the offline
+engine's. The offline
 baseline is `decode.engine.Engine` in this process on the same prompts, same
 width, decode settings and rows as the server, compiled before timing; server
 and offline runs alternate `--repeats` times per level (medians; the ratio is
@@ -36,6 +40,7 @@ import asyncio
 import json
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -57,7 +62,12 @@ def parse_args(argv=None):
                       "when present, else the bundled base, refusion_jax/assets/base_tiny)")
   p.add_argument("--methods", default="refusion,ar")
   p.add_argument("--clients", default="1,4,16,64", help="concurrency levels")
-  p.add_argument("--prompts", type=int, default=64, help="requests per level")
+  p.add_argument("--requests_per_client", type=int, default=16,
+                 help="requests per level: this many per client (so that the timed window "
+                      "is long beside a request's latency, also on a GPU)")
+  p.add_argument("--prompts", type=int, default=0,
+                 help="requests per level, the same at every level (0: --requests_per_client "
+                      "x clients)")
   p.add_argument("--rows", type=int, default=16, help="server rows (offline: min(clients, rows))")
   p.add_argument("--task_prompts", default="refusion_jax/assets/data/tiny_test.jsonl")
   p.add_argument("--gen_length", type=int, default=24)
@@ -81,8 +91,8 @@ def parse_args(argv=None):
     p.error(f"--clients must be comma-separated ints, got {args.clients!r}")
   if not args.clients or min(args.clients) < 1:
     p.error("--clients must be positive")
-  if args.prompts < 1 or args.rows < 1 or args.repeats < 1:
-    p.error("--prompts, --rows and --repeats must be >= 1")
+  if args.prompts < 0 or args.requests_per_client < 1 or args.rows < 1 or args.repeats < 1:
+    p.error("--requests_per_client, --rows and --repeats must be >= 1, --prompts >= 0")
   args.methods = [m for m in args.methods.split(",") if m]
   return args
 
@@ -120,6 +130,32 @@ def offline(eng, prompts) -> tuple[float, list[list[int]], int, float]:
   tokens = [r.tokens for r in run.results]
   return (sum(len(t) for t in tokens) / run.seconds, tokens, run.passes,
           statistics.mean(r.counters["nfe_b"] for r in run.results))
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+  """User + system CPU seconds of a process so far (this one when pid is None)."""
+  if pid is None:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+      fields = f.read().rsplit(")", 1)[1].split()
+  except OSError:
+    return float("nan")
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_pids(proc: subprocess.Popen) -> tuple[int, int | None]:
+  """(HTTP process, engine process or None): the server and its child, if any."""
+  try:
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children", encoding="ascii") as f:
+      kids = [int(x) for x in f.read().split()]
+  except OSError:
+    kids = []
+  # The engine process is the spawned child that runs the model (the only one besides
+  # multiprocessing's resource tracker, which uses next to no CPU).
+  kids.sort(key=cpu_seconds)
+  return proc.pid, (kids[-1] if kids else None)
 
 
 def server_passes(url) -> float:
@@ -218,8 +254,10 @@ async def _one(conn: Connection, prompt, args, out):
   out.append((latency, first if first is not None else latency, tokens))
 
 
-async def load(url, prompts, clients: int, args) -> tuple[float, list, float]:
-  """(wall seconds, (latency, TTFT, tokens) per prompt, server passes) of one timed load."""
+async def load(url, prompts, clients: int, args, pids=(None, None)) -> tuple[float, list, float,
+                                                                            tuple]:
+  """(wall seconds, (latency, TTFT, tokens) per prompt, server passes, CPU cores used by
+  this client, the server's HTTP process and its engine process) of one timed load."""
   todo = list(enumerate(prompts))
   results: dict[int, tuple] = {}
 
@@ -235,14 +273,17 @@ async def load(url, prompts, clients: int, args) -> tuple[float, list, float]:
     # Connections opened and a first request each (warm-up), then the timed load.
     await asyncio.gather(*(_one(c, prompts[0], args, []) for c in conns))
     before = server_passes(url)
+    cpu0 = [cpu_seconds(), *(cpu_seconds(p) if p else float("nan") for p in pids)]
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(c) for c in conns))
     wall = time.perf_counter() - t0
+    cpu1 = [cpu_seconds(), *(cpu_seconds(p) if p else float("nan") for p in pids)]
     passes = server_passes(url) - before
   finally:
     for c in conns:
       c.close()
-  return wall, [results[i] for i in range(len(prompts))], passes
+  return (wall, [results[i] for i in range(len(prompts))], passes,
+          tuple((b - a) / wall for a, b in zip(cpu0, cpu1)))
 
 
 def main(argv=None) -> list[dict]:
@@ -261,7 +302,9 @@ def main(argv=None) -> list[dict]:
     models = [(m, os.path.join(REPO, "refusion_jax/assets/base_tiny")) for m in args.methods]
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}); server rows {args.rows}; "
-        f"{args.prompts} prompts per level; gen {args.gen_length}, slot {args.slot_size}, "
+        + (f"{args.prompts} requests per level" if args.prompts else
+           f"{args.requests_per_client} requests per client per level")
+        + f"; gen {args.gen_length}, slot {args.slot_size}, "
         f"block {args.block_size}, tau_s {args.slot_threshold}, tau_t {args.token_threshold}; "
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
         f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), row_counts "
@@ -273,7 +316,9 @@ def main(argv=None) -> list[dict]:
     tok = (Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir,
                                                                          "tokenizer.json"))
            else Tokenizer.tiny())
-    prompts = load_prompts(os.path.join(REPO, args.task_prompts), args.prompts, tok)
+    most = args.prompts or args.requests_per_client * max(args.clients)
+    all_prompts = load_prompts(os.path.join(REPO, args.task_prompts), most, tok)
+    prompts = all_prompts
     width = -(-max(len(p) for p in prompts) // 16) * 16
     slot, block = ((args.gen_length, args.gen_length) if method == "ar"
                    else (args.slot_size, args.block_size))
@@ -284,22 +329,27 @@ def main(argv=None) -> list[dict]:
     engines = {rows: offline_engine(model, dc, prompts, rows, width)
                for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
     proc, url = start_server(model_dir, method, args, width)
+    pids = server_pids(proc)
     try:
       for clients in args.clients:
+        prompts = all_prompts[:args.prompts or args.requests_per_client * clients]
         # Server and offline runs alternate, so that both see the same machine load.
         pairs, small, res, off_tokens = [], None, None, None
         for _ in range(args.repeats):
           off_tps, off_tokens, off_passes, per_request = offline(engines[args.rows], prompts)
-          wall, res, passes = asyncio.run(load(url, prompts, clients, args))
-          pairs.append((sum(len(t) for _, _, t in res) / wall, off_tps, passes / off_passes))
+          wall, res, passes, cores = asyncio.run(load(url, prompts, clients, args, pids))
+          pairs.append((sum(len(t) for _, _, t in res) / wall, off_tps, passes / off_passes,
+                        cores))
           if clients < args.rows:
             small = offline(engines[clients], prompts)[0]
         srv = statistics.median(p[0] for p in pairs)
         row = {"model": os.path.relpath(model_dir, REPO), "method": method, "clients": clients,
+               "requests": len(prompts),
                "tok_s": srv, "offline_tok_s": statistics.median(p[1] for p in pairs),
                "offline_small_tok_s": small,
                "ratio": statistics.median(p[0] / p[1] for p in pairs),
                "pass_ratio": statistics.median(p[2] for p in pairs),
+               "cores": tuple(statistics.median(p[3][k] for p in pairs) for k in range(3)),
                "request_passes": per_request,
                "ttft_p50_ms": 1e3 * _pct([f for _, f, _ in res], 0.5),
                "lat_p50_ms": 1e3 * _pct([l for l, _, _ in res], 0.5),
@@ -314,17 +364,19 @@ def main(argv=None) -> list[dict]:
         proc.wait(timeout=60)
       except subprocess.TimeoutExpired:
         proc.kill()
-  print(f"\n| model | method | clients | server tok/s | offline tok/s, {args.rows} rows | "
+  print(f"\n| model | method | clients | requests | server tok/s | offline tok/s, {args.rows} rows | "
         "server / offline | passes / offline | passes / request | offline, clients rows | "
-        "TTFT p50 ms | latency p50 ms | latency p99 ms | same tokens |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "TTFT p50 ms | latency p50 ms | latency p99 ms | CPU cores: client / HTTP / engine | "
+        "same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows_out:
     small = "–" if r["offline_small_tok_s"] is None else f"{r['offline_small_tok_s']:,.0f}"
-    print(f"| {r['model']} | {r['method']} | {r['clients']} | {r['tok_s']:,.0f} | "
+    print(f"| {r['model']} | {r['method']} | {r['clients']} | {r['requests']} | {r['tok_s']:,.0f} | "
           f"{r['offline_tok_s']:,.0f} | {r['ratio']:.2f}x | {r['pass_ratio']:.2f} | "
           f"{r['request_passes']:.1f} | {small} | "
           f"{r['ttft_p50_ms']:.1f} | {r['lat_p50_ms']:.1f} | {r['lat_p99_ms']:.1f} | "
-          f"{'yes' if r['same_tokens'] else 'NO'} |")
+          + " / ".join("–" if c != c else f"{c:.2f}" for c in r["cores"])
+          + f" | {'yes' if r['same_tokens'] else 'NO'} |")
   sixteen = [r["ratio"] for r in rows_out if r["clients"] == 16]
   if sixteen:
     print(f"\nserver / offline throughput at 16 clients: "

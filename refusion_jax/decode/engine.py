@@ -229,9 +229,45 @@ def _loop(model, prog: Program, spec: Spec, state, knobs: Knobs, stop_on_done, p
   return jax.lax.while_loop(cond, lambda s: prog.step(model, spec, s, knobs), state)
 
 
+class StaticGraph:
+  """A model's GraphDef as a static jit argument whose hash is computed once.
+
+  Every dispatch of a jitted function hashes its static arguments; a GraphDef's
+  hash walks the whole module graph (about half a millisecond per dispatch on a
+  small CPU, for a two-layer model), which a server loop dispatching a pass at a
+  time pays on every pass. `static_graph` interns one per distinct GraphDef, so a
+  cache lookup is a precomputed hash and an identity check."""
+
+  __slots__ = ("graphdef", "_hash")
+
+  def __init__(self, graphdef):
+    self.graphdef = graphdef
+    self._hash = hash(graphdef)
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return self is other or (isinstance(other, StaticGraph) and self._hash == other._hash
+                             and self.graphdef == other.graphdef)
+
+
+_STATIC_GRAPHS: dict = {}
+
+
+def static_graph(graphdef) -> StaticGraph:
+  """The one `StaticGraph` of graphdefs equal to this one."""
+  return _STATIC_GRAPHS.setdefault(graphdef, StaticGraph(graphdef))
+
+
+def _merge(graphdef, params):
+  """`nnx.merge` of a GraphDef or a `StaticGraph`."""
+  return nnx.merge(graphdef.graphdef if isinstance(graphdef, StaticGraph) else graphdef, params)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def _generate(graphdef, params, ids_bp, lens_b, rng, knobs: Knobs, spec: Spec):
-  model = nnx.merge(graphdef, params)
+  model = _merge(graphdef, params)
   prog = program(spec.method)
   b, p = ids_bp.shape
   state = prog.init(model, spec, b, p)
@@ -244,7 +280,7 @@ def _generate(graphdef, params, ids_bp, lens_b, rng, knobs: Knobs, spec: Spec):
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "rows", "width", "place"))
 def _engine_init(graphdef, params, spec: Spec, rows: int, width: int,
                  place: Placement | None = None):
-  state = program(spec.method).init(nnx.merge(graphdef, params), spec, rows, width)
+  state = program(spec.method).init(_merge(graphdef, params), spec, rows, width)
   return _placed(state, place)
 
 
@@ -254,7 +290,7 @@ def _engine_admit(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, 
                   place: Placement | None = None):
   """Prefills prompts into rows; prompt j draws from `fold_in(rng, pids_a[j])`, where
   `rng` is one key `[2]` or a key per prompt `[A, 2]` (prompts of different seeds)."""
-  model = nnx.merge(graphdef, params)
+  model = _merge(graphdef, params)
   rng_a2 = jnp.broadcast_to(rng, (ids_ap.shape[0], 2))
   keys_a2 = jax.vmap(jax.random.fold_in)(rng_a2, pids_a)
   state = program(spec.method).admit(model, spec, state, ids_ap, lens_a, rows_a, keys_a2, knobs)
@@ -266,7 +302,7 @@ def _engine_admit(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, 
 def _engine_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes=None,
                 place: Placement | None = None):
   """The loop; with a (traced) `max_passes` it also returns after that many passes."""
-  model = nnx.merge(graphdef, params)
+  model = _merge(graphdef, params)
   limit = None if max_passes is None else state.passes + max_passes
   return _placed(_loop(model, program(spec.method), spec, state, knobs, stop_on_done, limit),
                  place)
@@ -306,7 +342,7 @@ def _engine_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, 
   """`_engine_run` over rows `idx_n` only (the others must be free or idle): a pass then
   costs what a pass over `len(idx_n)` rows costs. Rows are independent, so each row's
   tokens and passes are those of a run over every row."""
-  model = nnx.merge(graphdef, params)
+  model = _merge(graphdef, params)
   sub = take_rows(state, idx_n)
   sub = _loop(model, program(spec.method), spec, sub, knobs, stop_on_done,
               sub.passes + max_passes)
@@ -359,6 +395,7 @@ class Decoder:
     self.spec = spec_of(decode_config, vocab_chunk)
     self.knobs = knobs_of(model.config, decode_config)
     self.graphdef, self.params = nnx.split(model)
+    self.static = static_graph(self.graphdef)  # what this module's dispatches pass
     self.place = placement_of(self.params)
 
   def _rng(self, rng):
@@ -376,7 +413,7 @@ class Decoder:
 
   def generate(self, prompt_ids_bp, prompt_len_b, rng=None, *, with_state: bool = False):
     ids, lens = self.check_prompts(prompt_ids_bp, prompt_len_b)
-    out, state = _generate(self.graphdef, self.params, jnp.asarray(ids), jnp.asarray(lens),
+    out, state = _generate(self.static, self.params, jnp.asarray(ids), jnp.asarray(lens),
                            self._rng(rng), self.knobs, spec=self.spec)
     return (out, state) if with_state else out
 
@@ -456,15 +493,15 @@ class Engine:
         break
       a *= 2
     for width in sorted(widths):
-      state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=self.rows, width=width,
+      state = _engine_init(d.static, d.params, spec=d.spec, rows=self.rows, width=width,
                            place=d.place)
       for a in sorted(sizes):  # padding rows only: nothing is admitted
-        state = _engine_admit(d.graphdef, d.params, state, jnp.zeros((a, width), jnp.int32),
+        state = _engine_admit(d.static, d.params, state, jnp.zeros((a, width), jnp.int32),
                               jnp.ones((a,), jnp.int32), jnp.full((a,), self.rows, jnp.int32),
                               jnp.zeros((a,), jnp.int32), raw_key(jax.random.PRNGKey(0)), d.knobs,
                               spec=d.spec, place=d.place)
       for stop in (True, False):
-        state = _engine_run(d.graphdef, d.params, state, d.knobs, jnp.bool_(stop), spec=d.spec,
+        state = _engine_run(d.static, d.params, state, d.knobs, jnp.bool_(stop), spec=d.spec,
                             place=d.place)
       jax.block_until_ready(_engine_output(state, d.knobs, spec=d.spec))
       jax.block_until_ready(_release_done(state, place=d.place))
@@ -501,7 +538,7 @@ class Engine:
   def _run_bucket(self, order, ids, lens, width, rng, results, progress):
     d = self.decoder
     b = self.rows
-    state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=b, width=width, place=d.place)
+    state = _engine_init(d.static, d.params, spec=d.spec, rows=b, width=width, place=d.place)
     queue = list(order)
     row_prompt = [-1] * b
     row_start = [0.0] * b
@@ -523,7 +560,7 @@ class Engine:
           lens_a[j], rows_a[j], pids_a[j] = lens[i], free[j], i
           row_prompt[free[j]] = i
           row_start[free[j]] = now
-        state = _engine_admit(d.graphdef, d.params, state, jnp.asarray(ids_ap),
+        state = _engine_admit(d.static, d.params, state, jnp.asarray(ids_ap),
                               jnp.asarray(lens_a), jnp.asarray(rows_a), jnp.asarray(pids_a),
                               rng, d.knobs, spec=d.spec, place=d.place)
         admissions += 1
@@ -531,7 +568,7 @@ class Engine:
           continue  # more free rows: admit again before running
       if all(p < 0 for p in row_prompt):
         return passes, admissions
-      state = _engine_run(d.graphdef, d.params, state, d.knobs, jnp.bool_(bool(queue)),
+      state = _engine_run(d.static, d.params, state, d.knobs, jnp.bool_(bool(queue)),
                           spec=d.spec, place=d.place)
       out, phase, total = jax.device_get(_engine_output(state, d.knobs, spec=d.spec))
       passes = int(total)  # the bucket's state counts its passes from zero
@@ -567,7 +604,7 @@ PROGRAM_NAMES = ("generate", "admit", "run")
 def abstract_state(decoder: Decoder, rows: int, width: int):
   """Shapes (and placement) of the engine's state for `rows` rows and prompts `width` wide."""
   d = decoder
-  init = _engine_init.lower(d.graphdef, d.params, spec=d.spec, rows=rows, width=width,
+  init = _engine_init.lower(d.static, d.params, spec=d.spec, rows=rows, width=width,
                             place=d.place)
   return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
                       init.out_info)
@@ -595,14 +632,14 @@ def lower_program(decoder: Decoder, name: str, rows: int, width: int) -> jax.sta
   knobs = jax.tree.map(lambda x: shape(jnp.shape(x), jnp.result_type(x)), d.knobs)
   rng = shape((2,), jnp.uint32)
   if name == "generate":
-    return _generate.lower(d.graphdef, d.params, shape((rows, width), jnp.int32),
+    return _generate.lower(d.static, d.params, shape((rows, width), jnp.int32),
                            shape((rows,), jnp.int32), rng, knobs, spec=d.spec)
   state = abstract_state(d, rows, width)
   if name == "admit":
     ids = shape((rows,), jnp.int32)
-    return _engine_admit.lower(d.graphdef, d.params, state, shape((rows, width), jnp.int32),
+    return _engine_admit.lower(d.static, d.params, state, shape((rows, width), jnp.int32),
                                ids, ids, ids, rng, knobs, spec=d.spec, place=d.place)
-  return _engine_run.lower(d.graphdef, d.params, state, knobs, shape((), jnp.bool_),
+  return _engine_run.lower(d.static, d.params, state, knobs, shape((), jnp.bool_),
                            spec=d.spec, place=d.place)
 
 
@@ -663,7 +700,7 @@ class LiveBatch:
     self.knobs = decoder.knobs if knobs is None else knobs
     self.admit_max = rows if admit_max is None else max(1, min(admit_max, rows))
     d = decoder
-    state = _engine_init(d.graphdef, d.params, spec=d.spec, rows=rows, width=width,
+    state = _engine_init(d.static, d.params, spec=d.spec, rows=rows, width=width,
                          place=d.place)
     # Committed where the parameters are, as every later program's output is; an
     # uncommitted state would be a different cache entry of the first program it meets.
@@ -705,7 +742,7 @@ class LiveBatch:
       ids_ap[j, :len(p)] = p
       lens_a[j], rows_a[j], keys_a2[j] = len(p), rows[j], rng_a2[j]
       pids_a[j] = 0 if pids is None else pids[j]
-    self.state = _engine_admit(d.graphdef, d.params, self.state, ids_ap, lens_a, rows_a,
+    self.state = _engine_admit(d.static, d.params, self.state, ids_ap, lens_a, rows_a,
                                pids_a, keys_a2, self.knobs, spec=d.spec, place=d.place)
 
   def run(self, max_passes: int | None = None, stop_on_done: bool = True,
@@ -725,11 +762,11 @@ class LiveBatch:
     if n < self.rows:
       taken = set(busy)
       idx = list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)]
-      self.state = _engine_run_rows(d.graphdef, d.params, self.state, self.knobs,
+      self.state = _engine_run_rows(d.static, d.params, self.state, self.knobs,
                                     np.bool_(stop_on_done), np.asarray(idx, np.int32),
                                     spec=d.spec, max_passes=limit, place=d.place)
       return
-    self.state = _engine_run(d.graphdef, d.params, self.state, self.knobs,
+    self.state = _engine_run(d.static, d.params, self.state, self.knobs,
                              np.bool_(stop_on_done), spec=d.spec, max_passes=limit,
                              place=d.place)
 
@@ -766,7 +803,7 @@ class LiveBatch:
     """Compiles every program this batch calls (padding rows only: nothing runs)."""
     d = self.decoder
     for a in self.admit_sizes():
-      self.state = _engine_admit(d.graphdef, d.params, self.state,
+      self.state = _engine_admit(d.static, d.params, self.state,
                                  np.zeros((a, self.width), np.int32), np.ones((a,), np.int32),
                                  np.full((a,), self.rows, np.int32), np.zeros((a,), np.int32),
                                  np.zeros((a, 2), np.uint32), self.knobs, spec=d.spec,
