@@ -80,7 +80,7 @@ def oracle(tmp_path_factory):
           "chat": {m: o[len(TEXTS):] for m, o in out.items()}}
 
 
-def _serving(oracle, engine_mode, dispatch_ahead=None):
+def _serving(oracle, engine_mode):
   """A server on a free port (uvicorn on a thread of this process; under
   engine_mode "process" the engine runs in a child process)."""
   import uvicorn  # pylint: disable=import-outside-toplevel
@@ -92,8 +92,6 @@ def _serving(oracle, engine_mode, dispatch_ahead=None):
   for k, v in SETTINGS.items():
     c.decode[k] = v
   asgi, server = serve.build(c)
-  if dispatch_ahead is not None:
-    server.scheduler.dispatch_ahead = dispatch_ahead
   uv = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=0, log_level="error"))
   thread = threading.Thread(target=uv.run, daemon=True)
   thread.start()
@@ -121,10 +119,8 @@ def served(oracle):
 
 @pytest.fixture(scope="module")
 def served_thread(oracle):
-  """The engine on a thread of the server's process (its state can be inspected),
-  delivering results before dispatching the next run, as on a GPU (where a dispatch
-  waits for its passes); the default server dispatches ahead, as on a CPU."""
-  info, stop = _serving(oracle, "thread", dispatch_ahead=False)
+  """The engine on a thread of the server's process (its state can be inspected)."""
+  info, stop = _serving(oracle, "thread")
   yield info
   stop()
 
@@ -499,7 +495,7 @@ def test_served_passes_ran_over_fewer_rows(served_thread):
   # The server (4 rows, row_counts "auto" on a CPU) ran single requests over 1 row
   # and the 16 concurrent ones over all 4: the smaller programs are in use.
   sched = served_thread["server"].scheduler
-  assert sched.row_counts == (1, 2, 3) and not sched.dispatch_ahead
+  assert sched.row_counts == (1, 2, 3)
   _complete(_client(served_thread), 5, "refusion", False)
   used = sum((lane.batch.runs_by_rows for lane in sched._lanes.values()),  # pylint: disable=protected-access
              collections.Counter())

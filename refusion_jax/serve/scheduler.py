@@ -39,7 +39,6 @@ import threading
 import time
 from typing import Any, Callable
 
-import jax
 import numpy as np
 
 from refusion_jax.config import DecodeConfig
@@ -162,7 +161,7 @@ class Scheduler:
   def __init__(self, model, decode_configs: list[DecodeConfig], *, rows: int, width: int,
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
                metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
-               after_turn: Callable[[], None] | None = None, dispatch_ahead: bool | None = None):
+               after_turn: Callable[[], None] | None = None):
     self.model = model
     self.decoders = {}
     for dc in decode_configs:
@@ -178,12 +177,6 @@ class Scheduler:
     # Called on the engine thread after each lane's deliveries and before it waits
     # (the engine process sends what the turn delivered from there).
     self.after_turn = after_turn or (lambda: None)
-    # Whether a dispatched run returns before its passes are done. On a GPU it does
-    # not: a while loop's condition is read back by the host every iteration, so the
-    # calling thread waits out the passes. There, results are delivered before the
-    # next run is dispatched, or every response would wait a whole extra run.
-    self.dispatch_ahead = (jax.default_backend() != "gpu" if dispatch_ahead is None
-                           else dispatch_ahead)
     self._lanes: dict[tuple, _Lane] = {}
     self._parked: collections.deque[Job] = collections.deque()  # no lane to be had yet
     self._lock = threading.Lock()
@@ -445,7 +438,7 @@ class Scheduler:
         for lane in busy:
           read, admissions = lane.batch.read_later(), lane.admissions
           go = lambda lane=lane: lane.busy() and not self._hold.is_set() and not self._stop
-          ahead = self.dispatch_ahead and lane.busy() < len(lane.jobs) and go()
+          ahead = lane.busy() < len(lane.jobs) and go()
           if ahead:
             # A row is free: the next pass is dispatched behind the read, before
             # waiting for it, so the device runs it while this thread reads and
@@ -456,16 +449,9 @@ class Scheduler:
             lane.batch.run(self.free_chunk_passes, stop_on_done=False, busy=lane.rows_in_use())
           deliveries = self._collect(lane, read(), admissions)
           lane.inflight = ahead
-          if not self.dispatch_ahead:
-            # Dispatch blocks until the passes are done (below): results go out first.
-            for fn, fn_args in deliveries:
-              fn(*fn_args)
-            deliveries = []
-            self.after_turn()
           if not ahead:
-            # With asynchronous dispatch the lane's next chunk is dispatched before
-            # the deliveries are made, so the device works while this thread hands
-            # results over.
+            # The lane's next chunk is dispatched before the deliveries are made, so
+            # the device works while this thread hands results over.
             self._route()
             self._cancel_and_admit(lane)
             if go():
