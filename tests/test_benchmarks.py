@@ -80,9 +80,37 @@ def test_decode_speed_memory_only_compiles_from_shapes(capsys):
 
 @pytest.mark.parametrize("flag, needle", [("--clients=1,x", "comma-separated ints"),
                                           ("--clients=0", "must be positive"),
-                                          ("--repeats=0", "must be >= 1")])
+                                          ("--repeats=0", "must be >= 1"),
+                                          ("--requests_per_client=0", "must be >= 1"),
+                                          ("--prompts=-1", "--prompts >= 0")])
 def test_serve_load_rejects_bad_flags(flag, needle, capsys):
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
   with pytest.raises(SystemExit):
     serve_load.parse_args([flag])
   assert needle in capsys.readouterr().err
+
+
+def test_serve_load_counts_cpu_of_a_process_and_finds_its_child():
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+  # A parent that spins its child for a while: the child is found and its CPU counted.
+  code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
+          "'import time\\nt = time.time()\\nwhile time.time() - t < 3: pass'])")
+  proc = subprocess.Popen([sys.executable, "-c", code])
+  try:
+    deadline = time.time() + 10
+    child = None
+    while child is None:
+      assert time.time() < deadline
+      time.sleep(0.05)
+      child = serve_load.server_pids(proc)[1]
+    a = serve_load.cpu_seconds(child)
+    time.sleep(1.0)
+    used = serve_load.cpu_seconds(child) - a
+    assert 0.2 < used < 1.5, used  # one busy core for about a second
+    assert serve_load.cpu_seconds(proc.pid) < 0.5 * serve_load.cpu_seconds(child) + 0.5
+  finally:
+    proc.wait(timeout=30)
+  assert serve_load.cpu_seconds() > 0

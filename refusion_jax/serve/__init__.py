@@ -77,10 +77,9 @@ def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
   return tuple(sorted(set(counts)))
 
 
-def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None, warm_up: bool = True):
-  """The model loaded and its `Scheduler` (engine thread not started), every bucket
-  compiled unless `warm_up` is False. Runs in the engine process under
-  `--config.engine=process`."""
+def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
+  """The model loaded and its `Scheduler`, every bucket compiled (the engine thread
+  not started). Runs in the engine process under `--config.engine=process`."""
   from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
   check_flags(c)
   configs = decode_configs(c)
@@ -95,16 +94,15 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None, warm_up: bool 
                                   row_counts=parse_row_counts(c.row_counts, c.rows,
                                                               jax.default_backend()))
   _log(f"[serve] loaded {c.model_dir} in {time.perf_counter() - t:.1f}s")
-  if warm_up:
-    t = time.perf_counter()
-    scheduler.warm_up()
-    _log(f"[serve] compiled {len(configs)} bucket(s) ("
-         + ", ".join(b.name for b in scheduler.buckets)
-         + f"), {c.rows} rows"
-         + (f" (passes also over {', '.join(map(str, scheduler.row_counts))})"
-            if scheduler.row_counts else "")
-         + f", prompts up to {c.max_prompt_len} tokens, in "
-         f"{time.perf_counter() - t:.1f}s")
+  t = time.perf_counter()
+  scheduler.warm_up()
+  _log(f"[serve] compiled {len(configs)} bucket(s) ("
+       + ", ".join(b.name for b in scheduler.buckets)
+       + f"), {c.rows} rows"
+       + (f" (passes also over {', '.join(map(str, scheduler.row_counts))})"
+          if scheduler.row_counts else "")
+       + f", prompts up to {c.max_prompt_len} tokens, in "
+       f"{time.perf_counter() - t:.1f}s")
   return scheduler
 
 
@@ -118,7 +116,7 @@ def decode_configs(c: ml_collections.ConfigDict) -> list[DecodeConfig]:
   return sched_lib.parse_buckets(c.buckets, default)
 
 
-def build(c: ml_collections.ConfigDict, *, warm_up: bool = True):
+def build(c: ml_collections.ConfigDict):
   """`(app, server)`: the model loaded, every bucket compiled, the engine not yet
   started (the app's lifespan starts it). With `--config.engine=process` the model
   lives in the engine process, started here; this process loads only the tokenizer."""
@@ -130,7 +128,7 @@ def build(c: ml_collections.ConfigDict, *, warm_up: bool = True):
     from refusion_jax.serve import engine_process  # pylint: disable=import-outside-toplevel
     scheduler = engine_process.EngineProcess(c, metrics=metrics)
   else:
-    scheduler = make_scheduler(c, metrics=metrics, warm_up=warm_up)
+    scheduler = make_scheduler(c, metrics=metrics)
   try:
     tokenizer = sample.load_tokenizer(c, scheduler.model_config)
   except Exception:
