@@ -80,13 +80,13 @@ def oracle(tmp_path_factory):
           "chat": {m: o[len(TEXTS):] for m, o in out.items()}}
 
 
-def _serving(oracle, engine_mode, row_counts="auto"):
+def _serving(oracle, engine_mode, row_counts="auto", rows=ROWS, buckets=f"ar:{GEN}"):
   """A server on a free port (uvicorn on a thread of this process; under
   engine_mode "process" the engine runs in a child process)."""
   import uvicorn  # pylint: disable=import-outside-toplevel
   c = serve_config.get_config()
-  c.model_dir, c.model_name, c.rows, c.max_prompt_len = oracle["model_dir"], "tiny", ROWS, WIDTH
-  c.max_queue, c.chunk_passes, c.buckets = QUEUE, 2, f"ar:{GEN}"
+  c.model_dir, c.model_name, c.rows, c.max_prompt_len = oracle["model_dir"], "tiny", rows, WIDTH
+  c.max_queue, c.chunk_passes, c.buckets = QUEUE, 2, buckets
   c.engine, c.row_counts = engine_mode, row_counts
   c.decode.gen_length, c.decode.slot_size, c.decode.block_size = GEN, SLOT, BLOCK
   for k, v in SETTINGS.items():
@@ -524,7 +524,7 @@ def test_engine_process_start_up_error_is_raised(oracle, tmp_path):
 
 
 def test_engine_process_death_fails_requests_and_health(oracle):
-  info, stop = _serving(oracle, "process")
+  info, stop = _serving(oracle, "process", row_counts="", rows=1, buckets="")  # a small one
   try:
     sched = info["server"].scheduler
     sched.hold(True)
