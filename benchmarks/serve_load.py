@@ -318,15 +318,14 @@ def main(argv=None) -> list[dict]:
            else Tokenizer.tiny())
     most = args.prompts or args.requests_per_client * max(args.clients)
     all_prompts = load_prompts(os.path.join(REPO, args.task_prompts), most, tok)
-    prompts = all_prompts
-    width = -(-max(len(p) for p in prompts) // 16) * 16
+    width = -(-max(len(p) for p in all_prompts) // 16) * 16
     slot, block = ((args.gen_length, args.gen_length) if method == "ar"
                    else (args.slot_size, args.block_size))
     dc = DecodeConfig(method=method, gen_length=args.gen_length, slot_size=slot,
                       block_size=block, slot_threshold=args.slot_threshold,
                       token_threshold=args.token_threshold)
     dc.check_fits(model_config, width)
-    engines = {rows: offline_engine(model, dc, prompts, rows, width)
+    engines = {rows: offline_engine(model, dc, all_prompts, rows, width)
                for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
     proc, url = start_server(model_dir, method, args, width)
     pids = server_pids(proc)

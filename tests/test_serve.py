@@ -204,7 +204,9 @@ def test_enable_thinking_changes_the_prompt(served):
   assert on.usage.prompt_tokens == n_on == off.usage.prompt_tokens + len(tok.encode("<think>\n"))
 
 
-def test_sixteen_concurrent_streams(served):
+def _sixteen_concurrent_streams(served):
+  """16 streams at once (refusion and ar mixed): each equals its single-request output;
+  returns [((prompt, method), text)]."""
   cl = _client(served)
   jobs = [(i, "refusion" if i % 3 else "ar") for i in range(16)]
   with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -212,6 +214,12 @@ def test_sixteen_concurrent_streams(served):
   for (i, method), (text, ids, _, _) in zip(jobs, got):
     want = served["completion"][method][i]
     assert (text, ids) == (want["text"], want["tokens"]), (i, method)
+  return [(job, text) for job, (text, _, _, _) in zip(jobs, got)]
+
+
+def test_sixteen_concurrent_streams(served):
+  cl = _client(served)
+  for (i, method), text in _sixteen_concurrent_streams(served):
     assert text == _complete(cl, i, method, False)[0]
 
 
@@ -484,12 +492,7 @@ def test_thread_engine_serves_the_same(served_thread):
         text, ids, _, usage = _complete(cl, i, method, stream)
         assert (text, ids) == (want["text"], want["tokens"]), (method, i, stream)
         assert usage.model_extra["forward_passes"] == want["nfe"]
-  jobs = [(i, "refusion" if i % 3 else "ar") for i in range(16)]
-  with concurrent.futures.ThreadPoolExecutor(16) as pool:
-    got = list(pool.map(lambda job: _complete(cl, job[0], job[1], True), jobs))
-  for (i, method), (text, ids, _, _) in zip(jobs, got):
-    want = served_thread["completion"][method][i]
-    assert (text, ids) == (want["text"], want["tokens"]), (i, method)
+  _sixteen_concurrent_streams(served_thread)
 
 
 def test_served_passes_ran_over_fewer_rows(served_thread):
