@@ -68,17 +68,15 @@ class KVCache:
     return KVCache(k=k, v=v, positions_bs=self.positions_bs[idx_n], length_b=self.length_b[idx_n])
 
   def put_rows(self, idx_n: jax.Array, sub: "KVCache") -> "KVCache":
-    """This cache with rows `idx_n` (distinct) replaced by the rows of `sub`; an index
-    past the last row drops that row of `sub`."""
+    """This cache with rows `idx_n` (distinct) replaced by the rows of `sub`."""
     if self.stacked:
-      put = lambda full, x: full.at[:, idx_n].set(x, mode="drop")
+      put = lambda full, x: full.at[:, idx_n].set(x)
       k, v = put(self.k, sub.k), put(self.v, sub.v)
     else:
-      k = tuple(f.at[idx_n].set(x, mode="drop") for f, x in zip(self.k, sub.k))
-      v = tuple(f.at[idx_n].set(x, mode="drop") for f, x in zip(self.v, sub.v))
-    return KVCache(k=k, v=v,
-                   positions_bs=self.positions_bs.at[idx_n].set(sub.positions_bs, mode="drop"),
-                   length_b=self.length_b.at[idx_n].set(sub.length_b, mode="drop"))
+      k = tuple(f.at[idx_n].set(x) for f, x in zip(self.k, sub.k))
+      v = tuple(f.at[idx_n].set(x) for f, x in zip(self.v, sub.v))
+    return KVCache(k=k, v=v, positions_bs=self.positions_bs.at[idx_n].set(sub.positions_bs),
+                   length_b=self.length_b.at[idx_n].set(sub.length_b))
 
   @property
   def max_len(self) -> int:

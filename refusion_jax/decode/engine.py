@@ -322,8 +322,7 @@ def take_rows(state, idx_n):
 
 
 def put_rows(state, sub, idx_n):
-  """`state` with rows `idx_n` (distinct) replaced by `sub`'s rows; `passes` from `sub`.
-  An index past the last row drops that row of `sub`."""
+  """`state` with rows `idx_n` (distinct) replaced by `sub`'s rows; `passes` from `sub`."""
   parts = {}
   for f in dataclasses.fields(state):
     x, y = getattr(state, f.name), getattr(sub, f.name)
@@ -336,48 +335,18 @@ def put_rows(state, sub, idx_n):
   return state.replace(**parts)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "counts", "place"),
-                   donate_argnames=("state", "runs_c"))
-def _engine_run_active(graphdef, params, state, knobs, stop_on_done, spec, max_passes, runs_c,
-                       counts: tuple[int, ...], place: Placement | None = None):
-  """`_engine_run` over the rows that are active when it starts, gathered into the
-  smallest of `counts` (ascending, the last = every row) that holds them: a pass
-  then costs what a pass over that many rows costs. The device picks the rows, so
-  a row that finished in a pass dispatched before this one (its result not yet
-  read by the host) sits this one out. Rows are independent, so each row's tokens
-  and passes are those of `_engine_run`; `runs_c[i]` counts the runs over `counts[i]`
-  rows (returned beside the state)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
+                   donate_argnames=("state",))
+def _engine_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, max_passes,
+                     place: Placement | None = None):
+  """`_engine_run` over rows `idx_n` only (the others must be free or idle): a pass then
+  costs what a pass over `len(idx_n)` rows costs. Rows are independent, so each row's
+  tokens and passes are those of a run over every row."""
   model = _merge(graphdef, params)
-  prog = program(spec.method)
-  rows = state.rows.phase_b.shape[0]
-  phase_b = state.rows.phase_b
-  active_b = phase_b >= FIRST_PHASE
-  branch = jnp.searchsorted(jnp.asarray(counts, jnp.int32), active_b.sum(dtype=jnp.int32))
-  # `_engine_run` runs no pass when stop_on_done finds a row already done; padding
-  # rows below are made free, so that test is made here, on every row.
-  stop_now = stop_on_done & (phase_b == DONE).any()
-  limit = jnp.where(stop_now, state.passes, state.passes + max_passes)
-  order_b = jnp.argsort(~active_b, stable=True)  # active rows first, by row index
-
-  def over(n):
-    def run(s):
-      if n == rows:
-        return _loop(model, prog, spec, s, knobs, stop_on_done, limit)
-      idx_n = order_b[:n]
-      pad_n = ~active_b[idx_n]
-      sub = take_rows(s, idx_n)
-      # Padding rows (free or done) run as free rows and are not written back.
-      sub = sub.replace(rows=sub.rows.replace(
-          phase_b=jnp.where(pad_n, FREE, sub.rows.phase_b)))
-      sub = _loop(model, prog, spec, sub, knobs, stop_on_done, limit)
-      return put_rows(s, sub, jnp.where(pad_n, rows, idx_n))
-    return run
-
-  state = jax.lax.switch(branch, [over(n) for n in counts], state)
-  runs_c = runs_c.at[branch].add(1)
-  if place is not None:
-    runs_c = jax.lax.with_sharding_constraint(runs_c, NamedSharding(place.mesh, PartitionSpec()))
-  return _placed(state, place), runs_c
+  sub = take_rows(state, idx_n)
+  sub = _loop(model, program(spec.method), spec, sub, knobs, stop_on_done,
+              sub.passes + max_passes)
+  return _placed(put_rows(state, sub, idx_n), place)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -396,7 +365,7 @@ def _free_rows(state, free_b, place: Placement | None = None):
 def compiled_programs() -> dict[str, int]:
   """Compiled programs so far, per entry point (tests prove reuse with it)."""
   return {"generate": _generate._cache_size(), "run": _engine_run._cache_size(),
-          "run_active": _engine_run_active._cache_size(),
+          "run_rows": _engine_run_rows._cache_size(),
           "admit": _engine_admit._cache_size(), "read": _live_read._cache_size(),
           "free": _free_rows._cache_size()}
 
@@ -721,8 +690,9 @@ class LiveBatch:
            or not 1 <= n <= rows]
     if bad:
       raise ValueError(f"live batch row_counts must be ints from 1 to rows={rows}, got {bad}")
-    # Smaller passes compiled besides the full one: a run over the active rows only.
+    # Smaller passes compiled besides the full one: a run over the busy rows only.
     self.row_counts = sorted(set(row_counts) - {rows})
+    self.runs_by_rows: collections.Counter = collections.Counter()  # run calls per row count
     decoder.config.check_fits(decoder.model.config, width)
     self.decoder = decoder
     self.rows = rows
@@ -738,15 +708,6 @@ class LiveBatch:
     if d.place is None and leaves and hasattr(leaves[0], "sharding"):
       state = jax.device_put(state, leaves[0].sharding)
     self.state = state
-    self._runs_c = self._no_runs()
-
-  def _no_runs(self) -> jax.Array:
-    """Runs per row count (`row_counts` + rows), all zero, placed as the programs
-    give them back (a counter the device increments where it picks the count)."""
-    zeros = np.zeros((len(self.row_counts) + 1,), np.int32)
-    if self.decoder.place is not None:
-      return jax.device_put(zeros, NamedSharding(self.decoder.place.mesh, PartitionSpec()))
-    return jax.device_put(zeros, jax.tree.leaves(self.state)[0].sharding)
 
   def admit_sizes(self) -> list[int]:
     """The admission batch sizes compiled (powers of two up to `admit_max`)."""
@@ -784,35 +745,33 @@ class LiveBatch:
     self.state = _engine_admit(d.static, d.params, self.state, ids_ap, lens_a, rows_a,
                                pids_a, keys_a2, self.knobs, spec=d.spec, place=d.place)
 
-  def run(self, max_passes: int | None = None, stop_on_done: bool = True) -> None:
+  def run(self, max_passes: int | None = None, stop_on_done: bool = True,
+          busy: Sequence[int] | None = None) -> None:
     """Dispatches passes until no row is active, a row is done (stop_on_done), or
     `max_passes` passes (None: no bound). Asynchronous: `read` waits for it.
 
-    With `row_counts`, the passes run over the rows active when the run starts
-    only, gathered into the smallest compiled count that holds them (the device
-    picks, so rows that finished in a run not yet read sit it out); this costs
-    less where a pass's cost grows with its rows (a CPU). Tokens and pass counts
-    are unchanged."""
+    `busy` (optional) lists every row that is not free; the others must be. The
+    passes then run over the smallest compiled row count that holds them
+    (`row_counts`), padded with free rows, which costs less where a pass's cost
+    grows with its rows (a CPU); tokens and pass counts are unchanged."""
     d = self.decoder
     # "No bound" is a bound no decode reaches (passes + bound must not overflow int32).
     limit = np.int32(1 << 30 if max_passes is None else min(max_passes, 1 << 30))
-    if self.row_counts:
-      self.state, self._runs_c = _engine_run_active(
-          d.static, d.params, self.state, self.knobs, np.bool_(stop_on_done), spec=d.spec,
-          max_passes=limit, runs_c=self._runs_c, counts=tuple(self.row_counts) + (self.rows,),
-          place=d.place)
+    n = self._row_count(len(busy)) if busy is not None else self.rows
+    self.runs_by_rows[n] += 1
+    if n < self.rows:
+      taken = set(busy)
+      idx = list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)]
+      self.state = _engine_run_rows(d.static, d.params, self.state, self.knobs,
+                                    np.bool_(stop_on_done), np.asarray(idx, np.int32),
+                                    spec=d.spec, max_passes=limit, place=d.place)
       return
     self.state = _engine_run(d.static, d.params, self.state, self.knobs,
                              np.bool_(stop_on_done), spec=d.spec, max_passes=limit,
                              place=d.place)
 
-  @property
-  def runs_by_rows(self) -> collections.Counter:
-    """Runs since `warm_up` by the row count they ran over (with `row_counts`; waits
-    for what was dispatched)."""
-    counts = self.row_counts + [self.rows]
-    return collections.Counter({n: int(c) for n, c in zip(counts, jax.device_get(self._runs_c))
-                                if c})
+  def _row_count(self, busy: int) -> int:
+    return min([n for n in self.row_counts if n >= busy] or [self.rows])
 
   def read(self) -> Snapshot:
     """Waits for what was dispatched and reads every row (one device-to-host copy)."""
@@ -850,7 +809,9 @@ class LiveBatch:
                                  np.zeros((a, 2), np.uint32), self.knobs, spec=d.spec,
                                  place=d.place)
     self.run(1)
+    for n in self.row_counts:
+      self.run(1, busy=list(range(n)))
     self.read()
     self.state = _free_rows(self.state, np.zeros((self.rows,), bool), place=d.place)
     jax.block_until_ready(self.state)
-    self._runs_c = self._no_runs()  # counts runs that decode, not this one
+    self.runs_by_rows.clear()  # counts runs that decode, not these

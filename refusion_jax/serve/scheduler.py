@@ -23,12 +23,11 @@ arriving mid-run joins at the next pass rather than after a whole chunk (a
 closed-loop client's next request comes while the others' rows run). Chunking
 changes no token and no pass count (`LiveBatch`).
 
-With `row_counts`, a lane's passes run over its active rows only, gathered into
-the smallest of those counts that holds them (the device picks them, so a row
-that finished in the pass dispatched ahead sits out the next one before the
-host has read it): where a pass costs in proportion to its rows (a CPU), the
-rows a closed-loop client leaves idle between its requests then cost almost
-nothing. Tokens and pass counts are unchanged.
+With `row_counts`, a lane's passes run over its rows in use only, padded to the
+smallest of those counts that holds them (one more compiled program each):
+where a pass costs in proportion to its rows (a CPU), the rows a closed-loop
+client leaves idle between its requests then cost nothing. Tokens and pass
+counts are unchanged.
 """
 
 from __future__ import annotations
@@ -147,6 +146,10 @@ class _Lane:
 
   def busy(self) -> int:
     return sum(j is not None for j in self.jobs)
+
+  def rows_in_use(self) -> list[int]:
+    """Rows holding a request (decoding, or done and not yet taken); the others are free."""
+    return [r for r, j in enumerate(self.jobs) if j is not None]
 
   def idle(self) -> bool:
     return not self.busy() and not self.waiting
@@ -430,7 +433,7 @@ class Scheduler:
           continue
         for lane in busy:
           if not lane.inflight:
-            lane.batch.run(self._max_passes(lane, len(busy)))
+            lane.batch.run(self._max_passes(lane, len(busy)), busy=lane.rows_in_use())
             lane.inflight = True
         for lane in busy:
           read, admissions = lane.batch.read_later(), lane.admissions
@@ -443,7 +446,7 @@ class Scheduler:
             # requests that came in the meantime join it.
             self._route()
             self._cancel_and_admit(lane)
-            lane.batch.run(self.free_chunk_passes, stop_on_done=False)
+            lane.batch.run(self.free_chunk_passes, stop_on_done=False, busy=lane.rows_in_use())
           deliveries = self._collect(lane, read(), admissions)
           lane.inflight = ahead
           if not ahead:
@@ -452,7 +455,7 @@ class Scheduler:
             self._route()
             self._cancel_and_admit(lane)
             if go():
-              lane.batch.run(self._max_passes(lane, len(busy)))
+              lane.batch.run(self._max_passes(lane, len(busy)), busy=lane.rows_in_use())
               lane.inflight = True
           for fn, fn_args in deliveries:
             fn(*fn_args)
