@@ -315,6 +315,20 @@ def _arrays_equal(a: np.ndarray, b: np.ndarray, rows: int = 4096) -> bool:
   return all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, a.shape[0], rows))
 
 
+def read_config(directory: str) -> ModelConfig:
+  """The `ModelConfig` that `load` builds for a HF checkpoint folder, from config.json
+  and the safetensors headers only (no tensor is read): the vocabulary size is the
+  embedding tensor's row count, as in `load`."""
+  directory = os.fspath(directory)
+  if not os.path.exists(os.path.join(directory, CONFIG_FILE)):
+    raise FileNotFoundError(f"no {CONFIG_FILE} in {directory!r}: not a HF checkpoint folder")
+  embed = _read_all_headers(directory).get("model.embed_tokens.weight")
+  overrides = {}
+  if embed is not None and len(embed.shape) == 2:
+    overrides["vocab_size"] = embed.shape[0]
+  return config_lib.from_hf_config(directory, **overrides)
+
+
 def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = None,
          dtype=None, scan_layers: bool = False):
   """Loads a HF Qwen3 checkpoint folder. Returns `(config, model)`.

@@ -81,6 +81,12 @@ def decode_config_from(c: ml_collections.ConfigDict) -> DecodeConfig:
     raise ValueError(f"--config.decode: {e}") from None
 
 
+def _not_a_model(model_dir: str) -> FileNotFoundError:
+  return FileNotFoundError(
+      f"--config.model_dir={model_dir!r} has neither model_config.json (refusion_jax) nor "
+      "config.json (HF)")
+
+
 def load_model(model_dir: str, scan_layers: bool | None = None):
   """`(config, model)` from a refusion_jax model folder or a HF checkpoint folder.
 
@@ -92,9 +98,17 @@ def load_model(model_dir: str, scan_layers: bool | None = None):
   if os.path.exists(os.path.join(model_dir, "config.json")):
     from refusion_jax import hf  # pylint: disable=import-outside-toplevel
     return hf.load(model_dir, scan_layers=bool(scan_layers))
-  raise FileNotFoundError(
-      f"--config.model_dir={model_dir!r} has neither model_config.json (refusion_jax) nor "
-      "config.json (HF)")
+  raise _not_a_model(model_dir)
+
+
+def read_model_config(model_dir: str) -> ModelConfig:
+  """The config `load_model` gives, read without loading the weights."""
+  if checkpoint.is_model_dir(model_dir):
+    return checkpoint.read_model_config(model_dir)
+  if os.path.exists(os.path.join(model_dir, "config.json")):
+    from refusion_jax import hf  # pylint: disable=import-outside-toplevel
+    return hf.read_config(model_dir)
+  raise _not_a_model(model_dir)
 
 
 def _is_tiny_shaped(config: ModelConfig) -> bool:

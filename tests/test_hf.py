@@ -19,7 +19,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from refusion_jax import checkpoint, config as config_lib, hf, sharding
+from refusion_jax import checkpoint, config as config_lib, hf, sample, sharding
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -210,6 +210,9 @@ def test_vocab_size_comes_from_embedding(tmp_path):
     json.dump(cfg, f)
   config, _ = hf.load(folder)
   assert config.vocab_size == 128
+  # Read without the weights (the server checks its tokenizer against it first).
+  assert hf.read_config(folder) == config
+  assert sample.read_model_config(str(folder)) == config
 
 
 # ---------------------------------------------------------------- errors

@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from refusion_jax import config as config_lib
 from refusion_jax.decode import engine
 from refusion_jax.model import Qwen3
 from refusion_jax.serve import engine_process, protocol, text as text_lib
+from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -514,16 +516,40 @@ def test_nothing_compiled_while_serving(served_thread):
 
 def test_engine_process_start_up_error_is_raised(oracle, tmp_path):
   bad = tmp_path / "bad"
-  bad.mkdir()
-  (bad / "config.json").write_text("{\"model_type\": \"qwen3\"}")
+  bad.mkdir()  # the model's config without its weights: only loading the model fails
+  shutil.copy(os.path.join(oracle["model_dir"], "model_config.json"), bad)
   c = serve_config.get_config()
   c.model_dir, c.rows, c.max_prompt_len = str(bad), 2, WIDTH
   # Raised in the engine process, raised again here with its type (the entry point
   # reports it as a user error), and the engine process is gone.
   before = set(multiprocessing.active_children())
-  with pytest.raises(FileNotFoundError, match=f"no safetensors weights in {bad}"):
+  with pytest.raises(FileNotFoundError, match=f"{bad}/params"):
     serve.build(c)
   assert set(multiprocessing.active_children()) <= before
+
+
+@pytest.mark.parametrize("engine_mode", ["process", "thread"])
+def test_a_tokenizer_that_does_not_fit_is_refused_before_the_engine_starts(
+    oracle, tmp_path, monkeypatch, engine_mode):
+  other = tmp_path / "other"  # a model folder with its own tokenizer, whose eos differs
+  shutil.copytree(oracle["model_dir"], other)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(tokenizer_lib.TINY_TOKENIZER_DIR, name), other)
+  with open(other / "model_config.json", encoding="utf-8") as f:
+    fields = json.load(f)
+  fields["eos_token_id"] += 1
+  (other / "model_config.json").write_text(json.dumps(fields))
+
+  def never(*args, **kwargs):
+    raise AssertionError("the engine started before the tokenizer was checked")
+
+  monkeypatch.setattr(engine_process, "EngineProcess", never)
+  monkeypatch.setattr(serve, "make_scheduler", never)
+  c = serve_config.get_config()
+  c.model_dir, c.rows, c.max_prompt_len, c.engine = str(other), 2, WIDTH, engine_mode
+  with pytest.raises(ValueError, match="does not match the model config: model config "
+                     f"eos_token_id={fields['eos_token_id']}"):
+    serve.build(c)
 
 
 def test_engine_process_death_fails_requests_and_health(oracle):

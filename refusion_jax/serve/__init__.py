@@ -119,21 +119,20 @@ def decode_configs(c: ml_collections.ConfigDict) -> list[DecodeConfig]:
 def build(c: ml_collections.ConfigDict):
   """`(app, server)`: the model loaded, every bucket compiled, the engine not yet
   started (the app's lifespan starts it). With `--config.engine=process` the model
-  lives in the engine process, started here; this process loads only the tokenizer."""
+  lives in the engine process, started here; this process loads only the tokenizer
+  (checked against the model's config first)."""
   from refusion_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
   check_flags(c)
   decode_configs(c)  # flag errors before anything starts
+  # A tokenizer that does not fit the model is reported before anything compiles
+  # (the model's config is read without its weights).
+  tokenizer = sample.load_tokenizer(c, sample.read_model_config(c.model_dir))
   metrics = app_lib.Metrics()
   if c.engine == "process":
     from refusion_jax.serve import engine_process  # pylint: disable=import-outside-toplevel
     scheduler = engine_process.EngineProcess(c, metrics=metrics)
   else:
     scheduler = make_scheduler(c, metrics=metrics)
-  try:
-    tokenizer = sample.load_tokenizer(c, scheduler.model_config)
-  except Exception:
-    scheduler.stop()
-    raise
   name = c.model_name or os.path.basename(os.path.normpath(c.model_dir))
   server = app_lib.Server(scheduler, tokenizer, name, request_timeout_s=c.request_timeout_s,
                           metrics=metrics)
