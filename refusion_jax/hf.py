@@ -315,18 +315,29 @@ def _arrays_equal(a: np.ndarray, b: np.ndarray, rows: int = 4096) -> bool:
   return all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, a.shape[0], rows))
 
 
-def read_config(directory: str) -> ModelConfig:
-  """The `ModelConfig` that `load` builds for a HF checkpoint folder, from config.json
-  and the safetensors headers only (no tensor is read): the vocabulary size is the
-  embedding tensor's row count, as in `load`."""
-  directory = os.fspath(directory)
+def _check_folder(directory: str) -> None:
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"HF checkpoint folder {directory!r} does not exist")
   if not os.path.exists(os.path.join(directory, CONFIG_FILE)):
     raise FileNotFoundError(f"no {CONFIG_FILE} in {directory!r}: not a HF checkpoint folder")
-  embed = _read_all_headers(directory).get("model.embed_tokens.weight")
-  overrides = {}
+
+
+def _config(directory: str, tensors: Mapping[str, _Tensor], **overrides) -> ModelConfig:
+  """config.json with the vocabulary size taken from the embedding tensor's rows
+  (ReFusion resizes Qwen3's 151936 rows to 151671 while config.json may keep the old
+  value)."""
+  embed = tensors.get("model.embed_tokens.weight")
   if embed is not None and len(embed.shape) == 2:
     overrides["vocab_size"] = embed.shape[0]
   return config_lib.from_hf_config(directory, **overrides)
+
+
+def read_config(directory: str) -> ModelConfig:
+  """The `ModelConfig` that `load` builds for a HF checkpoint folder (no `dtype` or
+  `scan_layers` given), from config.json and the safetensors headers only."""
+  directory = os.fspath(directory)
+  _check_folder(directory)
+  return _config(directory, _read_all_headers(directory))
 
 
 def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = None,
@@ -349,22 +360,17 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
   Every missing, unexpected or mis-shaped tensor is reported in one ValueError.
   """
   directory = os.fspath(directory)
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"HF checkpoint folder {directory!r} does not exist")
-  if not os.path.exists(os.path.join(directory, CONFIG_FILE)):
-    raise FileNotFoundError(f"no {CONFIG_FILE} in {directory!r}: not a HF checkpoint folder")
+  _check_folder(directory)
   tensors = _read_all_headers(directory)
 
   overrides = {}
-  embed = tensors.get("model.embed_tokens.weight")
-  if embed is not None and len(embed.shape) == 2:
-    overrides["vocab_size"] = embed.shape[0]
   if dtype is not None:
     name = _dtype_name(dtype)
     overrides.update(dtype=name, param_dtype=name)
   if scan_layers:
     overrides["scan_layers"] = True
-  config = config_lib.from_hf_config(directory, **overrides)
+  config = _config(directory, tensors, **overrides)
+  embed = tensors.get("model.embed_tokens.weight")
 
   graphdef, abstract_state = _abstract_model(config)
   targets = dict(nnx.to_flat_state(abstract_state))

@@ -28,10 +28,10 @@ from configs import sample as sample_config
 from configs import serve as serve_config
 from refusion_jax import checkpoint, sample, serve
 from refusion_jax import config as config_lib
+from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.decode import engine
 from refusion_jax.model import Qwen3
 from refusion_jax.serve import engine_process, protocol, text as text_lib
-from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
