@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets up .venv (requirements + test packages) and runs the test suite on the
-# CPU (tests/conftest.py provides 8 virtual devices for the sharding tests).
-# Usage: bash launch/test.sh [pytest args...]
+# CPU (tests/conftest.py provides 8 virtual devices for the sharding tests and a
+# cache of compiled programs for the run), one pytest-xdist worker per core, at most
+# 4, each taking whole test files (their module fixtures are built once).
+# Usage: bash launch/test.sh [pytest args...]   (-n 0: one process)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$(bash "$root/launch/setup_env.sh" --test | tail -n 1)"
@@ -9,4 +11,6 @@ cd "$root"
 export JAX_PLATFORMS=cpu
 # Tests that compile for a TPU topology in a subprocess each load libtpu.
 export ALLOW_MULTIPLE_LIBTPU_LOAD=1
-exec "$venv/bin/python" -m pytest tests -q "$@"
+cores="$(nproc 2>/dev/null || echo 1)"
+workers=$(( cores < 4 ? cores : 4 ))
+exec "$venv/bin/python" -m pytest tests -q -n "$workers" --dist loadfile "$@"

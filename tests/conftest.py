@@ -1,6 +1,9 @@
 """Tests run on the CPU with 8 virtual devices (for the sharding tests)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compile for TPU topologies (libtpu) here and in subprocesses.
@@ -8,6 +11,16 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+# One on-disk cache of compiled programs for the whole run, so that the tests (and the
+# servers, command lines and benchmarks they start as subprocesses, which inherit this
+# environment, as do pytest-xdist's workers) compile each of the many identical tiny
+# programs once. A run's cache is its own: made here and removed when the run ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache_dir = tempfile.mkdtemp(prefix="refusion_jax_tests_")
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 import jax  # noqa: E402  (after the environment above is set)
