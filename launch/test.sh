@@ -4,6 +4,7 @@
 # cache of compiled programs for the run), one pytest-xdist worker per core, at most
 # 4, each taking whole test files (their module fixtures are built once).
 # Usage: bash launch/test.sh [pytest args...]   (-n 0: one process)
+#        bash launch/test.sh tests/test_serve.py [-k NAME]   (those tests only)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$(bash "$root/launch/setup_env.sh" --test | tail -n 1)"
@@ -13,4 +14,9 @@ export JAX_PLATFORMS=cpu
 export ALLOW_MULTIPLE_LIBTPU_LOAD=1
 cores="$(nproc 2>/dev/null || echo 1)"
 workers=$(( cores < 4 ? cores : 4 ))
-exec "$venv/bin/python" -m pytest tests -q -n "$workers" --dist loadfile "$@"
+# Test files or test ids among the arguments run on their own; else all of tests/.
+targets=(tests)
+for arg in "$@"; do
+  case "$arg" in tests|tests/*) targets=(); break ;; esac
+done
+exec "$venv/bin/python" -m pytest "${targets[@]}" -q -n "$workers" --dist loadfile "$@"
