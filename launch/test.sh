@@ -14,9 +14,11 @@ export JAX_PLATFORMS=cpu
 export ALLOW_MULTIPLE_LIBTPU_LOAD=1
 cores="$(nproc 2>/dev/null || echo 1)"
 workers=$(( cores < 4 ? cores : 4 ))
-# Test files or test ids among the arguments run on their own; else all of tests/.
+# Test files, folders or ids (path::name) among the arguments run on their own; else
+# all of tests/.
 targets=(tests)
 for arg in "$@"; do
-  case "$arg" in tests|tests/*) targets=(); break ;; esac
+  case "$arg" in -*) continue ;; esac
+  if [ -e "${arg%%::*}" ]; then targets=(); break; fi
 done
 exec "$venv/bin/python" -m pytest "${targets[@]}" -q -n "$workers" --dist loadfile "$@"

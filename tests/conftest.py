@@ -1,4 +1,5 @@
-"""Tests run on the CPU with 8 virtual devices (for the sharding tests)."""
+"""Tests run on the CPU with 8 virtual devices (for the sharding tests), XLA's backend
+optimisation level 0 and one cache of compiled programs for the run (below)."""
 
 import atexit
 import os
