@@ -81,8 +81,14 @@ def decode_config_from(c: ml_collections.ConfigDict) -> DecodeConfig:
     raise ValueError(f"--config.decode: {e}") from None
 
 
-def _not_a_model(model_dir: str) -> FileNotFoundError:
-  return FileNotFoundError(
+def _is_hf_folder(model_dir: str) -> bool:
+  """False for a refusion_jax model folder, True for a HF checkpoint folder; neither
+  is an error naming both."""
+  if checkpoint.is_model_dir(model_dir):
+    return False
+  if os.path.exists(os.path.join(model_dir, "config.json")):
+    return True
+  raise FileNotFoundError(
       f"--config.model_dir={model_dir!r} has neither model_config.json (refusion_jax) nor "
       "config.json (HF)")
 
@@ -93,22 +99,18 @@ def load_model(model_dir: str, scan_layers: bool | None = None):
   `scan_layers` picks the layer layout (None: a model folder's own, unrolled for
   a HF folder); decoding gives the same tokens in either.
   """
-  if checkpoint.is_model_dir(model_dir):
-    return checkpoint.load_model(model_dir, scan_layers=scan_layers)
-  if os.path.exists(os.path.join(model_dir, "config.json")):
+  if _is_hf_folder(model_dir):
     from refusion_jax import hf  # pylint: disable=import-outside-toplevel
     return hf.load(model_dir, scan_layers=bool(scan_layers))
-  raise _not_a_model(model_dir)
+  return checkpoint.load_model(model_dir, scan_layers=scan_layers)
 
 
 def read_model_config(model_dir: str) -> ModelConfig:
   """The config `load_model` gives, read without loading the weights."""
-  if checkpoint.is_model_dir(model_dir):
-    return checkpoint.read_model_config(model_dir)
-  if os.path.exists(os.path.join(model_dir, "config.json")):
+  if _is_hf_folder(model_dir):
     from refusion_jax import hf  # pylint: disable=import-outside-toplevel
     return hf.read_config(model_dir)
-  raise _not_a_model(model_dir)
+  return checkpoint.read_model_config(model_dir)
 
 
 def _is_tiny_shaped(config: ModelConfig) -> bool:
