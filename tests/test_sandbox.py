@@ -533,6 +533,51 @@ def test_output_is_kept_to_its_tail():
   assert "exit status 3" in outcome.detail
 
 
+# Runs the launcher as PID 1 of a PID namespace on a program that ends at
+# once, with a wait4 that returns late: the wall-clock alarm comes after the
+# sample has been reaped, when nothing is left in the namespace to kill.
+_LATE_ALARM_DRIVER = textwrap.dedent("""
+    import json, os, sys, tempfile, time
+    sys.path.insert(0, sys.argv[1])
+    import sandbox
+    assert os.getpid() == 1, os.getpid()
+    folder = tempfile.mkdtemp()
+    program = os.path.join(folder, "given.py")
+    with open(program, "w") as f:
+      f.write("print('ended by itself', flush=True)\\n")
+    read_fd, write_fd = os.pipe()
+    spec = {"mode": "bwrap", "folder": folder, "uid": 0, "gid": 0, "status_fd": write_fd,
+            "python": sys.executable, "program_fd": os.open(program, os.O_RDONLY),
+            "other_processes": 1, "env": {"PATH": "/usr/bin:/bin"},
+            "limits": {"wall_seconds": 0.3, "cpu_seconds": 2, "memory_bytes": 1 << 30,
+                       "processes": 16, "file_bytes": 1 << 20, "scratch_bytes": 1 << 20}}
+    real_wait4 = os.wait4
+    def late_wait4(pid, options):
+      reaped = real_wait4(pid, options)
+      time.sleep(1.0)  # the alarm fires here
+      return reaped
+    os.wait4 = late_wait4
+    code = sandbox._launch(spec)
+    os.close(write_fd)
+    print(json.dumps({"code": code, "reports": os.read(read_fd, 1 << 16).decode()}))
+    """)
+
+
+def test_a_late_alarm_with_nothing_left_to_kill_is_not_an_error():
+  if shutil.which("unshare") is None:
+    pytest.skip("needs util-linux's unshare for a PID namespace")
+  done = subprocess.run(
+      ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
+       sys.executable, "-I", "-c", _LATE_ALARM_DRIVER, os.path.dirname(sandbox.__file__)],
+      capture_output=True, text=True, timeout=60)
+  assert done.returncode == 0, done.stderr
+  answer = json.loads(done.stdout.strip().splitlines()[-1])
+  reports = [json.loads(line) for line in answer["reports"].splitlines()]
+  assert answer["code"] == 0, reports
+  assert [{k: r[k] for k in r if k != "cpu"} for r in reports] == [{"exit": 0}]
+  assert "ended by itself" in done.stdout
+
+
 def test_run_programs_keeps_input_order():
   # Earlier programs sleep longer, so they finish after later ones.
   sources = [f"import time\ntime.sleep({0.1 * (5 - i):.1f})\nprint('program {i}')\n"

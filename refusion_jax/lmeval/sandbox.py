@@ -313,6 +313,21 @@ def _enter_sample(spec: dict[str, Any]) -> None:
   os.execve(python, [python, "-I", os.path.join(spec["folder"], PROGRAM_NAME)], spec["env"])
 
 
+def _kill_sample(mode: str, pid: int) -> bool:
+  """SIGKILL to every process of the sample `pid`; False when none was left.
+  In a namespace (the launcher is its PID 1) kill(-1) reaches every other
+  process of the namespace and nothing outside it; without one, the sample's
+  process group is all the launcher knows of."""
+  try:
+    if mode == "none":
+      os.killpg(pid, signal.SIGKILL)
+    else:
+      os.kill(-1, signal.SIGKILL)
+  except ProcessLookupError:
+    return False
+  return True
+
+
 def _launch(spec: dict[str, Any]) -> int:
   status_fd, mode = spec["status_fd"], spec["mode"]
   os.set_inheritable(status_fd, False)  # the sample must not inherit it
@@ -344,27 +359,18 @@ def _launch(spec: dict[str, Any]) -> int:
 
     timed_out = []
 
-    def kill_all() -> None:
-      if mode == "none":  # no namespace: the sample's group is all we know of
-        try:
-          os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-          pass
-      else:
-        # From PID 1, kill(-1) reaches every other process of the namespace
-        # and nothing outside it; wait4 then returns.
-        os.kill(-1, signal.SIGKILL)
-
     def on_alarm(signum, frame):
-      timed_out.append(True)
-      kill_all()
+      # The alarm may come after wait4 has reaped a sample that ended by itself
+      # just then, with nothing left to kill: no timeout in that case.
+      if _kill_sample(mode, pid):
+        timed_out.append(True)
 
     signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, float(spec["limits"]["wall_seconds"]))
     _, status, usage = os.wait4(pid, 0)
     signal.setitimer(signal.ITIMER_REAL, 0)
     if mode == "none":
-      kill_all()  # what the sample left in its group
+      _kill_sample(mode, pid)  # what the sample left in its group
     cpu = usage.ru_utime + usage.ru_stime
     if timed_out:
       report(timeout=True, cpu=cpu)
