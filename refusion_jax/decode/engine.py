@@ -645,8 +645,21 @@ def lower_program(decoder: Decoder, name: str, rows: int, width: int) -> jax.sta
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _live_read(state, knobs, spec):
+  """What `Snapshot` holds, packed in one int32 `[B, 2G + 4]` array (tokens,
+  commit steps, then length, own passes, phase and the batch's passes per row),
+  so that a read is one device-to-host copy rather than one per field."""
   out = program(spec.method).output(spec, state, knobs)
-  return out, out.counters.nfe_b(), state.rows.phase_b, state.passes
+  b = out.tokens_bg.shape[0]
+  columns = [out.tokens_bg, out.commit_step_bg, out.length_b, out.counters.nfe_b(),
+             state.rows.phase_b, jnp.broadcast_to(state.passes, (b,))]
+  return jnp.concatenate([c.astype(jnp.int32).reshape(b, -1) for c in columns], axis=1)
+
+
+def _unpack_read(packed: np.ndarray, gen_length: int) -> "Snapshot":
+  g = gen_length
+  return Snapshot(tokens_bg=packed[:, :g], commit_step_bg=packed[:, g:2 * g],
+                  length_b=packed[:, 2 * g], nfe_b=packed[:, 2 * g + 1],
+                  phase_b=packed[:, 2 * g + 2], passes=int(packed[0, 2 * g + 3]))
 
 
 @dataclasses.dataclass
@@ -773,6 +786,10 @@ class LiveBatch:
   def _row_count(self, busy: int) -> int:
     return min([n for n in self.row_counts if n >= busy] or [self.rows])
 
+  def running(self) -> bool:
+    """Whether the device is still working on what was dispatched (never waits)."""
+    return not all(leaf.is_ready() for leaf in jax.tree.leaves(self.state))
+
   def read(self) -> Snapshot:
     """Waits for what was dispatched and reads every row (one device-to-host copy)."""
     return self.read_later()()
@@ -782,15 +799,9 @@ class LiveBatch:
     far, without waiting; the function returned waits for it and gives the
     `Snapshot`. More passes may be dispatched in between (the device then runs
     them while the host reads): the snapshot is still of this point."""
-    arrays = _live_read(self.state, self.knobs, spec=self.decoder.spec)
-    for leaf in jax.tree.leaves(arrays):
-      leaf.copy_to_host_async()
-
-    def get() -> Snapshot:
-      out, nfe_b, phase, passes = jax.device_get(arrays)
-      return Snapshot(tokens_bg=out.tokens_bg, commit_step_bg=out.commit_step_bg,
-                      length_b=out.length_b, phase_b=phase, passes=int(passes), nfe_b=nfe_b)
-    return get
+    packed = _live_read(self.state, self.knobs, spec=self.decoder.spec)
+    packed.copy_to_host_async()
+    return lambda: _unpack_read(np.asarray(packed), self.decoder.spec.gen_length)
 
   def free(self, rows: Sequence[int]) -> None:
     if len(rows) == 0:
