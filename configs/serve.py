@@ -29,9 +29,6 @@ def get_config():
   c.max_lanes = 4  # row sets alive at once (one per shape and knob values in use)
   c.chunk_passes = 4  # passes between returns to the host while streaming / lanes take turns
   c.free_chunk_passes = 1  # the same while a row is free (a new request waits at most this long)
-  # After rows free with no request waiting, wait up to this fraction of a pass for new
-  # requests before the next run (0 = off; the device keeps running meanwhile).
-  c.admit_wait = 0.0
   c.row_counts = "auto"  # also passes over fewer rows when fewer are busy: "auto", "" or "4,8,12"
   c.admit_max = 0  # prompts prefilled per admission call at most (0 = rows)
   c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)

@@ -17,12 +17,9 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 import httpx
 import jax
-import jax.numpy as jnp
-import numpy as np
 import openai
 import pytest
 from flax import nnx
@@ -85,15 +82,14 @@ def oracle(tmp_path_factory):
           "chat": {m: o[len(TEXTS):] for m, o in out.items()}}
 
 
-def _serving(oracle, engine_mode, row_counts="auto", rows=ROWS, buckets=f"ar:{GEN}",
-             admit_wait=0.0):
+def _serving(oracle, engine_mode, row_counts="auto", rows=ROWS, buckets=f"ar:{GEN}"):
   """A server on a free port (uvicorn on a thread of this process; under
   engine_mode "process" the engine runs in a child process)."""
   import uvicorn  # pylint: disable=import-outside-toplevel
   c = serve_config.get_config()
   c.model_dir, c.model_name, c.rows, c.max_prompt_len = oracle["model_dir"], "tiny", rows, WIDTH
   c.max_queue, c.chunk_passes, c.buckets = QUEUE, 2, buckets
-  c.engine, c.row_counts, c.admit_wait = engine_mode, row_counts, admit_wait
+  c.engine, c.row_counts = engine_mode, row_counts
   c.decode.gen_length, c.decode.slot_size, c.decode.block_size = GEN, SLOT, BLOCK
   for k, v in SETTINGS.items():
     c.decode[k] = v
@@ -126,9 +122,8 @@ def served(oracle):
 @pytest.fixture(scope="module")
 def served_thread(oracle):
   """The engine on a thread of the server's process (its state can be inspected), with
-  passes over 1, 2 or 3 of its 4 rows on every platform ("auto" has them on a CPU),
-  waiting up to half a pass for returning clients (`admit_wait`)."""
-  info, stop = _serving(oracle, "thread", row_counts="1,2,3", admit_wait=0.5)
+  passes over 1, 2 or 3 of its 4 rows on every platform ("auto" has them on a CPU)."""
+  info, stop = _serving(oracle, "thread", row_counts="1,2,3")
   yield info
   stop()
 
@@ -500,131 +495,6 @@ def test_thread_engine_serves_the_same(served_thread):
         assert (text, ids) == (want["text"], want["tokens"]), (method, i, stream)
         assert usage.model_extra["forward_passes"] == want["nfe"]
   _sixteen_concurrent_streams(served_thread)
-
-
-def test_admit_wait_measured_the_pass_time(served_thread):
-  # Closed-loop clients (each sends its next request when one ends) give the waits a
-  # pass time to go by, measured from the reads that waited for the device; their
-  # tokens are the oracle's.
-  sched = served_thread["server"].scheduler
-  assert sched.admit_wait == 0.5
-  cl = _client(served_thread)
-
-  def closed_loop(k):
-    for i in range(k, len(TEXTS), 3):
-      _, ids, _, _ = _complete(cl, i, "refusion", False)
-      assert ids == served_thread["completion"]["refusion"][i]["tokens"], i
-  with concurrent.futures.ThreadPoolExecutor(3) as pool:
-    list(pool.map(closed_loop, range(3)))
-  assert any(lane.pass_s > 0 for lane in sched._lanes.values())  # pylint: disable=protected-access
-
-
-def _unstarted_scheduler(oracle, admit_wait):
-  from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
-  c = serve_config.get_config()
-  c.decode.gen_length, c.decode.slot_size, c.decode.block_size = GEN, SLOT, BLOCK
-  _, model = sample.load_model(oracle["model_dir"])
-  sched = sched_lib.Scheduler(model, serve.decode_configs(c), rows=ROWS, width=WIDTH,
-                              max_queue=QUEUE, max_lanes=1, chunk_passes=2,
-                              admit_wait=admit_wait)
-  bucket = sched.buckets[0]
-
-  def job():
-    return sched_lib.Job(prompt=[1, 2, 3], bucket=bucket, knobs=sched.default_knobs(bucket),
-                         rng2=np.zeros(2, np.uint32), max_tokens=GEN, watch=False,
-                         slots=False, deliver=lambda *_: None)
-  return sched, job
-
-
-def test_admit_wait_waits_for_the_freed_rows_clients(oracle):
-  # pylint: disable=protected-access
-  sched, job = _unstarted_scheduler(oracle, admit_wait=0.5)
-  lane = sched._lane_for(job())
-  device_busy = [True]
-  lane.batch.running = lambda: device_busy[0]
-  wait = lambda: (lambda t: (sched._await_returning(lane), time.perf_counter() - t)[1])(
-      time.perf_counter())
-  # No pass time measured yet, or no row freed: no wait.
-  lane.freed, lane.pass_s, lane.read_at = 2, 0.0, time.perf_counter()
-  assert wait() < 0.05
-  lane.freed, lane.pass_s, lane.read_at = 0, 20.0, time.perf_counter()
-  assert wait() < 0.05
-  # Two rows freed, a 20 s pass: back as soon as two requests came in, both routed.
-  lane.freed, lane.read_at = 2, time.perf_counter()
-  threading.Timer(0.1, lambda: [sched.submit(job()) for _ in range(2)]).start()
-  assert 0.09 < wait() < 5.0
-  assert len(lane.waiting) == 2
-  # Nobody comes back: it waits half of a 0.4 s pass after the read, no longer.
-  lane.waiting.clear()
-  lane.freed, lane.pass_s, lane.read_at = 1, 0.4, time.perf_counter()
-  assert 0.18 < wait() < 2.0
-  assert not lane.waiting
-  # The device finished what was dispatched: no wait, or none once it has.
-  device_busy[0] = False
-  lane.freed, lane.pass_s, lane.read_at = 1, 20.0, time.perf_counter()
-  assert wait() < 0.05
-  device_busy[0] = True
-  threading.Timer(0.1, lambda: device_busy.__setitem__(0, False)).start()
-  lane.freed, lane.read_at = 1, time.perf_counter()
-  assert 0.09 < wait() < 5.0
-  device_busy[0] = True
-  # Off: never waits.
-  sched.admit_wait = 0.0
-  lane.freed, lane.pass_s, lane.read_at = 1, 20.0, time.perf_counter()
-  assert wait() < 0.05
-
-
-def test_live_batch_running_says_whether_the_device_is_busy(oracle):
-  sched, job = _unstarted_scheduler(oracle, admit_wait=0.5)
-  batch = sched._lane_for(job()).batch  # pylint: disable=protected-access
-  jax.block_until_ready(batch.state)
-  assert not batch.running()
-  # A state still being computed (a dispatch returns before its result is ready).
-  slow = jax.jit(lambda m: jax.lax.fori_loop(0, 300, lambda i, m: jnp.tanh(m @ m), m))
-  batch.state = (batch.state, slow(jnp.full((384, 384), 0.01)))
-  assert batch.running()
-  jax.block_until_ready(batch.state)
-  assert not batch.running()
-
-
-def test_pass_time_comes_from_reads_that_waited_for_the_device(oracle):
-  # pylint: disable=protected-access
-  sched, job = _unstarted_scheduler(oracle, admit_wait=0.5)
-  lane = sched._lane_for(job())
-
-  def read_after(seconds, passes):
-    def read():
-      time.sleep(seconds)
-      return types.SimpleNamespace(passes=passes)
-    return read
-
-  lane.read_at = time.perf_counter()
-  sched._timed_read(lane, read_after(0.1, 2), back_to_back=True)
-  lane.passes = 2
-  assert 0.045 < lane.pass_s < 0.5  # ~0.05 s per pass: 0.1 s over two passes
-  first = lane.pass_s
-  # A read that found its run already done (the interval holds host time): left out.
-  time.sleep(0.3)
-  sched._timed_read(lane, read_after(0.0, 3), back_to_back=True)
-  lane.passes = 3
-  assert lane.pass_s == first
-  # A run dispatched after the previous read returned: left out too.
-  sched._timed_read(lane, read_after(0.2, 4), back_to_back=False)
-  lane.passes = 4
-  assert lane.pass_s == first
-  # The next clean one moves the estimate a quarter of the way.
-  sched._timed_read(lane, read_after(0.2, 5), back_to_back=True)
-  assert lane.pass_s == pytest.approx(0.75 * first + 0.25 * 0.2, rel=0.3)
-
-
-@pytest.mark.parametrize("value", [-0.1, 1.0, True, "half"])
-def test_admit_wait_flag_is_checked(oracle, value):
-  c = serve_config.get_config()
-  c.model_dir = oracle["model_dir"]
-  with c.ignore_type():
-    c.admit_wait = value
-  with pytest.raises(ValueError, match="--config.admit_wait must be a fraction of a pass"):
-    serve.check_flags(c)
 
 
 def test_served_passes_ran_over_fewer_rows(served_thread):

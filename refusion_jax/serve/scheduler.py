@@ -28,16 +28,6 @@ smallest of those counts that holds them (one more compiled program each):
 where a pass costs in proportion to its rows (a CPU), the rows a closed-loop
 client leaves idle between its requests then cost nothing. Tokens and pass
 counts are unchanged.
-
-With `admit_wait` > 0, when rows have just freed and no request waits for
-them, the lane's next run is dispatched up to that fraction of a pass after
-the results were read (sooner once as many requests as freed rows came in):
-a closed-loop client whose request just finished then joins the next pass
-rather than the one after it. It waits only while the run dispatched ahead of
-the read is still running, so the device is not left idle (where a dispatch
-returns only after its passes ran, it never waits). The pass time is measured
-from the reads that had to wait for the device, so a long wait never lengthens
-the next one.
 """
 
 from __future__ import annotations
@@ -153,12 +143,6 @@ class _Lane:
     self.passes = 0
     self.admissions = 0  # admission calls so far
     self.inflight = False  # a run was dispatched and not yet read
-    # For `admit_wait`: rows freed at the last read (their clients may come back),
-    # when that read returned, and seconds per pass while runs ran back to back.
-    self.freed = 0
-    self.read_at = 0.0
-    self.pass_s = 0.0
-    self.ahead = False  # the run in flight was dispatched before the previous read returned
 
   def busy(self) -> int:
     return sum(j is not None for j in self.jobs)
@@ -177,7 +161,7 @@ class Scheduler:
   def __init__(self, model, decode_configs: list[DecodeConfig], *, rows: int, width: int,
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
                metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
-               after_turn: Callable[[], None] | None = None, admit_wait: float = 0.0):
+               after_turn: Callable[[], None] | None = None):
     self.model = model
     self.decoders = {}
     for dc in decode_configs:
@@ -189,9 +173,6 @@ class Scheduler:
     self.free_chunk_passes = min(chunk_passes, free_chunk_passes)
     self.admit_max = admit_max
     self.row_counts = tuple(row_counts)  # smaller passes compiled besides the full one
-    if not 0.0 <= admit_wait < 1.0:
-      raise ValueError(f"admit_wait={admit_wait}: a fraction of a pass in [0, 1)")
-    self.admit_wait = admit_wait
     self.metrics = metrics
     # Called on the engine thread after each lane's deliveries and before it waits
     # (the engine process sends what the turn delivered from there).
@@ -361,42 +342,6 @@ class Scheduler:
         lane.jobs[r] = job
       self._dequeued(n)
 
-  def _await_returning(self, lane: _Lane) -> None:
-    """Waits, up to `admit_wait` of a pass after the lane's last read, for as many
-    requests as rows freed there (module docstring); they are routed, not admitted."""
-    expected = lane.freed
-    if self.admit_wait <= 0 or lane.pass_s <= 0 or not expected:
-      return
-    deadline = lane.read_at + self.admit_wait * lane.pass_s
-    free = len(lane.jobs) - lane.busy()
-    while not self._stop and not self._hold.is_set():
-      self._wake.clear()
-      self._route()
-      if len(lane.waiting) >= min(expected, free):
-        return
-      remaining = deadline - time.perf_counter()
-      # Only while the device still runs what was dispatched: waiting then costs
-      # it nothing (where a dispatch returns only once its passes ran, never).
-      if remaining <= 0 or not lane.batch.running():
-        return
-      self._wake.wait(min(remaining, lane.pass_s / 8))
-
-  def _timed_read(self, lane: _Lane, read: Callable[[], Any], back_to_back: bool):
-    """`read()`; updates the lane's seconds per pass from reads that waited for the
-    device, their runs dispatched before the previous read returned."""
-    start = time.perf_counter()
-    snap = read()
-    now = time.perf_counter()
-    passes = snap.passes - lane.passes
-    if back_to_back and passes > 0 and lane.read_at > 0:
-      sample = (now - lane.read_at) / passes
-      # A read that did not wait found its run already done: the interval then
-      # holds host time too, and is left out.
-      if now - start > 0.1 * min(sample, lane.pass_s or sample):
-        lane.pass_s = sample if lane.pass_s <= 0 else 0.75 * lane.pass_s + 0.25 * sample
-    lane.read_at = now
-    return snap
-
   def _max_passes(self, lane: _Lane, busy_lanes: int) -> int | None:
     jobs = [j for j in lane.jobs if j is not None]
     if len(jobs) < len(lane.jobs):  # a request may arrive for the free row
@@ -431,7 +376,6 @@ class Scheduler:
             truncated=keep < n or snap.phase_b[r] != engine_lib.DONE))))
         lane.jobs[r] = None
         finished.append(r)
-        lane.freed += 1
       elif job.watch and n > job.sent:
         out.append((self._send, (job, "progress", (snap.tokens_bg[r, :n].tolist(),
                                                    int(nfe_b[r])))))
@@ -490,25 +434,20 @@ class Scheduler:
         for lane in busy:
           if not lane.inflight:
             lane.batch.run(self._max_passes(lane, len(busy)), busy=lane.rows_in_use())
-            lane.inflight, lane.ahead = True, False
+            lane.inflight = True
         for lane in busy:
           read, admissions = lane.batch.read_later(), lane.admissions
           go = lambda lane=lane: lane.busy() and not self._hold.is_set() and not self._stop
           ahead = lane.busy() < len(lane.jobs) and go()
-          back_to_back, lane.ahead = lane.ahead, ahead
           if ahead:
             # A row is free: the next pass is dispatched behind the read, before
             # waiting for it, so the device runs it while this thread reads and
             # delivers (rows that finished sit out that pass, done, until freed);
             # requests that came in the meantime join it.
             self._route()
-            if len(busy) == 1:
-              self._await_returning(lane)
             self._cancel_and_admit(lane)
             lane.batch.run(self.free_chunk_passes, stop_on_done=False, busy=lane.rows_in_use())
-          lane.freed = 0
-          deliveries = self._collect(lane, self._timed_read(lane, read, back_to_back),
-                                     admissions)
+          deliveries = self._collect(lane, read(), admissions)
           lane.inflight = ahead
           if not ahead:
             # The lane's next chunk is dispatched before the deliveries are made, so
