@@ -114,3 +114,23 @@ def test_serve_load_counts_cpu_of_a_process_and_finds_its_child():
   finally:
     proc.wait(timeout=30)
   assert serve_load.cpu_seconds() > 0
+
+
+def test_live_batch_turn_reports_each_method(capsys):
+  from benchmarks import live_batch_turn  # pylint: disable=import-outside-toplevel
+  rows = live_batch_turn.main(["--model_dir=refusion_jax/assets/base_tiny", "--rows=2",
+                               "--prompt_len=4", "--gen_length=8", "--trials=2"])
+  assert [r["method"] for r in rows] == ["refusion", "ar"]
+  assert all(r["packed_ms"] > 0 and r["per_field_ms"] > 0 and r["copies"] > 1 for r in rows)
+  assert all(0 <= r["busy"] <= 2 for r in rows)
+  out = capsys.readouterr().out
+  assert "| refusion |" in out and "| ar |" in out and "copies)" in out
+
+
+@pytest.mark.parametrize("flag, needle", [("--rows=0", "--rows must be >= 1"),
+                                          ("--methods=beam", "choose from refusion, ar, mdm")])
+def test_live_batch_turn_rejects_bad_flags(flag, needle, capsys):
+  from benchmarks import live_batch_turn  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit):
+    live_batch_turn.parse_args([flag])
+  assert needle in capsys.readouterr().err

@@ -819,10 +819,6 @@ class LiveBatch:
   def _row_count(self, busy: int) -> int:
     return min([n for n in self.row_counts if n >= busy] or [self.rows])
 
-  def running(self) -> bool:
-    """Whether the device is still working on what was dispatched (never waits)."""
-    return not all(leaf.is_ready() for leaf in jax.tree.leaves(self.state))
-
   def read(self) -> Snapshot:
     """Waits for what was dispatched and reads every row (one device-to-host copy)."""
     return self.read_later()()

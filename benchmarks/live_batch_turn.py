@@ -1,0 +1,150 @@
+"""One turn of the server's engine loop, timed in its parts: a run, then a read.
+
+The server (`refusion_jax.serve`) drives a `LiveBatch` one short run at a time
+and reads every row after each, so what a run's dispatch and a read cost
+bound how fast it can turn. Per method this prints:
+
+- how long `LiveBatch.run(1)` takes to return, and in how many trials the
+  device was still working on that pass when it did (0: the dispatch returned
+  only once the pass ran, so a run dispatched ahead of a read overlaps
+  nothing; on a CPU it returns at once);
+- what a read costs once the pass is done: as `LiveBatch.read` does it (every
+  field packed in one array, one device-to-host copy) and one copy per field,
+  as the engine read before (the same values; checked each trial).
+
+  python benchmarks/live_batch_turn.py          # the main job's models when present
+  python benchmarks/live_batch_turn.py --model_dir DIR --methods refusion
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from refusion_jax import sample  # noqa: E402
+from refusion_jax.config import DecodeConfig  # noqa: E402
+from refusion_jax.decode import engine  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN_JOB = {"refusion": "runs/repro_tiny/models/refusion/final_model",
+            "ar": "runs/repro_tiny/models/arm/final_model"}
+BASE = "refusion_jax/assets/base_tiny"
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model_dir", default="",
+                 help="model for every method (default: the main job's models when present, "
+                      f"else the bundled base, {BASE})")
+  p.add_argument("--methods", default="refusion,ar")
+  p.add_argument("--rows", type=int, default=16)
+  p.add_argument("--prompt_len", type=int, default=12)
+  p.add_argument("--gen_length", type=int, default=24)
+  p.add_argument("--slot_size", type=int, default=4)
+  p.add_argument("--trials", type=int, default=40, help="timed turns (after 5 untimed)")
+  args = p.parse_args(argv)
+  for name in ("rows", "prompt_len", "gen_length", "slot_size", "trials"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+  args.methods = [m for m in args.methods.split(",") if m]
+  unknown = sorted(set(args.methods) - {"refusion", "ar", "mdm"})
+  if unknown or not args.methods:
+    p.error(f"--methods: {unknown or 'none given'}; choose from refusion, ar, mdm")
+  return args
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _per_field(state, knobs, spec):
+  """The read's values as separate arrays (one device-to-host copy each)."""
+  out = engine.program(spec.method).output(spec, state, knobs)
+  return out, out.counters.nfe_b(), state.rows.phase_b, state.passes
+
+
+def _read_per_field(batch):
+  arrays = _per_field(batch.state, batch.knobs, spec=batch.decoder.spec)
+  leaves = jax.tree.leaves(arrays)
+  for leaf in leaves:
+    leaf.copy_to_host_async()
+  return jax.device_get(arrays), len(leaves)
+
+
+def _busy(tree) -> bool:
+  return not all(leaf.is_ready() for leaf in jax.tree.leaves(tree))
+
+
+def turn(model_dir: str, method: str, args) -> dict:
+  _, model = sample.load_model(model_dir)
+  g = args.gen_length
+  dc = DecodeConfig(method=method, gen_length=g, slot_size=g if method == "ar" else args.slot_size,
+                    block_size=g, slot_threshold=0.5, token_threshold=0.1)
+  batch = engine.LiveBatch(engine.Decoder(model, dc), args.rows, args.prompt_len)
+  batch.warm_up()
+  vocab = model.config.vocab_size
+  rows = list(range(args.rows))
+  times = {"run": [], "packed": [], "per_field": []}
+  busy = 0
+  for trial in range(args.trials + 5):
+    batch.free(rows)
+    prompts = [[(7 + 13 * (i + trial)) % (vocab - 2) + 1] * args.prompt_len for i in rows]
+    batch.admit(prompts, rows, np.zeros((args.rows, 2), np.uint32))
+    jax.block_until_ready(batch.state)
+    t0 = time.perf_counter()
+    batch.run(1, stop_on_done=False)
+    t1 = time.perf_counter()
+    still = _busy(batch.state)
+    jax.block_until_ready(batch.state)
+    t2 = time.perf_counter()
+    snap = batch.read()
+    t3 = time.perf_counter()
+    (out, nfe, phase, passes), copies = _read_per_field(batch)
+    t4 = time.perf_counter()
+    if not ((out.tokens_bg == snap.tokens_bg).all() and (nfe == snap.nfe_b).all()
+            and (phase == snap.phase_b).all() and int(passes) == snap.passes):
+      raise AssertionError(f"{method}: the packed read differs from the per-field one")
+    if trial >= 5:
+      busy += still
+      times["run"].append((t1 - t0) * 1e3)
+      times["packed"].append((t3 - t2) * 1e3)
+      times["per_field"].append((t4 - t3) * 1e3)
+  med = {k: statistics.median(v) for k, v in times.items()}
+  return {"method": method, "run_ms": med["run"], "busy": busy, "trials": args.trials,
+          "packed_ms": med["packed"], "per_field_ms": med["per_field"], "copies": copies}
+
+
+def main(argv=None) -> list[dict]:
+  args = parse_args(argv)
+  if args.model_dir:
+    models = [(m, args.model_dir) for m in args.methods]
+  elif all(os.path.isdir(os.path.join(REPO, d)) for d in MAIN_JOB.values()):
+    models = [(m, os.path.join(REPO, MAIN_JOB.get(m, MAIN_JOB["refusion"])))
+              for m in args.methods]
+  else:
+    models = [(m, os.path.join(REPO, BASE)) for m in args.methods]
+  device = jax.devices()[0]
+  print(f"device: {device.platform} ({device.device_kind}); {args.rows} rows, prompts of "
+        f"{args.prompt_len}, gen {args.gen_length}; medians of {args.trials} turns")
+  print("\n| method | run(1) returns after (ms) | device still busy then | read, packed (ms) "
+        "| read, one copy per field (ms) | per field / packed |")
+  print("|---|---|---|---|---|---|")
+  rows = []
+  for method, model_dir in models:
+    r = turn(model_dir, method, args)
+    rows.append(r)
+    print(f"| {method} | {r['run_ms']:.2f} | {r['busy']}/{r['trials']} | {r['packed_ms']:.3f} "
+          f"| {r['per_field_ms']:.3f} ({r['copies']} copies) | "
+          f"{r['per_field_ms'] / r['packed_ms']:.2f}x |", flush=True)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
