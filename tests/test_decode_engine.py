@@ -657,3 +657,47 @@ def test_packed_reads_round_trip_every_leaf():
   for k, v in tree.items():
     assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
     np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v), err_msg=k)
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_one_pass_program_equals_the_loop_limited_to_one_pass(models, method):
+  """`LiveBatch.run(1)`'s program without a loop (`_one_pass`) leaves the state
+  exactly as the loop with a limit of one pass does, at every pass of a decode:
+  rows active, free and done, with and without stop_on_done, over all rows and
+  over a subset; and with nothing active it changes nothing, `passes` included."""
+  model, dc = models[method], _CONFIGS[method]
+  d = engine.Decoder(model, dc)
+  prompts = [p[:8] for p in _prompts(np.random.RandomState(8), 3)]
+  live = engine.LiveBatch(d, 4, 8)
+  live.admit(prompts[:1], [0], np.zeros((1, 2), np.uint32))  # joins first: ends first
+  copy = lambda s: jax.tree.map(jnp.copy, s)
+  one, idx = np.int32(1), np.asarray([0, 2, 3], np.int32)
+  kw = dict(spec=d.spec, place=d.place)
+
+  def check(state):
+    for stop in (np.bool_(False), np.bool_(True)):
+      loop = engine._engine_run(d.static, d.params, copy(state), d.knobs, stop,  # pylint: disable=protected-access
+                                max_passes=one, **kw)
+      fixed = engine._engine_pass(d.static, d.params, copy(state), d.knobs, stop, **kw)  # pylint: disable=protected-access
+      jax.tree.map(np.testing.assert_array_equal, jax.device_get(fixed), jax.device_get(loop))
+      loop = engine._engine_run_rows(d.static, d.params, copy(state), d.knobs, stop, idx,  # pylint: disable=protected-access
+                                     max_passes=one, **kw)
+      fixed = engine._engine_pass_rows(d.static, d.params, copy(state), d.knobs, stop, idx,  # pylint: disable=protected-access
+                                       **kw)
+      jax.tree.map(np.testing.assert_array_equal, jax.device_get(fixed), jax.device_get(loop))
+
+  seen_done = False
+  for t in range(4 * dc.gen_length):
+    if t == 2:  # row 2 stays free
+      live.admit(prompts[1:], [1, 3], np.zeros((2, 2), np.uint32))
+    state = live.state
+    check(state)
+    phase = np.asarray(state.rows.phase_b)
+    seen_done |= bool((phase == engine.DONE).any() and (phase >= engine.FIRST_PHASE).any())
+    if not (phase >= engine.FIRST_PHASE).any():
+      break
+    live.run(1, stop_on_done=False)
+  assert seen_done  # a done row beside active ones was checked
+  before = jax.device_get(live.state)
+  live.run(1)  # nothing active: the pass changes nothing and is not counted
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(live.state), before)
