@@ -7,11 +7,7 @@ bound how fast it can turn. Per method this prints:
 - how long `LiveBatch.run(1)` takes to return, and in how many trials the
   device was still working on that pass when it did (0: the dispatch returned
   only once the pass ran, so a run dispatched ahead of a read overlaps
-  nothing; on a CPU it returns at once). Side by side: the one-pass program
-  `run(1)` dispatches (no loop), and the loop of passes limited to one pass,
-  which `run(1)` dispatched before (on a GPU the host reads a loop's
-  condition, so its dispatch waits for the pass); their states are checked
-  equal each trial;
+  nothing; on a CPU it returns at once);
 - what a read costs once the pass is done: as `LiveBatch.read` does it (every
   field packed in one array, one device-to-host copy) and one copy per field,
   as the engine read before (the same values; checked each trial).
@@ -95,27 +91,13 @@ def turn(model_dir: str, method: str, args) -> dict:
   batch.warm_up()
   vocab = model.config.vocab_size
   rows = list(range(args.rows))
-  times = {"run": [], "loop": [], "packed": [], "per_field": []}
-  busy = busy_loop = 0
-  d = batch.decoder
+  times = {"run": [], "packed": [], "per_field": []}
+  busy = 0
   for trial in range(args.trials + 5):
+    batch.free(rows)
     prompts = [[(7 + 13 * (i + trial)) % (vocab - 2) + 1] * args.prompt_len for i in rows]
-    # The loop limited to one pass (what run(1) dispatched before), then the same
-    # prompts through run(1)'s one-pass program.
-    batch.free(rows)
     batch.admit(prompts, rows, np.zeros((args.rows, 2), np.uint32))
     jax.block_until_ready(batch.state)
-    t0 = time.perf_counter()
-    batch.state = engine._engine_run(d.static, d.params, batch.state, batch.knobs,  # pylint: disable=protected-access
-                                     np.bool_(False), spec=d.spec, max_passes=np.int32(1),
-                                     place=d.place)
-    t1 = time.perf_counter()
-    still_loop = _busy(batch.state)
-    by_loop = batch.read()
-    batch.free(rows)
-    batch.admit(prompts, rows, np.zeros((args.rows, 2), np.uint32))
-    jax.block_until_ready(batch.state)
-    t_loop = t1 - t0
     t0 = time.perf_counter()
     batch.run(1, stop_on_done=False)
     t1 = time.perf_counter()
@@ -124,10 +106,6 @@ def turn(model_dir: str, method: str, args) -> dict:
     t2 = time.perf_counter()
     snap = batch.read()
     t3 = time.perf_counter()
-    if not (all(np.array_equal(getattr(snap, f), getattr(by_loop, f))
-                for f in ("tokens_bg", "commit_step_bg", "length_b", "phase_b", "nfe_b"))
-            and snap.passes == by_loop.passes + 1):
-      raise AssertionError(f"{method}: run(1)'s one-pass program differs from the loop")
     (out, nfe, phase, passes), copies = _read_per_field(batch)
     t4 = time.perf_counter()
     if not ((out.tokens_bg == snap.tokens_bg).all() and (nfe == snap.nfe_b).all()
@@ -135,14 +113,11 @@ def turn(model_dir: str, method: str, args) -> dict:
       raise AssertionError(f"{method}: the packed read differs from the per-field one")
     if trial >= 5:
       busy += still
-      busy_loop += still_loop
       times["run"].append((t1 - t0) * 1e3)
-      times["loop"].append(t_loop * 1e3)
       times["packed"].append((t3 - t2) * 1e3)
       times["per_field"].append((t4 - t3) * 1e3)
   med = {k: statistics.median(v) for k, v in times.items()}
   return {"method": method, "run_ms": med["run"], "busy": busy, "trials": args.trials,
-          "loop_ms": med["loop"], "busy_loop": busy_loop,
           "packed_ms": med["packed"], "per_field_ms": med["per_field"], "copies": copies}
 
 
@@ -158,16 +133,14 @@ def main(argv=None) -> list[dict]:
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}); {args.rows} rows, prompts of "
         f"{args.prompt_len}, gen {args.gen_length}; medians of {args.trials} turns")
-  print("\n| method | run(1) returns after (ms) | device still busy then "
-        "| loop of one pass returns after (ms) | still busy then | read, packed (ms) "
+  print("\n| method | run(1) returns after (ms) | device still busy then | read, packed (ms) "
         "| read, one copy per field (ms) | per field / packed |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|")
   rows = []
   for method, model_dir in models:
     r = turn(model_dir, method, args)
     rows.append(r)
-    print(f"| {method} | {r['run_ms']:.2f} | {r['busy']}/{r['trials']} | {r['loop_ms']:.2f} "
-          f"| {r['busy_loop']}/{r['trials']} | {r['packed_ms']:.3f} "
+    print(f"| {method} | {r['run_ms']:.2f} | {r['busy']}/{r['trials']} | {r['packed_ms']:.3f} "
           f"| {r['per_field_ms']:.3f} ({r['copies']} copies) | "
           f"{r['per_field_ms'] / r['packed_ms']:.2f}x |", flush=True)
   return rows

@@ -122,7 +122,7 @@ def test_live_batch_turn_reports_each_method(capsys):
                                "--prompt_len=4", "--gen_length=8", "--trials=2"])
   assert [r["method"] for r in rows] == ["refusion", "ar"]
   assert all(r["packed_ms"] > 0 and r["per_field_ms"] > 0 and r["copies"] > 1 for r in rows)
-  assert all(0 <= r["busy"] <= 2 and 0 <= r["busy_loop"] <= 2 and r["loop_ms"] > 0 for r in rows)
+  assert all(0 <= r["busy"] <= 2 for r in rows)
   out = capsys.readouterr().out
   assert "| refusion |" in out and "| ar |" in out and "copies)" in out
 

@@ -229,23 +229,6 @@ def _loop(model, prog: Program, spec: Spec, state, knobs: Knobs, stop_on_done, p
   return jax.lax.while_loop(cond, lambda s: prog.step(model, spec, s, knobs), state)
 
 
-def _one_pass(model, prog: Program, spec: Spec, state, knobs: Knobs, stop_on_done):
-  """What `_loop` does with a pass limit of one, without a loop: the pass runs
-  unconditionally, and where the loop would not have run it (no active row, or a
-  done row with `stop_on_done`) every row is held out of it as a free row, which
-  a pass leaves as it is, and `passes` does not count it.
-
-  A data-dependent loop (or conditional) is decided on the host on a GPU: the
-  dispatch returns only once the pass has run. This program has no such control
-  flow, so its dispatch returns at once and the host works while the pass runs."""
-  phase_b = state.rows.phase_b
-  go = (phase_b >= FIRST_PHASE).any() & ~(stop_on_done & (phase_b == DONE).any())
-  held = state.replace(rows=state.rows.replace(phase_b=jnp.where(go, phase_b, FREE)))
-  new = prog.step(model, spec, held, knobs)
-  return new.replace(passes=state.passes + go.astype(state.passes.dtype),
-                     rows=new.rows.replace(phase_b=jnp.where(go, new.rows.phase_b, phase_b)))
-
-
 class StaticGraph:
   """A model's GraphDef as a static jit argument whose hash is computed once.
 
@@ -325,16 +308,6 @@ def _engine_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes=N
                  place)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
-                   donate_argnames=("state",))
-def _engine_pass(graphdef, params, state, knobs, stop_on_done, spec,
-                 place: Placement | None = None):
-  """`_engine_run` with `max_passes=1` (the same state), as one pass (`_one_pass`)."""
-  model = _merge(graphdef, params)
-  return _placed(_one_pass(model, program(spec.method), spec, state, knobs, stop_on_done),
-                 place)
-
-
 def take_rows(state, idx_n):
   """The state of rows `idx_n` only (a program's state of `len(idx_n)` rows): every
   per-row leaf gathered, the KV buffer by its own layout, `passes` as it is."""
@@ -373,17 +346,6 @@ def _engine_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, 
   sub = take_rows(state, idx_n)
   sub = _loop(model, program(spec.method), spec, sub, knobs, stop_on_done,
               sub.passes + max_passes)
-  return _placed(put_rows(state, sub, idx_n), place)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
-                   donate_argnames=("state",))
-def _engine_pass_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec,
-                      place: Placement | None = None):
-  """`_engine_run_rows` with `max_passes=1`, as one pass (`_one_pass`)."""
-  model = _merge(graphdef, params)
-  sub = _one_pass(model, program(spec.method), spec, take_rows(state, idx_n), knobs,
-                  stop_on_done)
   return _placed(put_rows(state, sub, idx_n), place)
 
 
@@ -439,8 +401,7 @@ def _free_rows(state, free_b, place: Placement | None = None):
 def compiled_programs() -> dict[str, int]:
   """Compiled programs so far, per entry point (tests prove reuse with it)."""
   return {"generate": _generate._cache_size(), "run": _engine_run._cache_size(),
-          "run_rows": _engine_run_rows._cache_size(), "pass": _engine_pass._cache_size(),
-          "pass_rows": _engine_pass_rows._cache_size(),
+          "run_rows": _engine_run_rows._cache_size(),
           "admit": _engine_admit._cache_size(), "read": _live_read._cache_size(),
           "free": _free_rows._cache_size()}
 
@@ -838,35 +799,22 @@ class LiveBatch:
     `busy` (optional) lists every row that is not free; the others must be. The
     passes then run over the smallest compiled row count that holds them
     (`row_counts`), padded with free rows, which costs less where a pass's cost
-    grows with its rows (a CPU); tokens and pass counts are unchanged.
-
-    One pass (`max_passes=1`) is a program without a loop (`_one_pass`): on a GPU,
-    where a loop's condition is read by the host, only that dispatch returns before
-    the pass has run."""
+    grows with its rows (a CPU); tokens and pass counts are unchanged."""
     d = self.decoder
-    if max_passes is not None and max_passes < 1:
-      raise ValueError(f"run: max_passes must be >= 1 or None, got {max_passes!r}")
     # "No bound" is a bound no decode reaches (passes + bound must not overflow int32).
     limit = np.int32(1 << 30 if max_passes is None else min(max_passes, 1 << 30))
     n = self._row_count(len(busy)) if busy is not None else self.rows
     self.runs_by_rows[n] += 1
-    stop = np.bool_(stop_on_done)
     if n < self.rows:
       taken = set(busy)
-      idx = np.asarray(list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)],
-                       np.int32)
-      if max_passes == 1:
-        self.state = _engine_pass_rows(d.static, d.params, self.state, self.knobs, stop, idx,
-                                       spec=d.spec, place=d.place)
-      else:
-        self.state = _engine_run_rows(d.static, d.params, self.state, self.knobs, stop, idx,
-                                      spec=d.spec, max_passes=limit, place=d.place)
-    elif max_passes == 1:
-      self.state = _engine_pass(d.static, d.params, self.state, self.knobs, stop, spec=d.spec,
-                                place=d.place)
-    else:
-      self.state = _engine_run(d.static, d.params, self.state, self.knobs, stop, spec=d.spec,
-                               max_passes=limit, place=d.place)
+      idx = list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)]
+      self.state = _engine_run_rows(d.static, d.params, self.state, self.knobs,
+                                    np.bool_(stop_on_done), np.asarray(idx, np.int32),
+                                    spec=d.spec, max_passes=limit, place=d.place)
+      return
+    self.state = _engine_run(d.static, d.params, self.state, self.knobs,
+                             np.bool_(stop_on_done), spec=d.spec, max_passes=limit,
+                             place=d.place)
 
   def _row_count(self, busy: int) -> int:
     return min([n for n in self.row_counts if n >= busy] or [self.rows])
@@ -906,10 +854,9 @@ class LiveBatch:
                                  np.full((a,), self.rows, np.int32), np.zeros((a,), np.int32),
                                  np.zeros((a, 2), np.uint32), self.knobs, spec=d.spec,
                                  place=d.place)
-    for passes in (1, 2):  # one pass (its own program) and the loop
-      self.run(passes)
-      for n in self.row_counts:
-        self.run(passes, busy=list(range(n)))
+    self.run(1)
+    for n in self.row_counts:
+      self.run(1, busy=list(range(n)))
     self.read()
     self.state = _free_rows(self.state, np.zeros((self.rows,), bool), place=d.place)
     jax.block_until_ready(self.state)
