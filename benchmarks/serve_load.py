@@ -6,7 +6,11 @@ as below) and this process plays 1, 4, 16 and 64 concurrent streaming clients
 (asyncio, one keep-alive connection each), every client taking the next of the
 level's prompts until none is left (`--requests_per_client` x clients, or
 `--prompts`: a timed window much longer than one request's latency, else the
-ramp and the tail dominate, above all on a GPU). Per level: throughput
+ramp and the tail dominate, above all on a GPU). Beside them, the same
+closed loop without HTTP (`closed_loop`: the server's engine loop, its
+`Scheduler`, in this process, each client submitting its next prompt from
+within the delivery of its last response), so that what the server adds over
+its engine loop shows apart from what a closed loop costs. Per level: throughput
 (completion tokens / wall time), time to first token and request latency
 (p50 / p99), the CPU cores used by the client, the server's HTTP process and
 its engine process, and whether every response's tokens equal the offline
@@ -130,6 +134,92 @@ def offline(eng, prompts) -> tuple[float, list[list[int]], int, float]:
   tokens = [r.tokens for r in run.results]
   return (sum(len(t) for t in tokens) / run.seconds, tokens, run.passes,
           statistics.mean(r.counters["nfe_b"] for r in run.results))
+
+
+def serve_config(model_dir, method, args, width):
+  """configs/serve.py as `start_server` sets it (with `--server_flags` of the form
+  --config.FIELD=VALUE applied, each cast to its field's type)."""
+  from configs import serve as serve_configs  # pylint: disable=import-outside-toplevel
+  slot, block = ((args.gen_length, args.gen_length) if method == "ar"
+                 else (args.slot_size, args.block_size))
+  c = serve_configs.get_config()
+  c.model_dir, c.rows, c.max_prompt_len = model_dir, args.rows, width
+  c.max_queue, c.chunk_passes = max(args.clients) * 2, args.chunk_passes
+  c.free_chunk_passes, c.row_counts = args.free_chunk_passes, args.row_counts
+  c.decode.method, c.decode.gen_length, c.decode.slot_size = method, args.gen_length, slot
+  c.decode.block_size, c.decode.slot_threshold = block, args.slot_threshold
+  c.decode.token_threshold = args.token_threshold
+  for flag in args.server_flags.split():
+    m = re.fullmatch(r"--config\.([\w.]+)=(.*)", flag)
+    if not m:
+      raise ValueError(f"--server_flags: {flag!r} is not --config.FIELD=VALUE")
+    *path, name = m.group(1).split(".")
+    node = c
+    for part in path:
+      node = node[part]
+    old = node[name]
+    value = m.group(2)
+    node[name] = (value.lower() in ("1", "true") if isinstance(old, bool)
+                  else type(old)(value) if old is not None else value)
+  return c
+
+
+def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, float]:
+  """The server's engine loop (`Scheduler`, in this process) under `clients` closed-loop
+  clients that take no time: each submits its next prompt from within the delivery of
+  its last response, with no HTTP between. (wall seconds, tokens per prompt, passes).
+
+  The server and this differ only in what lies between a response and the next
+  request (HTTP, the client, the engine process's pipe); the offline engine also
+  has no closed loop (a freed row is refilled before the next pass)."""
+  import threading  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from refusion_jax.serve.scheduler import Job  # pylint: disable=import-outside-toplevel
+  bucket = scheduler.buckets[0]
+  knobs = scheduler.default_knobs(bucket)
+  lock, finished = threading.Lock(), threading.Event()
+
+  def run(todo: list) -> tuple[float, dict]:
+    results: dict[int, list[int]] = {}
+    errors: list = []
+    total = len(todo)
+
+    def submit():
+      with lock:
+        if not todo:
+          return
+        i, prompt = todo.pop(0)
+
+      def deliver(kind, payload):
+        if kind == "error":
+          errors.append(payload)
+          finished.set()
+        elif kind == "done":
+          results[i] = payload.tokens
+          if len(results) == total:
+            finished.set()
+          submit()
+      scheduler.submit(Job(prompt=list(prompt), bucket=bucket, knobs=knobs,
+                           rng2=np.zeros((2,), np.uint32), max_tokens=args.gen_length,
+                           watch=not args.no_stream, slots=False, deliver=deliver))
+
+    finished.clear()
+    t0 = time.perf_counter()
+    for _ in range(min(clients, total)):
+      submit()
+    if not finished.wait(600):
+      raise RuntimeError(f"closed loop: {len(results)} of {total} requests done after 600 s")
+    if errors:
+      raise RuntimeError(f"closed loop: {errors[0]}")
+    return time.perf_counter() - t0, results
+
+  def passes() -> int:
+    return sum(lane.passes for lane in list(scheduler._lanes.values()))  # pylint: disable=protected-access
+
+  run([(i, prompts[0]) for i in range(clients)])  # each client's first request: warm-up
+  before = passes()
+  wall, results = run(list(enumerate(prompts)))
+  return wall, [results[i] for i in range(len(prompts))], passes() - before
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -327,6 +417,9 @@ def main(argv=None) -> list[dict]:
     dc.check_fits(model_config, width)
     engines = {rows: offline_engine(model, dc, all_prompts, rows, width)
                for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
+    from refusion_jax import serve  # pylint: disable=import-outside-toplevel
+    loop_sched = serve.make_scheduler(serve_config(model_dir, method, args, width))
+    loop_sched.start()
     proc, url = start_server(model_dir, method, args, width)
     pids = server_pids(proc)
     try:
@@ -336,9 +429,12 @@ def main(argv=None) -> list[dict]:
         pairs, small, res, off_tokens = [], None, None, None
         for _ in range(args.repeats):
           off_tps, off_tokens, off_passes, per_request = offline(engines[args.rows], prompts)
+          loop_wall, loop_tokens, loop_passes = closed_loop(loop_sched, prompts, clients, args)
           wall, res, passes, cores = asyncio.run(load(url, prompts, clients, args, pids))
-          pairs.append((sum(len(t) for _, _, t in res) / wall, off_tps, passes / off_passes,
-                        cores))
+          tps = sum(len(t) for _, _, t in res) / wall
+          loop_tps = sum(len(t) for t in loop_tokens) / loop_wall
+          pairs.append((tps, off_tps, passes / off_passes, cores, loop_tps,
+                        loop_passes / off_passes, loop_tokens == off_tokens))
           if clients < args.rows:
             small = offline(engines[clients], prompts)[0]
         srv = statistics.median(p[0] for p in pairs)
@@ -347,32 +443,40 @@ def main(argv=None) -> list[dict]:
                "tok_s": srv, "offline_tok_s": statistics.median(p[1] for p in pairs),
                "offline_small_tok_s": small,
                "ratio": statistics.median(p[0] / p[1] for p in pairs),
+               "loop_tok_s": statistics.median(p[4] for p in pairs),
+               "loop_ratio": statistics.median(p[4] / p[1] for p in pairs),
+               "server_loop_ratio": statistics.median(p[0] / p[4] for p in pairs),
+               "loop_pass_ratio": statistics.median(p[5] for p in pairs),
                "pass_ratio": statistics.median(p[2] for p in pairs),
                "cores": tuple(statistics.median(p[3][k] for p in pairs) for k in range(3)),
                "request_passes": per_request,
                "ttft_p50_ms": 1e3 * _pct([f for _, f, _ in res], 0.5),
                "lat_p50_ms": 1e3 * _pct([l for l, _, _ in res], 0.5),
                "lat_p99_ms": 1e3 * _pct([l for l, _, _ in res], 0.99),
-               "same_tokens": [t for _, _, t in res] == off_tokens}
+               "same_tokens": ([t for _, _, t in res] == off_tokens
+                               and all(p[6] for p in pairs))}
         rows_out.append(row)
         print(f"  {method} clients {clients}: {row['tok_s']:,.0f} tok/s "
               f"({row['ratio']:.2f}x offline)", file=sys.stderr, flush=True)
     finally:
+      loop_sched.stop()
       proc.send_signal(signal.SIGTERM)
       try:
         proc.wait(timeout=60)
       except subprocess.TimeoutExpired:
         proc.kill()
   print(f"\n| model | method | clients | requests | server tok/s | offline tok/s, {args.rows} rows | "
-        "server / offline | passes / offline | passes / request | offline, clients rows | "
+        "server / offline | passes / offline | in-process loop tok/s | loop / offline | "
+        "server / loop | loop passes / offline | passes / request | offline, clients rows | "
         "TTFT p50 ms | latency p50 ms | latency p99 ms | CPU cores: client / HTTP / engine | "
         "same tokens |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows_out:
     small = "–" if r["offline_small_tok_s"] is None else f"{r['offline_small_tok_s']:,.0f}"
     print(f"| {r['model']} | {r['method']} | {r['clients']} | {r['requests']} | {r['tok_s']:,.0f} | "
           f"{r['offline_tok_s']:,.0f} | {r['ratio']:.2f}x | {r['pass_ratio']:.2f} | "
-          f"{r['request_passes']:.1f} | {small} | "
+          f"{r['loop_tok_s']:,.0f} | {r['loop_ratio']:.2f}x | {r['server_loop_ratio']:.2f}x | "
+          f"{r['loop_pass_ratio']:.2f} | {r['request_passes']:.1f} | {small} | "
           f"{r['ttft_p50_ms']:.1f} | {r['lat_p50_ms']:.1f} | {r['lat_p99_ms']:.1f} | "
           + " / ".join("–" if c != c else f"{c:.2f}" for c in r["cores"])
           + f" | {'yes' if r['same_tokens'] else 'NO'} |")
@@ -388,6 +492,9 @@ def main(argv=None) -> list[dict]:
     print("closed-loop bound at 16 clients (one idle pass per request, full-row passes): "
           + ", ".join(f"{r['method']} {r['request_passes'] / (r['request_passes'] + 1):.2f}x"
                       for r in rows_out if r["clients"] == 16))
+    print("server / in-process closed loop (the same engine loop and clients, no HTTP) at "
+          "16 clients: " + ", ".join(f"{r['method']} {r['server_loop_ratio']:.2f}x"
+                                     for r in rows_out if r["clients"] == 16))
   return rows_out
 
 

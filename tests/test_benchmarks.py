@@ -1,5 +1,6 @@
 """The benchmark scripts run and report well-formed rows (their numbers are not checked)."""
 
+import numpy as np
 import pytest
 
 from benchmarks import forward_cost
@@ -134,3 +135,44 @@ def test_live_batch_turn_rejects_bad_flags(flag, needle, capsys):
   with pytest.raises(SystemExit):
     live_batch_turn.parse_args([flag])
   assert needle in capsys.readouterr().err
+
+
+def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+  args = serve_load.parse_args(["--rows=4", "--clients=2,8", "--gen_length=8",
+                                "--server_flags=--config.chunk_passes=2 "
+                                "--config.decode.slot_threshold=0.7 --config.engine=thread"])
+  c = serve_load.serve_config("some/model", "ar", args, 32)
+  assert (c.model_dir, c.rows, c.max_prompt_len, c.max_queue) == ("some/model", 4, 32, 16)
+  assert c.chunk_passes == 2 and c.engine == "thread"
+  assert c.decode.slot_threshold == 0.7 and c.decode.method == "ar"
+  assert c.decode.slot_size == c.decode.block_size == c.decode.gen_length == 8  # AR: one slot
+  bad = serve_load.parse_args(["--server_flags=--rows=3"])
+  with pytest.raises(ValueError, match="not --config.FIELD=VALUE"):
+    serve_load.serve_config("m", "refusion", bad, 32)
+
+
+def test_serve_load_closed_loop_gives_each_prompt_its_offline_tokens():
+  """The in-process closed loop: every prompt answered once, with the offline engine's
+  tokens, its passes counted, the warm-up requests not among them."""
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+  from refusion_jax import sample, serve  # pylint: disable=import-outside-toplevel
+  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
+  model_dir = "refusion_jax/assets/base_tiny"
+  args = serve_load.parse_args(["--rows=4", "--clients=3", "--gen_length=8", "--slot_size=4",
+                                "--block_size=8", "--row_counts="])
+  _, model = sample.load_model(model_dir)
+  rs = np.random.RandomState(0)
+  prompts = [[int(t) for t in rs.randint(4, 60, size=rs.randint(2, 9))] for _ in range(7)]
+  dc = DecodeConfig(gen_length=8, slot_size=4, block_size=8, slot_threshold=0.5,
+                    token_threshold=0.1)
+  offline = serve_load.offline(serve_load.offline_engine(model, dc, prompts, 4, 16), prompts)
+  sched = serve.make_scheduler(serve_load.serve_config(model_dir, "refusion", args, 16))
+  sched.start()
+  try:
+    wall, tokens, passes = serve_load.closed_loop(sched, prompts, 3, args)
+  finally:
+    sched.stop()
+  assert tokens == offline[1]
+  # Every request's own passes ran, at most 3 rows at a time (3 clients).
+  assert wall > 0 and 3 * passes >= round(offline[3] * len(prompts)) > 0
