@@ -136,31 +136,45 @@ def offline(eng, prompts) -> tuple[float, list[list[int]], int, float]:
           statistics.mean(r.counters["nfe_b"] for r in run.results))
 
 
-def serve_config(model_dir, method, args, width):
-  """configs/serve.py as `start_server` sets it (with `--server_flags` of the form
-  --config.FIELD=VALUE applied, each cast to its field's type)."""
-  from configs import serve as serve_configs  # pylint: disable=import-outside-toplevel
+def server_fields(model_dir, method, args, width) -> dict:
+  """The fields of configs/serve.py that this benchmark sets, by dotted name: the
+  server's command line (`start_server`) and the in-process loop's config
+  (`serve_config`) both come from here."""
   slot, block = ((args.gen_length, args.gen_length) if method == "ar"
                  else (args.slot_size, args.block_size))
+  return {"model_dir": model_dir, "rows": args.rows, "max_prompt_len": width,
+          "max_queue": max(args.clients) * 2, "chunk_passes": args.chunk_passes,
+          "free_chunk_passes": args.free_chunk_passes, "row_counts": args.row_counts,
+          "decode.method": method, "decode.gen_length": args.gen_length,
+          "decode.slot_size": slot, "decode.block_size": block,
+          "decode.slot_threshold": args.slot_threshold,
+          "decode.token_threshold": args.token_threshold}
+
+
+def serve_config(model_dir, method, args, width):
+  """configs/serve.py as the server's command line sets it: `server_fields`, then
+  `--server_flags` (each --config.FIELD=VALUE, cast to its field's type)."""
+  from configs import serve as serve_configs  # pylint: disable=import-outside-toplevel
   c = serve_configs.get_config()
-  c.model_dir, c.rows, c.max_prompt_len = model_dir, args.rows, width
-  c.max_queue, c.chunk_passes = max(args.clients) * 2, args.chunk_passes
-  c.free_chunk_passes, c.row_counts = args.free_chunk_passes, args.row_counts
-  c.decode.method, c.decode.gen_length, c.decode.slot_size = method, args.gen_length, slot
-  c.decode.block_size, c.decode.slot_threshold = block, args.slot_threshold
-  c.decode.token_threshold = args.token_threshold
+
+  def put(dotted: str, value):
+    *path, name = dotted.split(".")
+    node = c
+    for part in path:
+      node = node[part]
+    node[name] = value
+
+  for name, value in server_fields(model_dir, method, args, width).items():
+    put(name, value)
   for flag in args.server_flags.split():
     m = re.fullmatch(r"--config\.([\w.]+)=(.*)", flag)
     if not m:
       raise ValueError(f"--server_flags: {flag!r} is not --config.FIELD=VALUE")
-    *path, name = m.group(1).split(".")
-    node = c
-    for part in path:
-      node = node[part]
-    old = node[name]
-    value = m.group(2)
-    node[name] = (value.lower() in ("1", "true") if isinstance(old, bool)
-                  else type(old)(value) if old is not None else value)
+    old, value = c, m.group(2)
+    for part in m.group(1).split("."):
+      old = old[part]
+    put(m.group(1), value.lower() in ("1", "true") if isinstance(old, bool)
+        else type(old)(value) if old is not None else value)
   return c
 
 
@@ -255,19 +269,16 @@ def server_passes(url) -> float:
   return float(re.search(r"^refusion_forward_passes_total (\S+)$", text, re.M).group(1))
 
 
+def server_command(model_dir, method, args, width) -> list[str]:
+  return ([sys.executable, "-m", "refusion_jax.serve", "--config=configs/serve.py",
+           "--config.port=0", "--config.model_name=m"]
+          + [f"--config.{name}={value}"
+             for name, value in server_fields(model_dir, method, args, width).items()]
+          + args.server_flags.split())
+
+
 def start_server(model_dir, method, args, width) -> tuple[subprocess.Popen, str]:
-  slot, block = ((args.gen_length, args.gen_length) if method == "ar"
-                 else (args.slot_size, args.block_size))
-  cmd = [sys.executable, "-m", "refusion_jax.serve", "--config=configs/serve.py",
-         f"--config.model_dir={model_dir}", "--config.port=0", f"--config.rows={args.rows}",
-         f"--config.max_prompt_len={width}", f"--config.max_queue={max(args.clients) * 2}",
-         f"--config.chunk_passes={args.chunk_passes}", "--config.model_name=m",
-         f"--config.free_chunk_passes={args.free_chunk_passes}",
-         f"--config.row_counts={args.row_counts}",
-         f"--config.decode.method={method}", f"--config.decode.gen_length={args.gen_length}",
-         f"--config.decode.slot_size={slot}", f"--config.decode.block_size={block}",
-         f"--config.decode.slot_threshold={args.slot_threshold}",
-         f"--config.decode.token_threshold={args.token_threshold}"] + args.server_flags.split()
+  cmd = server_command(model_dir, method, args, width)
   proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
   while True:
     line = proc.stderr.readline()

@@ -147,6 +147,14 @@ def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
   assert c.chunk_passes == 2 and c.engine == "thread"
   assert c.decode.slot_threshold == 0.7 and c.decode.method == "ar"
   assert c.decode.slot_size == c.decode.block_size == c.decode.gen_length == 8  # AR: one slot
+  # The server's command line sets the same fields (the server flags last: they win).
+  cmd = serve_load.server_command("some/model", "ar", args, 32)
+  assert "--config.decode.slot_size=8" in cmd and "--config.max_prompt_len=32" in cmd
+  assert cmd[-3:] == ["--config.chunk_passes=2", "--config.decode.slot_threshold=0.7",
+                      "--config.engine=thread"]
+  fields = serve_load.server_fields("some/model", "ar", args, 32)
+  assert all(c[k] == v if "." not in k else c.decode[k[7:]] == v for k, v in fields.items()
+             if k != "chunk_passes" and k != "decode.slot_threshold")
   bad = serve_load.parse_args(["--server_flags=--rows=3"])
   with pytest.raises(ValueError, match="not --config.FIELD=VALUE"):
     serve_load.serve_config("m", "refusion", bad, 32)
