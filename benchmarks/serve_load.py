@@ -170,9 +170,7 @@ def serve_config(model_dir, method, args, width):
     m = re.fullmatch(r"--config\.([\w.]+)=(.*)", flag)
     if not m:
       raise ValueError(f"--server_flags: {flag!r} is not --config.FIELD=VALUE")
-    old, value = c, m.group(2)
-    for part in m.group(1).split("."):
-      old = old[part]
+    old, value = c[m.group(1)], m.group(2)  # a ConfigDict reads dotted names (not writes)
     put(m.group(1), value.lower() in ("1", "true") if isinstance(old, bool)
         else type(old)(value) if old is not None else value)
   return c
