@@ -29,6 +29,12 @@ the cores with, which the offline run does not pay.
 
   python benchmarks/serve_load.py                       # the main job's models when present
   python benchmarks/serve_load.py --model_dir DIR --methods refusion,ar
+  python benchmarks/serve_load.py --ignore_eos --gen_length 64 --block_size 32
+
+With the main job's models a response is about 9 tokens (4.3 ReFusion passes),
+so the closed loop's idle pass per request weighs heavily; `--ignore_eos`
+makes every answer gen_length tokens on both sides (EOS an ordinary token), a
+load of fixed answer lengths where it weighs less.
 
 Models: `--model_dir` for every method in `--methods` when given; else the
 main job's trained ReFusion model and its AR twin
@@ -79,6 +85,9 @@ def parse_args(argv=None):
   p.add_argument("--block_size", type=int, default=24)
   p.add_argument("--slot_threshold", type=float, default=0.5)
   p.add_argument("--token_threshold", type=float, default=0.1)
+  p.add_argument("--ignore_eos", action="store_true",
+                 help="EOS ends nothing: every answer is gen_length tokens, on both sides (a load "
+                      "of fixed answer lengths, as vLLM's --ignore-eos; decode.ignore_eos)")
   p.add_argument("--chunk_passes", type=int, default=4, help="the server's --config.chunk_passes")
   p.add_argument("--free_chunk_passes", type=int, default=1,
                  help="the server's --config.free_chunk_passes")
@@ -148,7 +157,7 @@ def server_fields(model_dir, method, args, width) -> dict:
           "decode.method": method, "decode.gen_length": args.gen_length,
           "decode.slot_size": slot, "decode.block_size": block,
           "decode.slot_threshold": args.slot_threshold,
-          "decode.token_threshold": args.token_threshold}
+          "decode.token_threshold": args.token_threshold, "decode.ignore_eos": args.ignore_eos}
 
 
 def serve_config(model_dir, method, args, width):
@@ -404,7 +413,8 @@ def main(argv=None) -> list[dict]:
         + (f"{args.prompts} requests per level" if args.prompts else
            f"{args.requests_per_client} requests per client per level")
         + f"; gen {args.gen_length}, slot {args.slot_size}, "
-        f"block {args.block_size}, tau_s {args.slot_threshold}, tau_t {args.token_threshold}; "
+        f"block {args.block_size}, tau_s {args.slot_threshold}, tau_t {args.token_threshold}"
+        f"{', EOS ignored (every answer gen_length tokens)' if args.ignore_eos else ''}; "
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
         f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), row_counts "
         f"{args.row_counts!r}{', ' + args.server_flags if args.server_flags else ''}, {args.repeats} "
@@ -422,7 +432,7 @@ def main(argv=None) -> list[dict]:
                    else (args.slot_size, args.block_size))
     dc = DecodeConfig(method=method, gen_length=args.gen_length, slot_size=slot,
                       block_size=block, slot_threshold=args.slot_threshold,
-                      token_threshold=args.token_threshold)
+                      token_threshold=args.token_threshold, ignore_eos=args.ignore_eos)
     dc.check_fits(model_config, width)
     engines = {rows: offline_engine(model, dc, all_prompts, rows, width)
                for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}

@@ -34,6 +34,7 @@ def get_config():
   c.decode.mdm_threshold = ml_collections.config_dict.placeholder(float)  # MDM (Fast-dLLM): unmask all above it
   c.decode.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   c.decode.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
+  c.decode.ignore_eos = False  # EOS ends nothing: every answer is gen_length tokens (load tests)
 
   c.output_json = "-"  # where the JSON list of results goes ("-" = stdout)
   c.trace = False  # print each response coloured by the step that committed each token (stderr)

@@ -320,6 +320,10 @@ class DecodeConfig:
   # causal pass recomputes their KV (paper's Table 8) instead of reusing it.
   left_to_right: bool = False
   recompute_kv: bool = False
+  # Every response position is decoded: EOS counts as an ordinary token and ends
+  # nothing, so every answer is gen_length tokens (vLLM's `ignore_eos`: a load
+  # test with fixed answer lengths). Traced, like the thresholds.
+  ignore_eos: bool = False
 
   def __post_init__(self):
     if self.method not in DECODE_METHODS:
@@ -344,6 +348,8 @@ class DecodeConfig:
       raise ValueError(f"decode.mdm_threshold must lie in [0, 1], got {self.mdm_threshold!r}")
     if self.temperature < 0:
       raise ValueError(f"decode.temperature must be >= 0, got {self.temperature!r}")
+    if not isinstance(self.ignore_eos, bool):
+      raise ValueError(f"decode.ignore_eos must be a bool, got {self.ignore_eos!r}")
     for name in ("left_to_right", "recompute_kv"):
       value = getattr(self, name)
       if not isinstance(value, bool):

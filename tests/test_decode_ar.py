@@ -100,6 +100,13 @@ def test_matches_full_causal_oracle_with_eos_stop():
   out = _check_against_oracle(eos_model, PROMPTS, eos)
   lengths = np.asarray(out.length_b)
   assert lengths[0] < GEN and len(set(lengths.tolist())) > 1
+  # decode.ignore_eos: EOS ends nothing (the model without EOS's decode), same program.
+  before = autoregressive.compiled_programs()
+  ignored = autoregressive.generate(eos_model, *_pad(PROMPTS), _decode_config(ignore_eos=True))
+  for row, want in enumerate(free):
+    assert int(ignored.length_b[row]) == GEN
+    np.testing.assert_array_equal(np.asarray(ignored.tokens_bg[row]), want)
+  assert autoregressive.compiled_programs() == before
 
 
 def test_batch_equals_single_decodes_and_no_recompile():

@@ -398,6 +398,26 @@ def test_matches_plain_python_oracle(models):
   assert refusion.compiled_cache_size() - compiled_before <= len(_GROUPS)
 
 
+def test_ignore_eos_decodes_every_position_like_the_oracle_without_eos(models):
+  """decode.ignore_eos: EOS is an ordinary token, so the decode equals the oracle's
+  for a model without EOS (every position filled), with the same program."""
+  compiled_before = refusion.compiled_cache_size()
+  cases = [c for c in _cases() if c[0] == (6, 16, 4, 8)][:10]
+  ended_early = 0
+  for group, prompt, dc in cases:
+    model = models[_GROUPS[group]]
+    ended_early += Oracle(model, dc, collections.Counter()).decode(prompt)[1] < dc.gen_length
+    oracle = Oracle(model, dc, collections.Counter())
+    oracle.eos = None
+    want = oracle.decode(prompt)
+    ids, lens = _pad([prompt], group[0])
+    out = refusion.generate(model, ids, lens, dc.replace(ignore_eos=True))
+    _check_row(out, 0, want, f"prompt={prompt} {dc}")
+    assert int(out.length_b[0]) == dc.gen_length
+  assert ended_early >= 2  # EOS would have ended these decodes early
+  assert refusion.compiled_cache_size() - compiled_before <= 1  # the cases' own group
+
+
 def _random_prompts(rs, n, p):
   return [[int(x) for x in rs.randint(4, VOCAB, size=rs.randint(1, p + 1))] for _ in range(n)]
 

@@ -20,6 +20,7 @@ import time
 
 import httpx
 import jax
+import numpy as np
 import openai
 import pytest
 from flax import nnx
@@ -192,6 +193,47 @@ def test_greedy_equals_sample(served, method):
     for stream in (False, True):
       text, ids, finish = _chat(cl, i, method, stream)
       assert (text, ids, finish) == (want["text"], want["tokens"], _finish(want["tokens"]))
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar"])
+def test_ignore_eos_equals_sample(served, method):
+  """vLLM's `ignore_eos` extra field: every answer is max_tokens long, as sample's
+  decode.ignore_eos gives it, with "length" as its finish reason. AR: on prompts whose
+  answer ends at EOS otherwise. (This random model's ReFusion decodes seldom meet EOS:
+  tests/test_decode_refusion.py checks ReFusion's ignore_eos on a model whose do.)"""
+  cl = _client(served)
+  prompts = [served["tok"].encode(t) for t in TEXTS[:2]]
+  if method == "ar":
+    rs = np.random.RandomState(3)
+    prompts = []  # prompts (token ids) whose answer ends at EOS
+    for _ in range(100):
+      ids = [int(x) for x in rs.randint(4, 256, size=rs.randint(2, 12))]
+      r = cl.completions.create(model="tiny", prompt=ids, max_tokens=GEN,
+                                extra_body={"method": method})
+      if r.choices[0].finish_reason == "stop" and len(r.choices[0].token_ids) < GEN:
+        prompts.append(ids)
+        if len(prompts) == 2:
+          break
+    assert prompts, "no prompt ends at EOS: nothing to ignore"
+  want = _oracle(served["model_dir"], served["tmp"], method, [("ids", ids) for ids in prompts],
+                 ignore_eos=True)
+  for ids, w in zip(prompts, want):
+    assert len(w["tokens"]) == GEN
+    for stream in (False, True):
+      args = dict(model="tiny", prompt=ids, max_tokens=GEN,
+                  extra_body={"method": method, "ignore_eos": True})
+      if stream:
+        got, finish = None, None
+        for chunk in cl.completions.create(stream=True, **args):
+          for ch in chunk.choices:
+            if ch.finish_reason is not None:
+              got, finish = ch.token_ids, ch.finish_reason
+      else:
+        r = cl.completions.create(**args)
+        got, finish = r.choices[0].token_ids, r.choices[0].finish_reason
+        assert r.usage.completion_tokens == GEN
+        assert r.usage.model_extra["forward_passes"] == w["nfe"]
+      assert (got, finish) == (w["tokens"], "length"), (method, ids, stream)
 
 
 def test_enable_thinking_changes_the_prompt(served):
@@ -413,6 +455,8 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "slot_threshold": 2}, 400,
      "slot_threshold"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "ignore_eos": "yes"}, 400,
+     "ignore_eos"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": [1]}, 400, "stop"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]},

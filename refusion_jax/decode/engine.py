@@ -19,7 +19,8 @@ phases are >= `FIRST_PHASE`.
 What a program compiles for is split in two. `Spec` is static (shapes and
 structure: method, gen_length, slot and block size, the left-to-right
 ablation, the vocabulary chunk); `Knobs` is traced (thresholds, temperature,
-recompute_kv, the MDM settings and the special token ids), so a threshold
+recompute_kv, the MDM settings and the special token ids, EOS's -1 under
+`ignore_eos`), so a threshold
 sweep or a new temperature reuses every compiled program of every method.
 
 Randomness is per prompt: prompt i of a call draws from
@@ -80,7 +81,7 @@ class Knobs:
   mdm_threshold: jax.Array  # < 0: off (LLaDA's fixed count per step)
   mdm_tokens_per_step: jax.Array
   mask_id: jax.Array
-  eos_id: jax.Array  # -1 when the model has no EOS: never matches a token
+  eos_id: jax.Array  # -1 when the model has no EOS or decode.ignore_eos: never matches a token
   pad_id: jax.Array
 
 
@@ -134,7 +135,8 @@ def knobs_of(model_config, decode_config: DecodeConfig) -> Knobs:
       mdm_threshold=jnp.float32(-1.0 if dc.mdm_threshold is None else dc.mdm_threshold),
       mdm_tokens_per_step=jnp.int32(dc.mdm_tokens_per_step),
       mask_id=jnp.int32(-1 if model_config.mask_token_id is None else model_config.mask_token_id),
-      eos_id=jnp.int32(-1 if model_config.eos_token_id is None else model_config.eos_token_id),
+      eos_id=jnp.int32(-1 if model_config.eos_token_id is None or dc.ignore_eos
+                       else model_config.eos_token_id),
       pad_id=jnp.int32(0 if model_config.pad_token_id is None else model_config.pad_token_id))
 
 

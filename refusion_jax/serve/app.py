@@ -126,8 +126,9 @@ class Server:
     return default if default in found else min(found, key=lambda b: b.gen_length)
 
   def _job(self, req: protocol.Request, ids: list[int], bucket: Bucket, deliver) -> Job:
-    s, t, temp = self.scheduler.default_knobs(bucket)
+    s, t, temp, ignore_eos = self.scheduler.default_knobs(bucket)
     temp = temp if req.temperature is None else req.temperature
+    ignore_eos = ignore_eos if req.ignore_eos is None else req.ignore_eos
     if bucket.method == "refusion":
       s = s if req.slot_threshold is None else req.slot_threshold
       t = t if req.token_threshold is None else req.token_threshold
@@ -140,8 +141,8 @@ class Server:
     # jax.random.key(seed)'s raw key for seed < 2**32 (threefry): [0, seed].
     rng2 = np.array([0, seed], np.uint32)
     max_tokens = bucket.gen_length if req.max_tokens is None else req.max_tokens
-    return Job(prompt=ids, bucket=bucket, knobs=(float(s), float(t), float(temp)), rng2=rng2,
-               max_tokens=max_tokens,
+    return Job(prompt=ids, bucket=bucket, knobs=(float(s), float(t), float(temp), ignore_eos),
+               rng2=rng2, max_tokens=max_tokens,
                watch=req.stream or bool(req.stops) or max_tokens < bucket.gen_length,
                slots=req.stream and req.stream_slots, deliver=deliver)
 
@@ -232,7 +233,8 @@ class _Reply:
     return self.s.timeout - (time.perf_counter() - self.start)
 
   def _finish_reason(self, tokens: list[int]) -> str:
-    if self.text.stopped or (tokens and tokens[-1] == self.s.eos_id):
+    ignore_eos = self.job.knobs[3]
+    if self.text.stopped or (tokens and tokens[-1] == self.s.eos_id and not ignore_eos):
       return "stop"
     return "length"
 

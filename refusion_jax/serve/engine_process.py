@@ -194,7 +194,7 @@ class EngineProcess:
   def error(self) -> str | None:
     return self._died or self._engine_error
 
-  def default_knobs(self, bucket: Bucket) -> tuple[float, float, float]:
+  def default_knobs(self, bucket: Bucket) -> tuple[float, float, float, bool]:
     return self._default_knobs[bucket]
 
   def queue_depth(self) -> int:

@@ -40,7 +40,7 @@ _OFF = {"echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0),
         "metadata": (None,), "modalities": (None, ["text"]), "stream_options": (None,)}
 _IGNORED = {"user"}
 _REFUSION = {"method", "gen_length", "slot_size", "block_size", "slot_threshold",
-             "token_threshold", "stream_slots"}
+             "token_threshold", "stream_slots", "ignore_eos"}
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "stop", "seed", "stream",
                      "stream_options"} | set(_OFF) | _IGNORED | _REFUSION
 CHAT_FIELDS = ((COMPLETION_FIELDS - {"prompt", "echo", "suffix", "best_of"})
@@ -70,6 +70,7 @@ class Request:
   slot_threshold: float | None
   token_threshold: float | None
   stream_slots: bool
+  ignore_eos: bool | None  # vLLM's extra field: EOS ends nothing (None: the server's default)
 
 
 def _is_int(x) -> bool:
@@ -203,4 +204,5 @@ def parse(body: Any, chat: bool) -> Request:
       slot_size=_positive_int(body, "slot_size"), block_size=_positive_int(body, "block_size"),
       slot_threshold=_number(body, "slot_threshold", 0.0, 1.0),
       token_threshold=_number(body, "token_threshold", 0.0, 1.0),
-      stream_slots=_bool(body, "stream_slots"))
+      stream_slots=_bool(body, "stream_slots"),
+      ignore_eos=None if body.get("ignore_eos") is None else _bool(body, "ignore_eos"))

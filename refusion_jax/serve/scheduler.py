@@ -2,7 +2,7 @@
 
 A *bucket* is one compiled decode shape (method, gen_length, slot and block
 size), built once at start-up. A *lane* is a `LiveBatch` of a bucket with one
-set of knobs (thresholds, temperature: traced, so a lane with new values reuses
+set of knobs (thresholds, temperature, ignore_eos: traced, so a lane with new values reuses
 the bucket's programs); requests with the knobs of a lane share its rows. At
 most `max_lanes` lanes exist; an idle one gives way to a new combination.
 
@@ -113,7 +113,8 @@ class Job:
 
   prompt: list[int]
   bucket: Bucket
-  knobs: tuple[float, float, float]  # slot_threshold, token_threshold, temperature
+  knobs: tuple[float, float, float, bool]  # slot_threshold, token_threshold, temperature,
+  #   ignore_eos
   rng2: np.ndarray  # uint32[2], the request's key (prompt id 0 within it)
   max_tokens: int  # keep at most this many tokens
   watch: bool  # deliver the committed prefix as it grows
@@ -198,7 +199,7 @@ class Scheduler:
 
   def _knobs_for(self, bucket: Bucket, knobs):
     dc = self.decoders[bucket].config.replace(slot_threshold=knobs[0], token_threshold=knobs[1],
-                                               temperature=knobs[2])
+                                               temperature=knobs[2], ignore_eos=knobs[3])
     return engine_lib.knobs_of(self.model.config, dc)
 
   def _batch(self, bucket: Bucket, knobs) -> engine_lib.LiveBatch:
@@ -207,9 +208,9 @@ class Scheduler:
                                 self._knobs_for(bucket, knobs), admit_max=self.admit_max,
                                 row_counts=self.row_counts)
 
-  def default_knobs(self, bucket: Bucket) -> tuple[float, float, float]:
+  def default_knobs(self, bucket: Bucket) -> tuple[float, float, float, bool]:
     dc = self.decoders[bucket].config
-    return (dc.slot_threshold, dc.token_threshold, dc.temperature)
+    return (dc.slot_threshold, dc.token_threshold, dc.temperature, dc.ignore_eos)
 
   def warm_up(self) -> None:
     """Compiles every program of every bucket; one lane per bucket stays ready."""
