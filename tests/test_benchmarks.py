@@ -133,7 +133,7 @@ def test_live_batch_turn_reports_each_method(capsys):
 
 def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
-  args = serve_load.parse_args(["--rows=4", "--clients=2,8", "--gen_length=8",
+  args = serve_load.parse_args(["--rows=4", "--clients=2,8", "--gen_length=8", "--ignore_eos",
                                 "--server_flags=--config.chunk_passes=2 "
                                 "--config.decode.slot_threshold=0.7 --config.engine=thread"])
   c = serve_load.serve_config("some/model", "ar", args, 32)
@@ -141,9 +141,11 @@ def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
   assert c.chunk_passes == 2 and c.engine == "thread"
   assert c.decode.slot_threshold == 0.7 and c.decode.method == "ar"
   assert c.decode.slot_size == c.decode.block_size == c.decode.gen_length == 8  # AR: one slot
+  assert c.decode.ignore_eos is True
   # The server's command line sets the same fields (the server flags last: they win).
   cmd = serve_load.server_command("some/model", "ar", args, 32)
   assert "--config.decode.slot_size=8" in cmd and "--config.max_prompt_len=32" in cmd
+  assert "--config.decode.ignore_eos=True" in cmd
   assert cmd[-3:] == ["--config.chunk_passes=2", "--config.decode.slot_threshold=0.7",
                       "--config.engine=thread"]
   fields = serve_load.server_fields("some/model", "ar", args, 32)

@@ -20,8 +20,8 @@ What a program compiles for is split in two. `Spec` is static (shapes and
 structure: method, gen_length, slot and block size, the left-to-right
 ablation, the vocabulary chunk); `Knobs` is traced (thresholds, temperature,
 recompute_kv, the MDM settings and the special token ids, EOS's -1 under
-`ignore_eos`), so a threshold
-sweep or a new temperature reuses every compiled program of every method.
+`ignore_eos`), so a threshold sweep or a new temperature reuses every compiled
+program of every method.
 
 Randomness is per prompt: prompt i of a call draws from
 `fold_in(rng, i)` and, within it, from the row's own pass count, so a prompt
