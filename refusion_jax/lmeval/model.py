@@ -142,7 +142,7 @@ class RefusionLM(LM):
                token_threshold: float = 0.4, temperature: float = 0.0,
                mdm_tokens_per_step: int = 1, mdm_threshold: float | None = None,
                left_to_right: bool = False, recompute_kv: bool = False,
-               batch_size: int | str = 1, enable_thinking: bool = True, seed: int = 0,
+               ignore_eos: bool = False, batch_size: int | str = 1, enable_thinking: bool = True, seed: int = 0,
                progress: bool = True, max_batch_size: Any = None, device: Any = None,
                **unknown):
     super().__init__()
@@ -151,7 +151,7 @@ class RefusionLM(LM):
       raise ValueError(f"refusion_jax: unknown model arg(s) {sorted(unknown)}; known: "
                        "model_dir, tokenizer_dir, method, gen_length, slot_size, block_size, "
                        "slot_threshold, token_threshold, temperature, mdm_tokens_per_step, "
-                       "mdm_threshold, left_to_right, recompute_kv, batch_size, "
+                       "mdm_threshold, left_to_right, recompute_kv, ignore_eos, batch_size, "
                        "enable_thinking, seed, progress")
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
       raise ValueError("refusion_jax: batch_size='auto' is not supported; give the number of "
@@ -169,7 +169,8 @@ class RefusionLM(LM):
         mdm_threshold=(None if mdm_threshold in (None, "", "none", "None")
                        else _as_float(mdm_threshold, "mdm_threshold")),
         left_to_right=_as_bool(left_to_right, "left_to_right"),
-        recompute_kv=_as_bool(recompute_kv, "recompute_kv"))
+        recompute_kv=_as_bool(recompute_kv, "recompute_kv"),
+        ignore_eos=_as_bool(ignore_eos, "ignore_eos"))
     self.enable_thinking = _as_bool(enable_thinking, "enable_thinking")
     self.progress = _as_bool(progress, "progress")
     self.seed = _as_int(seed, "seed")
