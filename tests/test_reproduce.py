@@ -454,3 +454,14 @@ def test_a_shipped_base_is_checked_and_every_model_starts_from_it(smoke_run, tmp
   os.remove(shipped / "model.safetensors.sha256")
   with pytest.raises(FileNotFoundError, match="model.safetensors.sha256 is missing"):
     settings.validate(config)
+
+
+def test_decode_cache_key_holds_ignore_eos_only_when_set():
+  # A result cached before DecodeConfig had ignore_eos is the same decode as one with it
+  # off, so its key must still match; with it on, the key differs.
+  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
+  dc = DecodeConfig(gen_length=16, slot_size=4, block_size=8)
+  off = scoring._decode_key(dc)  # pylint: disable=protected-access
+  assert "ignore_eos" not in off and off["slot_size"] == 4 and off["method"] == "refusion"
+  on = scoring._decode_key(dc.replace(ignore_eos=True))  # pylint: disable=protected-access
+  assert on == {**off, "ignore_eos": True}

@@ -72,9 +72,18 @@ def _problem_set(config, workdir: str, tokenizer, data: str, per_task: int,
   return _ProblemSet(data, per_task, problems, width)
 
 
+def _decode_key(c: DecodeConfig) -> dict:
+  """A decode config as a cache key holds it: `ignore_eos` only when set, so results
+  cached before the field existed (the same decode) still count."""
+  d = dataclasses.asdict(c)
+  if not d.pop("ignore_eos"):
+    return d
+  return {**d, "ignore_eos": True}
+
+
 def _key(config, problem_set: _ProblemSet, configs: Mapping[str, DecodeConfig],
          marker: dict, **fields) -> dict:
-  return {**fields, "decode": {t: dataclasses.asdict(c) for t, c in configs.items()},
+  return {**fields, "decode": {t: _decode_key(c) for t, c in configs.items()},
           "data": os.path.abspath(problem_set.data), "per_task": problem_set.per_task,
           "width": problem_set.width, "model": marker, "machine": machine(),
           "seed": config.seed}
