@@ -31,6 +31,8 @@ def get_config():
   c.free_chunk_passes = 1  # the same while a row is free (a new request waits at most this long)
   c.row_counts = "auto"  # also passes over fewer rows when fewer are busy: "auto", "" or "4,8,12"
   c.admit_max = 0  # prompts prefilled per admission call at most (0 = rows)
+  c.admit_batch = 1  # while other rows decode, admit prompts this many at a time (1 = at once),
+  c.admit_wait_passes = 0  # ... or once the first has waited this many passes
   c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)
   c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled
   c.log_level = "warning"  # uvicorn's log level

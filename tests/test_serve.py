@@ -33,6 +33,7 @@ from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.decode import engine
 from refusion_jax.model import Qwen3
 from refusion_jax.serve import engine_process, protocol, text as text_lib
+from refusion_jax.serve.scheduler import Job
 from refusion_jax.tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -539,6 +540,58 @@ def test_thread_engine_serves_the_same(served_thread):
         assert (text, ids) == (want["text"], want["tokens"]), (method, i, stream)
         assert usage.model_extra["forward_passes"] == want["nfe"]
   _sixteen_concurrent_streams(served_thread)
+
+
+def test_gathered_admissions_wait_for_company_and_change_no_token(served_thread):
+  # --config.admit_batch=3: while a row decodes, a new prompt waits for two more (or for
+  # admit_wait_passes of the lane's passes) and they are admitted in one call. Held, so no
+  # pass runs: without gathering the second prompt would be admitted at once.
+  c = serve_config.get_config()
+  c.model_dir, c.rows, c.max_prompt_len = served_thread["model_dir"], ROWS, WIDTH
+  c.max_queue, c.chunk_passes, c.buckets, c.row_counts = QUEUE, 2, "", "1,2,3"
+  c.decode.gen_length, c.decode.slot_size, c.decode.block_size = GEN, SLOT, BLOCK
+  for k, v in SETTINGS.items():
+    c.decode[k] = v
+  c.admit_batch, c.admit_wait_passes = 3, 2
+  sched = serve.make_scheduler(c)  # the served_thread's programs: nothing new compiles
+  sched.start()
+  bucket = sched.buckets[0]
+  results, done = {}, threading.Event()
+
+  def submit(i):
+    def deliver(kind, payload):
+      results[i] = payload.tokens if kind == "done" else payload
+      if len(results) == 6:
+        done.set()
+    sched.submit(Job(prompt=served_thread["tok"].encode(TEXTS[i]), bucket=bucket,
+                     knobs=sched.default_knobs(bucket), rng2=np.zeros((2,), np.uint32),
+                     max_tokens=GEN, watch=False, slots=False, deliver=deliver))
+
+  def settle(busy, waiting):
+    deadline = time.time() + 10
+    while (sched.busy_rows(), sched.queue_depth()) != (busy, waiting):
+      assert time.time() < deadline, (sched.busy_rows(), sched.queue_depth(), busy, waiting)
+      time.sleep(0.02)
+    time.sleep(0.2)  # and it stays so
+    assert (sched.busy_rows(), sched.queue_depth()) == (busy, waiting)
+
+  try:
+    sched.hold(True)
+    submit(0)
+    settle(1, 0)  # nothing decodes: admitted at once
+    submit(1)
+    submit(2)
+    settle(1, 2)  # two wait for company
+    submit(3)
+    settle(4, 0)  # three: admitted together
+    submit(4)
+    sched.hold(False)  # the passes run: prompt 4 joins once a row frees, 5 after it
+    submit(5)
+    assert done.wait(60), results
+  finally:
+    sched.stop()
+  for i in range(6):
+    assert results[i] == served_thread["completion"]["refusion"][i]["tokens"], i
 
 
 def test_served_passes_ran_over_fewer_rows(served_thread):

@@ -40,6 +40,14 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
       raise ValueError(f"--config.{name} must be a positive int, got {c[name]!r}")
   if not isinstance(c.admit_max, int) or c.admit_max < 0:
     raise ValueError(f"--config.admit_max must be an int >= 0, got {c.admit_max!r}")
+  if not isinstance(c.admit_batch, int) or isinstance(c.admit_batch, bool) or not (
+      1 <= c.admit_batch <= c.rows):
+    raise ValueError(f"--config.admit_batch must be an int from 1 to rows ({c.rows}), got "
+                     f"{c.admit_batch!r}")
+  if not isinstance(c.admit_wait_passes, int) or isinstance(c.admit_wait_passes, bool) or (
+      c.admit_wait_passes < 0):
+    raise ValueError(f"--config.admit_wait_passes must be an int >= 0, got "
+                     f"{c.admit_wait_passes!r}")
   if not isinstance(c.port, int) or not 0 <= c.port < 65536:
     raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
   parse_row_counts(c.row_counts, c.rows, "cpu")
@@ -91,6 +99,8 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
                                   max_queue=c.max_queue, max_lanes=c.max_lanes,
                                   chunk_passes=c.chunk_passes, admit_max=c.admit_max or None,
                                   metrics=metrics, free_chunk_passes=c.free_chunk_passes,
+                                  admit_batch=c.admit_batch,
+                                  admit_wait_passes=c.admit_wait_passes,
                                   row_counts=parse_row_counts(c.row_counts, c.rows,
                                                               jax.default_backend()))
   _log(f"[serve] loaded {c.model_dir} in {time.perf_counter() - t:.1f}s")

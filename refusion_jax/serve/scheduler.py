@@ -23,6 +23,12 @@ arriving mid-run joins at the next pass rather than after a whole chunk (a
 closed-loop client's next request comes while the others' rows run). Chunking
 changes no token and no pass count (`LiveBatch`).
 
+With `admit_batch` > 1, prompts that arrive while other rows decode are admitted
+`admit_batch` at a time, or once the first has waited `admit_wait_passes` of its
+lane's passes: each admission is a call of its own, which on a CPU costs about
+what a pass does, and clients out of step would otherwise bring one after
+nearly every pass. Off by default (1).
+
 With `row_counts`, a lane's passes run over its rows in use only, padded to the
 smallest of those counts that holds them (one more compiled program each):
 where a pass costs in proportion to its rows (a CPU), the rows a closed-loop
@@ -127,6 +133,7 @@ class Job:
   seen: np.ndarray | None = None  # positions reported to a `slots` job
   admission: int = 0  # the lane's admission call that prefilled it
   submitted: float = 0.0
+  queued_pass: int = 0  # the lane's pass count when it joined the lane's queue
 
 
 @dataclasses.dataclass
@@ -162,6 +169,7 @@ class Scheduler:
   def __init__(self, model, decode_configs: list[DecodeConfig], *, rows: int, width: int,
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
                metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
+               admit_batch: int = 1, admit_wait_passes: int = 0,
                after_turn: Callable[[], None] | None = None):
     self.model = model
     self.decoders = {}
@@ -174,6 +182,9 @@ class Scheduler:
     self.free_chunk_passes = min(chunk_passes, free_chunk_passes)
     self.admit_max = admit_max
     self.row_counts = tuple(row_counts)  # smaller passes compiled besides the full one
+    # While other rows decode, a lane's waiting prompts are admitted once `admit_batch`
+    # of them wait or the first has waited `admit_wait_passes` of its passes.
+    self.admit_batch, self.admit_wait_passes = admit_batch, admit_wait_passes
     self.metrics = metrics
     # Called on the engine thread after each lane's deliveries and before it waits
     # (the engine process sends what the turn delivered from there).
@@ -317,6 +328,7 @@ class Scheduler:
       if lane is None:
         self._parked.append(job)
       else:
+        job.queued_pass = lane.passes
         lane.waiting.append(job)
 
   def _cancel_and_admit(self, lane: _Lane) -> None:
@@ -331,6 +343,9 @@ class Scheduler:
       self._dequeued(len(lane.waiting) - len(kept))
     lane.waiting = kept
     free = [r for r, j in enumerate(lane.jobs) if j is None]
+    if (lane.busy() and lane.waiting and len(lane.waiting) < self.admit_batch
+        and lane.passes - lane.waiting[0].queued_pass < self.admit_wait_passes):
+      return  # gathering admissions: each call costs about a pass on a CPU
     while free and lane.waiting:
       n = min(len(free), len(lane.waiting), lane.batch.admit_max)
       take = [lane.waiting.popleft() for _ in range(n)]
