@@ -257,7 +257,7 @@ class Scheduler:
 
   def hold(self, on: bool) -> None:
     """Pauses (True) or resumes decoding: while held, jobs are still admitted into free
-    rows (and cancelled ones freed), but no pass runs."""
+    rows as `admit_batch` allows (and cancelled ones freed), but no pass runs."""
     if on:
       self._hold.set()
     else:
