@@ -594,6 +594,25 @@ def test_gathered_admissions_wait_for_company_and_change_no_token(served_thread)
     assert results[i] == served_thread["completion"]["refusion"][i]["tokens"], i
 
 
+@pytest.mark.parametrize("field,value,needle", [
+    ("rows", 0, "--config.rows must be a positive int"),
+    ("chunk_passes", 0, "--config.chunk_passes must be a positive int"),
+    ("admit_max", -1, "--config.admit_max must be an int >= 0"),
+    ("admit_batch", 0, "--config.admit_batch must be an int from 1 to rows (4)"),
+    ("admit_batch", 5, "--config.admit_batch must be an int from 1 to rows (4)"),
+    ("admit_wait_passes", -1, "--config.admit_wait_passes must be an int >= 0"),
+    ("port", 70000, "--config.port must be in [0, 65536)"),
+    ("engine", "fork", "--config.engine must be"),
+    ("request_timeout_s", 0.0, "--config.request_timeout_s must be a positive number"),
+])
+def test_bad_server_flags_are_named_before_loading(oracle, field, value, needle):
+  c = serve_config.get_config()
+  c.model_dir, c.rows = oracle["model_dir"], ROWS
+  c[field] = value
+  with pytest.raises(ValueError, match=re.escape(needle)):
+    serve.check_flags(c)
+
+
 def test_served_passes_ran_over_fewer_rows(served_thread):
   # The server (4 rows, row_counts "1,2,3") ran single requests over 1 row and the
   # 16 concurrent ones over all 4: the smaller programs are in use.
