@@ -142,7 +142,8 @@ class RefusionLM(LM):
                token_threshold: float = 0.4, temperature: float = 0.0,
                mdm_tokens_per_step: int = 1, mdm_threshold: float | None = None,
                left_to_right: bool = False, recompute_kv: bool = False,
-               ignore_eos: bool = False, batch_size: int | str = 1, enable_thinking: bool = True, seed: int = 0,
+               ignore_eos: bool = False, batch_size: int | str = 1,
+               enable_thinking: bool = True, seed: int = 0,
                progress: bool = True, max_batch_size: Any = None, device: Any = None,
                **unknown):
     super().__init__()

@@ -76,9 +76,9 @@ def _decode_key(c: DecodeConfig) -> dict:
   """A decode config as a cache key holds it: `ignore_eos` only when set, so results
   cached before the field existed (the same decode) still count."""
   d = dataclasses.asdict(c)
-  if not d.pop("ignore_eos"):
-    return d
-  return {**d, "ignore_eos": True}
+  if not c.ignore_eos:
+    del d["ignore_eos"]
+  return d
 
 
 def _key(config, problem_set: _ProblemSet, configs: Mapping[str, DecodeConfig],
