@@ -95,6 +95,10 @@ def parse_args(argv=None):
   p.add_argument("--server_flags", default="",
                  help="more server flags, space-separated (e.g. --config.chunk_passes=2)")
   p.add_argument("--no_stream", action="store_true", help="clients ask for whole responses")
+  p.add_argument("--loop_stagger", type=int, default=1,
+                 help="the in-process loop's clients start this many engine turns apart (0: "
+                      "all at once; with fixed answer lengths they then stay in lockstep, "
+                      "which the server's clients do not)")
   p.add_argument("--repeats", type=int, default=3,
                  help="server / offline runs alternated per level (medians reported)")
   args = p.parse_args(argv)
@@ -104,8 +108,10 @@ def parse_args(argv=None):
     p.error(f"--clients must be comma-separated ints, got {args.clients!r}")
   if not args.clients or min(args.clients) < 1:
     p.error("--clients must be positive")
-  if args.prompts < 0 or args.requests_per_client < 1 or args.rows < 1 or args.repeats < 1:
-    p.error("--requests_per_client, --rows and --repeats must be >= 1, --prompts >= 0")
+  if (args.prompts < 0 or args.requests_per_client < 1 or args.rows < 1 or args.repeats < 1
+      or args.loop_stagger < 0):
+    p.error("--requests_per_client, --rows and --repeats must be >= 1, --prompts and "
+            "--loop_stagger >= 0")
   args.methods = [m for m in args.methods.split(",") if m]
   return args
 
@@ -192,13 +198,30 @@ def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, fl
 
   The server and this differ only in what lies between a response and the next
   request (HTTP, the client, the engine process's pipe); the offline engine also
-  has no closed loop (a freed row is refilled before the next pass)."""
+  has no closed loop (a freed row is refilled before the next pass).
+
+  Client c sends its first prompt after `c * args.loop_stagger` engine turns (the
+  scheduler's `after_turn`): started together, clients whose answers all take the
+  same passes (`--ignore_eos`) finish in the same pass and are admitted in one call
+  for good, where the server's clients, out of step after their first responses,
+  come back at different passes."""
   import threading  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from refusion_jax.serve.scheduler import Job  # pylint: disable=import-outside-toplevel
   bucket = scheduler.buckets[0]
   knobs = scheduler.default_knobs(bucket)
   lock, finished = threading.Lock(), threading.Event()
+  starts: list = []  # (turns to wait, submit) for clients not started yet
+  after_turn = scheduler.after_turn
+
+  def turn():  # the engine thread, after each turn
+    with lock:
+      due = [s for s in starts if s[0] <= 1]
+      starts[:] = [(k - 1, f) for k, f in starts if k > 1]
+    for _, start in due:
+      start()
+    after_turn()
+  scheduler.after_turn = turn
 
   def run(todo: list) -> tuple[float, dict]:
     results: dict[int, list[int]] = {}
@@ -226,7 +249,10 @@ def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, fl
 
     finished.clear()
     t0 = time.perf_counter()
-    for _ in range(min(clients, total)):
+    with lock:
+      starts.extend((c * args.loop_stagger, submit)
+                    for c in range(1, min(clients, total)) if args.loop_stagger)
+    for _ in range(1 if args.loop_stagger else min(clients, total)):
       submit()
     if not finished.wait(600):
       raise RuntimeError(f"closed loop: {len(results)} of {total} requests done after 600 s")
@@ -237,9 +263,12 @@ def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, fl
   def passes() -> int:
     return sum(lane.passes for lane in list(scheduler._lanes.values()))  # pylint: disable=protected-access
 
-  run([(i, prompts[0]) for i in range(clients)])  # each client's first request: warm-up
-  before = passes()
-  wall, results = run(list(enumerate(prompts)))
+  try:
+    run([(i, prompts[0]) for i in range(clients)])  # each client's first request: warm-up
+    before = passes()
+    wall, results = run(list(enumerate(prompts)))
+  finally:
+    scheduler.after_turn = after_turn
   return wall, [results[i] for i in range(len(prompts))], passes() - before
 
 

@@ -172,11 +172,24 @@ def test_serve_load_closed_loop_gives_each_prompt_its_offline_tokens():
                     token_threshold=0.1)
   offline = serve_load.offline(serve_load.offline_engine(model, dc, prompts, 4, 16), prompts)
   sched = serve.make_scheduler(serve_load.serve_config(model_dir, "refusion", args, 16))
+  turns = []
+  sched.after_turn = lambda: sched.busy_rows() and turns.append(sched.busy_rows())
   sched.start()
   try:
-    wall, tokens, passes = serve_load.closed_loop(sched, prompts, 3, args)
+    # Clients started two turns apart (the default: one), then all at once.
+    wall, tokens, passes = serve_load.closed_loop(sched, prompts, 3, args.__class__(
+        **{**vars(args), "loop_stagger": 2}))
+    assert tokens == offline[1]
+    # Every request's own passes ran, at most 3 rows at a time (3 clients).
+    assert wall > 0 and 3 * passes >= round(offline[3] * len(prompts)) > 0
+    # The warm-up's first two turns decoded one client's request alone: the others waited.
+    assert turns[:2] == [1, 1] and max(turns) == 3
+    assert sched.after_turn.__name__ == "<lambda>"  # the loop's hook is taken off again
+    turns.clear()
+    wall, tokens, passes = serve_load.closed_loop(sched, prompts, 3, args.__class__(
+        **{**vars(args), "loop_stagger": 0}))
+    assert tokens == offline[1] and turns[0] == 3
   finally:
     sched.stop()
-  assert tokens == offline[1]
-  # Every request's own passes ran, at most 3 rows at a time (3 clients).
-  assert wall > 0 and 3 * passes >= round(offline[3] * len(prompts)) > 0
+  with pytest.raises(SystemExit):
+    serve_load.parse_args(["--loop_stagger=-1"])
