@@ -9,8 +9,10 @@ level's prompts until none is left (`--requests_per_client` x clients, or
 ramp and the tail dominate, above all on a GPU). Beside them, the same
 closed loop without HTTP (`closed_loop`: the server's engine loop, its
 `Scheduler`, in this process, each client submitting its next prompt from
-within the delivery of its last response), so that what the server adds over
-its engine loop shows apart from what a closed loop costs. Per level: throughput
+within the delivery of its last response, the clients started
+`--loop_stagger` engine turns apart as the server's fall out of step), so that
+what the server adds over its engine loop shows apart from what a closed loop
+costs. Per level: throughput
 (completion tokens / wall time), time to first token and request latency
 (p50 / p99), the CPU cores used by the client, the server's HTTP process and
 its engine process, and whether every response's tokens equal the offline
@@ -108,10 +110,10 @@ def parse_args(argv=None):
     p.error(f"--clients must be comma-separated ints, got {args.clients!r}")
   if not args.clients or min(args.clients) < 1:
     p.error("--clients must be positive")
-  if (args.prompts < 0 or args.requests_per_client < 1 or args.rows < 1 or args.repeats < 1
-      or args.loop_stagger < 0):
-    p.error("--requests_per_client, --rows and --repeats must be >= 1, --prompts and "
-            "--loop_stagger >= 0")
+  if args.prompts < 0 or args.requests_per_client < 1 or args.rows < 1 or args.repeats < 1:
+    p.error("--requests_per_client, --rows and --repeats must be >= 1, --prompts >= 0")
+  if args.loop_stagger < 0:
+    p.error(f"--loop_stagger must be >= 0 (engine turns), got {args.loop_stagger}")
   args.methods = [m for m in args.methods.split(",") if m]
   return args
 
