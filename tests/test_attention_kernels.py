@@ -256,38 +256,37 @@ def test_cudnn_is_refused_off_gpu():
     attention_kernels.attend_full(q, k, v, impl="xla")
 
 
-def test_tpu_program_holds_less_scratch_with_splash():
-  # Compiled for a v5e 2x2 slice without a TPU. At 4096 tokens the einsum path keeps each
-  # row's [heads, T, T] float32 scores; splash keeps tiles. (At 2048 and below XLA's TPU
-  # fusions already avoid materialising them in this tiny model, so the gap is not robust.)
+def test_tpu_training_program_holds_the_splash_kernel():
+  # Compiled for a v5e 2x2 slice without a TPU, at a small shape (the mechanism). How much
+  # scratch splash saves shows at 4096 tokens and more, where the einsum path keeps each
+  # row's [heads, T, T] float32 scores; that compile takes about a minute, so it is
+  # measured by benchmarks/attention_memory.py (docs/RESULTS.md), not here.
   topologies = pytest.importorskip("jax.experimental.topologies")
   devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
   mesh = sharding.make_mesh(data=1, fsdp=4, tensor=1, devices=devices)
   rules = sharding.ShardingRules()
-  b, t = 4, 4096
+  b, t = 4, 512
   row = sharding.data_sharding(mesh, rules, 1)
   batch = {"tokens": jax.ShapeDtypeStruct((b, t), jnp.int32,
                                           sharding=sharding.data_sharding(mesh, rules)),
            "prompt_len": jax.ShapeDtypeStruct((b,), jnp.int32, sharding=row),
            "response_len": jax.ShapeDtypeStruct((b,), jnp.int32, sharding=row)}
-  temp = {}
-  for impl in ("xla", "splash"):
-    cfg = _config(impl, num_layers=1, hidden_size=128, num_heads=2, num_kv_heads=1,
-                  head_dim=128, mlp_dim=256, max_position_embeddings=t, dtype="bfloat16")
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda cfg=cfg: Qwen3(cfg, rngs=nnx.Rngs(0))))
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         abstract, sharding.state_shardings(abstract, mesh, rules))
+  cfg = _config("splash", num_layers=1, hidden_size=128, num_heads=2, num_kv_heads=1,
+                head_dim=128, mlp_dim=256, max_position_embeddings=t, dtype="bfloat16")
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                       abstract, sharding.state_shardings(abstract, mesh, rules))
 
-    def step(state, batch, graphdef=graphdef):
-      with sharding.use_mesh(mesh, rules):
-        def loss(m):
-          return objective.loss_fn(m, batch, jax.random.key(0), objective="refusion",
-                                   mask_id=3, pad_id=0)[0]
-        return nnx.value_and_grad(loss)(nnx.merge(graphdef, state))
+  def step(state, batch):
+    with sharding.use_mesh(mesh, rules):
+      def loss(m):
+        return objective.loss_fn(m, batch, jax.random.key(0), objective="refusion",
+                                 mask_id=3, pad_id=0)[0]
+      return nnx.value_and_grad(loss)(nnx.merge(graphdef, state))
 
-    compiled = jax.jit(step).lower(state, batch).compile()
-    # The Mosaic kernel itself, not its interpreted form, is in the TPU program.
-    assert ("tpu_custom_call" in compiled.as_text()) == (impl == "splash")
-    temp[impl] = compiled.memory_analysis().temp_size_in_bytes
-  scores = 2 * t * t * 4  # one row's float32 scores over its 2 heads
-  assert temp["xla"] >= scores and temp["splash"] < scores / 4, temp
+  compiled = jax.jit(step).lower(state, batch).compile()
+  # The Mosaic kernel itself, not its interpreted form, is in the TPU program (forward
+  # and backward), and the program fits a v5e chip's 16 GiB.
+  assert compiled.as_text().count("tpu_custom_call") >= 2
+  mem = compiled.memory_analysis()
+  assert 0 < mem.temp_size_in_bytes + mem.argument_size_in_bytes < 16 * 2**30

@@ -57,8 +57,14 @@ def _prompts(rs, n):
           for _ in range(n)]
 
 
+SINGLE_WIDTH = 16  # every test prompt fits: one compiled single decode per model and shape
+
+
 def _single(model, dc, prompt, rng=None):
-  ids = np.asarray([prompt], np.int32)
+  """The prompt decoded alone (one row, right-padded to SINGLE_WIDTH: padding changes
+  nothing, as the decoders' oracle tests show on padded prompts)."""
+  ids = np.zeros((1, SINGLE_WIDTH), np.int32)
+  ids[0, :len(prompt)] = prompt
   out = engine.Decoder(model, dc).generate(ids, np.asarray([len(prompt)], np.int32), rng)
   out = jax.device_get(out)
   n = int(out.length_b[0])
