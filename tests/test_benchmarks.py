@@ -158,14 +158,16 @@ def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
 
 
 def test_serve_load_closed_loop_gives_each_prompt_its_offline_tokens():
-  """The in-process closed loop: every prompt answered once, with the offline engine's
-  tokens, its passes counted, the warm-up requests not among them."""
+  """The in-process closed loop, its clients started turns apart and together: every
+  prompt answered once, with the offline engine's tokens, its passes counted, the
+  warm-up requests not among them."""
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
   from refusion_jax import sample, serve  # pylint: disable=import-outside-toplevel
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
   model_dir = "refusion_jax/assets/base_tiny"
-  args = serve_load.parse_args(["--rows=4", "--clients=3", "--gen_length=8", "--slot_size=4",
-                                "--block_size=8", "--row_counts="])
+  flags = ["--rows=4", "--clients=3", "--gen_length=8", "--slot_size=4", "--block_size=8",
+           "--row_counts="]
+  args = serve_load.parse_args(flags)
   _, model = sample.load_model(model_dir)
   rs = np.random.RandomState(0)
   prompts = [[int(t) for t in rs.randint(4, 60, size=rs.randint(2, 9))] for _ in range(7)]
@@ -178,8 +180,8 @@ def test_serve_load_closed_loop_gives_each_prompt_its_offline_tokens():
   sched.start()
   try:
     # Clients started two turns apart (the default: one), then all at once.
-    wall, tokens, passes = serve_load.closed_loop(sched, prompts, 3, args.__class__(
-        **{**vars(args), "loop_stagger": 2}))
+    wall, tokens, passes = serve_load.closed_loop(
+        sched, prompts, 3, serve_load.parse_args(flags + ["--loop_stagger=2"]))
     assert tokens == offline[1]
     # Every request's own passes ran, at most 3 rows at a time (3 clients).
     assert wall > 0 and 3 * passes >= round(offline[3] * len(prompts)) > 0
@@ -187,8 +189,8 @@ def test_serve_load_closed_loop_gives_each_prompt_its_offline_tokens():
     assert turns[:2] == [1, 1] and max(turns) == 3
     assert sched.after_turn.__name__ == "<lambda>"  # the loop's hook is taken off again
     turns.clear()
-    wall, tokens, passes = serve_load.closed_loop(sched, prompts, 3, args.__class__(
-        **{**vars(args), "loop_stagger": 0}))
+    wall, tokens, passes = serve_load.closed_loop(
+        sched, prompts, 3, serve_load.parse_args(flags + ["--loop_stagger=0"]))
     assert tokens == offline[1] and turns[0] == 3
   finally:
     sched.stop()
