@@ -22,8 +22,7 @@ import os
 
 from absl import app, logging
 
-from refusion_jax import distributed, entry_flags
-from refusion_jax.training import loop
+from refusion_jax import entry_flags
 
 
 def define_flags():
@@ -42,6 +41,10 @@ class _QuietOrbax(std_logging.Filter):
 def main(argv, config_flag, workdir_flag):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  # Imported here, once the flags parsed: a mistyped flag or config field is reported
+  # in a fraction of a second, without loading JAX and the training stack first.
+  from refusion_jax import distributed  # pylint: disable=import-outside-toplevel
+  from refusion_jax.training import loop  # pylint: disable=import-outside-toplevel
   if config_flag.value.get("distributed", False):
     distributed.initialize()
   logging.get_absl_handler().addFilter(_QuietOrbax())
