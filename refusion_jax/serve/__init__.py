@@ -18,11 +18,15 @@ import os
 import sys
 import time
 
-import jax
+from typing import TYPE_CHECKING
+
 import ml_collections
 
-from refusion_jax import sample
-from refusion_jax.config import DecodeConfig
+if TYPE_CHECKING:
+  from refusion_jax.config import DecodeConfig
+
+# JAX and the model code are imported where they are used, so that `python -m
+# refusion_jax.serve` with a mistyped flag or config field answers at once.
 
 
 def _log(message: str) -> None:
@@ -31,6 +35,7 @@ def _log(message: str) -> None:
 
 def check_flags(c: ml_collections.ConfigDict) -> None:
   """Everything that can be checked before loading anything."""
+  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
   sample.check_model_dir(c)
   if c.tokenizer_dir and not os.path.isdir(c.tokenizer_dir):
     raise FileNotFoundError(f"--config.tokenizer_dir={c.tokenizer_dir!r} does not exist")
@@ -88,6 +93,8 @@ def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
 def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
   """The model loaded and its `Scheduler`, every bucket compiled (the engine thread
   not started). Runs in the engine process under `--config.engine=process`."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
   from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
   check_flags(c)
   configs = decode_configs(c)
@@ -118,6 +125,7 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
 
 def decode_configs(c: ml_collections.ConfigDict) -> list[DecodeConfig]:
   """The default decode config and one per `--config.buckets` entry."""
+  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
   from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
   try:
     default = DecodeConfig(**c.decode.to_dict())
@@ -131,6 +139,7 @@ def build(c: ml_collections.ConfigDict):
   started (the app's lifespan starts it). With `--config.engine=process` the model
   lives in the engine process, started here; this process loads only the tokenizer
   (checked against the model's config first)."""
+  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
   from refusion_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
   check_flags(c)
   decode_configs(c)  # flag errors before anything starts
