@@ -17,16 +17,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-
 from typing import TYPE_CHECKING
 
 import ml_collections
 
-if TYPE_CHECKING:
-  from refusion_jax.config import DecodeConfig
-
 # JAX and the model code are imported where they are used, so that `python -m
 # refusion_jax.serve` with a mistyped flag or config field answers at once.
+if TYPE_CHECKING:
+  from refusion_jax.config import DecodeConfig
 
 
 def _log(message: str) -> None:
