@@ -584,13 +584,16 @@ def test_live_batch_read_later_is_a_snapshot_of_its_dispatch_point(models):
 @pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
 def test_live_batch_passes_over_the_busy_rows_only_equal_full_passes(models, method):
   """Prompts joining and leaving a 6-row batch whose passes run over the busy rows
-  only (2 or 4 of them where they fit, else all 6): each prompt's tokens and passes
-  equal its decode alone, and the smaller programs were really used."""
+  only (2 or 4 of them where they fit, else all 6) and whose admissions prefill at
+  8 tokens where the prompts fit, else 16: each prompt's tokens and passes equal its
+  decode alone, and the smaller programs were really used."""
   model, dc = models[method], _CONFIGS[method]
   prompts = _prompts(np.random.RandomState(7), 9)
   dec = engine.Decoder(model, dc)
-  live = engine.LiveBatch(dec, 6, 16, row_counts=(2, 4))
-  assert live.row_counts == [2, 4]
+  live = engine.LiveBatch(dec, 6, 16, row_counts=(2, 4), admit_widths=(8,))
+  assert live.row_counts == [2, 4] and live.admit_widths == [8, 16]
+  # Narrow prefills for admissions of one or two prompts; larger ones take the width.
+  assert live.admit_programs() == [(1, 8), (1, 16), (2, 8), (2, 16), (4, 16), (6, 16)]
   live.warm_up()
   compiled = engine.compiled_programs()
   queue, jobs, results, sizes = list(range(len(prompts))), [None] * 6, {}, []
@@ -616,6 +619,7 @@ def test_live_batch_passes_over_the_busy_rows_only_equal_full_passes(models, met
     live.free(done)
   assert engine.compiled_programs() == compiled  # warm_up compiled every size
   assert 6 in sizes and min(sizes) < 6, sizes
+  assert set(live.admits_by_width) == {8, 16}, live.admits_by_width
   for i, p in enumerate(prompts):
     tokens, counters = _single(model, dc, p)
     assert results[i] == (tokens, counters["nfe_b"]), (method, i)
@@ -663,3 +667,11 @@ def test_packed_reads_round_trip_every_leaf():
   for k, v in tree.items():
     assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
     np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v), err_msg=k)
+
+
+def test_live_batch_rejects_bad_admit_widths(models):
+  dec = engine.Decoder(models["ar"], _CONFIGS["ar"])
+  for bad in ((0,), (9,), (4, True), ("4",)):
+    with pytest.raises(ValueError, match=r"live batch admit_widths must be ints from 1 to "
+                                         r"width=8, got \[.*\]"):
+      engine.LiveBatch(dec, 2, 8, admit_widths=bad)

@@ -529,6 +529,20 @@ def test_row_counts():
     serve.parse_row_counts(8, 16, "cpu")
 
 
+def test_admit_widths():
+  assert serve.parse_admit_widths("auto", 256) == (16, 32, 64, 128)
+  assert serve.parse_admit_widths("auto", 48) == (16, 32)
+  assert serve.parse_admit_widths("auto", 16) == ()
+  assert serve.parse_admit_widths("", 256) == ()
+  assert serve.parse_admit_widths(" 64, 32,32 ", 256) == (32, 64)
+  for bad in ("256", "0", "32,x", "auto,32"):
+    with pytest.raises(ValueError, match="--config.admit_widths: .* is not a prompt width "
+                                         "from 1 to 255"):
+      serve.parse_admit_widths(bad, 256)
+  with pytest.raises(ValueError, match="must be a string"):
+    serve.parse_admit_widths(32, 256)
+
+
 def test_thread_engine_serves_the_same(served_thread):
   # --config.engine=thread: the same scheduler on a thread of the server's process.
   cl = _client(served_thread)
@@ -601,6 +615,7 @@ def test_gathered_admissions_wait_for_company_and_change_no_token(served_thread)
     ("admit_batch", 0, "--config.admit_batch must be an int from 1 to rows (4)"),
     ("admit_batch", 5, "--config.admit_batch must be an int from 1 to rows (4)"),
     ("admit_wait_passes", -1, "--config.admit_wait_passes must be an int >= 0"),
+    ("admit_widths", "256", "--config.admit_widths: '256' is not a prompt width from 1 to 255"),
     ("port", 70000, "--config.port must be in [0, 65536)"),
     ("engine", "fork", "--config.engine must be"),
     ("request_timeout_s", 0.0, "--config.request_timeout_s must be a positive number"),
@@ -622,6 +637,16 @@ def test_served_passes_ran_over_fewer_rows(served_thread):
   used = sum((lane.batch.runs_by_rows for lane in sched._lanes.values()),  # pylint: disable=protected-access
              collections.Counter())
   assert used[1] > 0 and used[ROWS] > 0, used
+
+
+def test_served_admissions_prefilled_at_the_narrower_width(served_thread):
+  # Prompts up to 32 tokens, "auto" admit widths: a short prompt is prefilled at 16.
+  sched = served_thread["server"].scheduler
+  assert sched.admit_widths == (16,)
+  _complete(_client(served_thread), 1, "refusion", False)
+  used = sum((lane.batch.admits_by_width for lane in sched._lanes.values()),  # pylint: disable=protected-access
+             collections.Counter())
+  assert used[16] > 0, used
 
 
 def test_nothing_compiled_while_serving(served_thread):

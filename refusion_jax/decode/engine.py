@@ -713,6 +713,9 @@ class Snapshot:
     return np.where(committed.all(-1), committed.shape[-1], np.argmin(committed, -1))
 
 
+NARROW_ADMIT = 2  # LiveBatch: admissions of this many prompts or fewer use `admit_widths`
+
+
 class LiveBatch:
   """A fixed set of rows that prompts join and leave one by one, run in bounded
   chunks of passes, for callers that interleave decoding with other work (a server).
@@ -723,11 +726,14 @@ class LiveBatch:
   Splitting a decode into chunks changes nothing: each pass advances every active
   row by its own state, so tokens and pass counts equal an uninterrupted decode,
   whatever the other rows hold. Every shape is fixed at construction, so after
-  `warm_up` nothing compiles.
+  `warm_up` nothing compiles. `width` is the longest prompt; with `admit_widths`
+  an admission of up to `NARROW_ADMIT` prompts prefills at the narrowest of them
+  (or `width`) that holds its prompts, so short prompts do not pay for the widest.
   """
 
   def __init__(self, decoder: Decoder, rows: int, width: int, knobs: Knobs | None = None,
-               *, admit_max: int | None = None, row_counts: Sequence[int] = ()):
+               *, admit_max: int | None = None, row_counts: Sequence[int] = (),
+               admit_widths: Sequence[int] = ()):
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
       raise ValueError(f"live batch rows must be a positive int, got {rows!r}")
     if not isinstance(width, int) or isinstance(width, bool) or width < 1:
@@ -736,9 +742,20 @@ class LiveBatch:
            or not 1 <= n <= rows]
     if bad:
       raise ValueError(f"live batch row_counts must be ints from 1 to rows={rows}, got {bad}")
+    bad = [w for w in admit_widths if not isinstance(w, int) or isinstance(w, bool)
+           or not 1 <= w <= width]
+    if bad:
+      raise ValueError(f"live batch admit_widths must be ints from 1 to width={width}, got {bad}")
     # Smaller passes compiled besides the full one: a run over the busy rows only.
     self.row_counts = sorted(set(row_counts) - {rows})
     self.runs_by_rows: collections.Counter = collections.Counter()  # run calls per row count
+    # Narrower prefills compiled besides the full width, for admissions of up to
+    # NARROW_ADMIT prompts (what a server makes while other rows decode): such an
+    # admission pays for the longest prompt it takes, not for the widest prompt the
+    # batch allows. Larger ones (bursts) take the full width: each program costs a
+    # compile at start-up, whatever its shape.
+    self.admit_widths = sorted(set(admit_widths) | {width})
+    self.admits_by_width: collections.Counter = collections.Counter()  # admit calls per width
     decoder.config.check_fits(decoder.model.config, width)
     self.decoder = decoder
     self.rows = rows
@@ -768,6 +785,13 @@ class LiveBatch:
   def _admit_size(self, n: int) -> int:
     return min(s for s in self.admit_sizes() if s >= n)
 
+  def _widths_of(self, size: int) -> list[int]:
+    return self.admit_widths if size <= NARROW_ADMIT else [self.width]
+
+  def admit_programs(self) -> list[tuple[int, int]]:
+    """The admission programs compiled: (prompts, prefill width) pairs."""
+    return [(a, w) for a in self.admit_sizes() for w in self._widths_of(a)]
+
   def admit(self, prompts: Sequence[Sequence[int]], rows: Sequence[int],
             rng_a2: np.ndarray, pids: Sequence[int] | None = None) -> None:
     """Prefills `prompts` into `rows` (which must be free); prompt j draws from
@@ -778,15 +802,18 @@ class LiveBatch:
     if n > self.admit_max or len(rows) != n or len(rng_a2) != n:
       raise ValueError(f"admit: {n} prompts, {len(rows)} rows, {len(rng_a2)} keys "
                        f"(at most {self.admit_max} at a time)")
+    for j, p in enumerate(prompts):
+      if not 1 <= len(p) <= self.width:
+        raise ValueError(f"admit: prompt {j} has {len(p)} tokens; the width is {self.width}")
     a = self._admit_size(n)
-    ids_ap = np.zeros((a, self.width), np.int32)
+    w = min(x for x in self._widths_of(a) if x >= max(len(p) for p in prompts))
+    self.admits_by_width[w] += 1
+    ids_ap = np.zeros((a, w), np.int32)
     lens_a = np.ones((a,), np.int32)
     rows_a = np.full((a,), self.rows, np.int32)  # index `rows`: padding, dropped
     pids_a = np.zeros((a,), np.int32)
     keys_a2 = np.zeros((a, 2), np.uint32)
     for j, p in enumerate(prompts):
-      if not 1 <= len(p) <= self.width:
-        raise ValueError(f"admit: prompt {j} has {len(p)} tokens; the width is {self.width}")
       ids_ap[j, :len(p)] = p
       lens_a[j], rows_a[j], keys_a2[j] = len(p), rows[j], rng_a2[j]
       pids_a[j] = 0 if pids is None else pids[j]
@@ -850,9 +877,9 @@ class LiveBatch:
   def warm_up(self) -> None:
     """Compiles every program this batch calls (padding rows only: nothing runs)."""
     d = self.decoder
-    for a in self.admit_sizes():
+    for a, w in self.admit_programs():
       self.state = _engine_admit(d.static, d.params, self.state,
-                                 np.zeros((a, self.width), np.int32), np.ones((a,), np.int32),
+                                 np.zeros((a, w), np.int32), np.ones((a,), np.int32),
                                  np.full((a,), self.rows, np.int32), np.zeros((a,), np.int32),
                                  np.zeros((a, 2), np.uint32), self.knobs, spec=d.spec,
                                  place=d.place)
@@ -863,3 +890,4 @@ class LiveBatch:
     self.state = _free_rows(self.state, np.zeros((self.rows,), bool), place=d.place)
     jax.block_until_ready(self.state)
     self.runs_by_rows.clear()  # counts runs that decode, not these
+    self.admits_by_width.clear()

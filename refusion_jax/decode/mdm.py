@@ -103,6 +103,8 @@ def init(model, spec: Spec, rows: int, width: int) -> State:
 
 def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: Knobs) -> State:
   del model
+  # A prompt admitted at a narrower width than the canvas's prompt part is padded to it.
+  ids_ap = jnp.pad(ids_ap, ((0, 0), (0, st.rows.prompt_bp.shape[1] - ids_ap.shape[1])))
   a, p = ids_ap.shape
   fresh = _empty_rows(spec, a, p, knobs.mask_id).replace(
       phase_b=jnp.full((a,), DENOISE, jnp.int32), prompt_len_b=lens_a, key_b2=keys_a2,

@@ -54,6 +54,7 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
   if not isinstance(c.port, int) or not 0 <= c.port < 65536:
     raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
   parse_row_counts(c.row_counts, c.rows, "cpu")
+  parse_admit_widths(c.admit_widths, c.max_prompt_len)
   if c.engine not in ("process", "thread"):
     raise ValueError(f"--config.engine must be \"process\" or \"thread\", got {c.engine!r}")
   for name in ("request_timeout_s", "drain_timeout_s"):
@@ -88,6 +89,31 @@ def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
   return tuple(sorted(set(counts)))
 
 
+def parse_admit_widths(text, width: int) -> tuple[int, ...]:
+  """`--config.admit_widths`: prefill widths compiled besides `--config.max_prompt_len`
+  for admissions of one or two prompts (those a server makes while other rows
+  decode), which prefill at the narrowest that holds their prompts: "auto" (every
+  power of two from 16 below it), "" (none), or widths such as "32,64"."""
+  if not isinstance(text, str):
+    raise ValueError(f"--config.admit_widths must be a string (\"auto\", \"\" or widths such "
+                     f"as \"32,64\"), got {text!r}")
+  text = text.strip()
+  if text == "auto":
+    return tuple(1 << k for k in range(4, max(4, width.bit_length())) if 1 << k < width)
+  widths = []
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    try:
+      n = int(part)
+    except ValueError:
+      n = None
+    if n is None or not 1 <= n < width:
+      raise ValueError(f"--config.admit_widths: {part!r} is not a prompt width from 1 to "
+                       f"{width - 1} (--config.max_prompt_len={width}); give \"auto\", \"\" "
+                       "or widths such as \"32,64\"")
+    widths.append(n)
+  return tuple(sorted(set(widths)))
+
+
 def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
   """The model loaded and its `Scheduler`, every bucket compiled (the engine thread
   not started). Runs in the engine process under `--config.engine=process`."""
@@ -107,7 +133,9 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
                                   admit_batch=c.admit_batch,
                                   admit_wait_passes=c.admit_wait_passes,
                                   row_counts=parse_row_counts(c.row_counts, c.rows,
-                                                              jax.default_backend()))
+                                                              jax.default_backend()),
+                                  admit_widths=parse_admit_widths(c.admit_widths,
+                                                                  c.max_prompt_len))
   _log(f"[serve] loaded {c.model_dir} in {time.perf_counter() - t:.1f}s")
   t = time.perf_counter()
   scheduler.warm_up()
@@ -116,7 +144,10 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
        + f"), {c.rows} rows"
        + (f" (passes also over {', '.join(map(str, scheduler.row_counts))})"
           if scheduler.row_counts else "")
-       + f", prompts up to {c.max_prompt_len} tokens, in "
+       + f", prompts up to {c.max_prompt_len} tokens"
+       + (f" (prefilled also at {', '.join(map(str, scheduler.admit_widths))})"
+          if scheduler.admit_widths else "")
+       + ", in "
        f"{time.perf_counter() - t:.1f}s")
   return scheduler
 

@@ -169,7 +169,7 @@ class Scheduler:
   def __init__(self, model, decode_configs: list[DecodeConfig], *, rows: int, width: int,
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
                metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
-               admit_batch: int = 1, admit_wait_passes: int = 0,
+               admit_batch: int = 1, admit_wait_passes: int = 0, admit_widths=(),
                after_turn: Callable[[], None] | None = None):
     self.model = model
     self.decoders = {}
@@ -182,6 +182,7 @@ class Scheduler:
     self.free_chunk_passes = min(chunk_passes, free_chunk_passes)
     self.admit_max = admit_max
     self.row_counts = tuple(row_counts)  # smaller passes compiled besides the full one
+    self.admit_widths = tuple(admit_widths)  # narrower prefills compiled besides the width
     # While other rows decode, a lane's waiting prompts are admitted once `admit_batch`
     # of them wait or the first has waited `admit_wait_passes` of its passes.
     self.admit_batch, self.admit_wait_passes = admit_batch, admit_wait_passes
@@ -217,7 +218,7 @@ class Scheduler:
     """Fresh rows of `bucket` with these knob values (every lane's batch is made here)."""
     return engine_lib.LiveBatch(self.decoders[bucket], self.rows, self.width,
                                 self._knobs_for(bucket, knobs), admit_max=self.admit_max,
-                                row_counts=self.row_counts)
+                                row_counts=self.row_counts, admit_widths=self.admit_widths)
 
   def default_knobs(self, bucket: Bucket) -> tuple[float, float, float, bool]:
     dc = self.decoders[bucket].config
