@@ -31,7 +31,7 @@ def get_config():
   c.free_chunk_passes = 1  # the same while a row is free (a new request waits at most this long)
   c.row_counts = "auto"  # also passes over fewer rows when fewer are busy: "auto", "" or "4,8,12"
   c.admit_max = 0  # prompts prefilled per admission call at most (0 = rows)
-  c.admit_widths = "auto"  # narrower prefills of 1-2 prompts: "auto" (powers of 2 from 16), "" or "32,64"
+  c.admit_widths = "auto"  # narrower prefills for short prompts: "auto", "" or widths "32,64"
   c.admit_batch = 1  # while other rows decode, admit prompts this many at a time (1 = at once),
   c.admit_wait_passes = 0  # ... or once the first has waited this many passes
   c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)

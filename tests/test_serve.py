@@ -533,6 +533,7 @@ def test_admit_widths():
   assert serve.parse_admit_widths("auto", 256) == (16, 32, 64, 128)
   assert serve.parse_admit_widths("auto", 48) == (16, 32)
   assert serve.parse_admit_widths("auto", 16) == ()
+  assert serve.parse_admit_widths("auto", 4096) == (256, 512, 1024, 2048)
   assert serve.parse_admit_widths("", 256) == ()
   assert serve.parse_admit_widths(" 64, 32,32 ", 256) == (32, 64)
   for bad in ("256", "0", "32,x", "auto,32"):

@@ -713,9 +713,6 @@ class Snapshot:
     return np.where(committed.all(-1), committed.shape[-1], np.argmin(committed, -1))
 
 
-NARROW_ADMIT = 2  # LiveBatch: admissions of this many prompts or fewer use `admit_widths`
-
-
 class LiveBatch:
   """A fixed set of rows that prompts join and leave one by one, run in bounded
   chunks of passes, for callers that interleave decoding with other work (a server).
@@ -727,8 +724,9 @@ class LiveBatch:
   row by its own state, so tokens and pass counts equal an uninterrupted decode,
   whatever the other rows hold. Every shape is fixed at construction, so after
   `warm_up` nothing compiles. `width` is the longest prompt; with `admit_widths`
-  an admission of up to `NARROW_ADMIT` prompts prefills at the narrowest of them
-  (or `width`) that holds its prompts, so short prompts do not pay for the widest.
+  an admission prefills at the narrowest of them (or `width`) that holds its
+  prompts, so short prompts do not pay for the widest (each width compiles one
+  more admission program per admission size).
   """
 
   def __init__(self, decoder: Decoder, rows: int, width: int, knobs: Knobs | None = None,
@@ -749,11 +747,8 @@ class LiveBatch:
     # Smaller passes compiled besides the full one: a run over the busy rows only.
     self.row_counts = sorted(set(row_counts) - {rows})
     self.runs_by_rows: collections.Counter = collections.Counter()  # run calls per row count
-    # Narrower prefills compiled besides the full width, for admissions of up to
-    # NARROW_ADMIT prompts (what a server makes while other rows decode): such an
-    # admission pays for the longest prompt it takes, not for the widest prompt the
-    # batch allows. Larger ones (bursts) take the full width: each program costs a
-    # compile at start-up, whatever its shape.
+    # Narrower prefills compiled besides the full width: an admission pays for the
+    # longest prompt it takes, not for the widest prompt the batch allows.
     self.admit_widths = sorted(set(admit_widths) | {width})
     self.admits_by_width: collections.Counter = collections.Counter()  # admit calls per width
     decoder.config.check_fits(decoder.model.config, width)
@@ -785,12 +780,9 @@ class LiveBatch:
   def _admit_size(self, n: int) -> int:
     return min(s for s in self.admit_sizes() if s >= n)
 
-  def _widths_of(self, size: int) -> list[int]:
-    return self.admit_widths if size <= NARROW_ADMIT else [self.width]
-
   def admit_programs(self) -> list[tuple[int, int]]:
     """The admission programs compiled: (prompts, prefill width) pairs."""
-    return [(a, w) for a in self.admit_sizes() for w in self._widths_of(a)]
+    return [(a, w) for a in self.admit_sizes() for w in self.admit_widths]
 
   def admit(self, prompts: Sequence[Sequence[int]], rows: Sequence[int],
             rng_a2: np.ndarray, pids: Sequence[int] | None = None) -> None:
@@ -806,7 +798,7 @@ class LiveBatch:
       if not 1 <= len(p) <= self.width:
         raise ValueError(f"admit: prompt {j} has {len(p)} tokens; the width is {self.width}")
     a = self._admit_size(n)
-    w = min(x for x in self._widths_of(a) if x >= max(len(p) for p in prompts))
+    w = min(x for x in self.admit_widths if x >= max(len(p) for p in prompts))
     self.admits_by_width[w] += 1
     ids_ap = np.zeros((a, w), np.int32)
     lens_a = np.ones((a,), np.int32)

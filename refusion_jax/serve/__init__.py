@@ -91,15 +91,15 @@ def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
 
 def parse_admit_widths(text, width: int) -> tuple[int, ...]:
   """`--config.admit_widths`: prefill widths compiled besides `--config.max_prompt_len`
-  for admissions of one or two prompts (those a server makes while other rows
-  decode), which prefill at the narrowest that holds their prompts: "auto" (every
-  power of two from 16 below it), "" (none), or widths such as "32,64"."""
+  (an admission prefills at the narrowest that holds its prompts; each width adds
+  an admission program per admission size, compiled at start-up): "auto" (the four
+  largest powers of two from 16 below it), "" (none), or widths such as "32,64"."""
   if not isinstance(text, str):
     raise ValueError(f"--config.admit_widths must be a string (\"auto\", \"\" or widths such "
                      f"as \"32,64\"), got {text!r}")
   text = text.strip()
   if text == "auto":
-    return tuple(1 << k for k in range(4, max(4, width.bit_length())) if 1 << k < width)
+    return tuple(1 << k for k in range(4, max(4, width.bit_length())) if 1 << k < width)[-4:]
   widths = []
   for part in filter(None, (p.strip() for p in text.split(","))):
     try:

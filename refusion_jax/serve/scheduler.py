@@ -34,6 +34,10 @@ smallest of those counts that holds them (one more compiled program each):
 where a pass costs in proportion to its rows (a CPU), the rows a closed-loop
 client leaves idle between its requests then cost nothing. Tokens and pass
 counts are unchanged.
+
+With `admit_widths`, an admission prefills at the narrowest of those widths
+(or the full prompt width) that holds its prompts: a short prompt does not pay
+for a `max_prompt_len`-wide prefill.
 """
 
 from __future__ import annotations
