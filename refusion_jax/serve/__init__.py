@@ -62,31 +62,40 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
       raise ValueError(f"--config.{name} must be a positive number, got {c[name]!r}")
 
 
-def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
-  """`--config.row_counts`: "auto" (on a CPU every multiple of rows/4 below rows,
-  elsewhere none: an accelerator's pass costs about the same over fewer rows),
-  "" (none), or counts such as "4,8,12" (each from 1 to rows - 1)."""
+def _auto_or_ints(text, field: str, noun: str, plural: str, example: str, limit_field: str,
+                  limit: int, auto) -> tuple[int, ...]:
+  """A `--config.FIELD` list: "auto" (`auto()`), "" (none) or ints from 1 to limit - 1
+  such as `example`, sorted and without repeats; anything else is named in the error."""
   if not isinstance(text, str):
-    raise ValueError(f"--config.row_counts must be a string (\"auto\", \"\" or counts such "
-                     f"as \"4,8,12\"), got {text!r}")
+    raise ValueError(f"--config.{field} must be a string (\"auto\", \"\" or {plural} such "
+                     f"as \"{example}\"), got {text!r}")
   text = text.strip()
   if text == "auto":
-    if platform != "cpu":
-      return ()
-    step = max(1, rows // 4)
-    return tuple(range(step, rows, step))
-  counts = []
+    return auto()
+  values = []
   for part in filter(None, (p.strip() for p in text.split(","))):
     try:
       n = int(part)
     except ValueError:
       n = None
-    if n is None or not 1 <= n < rows:
-      raise ValueError(f"--config.row_counts: {part!r} is not a row count from 1 to "
-                       f"{rows - 1} (--config.rows={rows}); give \"auto\", \"\" or counts "
-                       "such as \"4,8,12\"")
-    counts.append(n)
-  return tuple(sorted(set(counts)))
+    if n is None or not 1 <= n < limit:
+      raise ValueError(f"--config.{field}: {part!r} is not a {noun} from 1 to {limit - 1} "
+                       f"(--config.{limit_field}={limit}); give \"auto\", \"\" or {plural} "
+                       f"such as \"{example}\"")
+    values.append(n)
+  return tuple(sorted(set(values)))
+
+
+def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
+  """`--config.row_counts`: "auto" (on a CPU every multiple of rows/4 below rows,
+  elsewhere none: an accelerator's pass costs about the same over fewer rows),
+  "" (none), or counts such as "4,8,12" (each from 1 to rows - 1)."""
+  def auto():
+    if platform != "cpu":
+      return ()
+    step = max(1, rows // 4)
+    return tuple(range(step, rows, step))
+  return _auto_or_ints(text, "row_counts", "row count", "counts", "4,8,12", "rows", rows, auto)
 
 
 def parse_admit_widths(text, width: int) -> tuple[int, ...]:
@@ -94,24 +103,10 @@ def parse_admit_widths(text, width: int) -> tuple[int, ...]:
   (an admission prefills at the narrowest that holds its prompts; each width adds
   an admission program per admission size, compiled at start-up): "auto" (the four
   largest powers of two from 16 below it), "" (none), or widths such as "32,64"."""
-  if not isinstance(text, str):
-    raise ValueError(f"--config.admit_widths must be a string (\"auto\", \"\" or widths such "
-                     f"as \"32,64\"), got {text!r}")
-  text = text.strip()
-  if text == "auto":
+  def auto():
     return tuple(1 << k for k in range(4, max(4, width.bit_length())) if 1 << k < width)[-4:]
-  widths = []
-  for part in filter(None, (p.strip() for p in text.split(","))):
-    try:
-      n = int(part)
-    except ValueError:
-      n = None
-    if n is None or not 1 <= n < width:
-      raise ValueError(f"--config.admit_widths: {part!r} is not a prompt width from 1 to "
-                       f"{width - 1} (--config.max_prompt_len={width}); give \"auto\", \"\" "
-                       "or widths such as \"32,64\"")
-    widths.append(n)
-  return tuple(sorted(set(widths)))
+  return _auto_or_ints(text, "admit_widths", "prompt width", "widths", "32,64",
+                       "max_prompt_len", width, auto)
 
 
 def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
