@@ -22,9 +22,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from refusion_jax import sharding
-from refusion_jax.config import ModelConfig
+# The model folder's config file and its readers live in config.py (no JAX needed) and
+# are part of this module's interface too.
+from refusion_jax.config import (  # noqa: F401  pylint: disable=unused-import
+    MODEL_CONFIG_FILE, ModelConfig, is_model_dir, read_model_config)
 
-MODEL_CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
 
 
@@ -94,18 +96,6 @@ def _save_model_multiprocess(directory: str, parent: str, config: ModelConfig,
     if chief:
       shutil.rmtree(tmp, ignore_errors=True)
     raise
-
-
-def read_model_config(directory: str) -> ModelConfig:
-  path = os.path.join(directory, MODEL_CONFIG_FILE)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"no {MODEL_CONFIG_FILE} in {directory}: not a refusion_jax model folder")
-  with open(path) as f:
-    return ModelConfig(**json.load(f))
-
-
-def is_model_dir(directory: str) -> bool:
-  return os.path.exists(os.path.join(directory, MODEL_CONFIG_FILE))
 
 
 def load_model(directory: str, mesh=None, rules: sharding.ShardingRules | None = None,

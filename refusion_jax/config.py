@@ -11,8 +11,6 @@ import json
 import os
 from typing import Any, Mapping
 
-import jax.numpy as jnp
-
 ATTENTION_KINDS = ("causal", "bidirectional")
 # What a layer keeps for the backward pass (jax.checkpoint policies, see model.py):
 # "none" keeps everything, "full" only each layer's input, "save_dots" the outputs of
@@ -21,11 +19,9 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 # How full-sequence (training) attention is computed: "xla" the einsum reference,
 # "splash" the Pallas TPU kernel, "cudnn" jax.nn.dot_product_attention's GPU kernel.
 ATTENTION_IMPLS = ("xla", "splash", "cudnn")
-_DTYPES = {
-    "float32": jnp.float32,
-    "bfloat16": jnp.bfloat16,
-    "float16": jnp.float16,
-}
+# Dtypes by name; jax.numpy's types are looked up when asked for, so that reading and
+# checking a config (the command lines do it first) does not load JAX.
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +92,13 @@ class ModelConfig:
 
   @property
   def compute_dtype(self):
-    return _DTYPES[self.dtype]
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    return getattr(jnp, self.dtype)
 
   @property
   def weight_dtype(self):
-    return _DTYPES[self.param_dtype]
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    return getattr(jnp, self.param_dtype)
 
   @property
   def num_groups(self) -> int:
@@ -147,6 +145,23 @@ def qwen3_0_6b(**overrides) -> ModelConfig:
       bos_token_id=None, eos_token_id=QWEN3_EOS_ID, pad_token_id=QWEN3_PAD_ID)
   base.update(overrides)
   return ModelConfig(**base)
+
+
+# A refusion_jax model folder's config (beside its params/; see checkpoint.py).
+MODEL_CONFIG_FILE = "model_config.json"
+
+
+def read_model_config(directory: str) -> ModelConfig:
+  """The `ModelConfig` of a refusion_jax model folder, read without its weights."""
+  path = os.path.join(directory, MODEL_CONFIG_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no {MODEL_CONFIG_FILE} in {directory}: not a refusion_jax model folder")
+  with open(path) as f:
+    return ModelConfig(**json.load(f))
+
+
+def is_model_dir(directory: str) -> bool:
+  return os.path.exists(os.path.join(directory, MODEL_CONFIG_FILE))
 
 
 def tiny(**overrides) -> ModelConfig:

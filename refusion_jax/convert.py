@@ -20,8 +20,9 @@ import os
 from absl import app
 from absl import flags
 
-from refusion_jax import checkpoint, entry_flags
-from refusion_jax import hf
+from refusion_jax import config as config_lib
+from refusion_jax import entry_flags
+from refusion_jax import hf  # light: JAX loads when a model does
 
 _HF_DIR = flags.DEFINE_string(
     "hf_dir", None, "HF checkpoint folder (config.json + model.safetensors or shards): the "
@@ -59,6 +60,11 @@ def convert(hf_dir: str, out_dir: str, *, to_hf: bool = False, dtype: str | None
     if not os.path.isdir(out_dir):
       raise FileNotFoundError(f"--out_dir={out_dir!r} does not exist (with --to_hf it is the "
                               "source model folder)")
+    config_lib.read_model_config(out_dir)  # not a model folder: said before JAX loads
+  else:
+    hf.read_config(hf_dir)  # config.json and the tensor headers, checked before JAX loads
+  from refusion_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  if to_hf:
     config, model = checkpoint.load_model(out_dir)
     hf.save(config, model, hf_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
   else:

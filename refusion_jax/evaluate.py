@@ -40,13 +40,14 @@ import sys
 import time
 from typing import Mapping, Sequence
 
-import jax
 import numpy as np
 
 from refusion_jax import fileio
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.config import DecodeConfig, ModelConfig
-from refusion_jax.decode import engine as engine_lib
+
+# JAX and the decoder are imported where they are used, so that the command line's
+# checks of its flags, data and model folder answer before they load.
 
 
 # ---------------------------------------------------------------------------
@@ -187,6 +188,8 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
   for c in configs.values():
     # Checked for every task first, so a bad config fails before any compile.
     c.check_fits(config, width)
+  import jax  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import engine as engine_lib  # pylint: disable=import-outside-toplevel
   rng = jax.random.key(seed)
 
   per_task, samples = {}, []
@@ -292,8 +295,8 @@ def run_synthetic(c) -> dict:
   tokenizer = Tokenizer.from_dir(c.tokenizer_dir) if c.tokenizer_dir else Tokenizer.tiny()
   problems = read_problems(c.data, tokenizer, per_task=c.per_task)
   from refusion_jax import sample  # pylint: disable=import-outside-toplevel
-  model_config, model = sample.load_model(c.model_dir)
-  tokenizer.check_compatible(model_config)
+  tokenizer.check_compatible(sample.read_model_config(c.model_dir))  # before the weights load
+  _, model = sample.load_model(c.model_dir)
   result = evaluate(model, tokenizer, problems, decode_config, batch_size=c.batch_size,
                     speed_per_task=c.speed_per_task, speed_repeats=c.speed_repeats,
                     seed=c.seed, desc=decode_config.method)

@@ -29,18 +29,20 @@ import re
 import shutil
 import struct
 import tempfile
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
 from refusion_jax import config as config_lib
-from refusion_jax import sharding
 from refusion_jax.config import ModelConfig
+
+# JAX, Flax and the sharding rules are imported where they are used: reading a folder's
+# config and headers (`read_config`, a command line's checks) does not load them.
+if TYPE_CHECKING:
+  from flax import nnx
+
+  from refusion_jax import sharding
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -291,6 +293,7 @@ def _write_safetensors(path: str, entries, fetch: Callable[[int], np.ndarray]) -
 
 
 def _dtype_name(dtype) -> str:
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   try:
     name = jnp.dtype(dtype).name
   except TypeError:
@@ -302,8 +305,9 @@ def _dtype_name(dtype) -> str:
 
 
 def _abstract_model(config: ModelConfig):
-  from refusion_jax.model import Qwen3  # local: keeps `import hf` light
+  from flax import nnx  # pylint: disable=import-outside-toplevel
 
+  from refusion_jax.model import Qwen3  # pylint: disable=import-outside-toplevel
   abstract = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
   return nnx.split(abstract)
 
@@ -359,6 +363,11 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
   Qwen3's 151936 rows to 151671 while config.json may keep the old value).
   Every missing, unexpected or mis-shaped tensor is reported in one ValueError.
   """
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from jax.sharding import SingleDeviceSharding  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
   directory = os.fspath(directory)
   _check_folder(directory)
   tensors = _read_all_headers(directory)
@@ -457,6 +466,7 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
 
 
 def _to_host(array) -> np.ndarray:
+  import jax  # pylint: disable=import-outside-toplevel
   if getattr(array, "is_fully_addressable", True):
     return np.asarray(jax.device_get(array))
   from jax.experimental import multihost_utils  # only multi-host runs need it
@@ -477,6 +487,8 @@ def save(config: ModelConfig, model: nnx.Module, directory: str, *,
   `extra_files` ({name: text}) are written into the folder before it is renamed
   into place (the trainer's export marker).
   """
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
   if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
     raise ValueError(f"hf.save: max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
   directory = os.path.abspath(os.fspath(directory))

@@ -30,13 +30,16 @@ import os
 import sys
 import time
 
-import jax
 import ml_collections
 from ml_collections import config_flags
 
-from refusion_jax import checkpoint, entry_flags, fileio, trace
+from refusion_jax import config as config_lib
+from refusion_jax import entry_flags, fileio, trace
 from refusion_jax.config import DecodeConfig, ModelConfig, tiny
-from refusion_jax.decode import engine as engine_lib
+
+# JAX, the model and the decoder are imported where they are used: every check of the
+# flags, the model folder's config, the tokenizer and the prompts runs first, so a bad
+# input is reported in a fraction of a second.
 
 
 def _log(message: str) -> None:
@@ -84,7 +87,7 @@ def decode_config_from(c: ml_collections.ConfigDict) -> DecodeConfig:
 def _is_hf_folder(model_dir: str) -> bool:
   """False for a refusion_jax model folder, True for a HF checkpoint folder; neither
   is an error naming both."""
-  if checkpoint.is_model_dir(model_dir):
+  if config_lib.is_model_dir(model_dir):
     return False
   if os.path.exists(os.path.join(model_dir, "config.json")):
     return True
@@ -102,6 +105,7 @@ def load_model(model_dir: str, scan_layers: bool | None = None):
   if _is_hf_folder(model_dir):
     from refusion_jax import hf  # pylint: disable=import-outside-toplevel
     return hf.load(model_dir, scan_layers=bool(scan_layers))
+  from refusion_jax import checkpoint  # pylint: disable=import-outside-toplevel
   return checkpoint.load_model(model_dir, scan_layers=scan_layers)
 
 
@@ -110,7 +114,7 @@ def read_model_config(model_dir: str) -> ModelConfig:
   if _is_hf_folder(model_dir):
     from refusion_jax import hf  # pylint: disable=import-outside-toplevel
     return hf.read_config(model_dir)
-  return checkpoint.read_model_config(model_dir)
+  return config_lib.read_model_config(model_dir)
 
 
 def _is_tiny_shaped(config: ModelConfig) -> bool:
@@ -191,11 +195,9 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
   """Loads, decodes and writes the results; returns them."""
   check_flags(c)
   decode_config = decode_config_from(c)
-  t0 = time.perf_counter()
-  model_config, model = load_model(c.model_dir, c.get("scan_layers"))
-  _log(f"[sample] loaded {c.model_dir} ({model_config.num_layers} layers, d="
-       f"{model_config.hidden_size}, vocab {model_config.vocab_size}) in "
-       f"{time.perf_counter() - t0:.1f}s")
+  # Everything that can be wrong with the inputs is checked from the model's config
+  # alone, before JAX and the weights load.
+  model_config = read_model_config(c.model_dir)
   tokenizer = load_tokenizer(c, model_config)
   prompts = read_prompts(c, tokenizer)
   for i, (_, ids) in enumerate(prompts):
@@ -208,6 +210,14 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
   width = bucket_length(longest, c.prompt_bucket,
                         model_config.max_position_embeddings - decode_config.gen_length)
   rows = batch_rows(len(prompts), c.batch_size)
+
+  import jax  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import engine as engine_lib  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  model_config, model = load_model(c.model_dir, c.get("scan_layers"))  # its layer layout
+  _log(f"[sample] loaded {c.model_dir} ({model_config.num_layers} layers, d="
+       f"{model_config.hidden_size}, vocab {model_config.vocab_size}) in "
+       f"{time.perf_counter() - t0:.1f}s")
   decoder = engine_lib.Decoder(model, decode_config)
   eng = decoder.engine(rows, width=width)
   rng = jax.random.key(c.seed)

@@ -170,7 +170,7 @@ def test_evaluate_scores_and_counts_like_a_hand_tally(tmp_path, tok, monkeypatch
            "copy 4": "4", "lookup a=1 b=2 ? b": "2"}
   oracle = _Oracle(tok, {p.prompt_ids: texts[p.query] for p in problems}, nfe_per_row=2)
   monkeypatch.setattr(_FakeDecoder, "oracle", staticmethod(oracle))
-  monkeypatch.setattr(evaluate.engine_lib, "Decoder", _FakeDecoder)
+  monkeypatch.setattr(engine, "Decoder", _FakeDecoder)
   fake_model = types.SimpleNamespace(config=config_lib.tiny())  # the oracle never runs it
   result = evaluate.evaluate(fake_model, tok, problems,
                              DecodeConfig(method="ar", gen_length=16, slot_size=16,
