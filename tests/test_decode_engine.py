@@ -30,9 +30,15 @@ def _model(attention="causal", eos=None, seed=0, scale=4.0):
 
 def _eos_for(model, dc, prompts):
   """A token that some texts (not all) emit after their first token: as EOS it ends
-  them early, so the texts end unevenly."""
-  run = engine.Decoder(model, dc).engine(4).run(prompts)
-  texts = [set(r.tokens[1:]) for r in run.results]
+  them early, so the texts end unevenly. (One batched decode: a batch decodes each row
+  as alone, so these are the texts the engine gives.)"""
+  ids = np.zeros((len(prompts), SINGLE_WIDTH), np.int32)
+  for i, p in enumerate(prompts):
+    ids[i, :len(p)] = p
+  out = jax.device_get(engine.Decoder(model, dc).generate(
+      ids, np.asarray([len(p) for p in prompts], np.int32)))
+  texts = [set(int(t) for t in out.tokens_bg[i, 1:int(out.length_b[i])])
+           for i in range(len(prompts))]
   best, best_n = None, 0
   for tok in range(4, VOCAB):
     n = sum(tok in t for t in texts)
