@@ -55,23 +55,21 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import functools  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
 import ml_collections  # noqa: E402
 from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from refusion_jax import checkpoint, entry_flags, hlo_traffic, sharding, tpu  # noqa: E402
+from refusion_jax import entry_flags, tpu  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
-from refusion_jax.config import DecodeConfig, ModelConfig  # noqa: E402
-from refusion_jax.decode import engine, passes  # noqa: E402
-from refusion_jax.decode import autoregressive, mdm, refusion  # noqa: E402,F401  (registers them)
-from refusion_jax.kv_cache import KVCache  # noqa: E402
-from refusion_jax.model import Qwen3  # noqa: E402
-from refusion_jax.training import settings  # noqa: E402
-from refusion_jax.training import trainer as trainer_lib  # noqa: E402
+from refusion_jax.config import DECODE_PROGRAMS, DecodeConfig, ModelConfig  # noqa: E402
+
+# JAX, libtpu, the model, the decoders and the trainer are imported where they are used:
+# a bad flag or config field is reported before any of them loads.
+if TYPE_CHECKING:
+  from refusion_jax.kv_cache import KVCache
 
 GIB = 2**30
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -144,6 +142,7 @@ def compile_program(lowered, what: str):
 
 
 def hbm_traffic(compiled) -> int:
+  from refusion_jax import hlo_traffic  # pylint: disable=import-outside-toplevel
   return hlo_traffic.hbm_bytes(compiled.as_text()).total
 
 
@@ -161,6 +160,8 @@ def roofline(flops: float, nbytes: float, chip: tpu.Chip) -> float:
 
 def per_chip_bytes(tree) -> int:
   """Bytes each chip holds of a tree of sharded `ShapeDtypeStruct`s (the largest shard)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   total = 0
   for x in jax.tree.leaves(tree):
     shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
@@ -230,6 +231,7 @@ def canvas_pass_flops(mc: ModelConfig, rows: int, canvas: int, gen_length: int) 
 
 def train_model_config(config) -> tuple[ModelConfig, str]:
   """The ModelConfig the trainer would build, and where its shapes came from."""
+  from refusion_jax.training import settings  # pylint: disable=import-outside-toplevel
   if config.init_from_hf and os.path.isdir(config.init_from_hf):
     tokenizer = settings.load_tokenizer(config)
     mc = settings.build_model_config(config, tokenizer)
@@ -256,6 +258,9 @@ def train_model_config(config) -> tuple[ModelConfig, str]:
 
 
 def check_train(config, tpu_slice: tpu.Slice) -> dict:
+  from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
+  from refusion_jax.training import settings  # pylint: disable=import-outside-toplevel
+  from refusion_jax.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   devices = tpu.slice_devices(tpu_slice)
   n = config.mesh.num_devices
   if n:
@@ -307,8 +312,8 @@ def decode_model_config(model: str, method: str) -> tuple[ModelConfig, str]:
     if mc.mask_token_id is None and mc.vocab_size > config_lib.REFUSION_MASK_ID:
       mc = mc.replace(mask_token_id=config_lib.REFUSION_MASK_ID,
                       bos_token_id=config_lib.REFUSION_BOS_ID)
-  elif os.path.isdir(model) and checkpoint.is_model_dir(model):
-    return checkpoint.read_model_config(model), f"{model} (model_config.json)"
+  elif os.path.isdir(model) and config_lib.is_model_dir(model):
+    return config_lib.read_model_config(model), f"{model} (model_config.json)"
   elif os.path.isfile(os.path.join(model, "config.json")):
     mc, source = config_lib.from_hf_config(model), f"{model} (config.json)"
   elif os.path.isdir(model):
@@ -322,6 +327,11 @@ def decode_model_config(model: str, method: str) -> tuple[ModelConfig, str]:
 
 
 def _abstract_sharded_model(mc: ModelConfig, mesh, rules):
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
+  from refusion_jax.model import Qwen3  # pylint: disable=import-outside-toplevel
   graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(mc, rngs=nnx.Rngs(0))))
   shardings = sharding.state_shardings(state, mesh, rules)
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -330,6 +340,11 @@ def _abstract_sharded_model(mc: ModelConfig, mesh, rules):
 
 
 def _cache_shapes(mc: ModelConfig, rows: int, max_len: int, mesh, rules) -> KVCache:
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
+  from refusion_jax.kv_cache import KVCache  # pylint: disable=import-outside-toplevel,redefined-outer-name
   cache = jax.eval_shape(lambda: KVCache.init(mc, rows, max_len))
   axes = (("layers",) if cache.stacked else ()) + (None, "kv_heads", "cache_seq", "head_dim")
 
@@ -345,6 +360,10 @@ def _pass_program(graphdef, params, cache, ids_bw, positions_bw, keys_bw2, tempe
                   width: int, vocab_chunk: int):
   """One decode pass: every row feeds `width` tokens (one causal group) written into its
   cache after the prompt, as a ReFusion or AR pass does."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax.decode import passes  # pylint: disable=import-outside-toplevel
   model = nnx.merge(graphdef, params)
   b = ids_bw.shape[0]
   zeros = jnp.zeros((b, width), jnp.int32)
@@ -354,20 +373,35 @@ def _pass_program(graphdef, params, cache, ids_bw, positions_bw, keys_bw2, tempe
                          keys_bn2=keys_bw2, vocab_chunk=vocab_chunk)
 
 
-_pass_jit = jax.jit(_pass_program, static_argnames=("graphdef", "width", "vocab_chunk"),
-                    donate_argnames=("cache",))
-
-
 def _step_program(graphdef, params, state, knobs, *, spec):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
   return engine.program(spec.method).step(nnx.merge(graphdef, params), spec, state, knobs)
 
 
-_step_jit = jax.jit(_step_program, static_argnames=("graphdef", "spec"), donate_argnames=("state",))
+@functools.cache
+def _jitted():
+  """(one pass, one mdm step), jitted once JAX is loaded."""
+  import jax  # pylint: disable=import-outside-toplevel
+  return (jax.jit(_pass_program, static_argnames=("graphdef", "width", "vocab_chunk"),
+                  donate_argnames=("cache",)),
+          jax.jit(_step_program, static_argnames=("graphdef", "spec"),
+                  donate_argnames=("state",)))
 
 
 def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: str, batch: int,
                  prompt_len: int, mesh_sizes: dict, widths, programs,
                  scan_layers: bool | None) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import engine, refusion  # pylint: disable=import-outside-toplevel
+  from refusion_jax.training import settings  # pylint: disable=import-outside-toplevel
+  pass_jit, step_jit = _jitted()
   mc, source = decode_model_config(model, decode_config.method)
   if scan_layers is not None:
     mc = mc.replace(scan_layers=scan_layers)
@@ -413,7 +447,7 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
     canvas = prompt_len + decode_config.gen_length
     state = engine.abstract_state(decoder, batch, prompt_len)
     with sharding.use_mesh(mesh, rules):
-      lowered = _step_jit.lower(decoder.graphdef, decoder.params, state, knobs, spec=decoder.spec)
+      lowered = step_jit.lower(decoder.graphdef, decoder.params, state, knobs, spec=decoder.spec)
     compiled, seconds = compile_program(lowered, f"one mdm pass ({canvas} tokens per row)")
     nbytes = hbm_traffic(compiled)
     flops = canvas_pass_flops(mc, batch, canvas, decode_config.gen_length) / chips
@@ -434,7 +468,7 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
         continue
       shape = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=replicated)  # noqa: E731
       with sharding.use_mesh(mesh, rules):
-        lowered = _pass_jit.lower(
+        lowered = pass_jit.lower(
             decoder.graphdef, decoder.params, cache, shape((batch, width), jnp.int32),
             shape((batch, width), jnp.int32), shape((batch, width, 2), jnp.uint32),
             shape((), jnp.float32), width=width, vocab_chunk=decoder.spec.vocab_chunk)
@@ -563,7 +597,7 @@ def define_flags():
       pass_widths=flags.DEFINE_string("pass_widths", ",".join(map(str, DEFAULT_WIDTHS)),
                                       "decode: widths of the per-pass table ('' = only the "
                                       "method's widest pass)."),
-      decode_programs=flags.DEFINE_string("decode_programs", ",".join(engine.PROGRAM_NAMES),
+      decode_programs=flags.DEFINE_string("decode_programs", ",".join(DECODE_PROGRAMS),
                                           "decode: which programs to compile."),
   )
 
@@ -617,10 +651,10 @@ def _run_decode(f: dict, config, tpu_slice: tpu.Slice) -> dict:
   if len(mesh) != 3:
     raise ValueError(f"--mesh={f['mesh'].value!r}: expected data,fsdp,tensor (e.g. 1,1,-1)")
   programs = [p.strip() for p in f["decode_programs"].value.split(",") if p.strip()]
-  unknown = [p for p in programs if p not in engine.PROGRAM_NAMES]
+  unknown = [p for p in programs if p not in DECODE_PROGRAMS]
   if unknown or not programs:
     raise ValueError(f"--decode_programs: {unknown or 'none'}; choose from "
-                     f"{list(engine.PROGRAM_NAMES)}")
+                     f"{list(DECODE_PROGRAMS)}")
   try:
     decode_config = DecodeConfig(**config.decode.to_dict())
   except TypeError as e:
@@ -628,6 +662,7 @@ def _run_decode(f: dict, config, tpu_slice: tpu.Slice) -> dict:
   scan = f["scan_layers"].value
   if scan is None:
     scan = config.get("scan_layers")
+  from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
   return check_decode(decode_config, tpu_slice, model=f["model"].value,
                       batch=f["batch"].value, prompt_len=f["prompt_len"].value,
                       mesh_sizes=dict(zip(sharding.MESH_AXES, mesh)), widths=widths,

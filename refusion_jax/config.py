@@ -19,6 +19,9 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 # How full-sequence (training) attention is computed: "xla" the einsum reference,
 # "splash" the Pallas TPU kernel, "cudnn" jax.nn.dot_product_attention's GPU kernel.
 ATTENTION_IMPLS = ("xla", "splash", "cudnn")
+# The decode engine's compiled programs (decode/engine.py): a whole decode, an
+# admission into free rows, and a run of passes.
+DECODE_PROGRAMS = ("generate", "admit", "run")
 # Dtypes by name; jax.numpy's types are looked up when asked for, so that reading and
 # checking a config (the command lines do it first) does not load JAX.
 _DTYPES = ("float32", "bfloat16", "float16")

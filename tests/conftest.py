@@ -18,7 +18,7 @@ if "xla_force_host_platform_device_count" not in flags:
 if "xla_backend_optimization_level" not in flags:
   flags += " --xla_backend_optimization_level=0"
 # XLA's older CPU fusion emitters compile the test programs about 30% faster than the
-# newer ones (a ReFusion and an AR engine's programs: 11-12 s against 16-17 s). An XLA
+# newer ones (a ReFusion and an AR engine's programs: 10.7-12.1 s against 14.6-16.8 s). An XLA
 # that no longer knows the flag would abort on it, so it is tried in a subprocess first
 # (once per run: pytest-xdist's workers inherit the environment set here).
 _LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"

@@ -51,7 +51,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from refusion_jax import sharding
-from refusion_jax.config import DecodeConfig
+from refusion_jax.config import DECODE_PROGRAMS, DecodeConfig
 from refusion_jax.decode import common, heads
 from refusion_jax.kv_cache import KVCache
 
@@ -638,7 +638,7 @@ def _release_done(state, place: Placement | None = None):
 
 # --- ahead of time ------------------------------------------------------------------------
 
-PROGRAM_NAMES = ("generate", "admit", "run")
+PROGRAM_NAMES = DECODE_PROGRAMS
 
 
 def abstract_state(decoder: Decoder, rows: int, width: int):
