@@ -5,6 +5,8 @@ compiled programs for the run (below)."""
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -17,19 +19,21 @@ if "xla_force_host_platform_device_count" not in flags:
 # programs about a third faster (they run slower, but they run for milliseconds).
 if "xla_backend_optimization_level" not in flags:
   flags += " --xla_backend_optimization_level=0"
-# XLA's older CPU fusion emitters compile the test programs about 30% faster than the
-# newer ones (a ReFusion and an AR engine's programs: 10.7-12.1 s against 14.6-16.8 s). An XLA
-# that no longer knows the flag would abort on it, so it is tried in a subprocess first
-# (once per run: pytest-xdist's workers inherit the environment set here).
+# At that level XLA's older CPU fusion emitters compile the test programs faster than the
+# newer ones (a ReFusion and an AR engine's programs: 10.7-12.1 s against 14.6-16.8 s; the
+# suite: 13.5 min against 23.5, docs/RESULTS.md). An XLA that no longer knows the flag
+# would abort on it, so it is tried in a subprocess first (once per run: pytest-xdist's
+# workers inherit the environment set here).
 _LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 if "xla_cpu_use_fusion_emitters" not in flags:
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-  _probe = subprocess.run(
-      [sys.executable, "-c", "import jax; jax.devices('cpu')"], capture_output=True,
-      env=dict(os.environ, XLA_FLAGS=f"{flags} {_LEGACY_EMITTERS}", JAX_PLATFORMS="cpu"),
-      check=False)
-  if _probe.returncode == 0:
+  try:
+    _known = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices('cpu')"], capture_output=True,
+        env=dict(os.environ, XLA_FLAGS=f"{flags} {_LEGACY_EMITTERS}", JAX_PLATFORMS="cpu"),
+        check=False, timeout=300).returncode == 0
+  except subprocess.TimeoutExpired:
+    _known = False
+  if _known:
     flags += " " + _LEGACY_EMITTERS
 os.environ["XLA_FLAGS"] = flags.strip()
 # One on-disk cache of compiled programs for the whole run, so that the tests (and the
