@@ -58,6 +58,22 @@ def tm():
   return benchmarks.task_manager()
 
 
+@pytest.mark.parametrize("name", list(benchmarks.BENCHMARKS))
+def test_a_benchmarks_own_index_gives_what_the_full_index_gives(tm, name):
+  # A run indexes only the benchmark's task folders (and ours); the full index is the
+  # oracle: the same task or group, the same subtasks, each from the same YAML file with
+  # the same config.
+  bench = benchmarks.BENCHMARKS[name]
+  own = benchmarks.task_manager(benchmark=bench)
+  assert len(own.task_index) < len(tm.task_index) / 20
+  paths = benchmarks.leaf_dataset_paths(own, bench.task)
+  assert paths and paths == benchmarks.leaf_dataset_paths(tm, bench.task)
+  for task in [bench.task, *paths]:
+    assert own.task_index[task].kind == tm.task_index[task].kind
+    assert own.task_index[task].yaml_path == tm.task_index[task].yaml_path
+    assert own.task_index[task].cfg == tm.task_index[task].cfg
+
+
 # ---------------------------------------------------------------------------
 # Hub-format data folders.
 

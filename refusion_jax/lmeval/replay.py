@@ -187,7 +187,7 @@ def score_completions(benchmark: benchmarks_lib.Benchmark, completions: Sequence
     raise ValueError(f"limit must be a positive int or None, got {limit!r}")
   if not completions:
     raise ValueError(f"{benchmark.title}: no completions to score")
-  tm = tm or benchmarks_lib.task_manager()
+  tm = tm or benchmarks_lib.task_manager(benchmark=benchmark)
   task_dict = benchmarks_lib.load_tasks(benchmark, data_dir=data_dir, tm=tm)
   tasks = task_dict["tasks"]
   doc_ids = _DocIds(benchmark, tasks)

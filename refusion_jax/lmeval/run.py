@@ -99,7 +99,7 @@ def run(c) -> dict[str, Any]:
   if c.get("distributed", False):
     from refusion_jax import distributed  # pylint: disable=import-outside-toplevel
     distributed.initialize()
-  tm = benchmarks.task_manager()
+  tm = benchmarks.task_manager(benchmark=bench)
   data_dir = c.data_dir or None
   settings = {
       "decode": dataclasses.asdict(decode_config), "batch_size": c.batch_size,
