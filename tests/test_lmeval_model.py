@@ -156,7 +156,8 @@ def test_lm_eval_runs_the_registered_model_end_to_end(model_dir, tmp_path, monke
     lm = lm_model.RefusionLM(model_dir, **DECODE, batch_size=rows, enable_thinking=False,
                              progress=False)
     out = lm_eval.simple_evaluate(model=lm, tasks=["tiny_gen"],
-                                  task_manager=TaskManager(include_path=str(tmp_path)),
+                                  task_manager=TaskManager(include_path=str(tmp_path),
+                                                           include_defaults=False),
                                   apply_chat_template=True, log_samples=True, verbosity="ERROR")
     samples[rows] = sorted(out["samples"]["tiny_gen"], key=lambda s: s["doc_id"])
     for s, record in zip(samples[rows], sorted(lm.records, key=lambda r: r.doc_id)):
