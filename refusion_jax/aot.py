@@ -44,19 +44,18 @@ flags or config (one line naming the problem). Progress goes to stderr.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import re
 import sys
 import time
+from typing import TYPE_CHECKING
 
 # Only the host CPU runs anything; libtpu serves as a compiler for the described slice.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-import functools  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
 
 import ml_collections  # noqa: E402
 from absl import app, flags  # noqa: E402
