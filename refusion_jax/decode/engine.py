@@ -638,8 +638,6 @@ def _release_done(state, place: Placement | None = None):
 
 # --- ahead of time ------------------------------------------------------------------------
 
-PROGRAM_NAMES = DECODE_PROGRAMS
-
 
 def abstract_state(decoder: Decoder, rows: int, width: int):
   """Shapes (and placement) of the engine's state for `rows` rows and prompts `width` wide."""
@@ -661,8 +659,8 @@ def lower_program(decoder: Decoder, name: str, rows: int, width: int) -> jax.sta
   when they lie on a mesh, e.g. a TPU slice described without a TPU); the other
   inputs are then replicated over that mesh.
   """
-  if name not in PROGRAM_NAMES:
-    raise ValueError(f"decode program {name!r}: known programs are {PROGRAM_NAMES}")
+  if name not in DECODE_PROGRAMS:
+    raise ValueError(f"decode program {name!r}: known programs are {DECODE_PROGRAMS}")
   d = decoder
   where = None if d.place is None else NamedSharding(d.place.mesh, PartitionSpec())
 
