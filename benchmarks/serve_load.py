@@ -90,6 +90,10 @@ def parse_args(argv=None):
   p.add_argument("--ignore_eos", action="store_true",
                  help="EOS ends nothing: every answer is gen_length tokens, on both sides (a load "
                       "of fixed answer lengths, as vLLM's --ignore-eos; decode.ignore_eos)")
+  p.add_argument("--kv_chunk", type=int, default=None,
+                 help="decode.kv_chunk on both sides: KV entries attention reads at a time, up "
+                      "to the longest row's live part (0: the whole buffer; default: per "
+                      "platform)")
   p.add_argument("--chunk_passes", type=int, default=4, help="the server's --config.chunk_passes")
   p.add_argument("--free_chunk_passes", type=int, default=1,
                  help="the server's --config.free_chunk_passes")
@@ -165,7 +169,8 @@ def server_fields(model_dir, method, args, width) -> dict:
           "decode.method": method, "decode.gen_length": args.gen_length,
           "decode.slot_size": slot, "decode.block_size": block,
           "decode.slot_threshold": args.slot_threshold,
-          "decode.token_threshold": args.token_threshold, "decode.ignore_eos": args.ignore_eos}
+          "decode.token_threshold": args.token_threshold, "decode.ignore_eos": args.ignore_eos,
+          **({} if args.kv_chunk is None else {"decode.kv_chunk": args.kv_chunk})}
 
 
 def serve_config(model_dir, method, args, width):
@@ -445,7 +450,8 @@ def main(argv=None) -> list[dict]:
            f"{args.requests_per_client} requests per client per level")
         + f"; gen {args.gen_length}, slot {args.slot_size}, "
         f"block {args.block_size}, tau_s {args.slot_threshold}, tau_t {args.token_threshold}"
-        f"{', EOS ignored (every answer gen_length tokens)' if args.ignore_eos else ''}; "
+        f"{', EOS ignored (every answer gen_length tokens)' if args.ignore_eos else ''}"
+        f"{'' if args.kv_chunk is None else f', kv_chunk {args.kv_chunk}'}; "
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
         f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), row_counts "
         f"{args.row_counts!r}{', ' + args.server_flags if args.server_flags else ''}, {args.repeats} "
@@ -463,7 +469,8 @@ def main(argv=None) -> list[dict]:
                    else (args.slot_size, args.block_size))
     dc = DecodeConfig(method=method, gen_length=args.gen_length, slot_size=slot,
                       block_size=block, slot_threshold=args.slot_threshold,
-                      token_threshold=args.token_threshold, ignore_eos=args.ignore_eos)
+                      token_threshold=args.token_threshold, ignore_eos=args.ignore_eos,
+                      kv_chunk=args.kv_chunk)
     dc.check_fits(model_config, width)
     engines = {rows: offline_engine(model, dc, all_prompts, rows, width)
                for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
@@ -532,7 +539,7 @@ def main(argv=None) -> list[dict]:
           + f" | {'yes' if r['same_tokens'] else 'NO'} |")
   sixteen = [r["ratio"] for r in rows_out if r["clients"] == 16]
   if sixteen:
-    print(f"\nserver / offline throughput at 16 clients: "
+    print("\nserver / offline throughput at 16 clients: "
           + ", ".join(f"{r['method']} {r['ratio']:.2f}x" for r in rows_out if r["clients"] == 16)
           + f" (target >= 0.90x; median {statistics.median(sixteen):.2f}x)")
     # A closed-loop client's row is empty from its response to its next request: at

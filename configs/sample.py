@@ -35,6 +35,9 @@ def get_config():
   c.decode.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   c.decode.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
   c.decode.ignore_eos = False  # EOS ends nothing: every answer is gen_length tokens (load tests)
+  # KV entries attention reads at a time, up to the longest row's live part (0: the whole
+  # buffer at once; unset: 64 on CPU, 512 on TPU, 0 on GPU)
+  c.decode.kv_chunk = ml_collections.config_dict.placeholder(int)
 
   c.output_json = "-"  # where the JSON list of results goes ("-" = stdout)
   c.trace = False  # print each response coloured by the step that committed each token (stderr)

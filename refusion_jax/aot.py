@@ -140,9 +140,10 @@ def compile_program(lowered, what: str):
   return compiled, seconds
 
 
-def hbm_traffic(compiled) -> int:
+def hbm_traffic(compiled, unknown_trips: int = 1) -> int:
+  """`hlo_traffic`'s count; a loop whose trip count is traced runs `unknown_trips` times."""
   from refusion_jax import hlo_traffic  # pylint: disable=import-outside-toplevel
-  return hlo_traffic.hbm_bytes(compiled.as_text()).total
+  return hlo_traffic.hbm_bytes(compiled.as_text(), unknown_trips=unknown_trips).total
 
 
 def xla_flops(compiled) -> float | None:
@@ -338,13 +339,14 @@ def _abstract_sharded_model(mc: ModelConfig, mesh, rules):
   return nnx.merge(graphdef, state)
 
 
-def _cache_shapes(mc: ModelConfig, rows: int, max_len: int, mesh, rules) -> KVCache:
+def _cache_shapes(mc: ModelConfig, rows: int, max_len: int, mesh, rules,
+                  chunk: int = 0) -> KVCache:
   import jax  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
 
   from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
   from refusion_jax.kv_cache import KVCache  # pylint: disable=import-outside-toplevel,redefined-outer-name
-  cache = jax.eval_shape(lambda: KVCache.init(mc, rows, max_len))
+  cache = jax.eval_shape(lambda: KVCache.init(mc, rows, max_len, chunk=chunk))
   axes = (("layers",) if cache.stacked else ()) + (None, "kv_heads", "cache_seq", "head_dim")
 
   def place(x, spec=PartitionSpec()):
@@ -427,7 +429,7 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   result = {"model": source, "params": mc.num_params(), "mesh": sizes,
             "method": decode_config.method, "batch": batch, "prompt_len": prompt_len,
             "gen_length": decode_config.gen_length, "scan_layers": mc.scan_layers,
-            "programs": entries, "flops_source": "hand count per chip: 2 x matmul params per "
+            "kv_chunk": decoder.spec.kv_chunk, "programs": entries, "flops_source": "hand count per chip: 2 x matmul params per "
             "token + attention", "pass_width": None, "flops": None, "bytes": None,
             "estimated_s": None, "per_pass": []}
   if max(e["total"] for e in entries) > chip.hbm_gib * GIB:
@@ -457,8 +459,12 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   else:
     widest = 1 if decode_config.method == "ar" else max(refusion.widths(decoder.spec))
     max_len = prompt_len + decode_config.gen_length
-    cache = _cache_shapes(mc, batch, max_len, mesh, rules)
+    kv_chunk = decoder.spec.kv_chunk
+    cache = _cache_shapes(mc, batch, max_len, mesh, rules, kv_chunk)
     kv_bytes = per_chip_bytes((cache.k, cache.v))
+    # Attention reads the cache in kv_chunk pieces up to the longest row
+    # (model.attend_live), a loop of traced length: counted here at a full buffer.
+    kv_trips = -(-max_len // kv_chunk) if 0 < kv_chunk < max_len else 1
     replicated = NamedSharding(mesh, PartitionSpec())
     for width in sorted(set(widths) | {widest}):
       if prompt_len + width > max_len:
@@ -472,7 +478,7 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
             shape((batch, width), jnp.int32), shape((batch, width, 2), jnp.uint32),
             shape((), jnp.float32), width=width, vocab_chunk=decoder.spec.vocab_chunk)
       compiled, seconds = compile_program(lowered, f"one pass of width {width}")
-      nbytes = hbm_traffic(compiled)
+      nbytes = hbm_traffic(compiled, kv_trips)
       flops = cached_pass_flops(mc, batch, width, max_len) / chips
       per_pass.append({"width": width, "bytes": nbytes, "bytes_floor": weight_bytes + kv_bytes,
                        "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
@@ -548,8 +554,12 @@ def render(r: dict) -> str:
                  "max(flops / peak, bytes / bandwidth), a bound: collectives, overlap and "
                  "kernel efficiency are not modelled)")
   else:
+    chunked = (f"; the cache read {r['kv_chunk']} entries at a time, counted over a full "
+               "buffer" if 0 < r.get("kv_chunk", 0) < r["prompt_len"] + r["gen_length"]
+               and r["method"] != "mdm" else "")
     lines.append(f"estimate per pass and chip ({r['batch']} rows, {r['flops_source']}; HBM "
-                 "bytes from hlo_traffic; floor = weights a pass reads + KV cache per chip):")
+                 f"bytes from hlo_traffic{chunked}; floor = weights a pass reads + KV cache "
+                 "per chip):")
     lines.append(f"{'width':>7s}{'HBM GB':>10s}{'floor GB':>10s}{'x floor':>9s}{'GFLOP':>10s}"
                  f"{'est. ms':>10s}{'bound':>8s}")
     for p in r["per_pass"]:

@@ -311,6 +311,13 @@ def to_hf_config(config: ModelConfig) -> dict:
 DECODE_METHODS = ("refusion", "ar", "mdm")
 
 
+# decode.kv_chunk=None by platform. CPU: a pass at 16 rows took 0.54-0.91x the time
+# of one over the whole buffer, with prompts of 48 or 256 columns (docs/RESULTS.md).
+# TPU: the loop runs on the chip; not timed on one. GPU: each trip's condition is
+# read by the host, so the whole buffer stays one product there (0).
+KV_CHUNK_AUTO = {"cpu": 64, "tpu": 512}
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
   """Static decoding settings (hashable: one compiled program per value).
@@ -342,6 +349,12 @@ class DecodeConfig:
   # nothing, so every answer is gen_length tokens (vLLM's `ignore_eos`: a load
   # test with fixed answer lengths). Traced, like the thresholds.
   ignore_eos: bool = False
+  # KV buffer entries attention reads at a time in a cached pass, only as far as
+  # the longest row's live prefix, so a buffer sized for long prompts costs what
+  # its rows hold. 0: the whole buffer in one product. None: per platform
+  # (KV_CHUNK_AUTO; 0 on GPUs, where each trip of the loop waits for the host).
+  # Static: one program per value. MDM passes have no cache and ignore it.
+  kv_chunk: int | None = None
 
   def __post_init__(self):
     if self.method not in DECODE_METHODS:
@@ -368,6 +381,10 @@ class DecodeConfig:
       raise ValueError(f"decode.temperature must be >= 0, got {self.temperature!r}")
     if not isinstance(self.ignore_eos, bool):
       raise ValueError(f"decode.ignore_eos must be a bool, got {self.ignore_eos!r}")
+    if self.kv_chunk is not None and (not isinstance(self.kv_chunk, int)
+                                      or isinstance(self.kv_chunk, bool) or self.kv_chunk < 0):
+      raise ValueError(f"decode.kv_chunk must be an int >= 0 (0: the whole buffer) or None "
+                       f"(per platform), got {self.kv_chunk!r}")
     for name in ("left_to_right", "recompute_kv"):
       value = getattr(self, name)
       if not isinstance(value, bool):
@@ -380,6 +397,12 @@ class DecodeConfig:
       raise ValueError(
           "decode.left_to_right=True and decode.recompute_kv=True cannot be combined: "
           "left-to-right decoding has no parallel infill, so there is no KV to recompute")
+
+  def kv_chunk_on(self, platform: str) -> int:
+    """`kv_chunk` as a decode on `platform` ("cpu", "gpu", "tpu") uses it."""
+    if self.kv_chunk is not None:
+      return self.kv_chunk
+    return KV_CHUNK_AUTO.get(platform, 0)
 
   @property
   def num_blocks(self) -> int:

@@ -19,7 +19,8 @@ module counts instead, per instruction outside fusions:
 * `slice-start` / `copy-start` (asynchronous copies between memory spaces):
   the HBM side of the copy;
 * a `while`: its body and condition times the trip count read from the
-  condition (`compare(counter, constant N)`), 1 when it cannot be read;
+  condition (`compare(counter, constant N)`); when it cannot be read (a traced
+  bound), the caller's `unknown_trips` (1 by default);
 * a `conditional`: its most expensive branch (the program takes one);
 * bookkeeping (tuples, bitcasts, parameters, constants, `*-done`): nothing.
 
@@ -119,8 +120,9 @@ def _called(attrs: str, key: str) -> list[str]:
 
 class _Counter:
 
-  def __init__(self, hlo: str):
+  def __init__(self, hlo: str, unknown_trips: int = 1):
     self.comps, self.entry = _parse(hlo)
+    self.unknown_trips = unknown_trips
     self.by_label: collections.Counter = collections.Counter()
     self._rules: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
 
@@ -228,7 +230,8 @@ class _Counter:
     return b
 
   def _trip_count(self, cond: str) -> int:
-    """N of the condition's `counter < N` (scans count up from 0); 1 when unreadable."""
+    """N of the condition's `counter < N` (scans count up from 0); `unknown_trips`
+    when unreadable."""
     comps = [cond] + [c for ins in self.comps.get(cond, []) if ins.op == "fusion"
                       for c in _called(ins.attrs, "calls")]
     for comp in comps:
@@ -237,11 +240,12 @@ class _Counter:
           value = int(ins.args.strip())
           if value > 0:
             return value
-    return 1
+    return self.unknown_trips
 
 
-def hbm_bytes(hlo_text: str) -> Traffic:
-  """HBM traffic of one run of the program's entry computation (see the module doc)."""
-  counter = _Counter(hlo_text)
+def hbm_bytes(hlo_text: str, unknown_trips: int = 1) -> Traffic:
+  """HBM traffic of one run of the program's entry computation (see the module doc);
+  a `while` whose trip count the program computes counts `unknown_trips` trips."""
+  counter = _Counter(hlo_text, unknown_trips)
   total = counter.cost(counter.entry)
   return Traffic(total=total, by_label=dict(counter.by_label))

@@ -40,9 +40,15 @@ class KVCache:
   v: tuple[jax.Array, ...] | jax.Array
   positions_bs: jax.Array  # true position of each entry (-1 where empty)
   length_b: jax.Array  # valid entries per row; entries [0, length) are live
+  # Static: attention reads this many entries at a time, only as far as the longest
+  # row's live prefix (model.attend_live); 0 reads the whole buffer in one product.
+  chunk: int = flax.struct.field(pytree_node=False, default=0)
 
   @classmethod
-  def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+  def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None,
+           chunk: int = 0) -> "KVCache":
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+      raise ValueError(f"KVCache chunk must be an int >= 0, got {chunk!r}")
     dtype = config.compute_dtype if dtype is None else dtype
     shape = (batch, config.num_kv_heads, max_len, config.head_dim)
     if config.scan_layers:
@@ -52,7 +58,7 @@ class KVCache:
       k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
       v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     return cls(k=k, v=v, positions_bs=jnp.full((batch, max_len), -1, jnp.int32),
-               length_b=jnp.zeros((batch,), jnp.int32))
+               length_b=jnp.zeros((batch,), jnp.int32), chunk=chunk)
 
   @property
   def stacked(self) -> bool:
@@ -65,7 +71,8 @@ class KVCache:
     take = lambda x: jnp.take(x, idx_n, axis=axis)
     k = take(self.k) if self.stacked else tuple(take(x) for x in self.k)
     v = take(self.v) if self.stacked else tuple(take(x) for x in self.v)
-    return KVCache(k=k, v=v, positions_bs=self.positions_bs[idx_n], length_b=self.length_b[idx_n])
+    return self.replace(k=k, v=v, positions_bs=self.positions_bs[idx_n],
+                        length_b=self.length_b[idx_n])
 
   def put_rows(self, idx_n: jax.Array, sub: "KVCache") -> "KVCache":
     """This cache with rows `idx_n` (distinct) replaced by the rows of `sub`."""
@@ -75,8 +82,8 @@ class KVCache:
     else:
       k = tuple(f.at[idx_n].set(x) for f, x in zip(self.k, sub.k))
       v = tuple(f.at[idx_n].set(x) for f, x in zip(self.v, sub.v))
-    return KVCache(k=k, v=v, positions_bs=self.positions_bs.at[idx_n].set(sub.positions_bs),
-                   length_b=self.length_b.at[idx_n].set(sub.length_b))
+    return self.replace(k=k, v=v, positions_bs=self.positions_bs.at[idx_n].set(sub.positions_bs),
+                        length_b=self.length_b.at[idx_n].set(sub.length_b))
 
   @property
   def max_len(self) -> int:
@@ -99,10 +106,6 @@ class KVCache:
     if self.stacked:
       return self.replace(k=fn(self.k), v=fn(self.v))
     return self.replace(k=tuple(fn(x) for x in self.k), v=tuple(fn(x) for x in self.v))
-
-  def valid_bs(self) -> jax.Array:
-    """True for live entries."""
-    return jnp.arange(self.max_len)[None, :] < self.length_b[:, None]
 
   def commit(self, chunk_k_lbtkh, chunk_v_lbtkh, positions_bt, keep_bt) -> "KVCache":
     """Appends the kept entries of a chunk at each row's length, in chunk order.

@@ -20,6 +20,8 @@ K kv heads, G query heads per kv head, H head dim, D model, F mlp, V vocab.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -123,16 +125,24 @@ def rope(x_btnh, positions_bt, theta: float):
 
 
 def attend(q_btnh, k_btkh, v_btkh, chunk_mask_btt, cache_k_bksh=None, cache_v_bksh=None,
-           cache_valid_bs=None):
+           cache_len_b=None, kv_chunk: int = 0):
   """Grouped-query attention of a chunk over [cache entries, chunk entries].
 
-  `chunk_mask_btt[b, i, j]` says whether chunk query i sees chunk key j;
-  `cache_valid_bs[b, s]` whether every chunk query sees cache entry s.
-  Softmax runs in float32 over the union of both key sets. With a cache the
-  two score blocks are never joined: each is exponentiated against the joint
-  maximum, multiplied with its own values, and the sum is normalised once at
-  the end, so no `[.., t, s + t]` array (or a slice copy of one) exists.
+  `chunk_mask_btt[b, i, j]` says whether chunk query i sees chunk key j; every
+  chunk query sees cache entries `[0, cache_len_b[b])` (the live prefix of a
+  `KVCache` row). Softmax runs in float32 over the union of both key sets.
+  With a cache the two score blocks are never joined: each is exponentiated
+  against the joint maximum, multiplied with its own values, and the sum is
+  normalised once at the end, so no `[.., t, s + t]` array (or a slice copy of
+  one) exists.
+
+  `kv_chunk` > 0 and shorter than the buffer: the cache is read `kv_chunk`
+  entries at a time (`attend_live`), only as far as the longest row's live
+  prefix, instead of the whole buffer in one product.
   """
+  if cache_k_bksh is not None and 0 < kv_chunk < cache_k_bksh.shape[2]:
+    return attend_live(q_btnh, k_btkh, v_btkh, chunk_mask_btt, cache_k_bksh, cache_v_bksh,
+                       cache_len_b, kv_chunk)
   b, t, n, h = q_btnh.shape
   kv = k_btkh.shape[2]
   q = q_btnh.reshape(b, t, kv, n // kv, h) * (h ** -0.5)
@@ -141,6 +151,7 @@ def attend(q_btnh, k_btkh, v_btkh, chunk_mask_btt, cache_k_bksh=None, cache_v_bk
   if cache_k_bksh is None:
     probs = jax.nn.softmax(scores, axis=-1).astype(v_btkh.dtype)
     return jnp.einsum("bkgtu,bukh->btkgh", probs, v_btkh).reshape(b, t, n, h)
+  cache_valid_bs = masks.cache_valid_bs(cache_len_b, cache_k_bksh.shape[2])
   cache_scores = jnp.einsum("btkgh,bksh->bkgts", q, cache_k_bksh,
                             preferred_element_type=jnp.float32)
   cache_scores = jnp.where(cache_valid_bs[:, None, None, None, :], cache_scores, _NEG_INF)
@@ -153,6 +164,64 @@ def attend(q_btnh, k_btkh, v_btkh, chunk_mask_btt, cache_k_bksh=None, cache_v_bk
          + jnp.einsum("bkgtu,bukh->btkgh", e_chunk.astype(v_btkh.dtype), v_btkh,
                       preferred_element_type=jnp.float32))
   out = out / jnp.moveaxis(total, 3, 1)[..., None]
+  return out.astype(v_btkh.dtype).reshape(b, t, n, h)
+
+
+def attend_live(q_btnh, k_btkh, v_btkh, chunk_mask_btt, cache_k_bksh, cache_v_bksh,
+                cache_len_b, kv_chunk: int):
+  """`attend` reading the cache `kv_chunk` entries at a time, up to the longest
+  row's live prefix only: a pass over a buffer sized for the longest prompt
+  costs what its rows hold, not what they could hold.
+
+  Online softmax: the chunk's own keys start a running maximum, sum and
+  weighted value sum in float32, and each cache chunk, in buffer order, rescales
+  them to its new maximum and adds its own terms. A loop whose trip count is
+  traced (the longest live prefix) runs the chunks; the last one starts at
+  `S - kv_chunk` and skips the entries an earlier chunk took.
+
+  A row's result does not depend on how many chunks the loop runs: a chunk
+  past the row's live prefix is wholly masked, so its maximum leaves the
+  running one as it is (every query sees at least one of its chunk's own
+  keys, so that maximum is a real score), the rescaling factor is exp(0) = 1
+  and every added term exp(-1e30 - max) = 0, all exactly. So a row decodes to
+  the same bits beside a longer row as beside a shorter one. (A query that sees
+  no key at all, which decoders never ask for, gets a finite average.)
+  """
+  b, t, n, h = q_btnh.shape
+  kv = k_btkh.shape[2]
+  s, c = cache_k_bksh.shape[2], kv_chunk
+  q = q_btnh.reshape(b, t, kv, n // kv, h) * (h ** -0.5)
+  scores = jnp.einsum("btkgh,bukh->bkgtu", q, k_btkh, preferred_element_type=jnp.float32)
+  scores = jnp.where(chunk_mask_btt[:, None, None, :, :], scores, _NEG_INF)
+  top = jax.lax.stop_gradient(scores.max(-1))  # [b, k, g, t]
+  e = jnp.exp(scores - top[..., None])
+  total = e.sum(-1)
+  acc = jnp.einsum("bkgtu,bukh->bkgth", e.astype(v_btkh.dtype), v_btkh,
+                   preferred_element_type=jnp.float32)
+  cache_len_b = jnp.asarray(cache_len_b, jnp.int32)
+  chunks = (jnp.max(cache_len_b) + c - 1) // c
+  offsets = jnp.arange(c, dtype=jnp.int32)
+
+  def chunk(i, carry):
+    top, total, acc = carry
+    first = i * c
+    start = jnp.minimum(first, s - c)  # the last chunk may overlap the one before it
+    index = start + offsets
+    valid_bc = (index >= first)[None, :] & (index[None, :] < cache_len_b[:, None])
+    k_c = jax.lax.dynamic_slice_in_dim(cache_k_bksh, start, c, axis=2)
+    v_c = jax.lax.dynamic_slice_in_dim(cache_v_bksh, start, c, axis=2)
+    sc = jnp.einsum("btkgh,bksh->bkgts", q, k_c, preferred_element_type=jnp.float32)
+    sc = jnp.where(valid_bc[:, None, None, None, :], sc, _NEG_INF)
+    new_top = jax.lax.stop_gradient(jnp.maximum(top, sc.max(-1)))
+    scale = jnp.exp(top - new_top)
+    p = jnp.exp(sc - new_top[..., None])
+    total = total * scale + p.sum(-1)
+    acc = acc * scale[..., None] + jnp.einsum("bkgts,bksh->bkgth", p.astype(v_c.dtype), v_c,
+                                              preferred_element_type=jnp.float32)
+    return new_top, total, acc
+
+  _, total, acc = jax.lax.fori_loop(0, chunks, chunk, (top, total, acc))
+  out = jnp.moveaxis(acc / total[..., None], 3, 1)  # [b, t, k, g, h]
   return out.astype(v_btkh.dtype).reshape(b, t, n, h)
 
 
@@ -169,7 +238,7 @@ class Attention(nnx.Module):
     self.k_norm = RMSNorm(h, config, rngs=rngs)
 
   def __call__(self, x_btd, positions_bt, chunk_mask_btt, cache_k_bksh=None, cache_v_bksh=None,
-               cache_valid_bs=None):
+               cache_len_b=None, kv_chunk: int = 0):
     dtype = self.config.compute_dtype
     q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dtype))
     k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj[...].astype(dtype))
@@ -185,7 +254,7 @@ class Attention(nnx.Module):
       out = attention_kernels.attend_full(q, k, v, impl=self.config.attention_impl,
                                           causal=self.config.attention == "causal")
     else:
-      out = attend(q, k, v, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_valid_bs)
+      out = attend(q, k, v, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_len_b, kv_chunk)
     y = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dtype))
     return y, k, v
 
@@ -217,9 +286,9 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(config, rngs=rngs)
 
   def __call__(self, x_btd, positions_bt, chunk_mask_btt, cache_k_bksh=None, cache_v_bksh=None,
-               cache_valid_bs=None):
+               cache_len_b=None, kv_chunk: int = 0):
     y, k, v = self.attn(self.input_norm(x_btd), positions_bt, chunk_mask_btt, cache_k_bksh,
-                        cache_v_bksh, cache_valid_bs)
+                        cache_v_bksh, cache_len_b, kv_chunk)
     x_btd = x_btd + y
     x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
     return sharding.constrain(x_btd, ("batch", "seq", "act_embed")), k, v
@@ -244,8 +313,9 @@ def remat_layer(fn, name: str):
 
 
 def _call_layer(layer, x_btd, positions_bt, chunk_mask_btt, cache_k_bksh, cache_v_bksh,
-                cache_valid_bs):
-  return layer(x_btd, positions_bt, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_valid_bs)
+                cache_len_b, kv_chunk: int = 0):
+  return layer(x_btd, positions_bt, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_len_b,
+               kv_chunk)
 
 
 def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
@@ -316,7 +386,7 @@ class Qwen3(nnx.Module):
     """
     if write_bt is not None and cache is not None and self.config.scan_layers:
       x, cache = self._scan_layers(self._embed(input_ids_bt, positions_bt), positions_bt,
-                                   chunk_mask_btt, cache, cache.valid_bs(), True, write_bt)
+                                   chunk_mask_btt, cache, True, write_bt)
       return self.final_norm(x), cache
     x, k, v = self._run_layers(input_ids_bt, positions_bt, chunk_mask_btt, cache)
     if write_bt is not None:
@@ -330,14 +400,15 @@ class Qwen3(nnx.Module):
   def _run_layers(self, input_ids_bt, positions_bt, chunk_mask_btt, cache: KVCache | None,
                   return_kv: bool = True):
     x = self._embed(input_ids_bt, positions_bt)
-    valid_bs = None if cache is None else cache.valid_bs()
     if self.config.scan_layers:
-      return self._scan_layers(x, positions_bt, chunk_mask_btt, cache, valid_bs, return_kv)
+      return self._scan_layers(x, positions_bt, chunk_mask_btt, cache, return_kv)
     ks, vs = [], []
-    run_layer = remat_layer(_call_layer, self.config.remat)
+    length_b = None if cache is None else cache.length_b
+    call = _call_layer if cache is None else functools.partial(_call_layer, kv_chunk=cache.chunk)
+    run_layer = remat_layer(call, self.config.remat)
     for i, layer in enumerate(self.layers):
       layer_k, layer_v = (None, None) if cache is None else cache.layer(i)
-      x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, layer_k, layer_v, valid_bs)
+      x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, layer_k, layer_v, length_b)
       ks.append(k)
       vs.append(v)
     if not return_kv:
@@ -349,11 +420,11 @@ class Qwen3(nnx.Module):
     x = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(self.config.compute_dtype)
     return sharding.constrain(x, ("batch", "seq", "act_embed"))
 
-  def _scan_layers(self, x_btd, positions_bt, chunk_mask_btt, cache, valid_bs, return_kv,
-                   write_bt=None):
+  def _scan_layers(self, x_btd, positions_bt, chunk_mask_btt, cache, return_kv, write_bt=None):
     # One layer body in a lax.scan over the stacked parameters (and the stacked cache):
     # the program holds one layer however deep the model is.
     graphdef, layer_state = nnx.split(self.layers)
+    length_b, kv_chunk = (None, 0) if cache is None else (cache.length_b, cache.chunk)
     if write_bt is not None:
       # The cache rides in the carry and each layer writes its own entries into it:
       # the loop updates one buffer in place.
@@ -363,7 +434,7 @@ class Qwen3(nnx.Module):
         x, k_buf, v_buf = carry
         state, i = xs
         layer = nnx.merge(graphdef, state)
-        x, k, v = layer(x, positions_bt, chunk_mask_btt, k_buf[i], v_buf[i], valid_bs)
+        x, k, v = layer(x, positions_bt, chunk_mask_btt, k_buf[i], v_buf[i], length_b, kv_chunk)
         # The chunk's K/V pass through a barrier (an identity) before the write: without
         # it libtpu 0.0.42 aborts compiling AR decode's loop around this scan (grouped-
         # query heads on a tensor-parallel mesh) in a loop analysis that finds a cycle
@@ -384,7 +455,7 @@ class Qwen3(nnx.Module):
     def body(x, xs):
       state, layer_k, layer_v = xs
       layer = nnx.merge(graphdef, state)
-      x, k, v = layer(x, positions_bt, chunk_mask_btt, layer_k, layer_v, valid_bs)
+      x, k, v = layer(x, positions_bt, chunk_mask_btt, layer_k, layer_v, length_b, kv_chunk)
       return x, ((k, v) if return_kv else None)
 
     if self.config.remat != "none":

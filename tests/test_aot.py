@@ -202,6 +202,28 @@ def test_every_decode_method_compiles_and_fits(decode_runs, method):
   assert r["estimated_s"] > 0 and "estimate per pass" in done.stdout
 
 
+@pytest.mark.parametrize("method", ["refusion", "ar"])
+def test_a_pass_reading_the_cache_in_chunks_compiles_and_counts_a_full_buffer(
+    small_model, method):
+  # decode.kv_chunk=8 over a 16 + 16 entry cache: attention's loop over the live prefix
+  # (a traced trip count) compiles for the TPU, and the traffic estimate counts it at
+  # every chunk of a full buffer, so a pass still reads every weight and the cache.
+  done, r = _aot("--program=decode", f"--topology={TOPOLOGY}", f"--model={small_model}",
+                 *DECODE, f"--config.decode.method={method}", "--config.decode.kv_chunk=8",
+                 "--decode_programs=run" if method == "refusion" else "--decode_programs=generate",
+                 "--pass_widths=2")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert r["kv_chunk"] == 8 and r["fits"] is True
+  mc = config_lib.tiny(**SMALL)
+  weights = (mc.num_params() - mc.vocab_size * mc.hidden_size) * 4
+  cache = 2 * mc.num_layers * 4 * mc.num_kv_heads * (16 + 16) * mc.head_dim * 4
+  assert r["per_pass"]
+  for p in r["per_pass"]:
+    assert p["bytes_floor"] == weights + cache
+    assert weights + cache <= p["bytes"] <= 3 * (weights + cache), p
+  assert "read 8 entries at a time, counted over a full buffer" in done.stdout
+
+
 def test_ar_decode_compiles_with_scanned_layers_on_a_tensor_mesh(tmp_path):
   # Grouped-query heads split over the chips and layers in a scan that writes the K/V
   # into the stacked cache: libtpu 0.0.42 used to abort compiling the AR program

@@ -88,10 +88,21 @@ def test_from_hf_config_errors(tmp_path):
     ({"temperature": -1.0}, "temperature must be >= 0"),
     ({"method": "beam"}, "decode.method must be one of"),
     ({"slot_size": 0}, "slot_size must be a positive int"),
+    ({"kv_chunk": -1}, r"decode.kv_chunk must be an int >= 0 \(0: the whole buffer\)"),
+    ({"kv_chunk": 64.0}, "decode.kv_chunk must be an int >= 0"),
+    ({"kv_chunk": True}, "decode.kv_chunk must be an int >= 0"),
 ])
 def test_decode_config_rejects_bad_values(changes, message):
   with pytest.raises(ValueError, match=message):
     config_lib.DecodeConfig(**changes)
+
+
+def test_decode_config_kv_chunk_per_platform():
+  auto = config_lib.DecodeConfig()
+  assert auto.kv_chunk is None
+  assert [auto.kv_chunk_on(p) for p in ("cpu", "tpu", "gpu")] == [
+      config_lib.KV_CHUNK_AUTO["cpu"], config_lib.KV_CHUNK_AUTO["tpu"], 0]
+  assert [config_lib.DecodeConfig(kv_chunk=k).kv_chunk_on("gpu") for k in (0, 16)] == [0, 16]
 
 
 def test_decode_config_fits_model_positions():

@@ -72,9 +72,9 @@ def _decode_config(**overrides):
   return config_lib.DecodeConfig(**base)
 
 
-def _check_against_oracle(model, prompts, eos):
+def _check_against_oracle(model, prompts, eos, **overrides):
   ids, lens = _pad(prompts)
-  out = autoregressive.generate(model, ids, lens, _decode_config())
+  out = autoregressive.generate(model, ids, lens, _decode_config(**overrides))
   pad = model.config.pad_token_id
   for row, prompt in enumerate(prompts):
     want = _oracle(model, prompt, GEN, eos)
@@ -107,6 +107,21 @@ def test_matches_full_causal_oracle_with_eos_stop():
     assert int(ignored.length_b[row]) == GEN
     np.testing.assert_array_equal(np.asarray(ignored.tokens_bg[row]), want)
   assert autoregressive.compiled_programs() == before
+
+
+def test_live_prefix_attention_matches_the_oracle_and_single_rows():
+  # decode.kv_chunk=2: every pass reads the buffer (8 + 8 entries) two entries at a time
+  # up to the longest row's live prefix; rows of 3, 5 and 7 prompt tokens stop at
+  # different passes (EOS), and each decodes as it does alone.
+  model = _model(_config())
+  free = [_oracle(model, p, GEN, None) for p in PROMPTS]
+  eos = next(t for i, t in enumerate(free[0]) if i >= 2 and t not in free[0][:i])
+  eos_model = _model(_config(eos_token_id=eos))
+  out = _check_against_oracle(eos_model, PROMPTS, eos, kv_chunk=2)
+  assert len(set(np.asarray(out.length_b).tolist())) > 1
+  for row, prompt in enumerate(PROMPTS):
+    single = autoregressive.generate(eos_model, *_pad([prompt]), _decode_config(kv_chunk=2))
+    np.testing.assert_array_equal(np.asarray(single.tokens_bg[0]), np.asarray(out.tokens_bg[row]))
 
 
 def test_batch_equals_single_decodes_and_no_recompile():

@@ -363,27 +363,33 @@ def _counts_of(out, row):
 _PASS_KINDS = ("plan", "global_verify", "draft", "verify", "steps", "recompute", "ar")
 
 
+def _check_case(model, group, prompt, dc, branches, where):
+  """Decodes one prompt alone and checks it against the oracle; returns its length."""
+  oracle_tokens, oracle_len, oracle_counts = Oracle(model, dc, branches).decode(prompt)
+  ids, lens = _pad([prompt], group[0])
+  out = refusion.generate(model, ids, lens, dc)
+  got = [int(x) for x in out.tokens_bg[0]]
+  where = f"{where}: prompt={prompt} {dc}"
+  assert got == oracle_tokens, where
+  assert int(out.length_b[0]) == oracle_len, where
+  assert int(out.counters.tokens_b[0]) == oracle_len, where
+  assert int(out.counters.prefill_b[0]) == 1, where
+  want = {name: oracle_counts[name] for name in _PASS_KINDS}
+  assert _counts_of(out, 0) == want, where
+  # The trace view: the step at which each position was committed (-1 past the end).
+  assert [int(x) for x in out.commit_step_bg[0]] == oracle_counts["commit_step"], where
+  assert abs(float(out.counters.tpf_paper_b()[0]) - oracle_counts["tpf_paper"]) < 1e-5, where
+  return oracle_len
+
+
 def test_matches_plain_python_oracle(models):
   start = time.time()
   compiled_before = refusion.compiled_cache_size()
   branches = collections.Counter()
   n_cases = eos_hits = 0
   for group, prompt, dc in _cases():
-    model = models[_GROUPS[group]]
-    oracle_tokens, oracle_len, oracle_counts = Oracle(model, dc, branches).decode(prompt)
-    ids, lens = _pad([prompt], group[0])
-    out = refusion.generate(model, ids, lens, dc)
-    got = [int(x) for x in out.tokens_bg[0]]
-    where = f"case {n_cases}: prompt={prompt} {dc}"
-    assert got == oracle_tokens, where
-    assert int(out.length_b[0]) == oracle_len, where
-    assert int(out.counters.tokens_b[0]) == oracle_len, where
-    assert int(out.counters.prefill_b[0]) == 1, where
-    want = {name: oracle_counts[name] for name in _PASS_KINDS}
-    assert _counts_of(out, 0) == want, where
-    # The trace view: the step at which each position was committed (-1 past the end).
-    assert [int(x) for x in out.commit_step_bg[0]] == oracle_counts["commit_step"], where
-    assert abs(float(out.counters.tpf_paper_b()[0]) - oracle_counts["tpf_paper"]) < 1e-5, where
+    oracle_len = _check_case(models[_GROUPS[group]], group, prompt, dc, branches,
+                             f"case {n_cases}")
     eos_hits += oracle_len < dc.gen_length
     n_cases += 1
   print(f"\n{n_cases} oracle cases, {eos_hits} ended by EOS, branches: {dict(branches)}, "
@@ -396,6 +402,18 @@ def test_matches_plain_python_oracle(models):
     assert branches[branch] > 0, f"branch {branch} never happened: {dict(branches)}"
   # One program per static group, however many prompts and thresholds it ran.
   assert refusion.compiled_cache_size() - compiled_before <= len(_GROUPS)
+
+
+def test_live_prefix_attention_matches_plain_python_oracle(models):
+  # decode.kv_chunk=3: every cached pass reads its buffer (prompt width + gen_length
+  # entries, 21 to 38) three entries at a time up to the row's live prefix, the last
+  # chunk overlapping the one before it where 3 does not divide the buffer.
+  branches = collections.Counter()
+  for n, (group, prompt, dc) in enumerate(_cases()):
+    if n % _CASES_PER_GROUP < 8:
+      _check_case(models[_GROUPS[group]], group, prompt, dc.replace(kv_chunk=3), branches,
+                  f"case {n}, kv_chunk=3")
+  assert branches["multi_round_infill"] > 0 and branches["plan_several_slots"] > 0, branches
 
 
 def test_ignore_eos_decodes_every_position_like_the_oracle_without_eos(models):

@@ -123,3 +123,9 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
   traffic = hlo_traffic.hbm_bytes(hlo)
   assert traffic.by_label == {"exponential": 7 * 2 * 4096, "compare": 7 * 9}
   assert traffic.total == 7 * (2 * 4096 + 9)
+  # A bound the program computes (carried in the loop's tuple) cannot be read: such a
+  # loop counts the caller's `unknown_trips` (1 by default).
+  traced = hlo.replace("%n = s32[] constant(7)", "%n = s32[] get-tuple-element(%p.1), index=0")
+  assert hlo_traffic.hbm_bytes(traced).total == 2 * 4096 + 9
+  assert hlo_traffic.hbm_bytes(traced, unknown_trips=5).total == 5 * (2 * 4096 + 9)
+  assert hlo_traffic.hbm_bytes(hlo, unknown_trips=5).total == traffic.total

@@ -51,23 +51,12 @@ def _chunk(model, ids_bt, positions_bt, cache):
   return model.forward_chunk(jnp.asarray(ids_bt), jnp.asarray(positions_bt), cache, mask)
 
 
-def test_attend_with_cache_equals_one_softmax_over_both_key_sets():
-  # The cache's and the chunk's score blocks are exponentiated and multiplied apart and
-  # normalised once; a plain softmax over [cache keys, chunk keys] is the reference,
-  # including a query that sees nothing (uniform weights over every key, no NaN).
-  rs = np.random.RandomState(0)
-  b, t, s, n, kv, h = 2, 3, 5, 4, 2, 8
-  q = rs.randn(b, t, n, h).astype(np.float32)
-  k, v = rs.randn(b, t, kv, h).astype(np.float32), rs.randn(b, t, kv, h).astype(np.float32)
-  ck, cv = rs.randn(b, kv, s, h).astype(np.float32), rs.randn(b, kv, s, h).astype(np.float32)
-  chunk_mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
-  valid = np.arange(s)[None] < np.array([[3], [0]])  # row 1 has an empty cache
-  chunk_mask[1, 0, 0] = False  # row 1, query 0 sees nothing at all
-  got = np.asarray(attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                          jnp.asarray(chunk_mask), jnp.asarray(ck), jnp.asarray(cv),
-                          jnp.asarray(valid)))
-  g = n // kv
-  want = np.zeros_like(got)
+def _attend_reference(q, k, v, chunk_mask, ck, cv, length):
+  """A plain softmax over [cache keys, chunk keys], one query and head at a time."""
+  b, t, n, h = q.shape
+  g = n // k.shape[2]
+  valid = np.arange(ck.shape[2])[None] < np.asarray(length)[:, None]
+  want = np.zeros((b, t, n, h), np.float32)
   for bi in range(b):
     for ti in range(t):
       for head in range(n):
@@ -78,8 +67,69 @@ def test_attend_with_cache_equals_one_softmax_over_both_key_sets():
         logits = np.where(seen, keys @ q[bi, ti, head] / np.sqrt(h), -1e30)
         w = np.exp(logits - logits.max())
         want[bi, ti, head] = (w / w.sum()) @ vals
+  return want
+
+
+def _attend_inputs(b, t, s, n=4, kv=2, h=8, seed=0):
+  rs = np.random.RandomState(seed)
+  q = rs.randn(b, t, n, h).astype(np.float32)
+  k, v = rs.randn(b, t, kv, h).astype(np.float32), rs.randn(b, t, kv, h).astype(np.float32)
+  ck, cv = rs.randn(b, kv, s, h).astype(np.float32), rs.randn(b, kv, s, h).astype(np.float32)
+  return q, k, v, ck, cv
+
+
+def test_attend_with_cache_equals_one_softmax_over_both_key_sets():
+  # The cache's and the chunk's score blocks are exponentiated and multiplied apart and
+  # normalised once; a plain softmax over [cache keys, chunk keys] is the reference,
+  # including a query that sees nothing (uniform weights over every key, no NaN).
+  b, t, s = 2, 3, 5
+  q, k, v, ck, cv = _attend_inputs(b, t, s)
+  chunk_mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
+  length = np.array([3, 0])  # row 1 has an empty cache
+  chunk_mask[1, 0, 0] = False  # row 1, query 0 sees nothing at all
+  got = np.asarray(attend(*map(jnp.asarray, (q, k, v, chunk_mask, ck, cv, length))))
   assert np.isfinite(got).all()
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got, _attend_reference(q, k, v, chunk_mask, ck, cv, length),
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_chunk", [1, 4, 5, 7])
+def test_attend_over_the_live_prefix_in_chunks_equals_one_softmax(kv_chunk):
+  # kv_chunk < s reads the cache kv_chunk entries at a time up to the longest live row;
+  # 7 does not divide 16, so the last chunk overlaps the one before it.
+  b, t, s = 4, 3, 16
+  q, k, v, ck, cv = _attend_inputs(b, t, s, seed=1)
+  chunk_mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
+  for length in ([16, 0, 5, 9], [3, 1, 0, 2], [0, 0, 0, 0], [13, 16, 12, 14]):
+    args = map(jnp.asarray, (q, k, v, chunk_mask, ck, cv, np.array(length)))
+    got = np.asarray(jax.jit(attend, static_argnums=7)(*args, kv_chunk))
+    np.testing.assert_allclose(got, _attend_reference(q, k, v, chunk_mask, ck, cv, length),
+                               rtol=1e-5, atol=1e-5, err_msg=f"lengths {length}")
+
+
+def test_attend_live_row_is_bit_exact_whatever_the_other_rows_hold():
+  # A row's result must not depend on how far the loop runs for the longest row: the
+  # chunks past its own live prefix are exact no-ops. Row 0 (7 live entries, chunks of 4)
+  # beside a row with 0, 7 or 32 live entries, and alone: the same bits.
+  t, s, c = 3, 32, 4
+  q, k, v, ck, cv = _attend_inputs(2, t, s, seed=2)
+  chunk_mask = np.tril(np.ones((t, t), bool))[None].repeat(2, 0)
+  run = jax.jit(attend, static_argnums=7)
+  alone = np.asarray(run(*map(jnp.asarray, (q[:1], k[:1], v[:1], chunk_mask[:1], ck[:1], cv[:1],
+                                            np.array([7]))), c))[0]
+  for other in (0, 7, 32):
+    got = np.asarray(run(*map(jnp.asarray, (q, k, v, chunk_mask, ck, cv, np.array([7, other]))),
+                         c))
+    np.testing.assert_array_equal(got[0], alone, err_msg=f"beside a row of {other}")
+  # What it stands for: entries past the longest row's live prefix are never read (NaN
+  # there changes nothing), while a whole-buffer product multiplies them by zero weights.
+  poisoned_k, poisoned_v = ck.copy(), cv.copy()
+  poisoned_k[:, :, 8:], poisoned_v[:, :, 8:] = np.nan, np.nan
+  args = (q, k, v, chunk_mask, poisoned_k, poisoned_v, np.array([7, 8]))
+  got = np.asarray(run(*map(jnp.asarray, args), c))
+  np.testing.assert_array_equal(got[0], alone)
+  assert np.isfinite(got).all()
+  assert np.isnan(np.asarray(run(*map(jnp.asarray, args), 0))).any()
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

@@ -25,6 +25,9 @@ def decode_fields(method: str = "refusion", gen_length: int = 512, slot_size: in
   d.mdm_threshold = placeholder(float)  # MDM (Fast-dLLM): unmask every token above it
   d.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   d.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
+  # KV entries attention reads at a time, up to the longest row's live part (0: the whole
+  # buffer at once; unset: 64 on CPU, 512 on TPU, 0 on GPU)
+  d.kv_chunk = placeholder(int)
   return d
 
 

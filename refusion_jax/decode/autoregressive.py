@@ -64,7 +64,8 @@ def _empty_rows(spec: Spec, b: int, pad) -> Rows:
 def init(model, spec: Spec, rows: int, width: int) -> State:
   r = _empty_rows(spec, rows, pad_id(model.config))
   return State(passes=jnp.zeros((), jnp.int32),
-               cache=KVCache.init(model.config, rows, width + spec.gen_length), rows=r)
+               cache=KVCache.init(model.config, rows, width + spec.gen_length,
+                                   chunk=spec.kv_chunk), rows=r)
 
 
 def _emit(spec: Spec, r: Rows, token_b, active_b, knobs: Knobs) -> Rows:

@@ -68,6 +68,7 @@ class Spec:
   block_size: int
   left_to_right: bool = False
   vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK
+  kv_chunk: int = 0  # DecodeConfig.kv_chunk as resolved for the platform (KVCache.chunk)
 
 
 @flax.struct.dataclass
@@ -112,17 +113,19 @@ def program(method: str) -> Program:
   return _PROGRAMS[method]
 
 
-def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK) -> Spec:
-  """The static part of a DecodeConfig; fields a method ignores are normalised
-  so that they share one program."""
+def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK,
+            platform: str = "cpu") -> Spec:
+  """The static part of a DecodeConfig on `platform`; fields a method ignores are
+  normalised so that they share one program."""
   dc, g = decode_config, decode_config.gen_length
+  kv_chunk = dc.kv_chunk_on(platform)
   if dc.method == "ar":
-    return Spec("ar", g, g, g, False, vocab_chunk)
-  if dc.method == "mdm":
+    return Spec("ar", g, g, g, False, vocab_chunk, kv_chunk)
+  if dc.method == "mdm":  # no KV cache
     return Spec("mdm", g, dc.block_size, dc.block_size, False, vocab_chunk)
   if dc.left_to_right:  # blocks play no part left to right
-    return Spec("refusion", g, dc.slot_size, g, True, vocab_chunk)
-  return Spec("refusion", g, dc.slot_size, dc.block_size, False, vocab_chunk)
+    return Spec("refusion", g, dc.slot_size, g, True, vocab_chunk, kv_chunk)
+  return Spec("refusion", g, dc.slot_size, dc.block_size, False, vocab_chunk, kv_chunk)
 
 
 def knobs_of(model_config, decode_config: DecodeConfig) -> Knobs:
@@ -207,6 +210,19 @@ def placement_of(params) -> Placement | None:
   leaves = jax.tree.leaves(params)
   where = getattr(leaves[0], "sharding", None) if leaves else None
   return Placement(where.mesh) if isinstance(where, NamedSharding) else None
+
+
+def platform_of(params) -> str:
+  """The platform ("cpu", "gpu", "tpu") of the devices holding `params` (arrays, or
+  shapes placed on a mesh), or JAX's default backend where they name none."""
+  leaves = jax.tree.leaves(params)
+  where = getattr(leaves[0], "sharding", None) if leaves else None
+  devices = getattr(where, "device_set", None)
+  if devices:
+    platform = next(iter(devices)).platform
+  else:
+    platform = jax.default_backend()
+  return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def _placed(state, place: Placement | None):
@@ -430,9 +446,9 @@ class Decoder:
     self.program.check(model.config, decode_config, 1)
     self.model = model
     self.config = decode_config
-    self.spec = spec_of(decode_config, vocab_chunk)
     self.knobs = knobs_of(model.config, decode_config)
     self.graphdef, self.params = nnx.split(model)
+    self.spec = spec_of(decode_config, vocab_chunk, platform_of(self.params))
     self.static = static_graph(self.graphdef)  # what this module's dispatches pass
     self.place = placement_of(self.params)
 

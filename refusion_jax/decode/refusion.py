@@ -446,7 +446,7 @@ def _empty_rows(spec: Spec, b: int, pad_id) -> Rows:
 
 
 def init(model, spec: Spec, rows: int, width: int) -> State:
-  cache = KVCache.init(model.config, rows, width + spec.gen_length)
+  cache = KVCache.init(model.config, rows, width + spec.gen_length, chunk=spec.kv_chunk)
   pad = 0 if model.config.pad_token_id is None else model.config.pad_token_id
   r = _empty_rows(spec, rows, pad)
   return State(passes=jnp.zeros((), jnp.int32), cache=cache, rows=r)
