@@ -70,6 +70,12 @@ def test_model_args_and_generative_only(model_dir):
       f"model_dir={model_dir},method=ar,gen_length=16,slot_size=4,block_size=8,"
       "enable_thinking=false,progress=false", {"batch_size": 3, "device": None})
   assert lm.rows == 3 and lm.decode_config.method == "ar" and lm.enable_thinking is False
+  assert lm.decode_config.kv_chunk is None  # per platform
+  chunked = cls.create_from_arg_string(
+      f"model_dir={model_dir},gen_length=16,slot_size=4,block_size=8,kv_chunk=8", {})
+  assert chunked.decode_config.kv_chunk == 8
+  with pytest.raises(ValueError, match="model arg kv_chunk must be an int"):
+    cls(model_dir, kv_chunk="many")
   with pytest.raises(ValueError, match=r"unknown model arg\(s\) \['slots'\]"):
     cls(model_dir, slots=3)
   with pytest.raises(ValueError, match="batch_size='auto' is not supported"):

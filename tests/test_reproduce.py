@@ -456,12 +456,15 @@ def test_a_shipped_base_is_checked_and_every_model_starts_from_it(smoke_run, tmp
     settings.validate(config)
 
 
-def test_decode_cache_key_holds_ignore_eos_only_when_set():
-  # A result cached before DecodeConfig had ignore_eos is the same decode as one with it
-  # off, so its key must still match; with it on, the key differs.
+def test_decode_cache_key_holds_ignore_eos_and_kv_chunk_only_when_set():
+  # A result cached before DecodeConfig had ignore_eos (kv_chunk) is the same decode as
+  # one with it off (per platform), so its key must still match; set, the key differs.
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
   dc = DecodeConfig(gen_length=16, slot_size=4, block_size=8)
   off = scoring._decode_key(dc)  # pylint: disable=protected-access
   assert "ignore_eos" not in off and off["slot_size"] == 4 and off["method"] == "refusion"
   on = scoring._decode_key(dc.replace(ignore_eos=True))  # pylint: disable=protected-access
   assert on == {**off, "ignore_eos": True}
+  assert "kv_chunk" not in off
+  chunked = scoring._decode_key(dc.replace(kv_chunk=0))  # pylint: disable=protected-access
+  assert chunked == {**off, "kv_chunk": 0}

@@ -73,11 +73,15 @@ def _problem_set(config, workdir: str, tokenizer, data: str, per_task: int,
 
 
 def _decode_key(c: DecodeConfig) -> dict:
-  """A decode config as a cache key holds it: `ignore_eos` only when set, so results
-  cached before the field existed (the same decode) still count."""
+  """A decode config as a cache key holds it: `ignore_eos` only when set and
+  `kv_chunk` only when given, so results cached before the fields existed (the
+  same decoding rules; `kv_chunk` changes only how attention's sums are taken)
+  still count."""
   d = dataclasses.asdict(c)
   if not c.ignore_eos:
     del d["ignore_eos"]
+  if c.kv_chunk is None:
+    del d["kv_chunk"]
   return d
 
 
