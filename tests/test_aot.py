@@ -182,6 +182,8 @@ def test_every_decode_method_compiles_and_fits(decode_runs, method):
   names = {"refusion": ["generate", "admit", "run"], "ar": ["generate"],
            "mdm": ["generate", "run"]}[method]
   assert [p["name"] for p in r["programs"]] == names
+  # decode.kv_chunk unset: the TPU's default (MDM passes have no cache).
+  assert r["kv_chunk"] == (0 if method == "mdm" else config_lib.KV_CHUNK_AUTO["tpu"])
   assert all(p["total"] > 0 and p["compile_s"] > 0 for p in r["programs"])
   assert r["per_chip_gib"] == pytest.approx(max(p["total"] for p in r["programs"]) / 2**30)
   mc = config_lib.tiny(**SMALL)
