@@ -429,9 +429,10 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   result = {"model": source, "params": mc.num_params(), "mesh": sizes,
             "method": decode_config.method, "batch": batch, "prompt_len": prompt_len,
             "gen_length": decode_config.gen_length, "scan_layers": mc.scan_layers,
-            "kv_chunk": decoder.spec.kv_chunk, "programs": entries, "flops_source": "hand count per chip: 2 x matmul params per "
-            "token + attention", "pass_width": None, "flops": None, "bytes": None,
-            "estimated_s": None, "per_pass": []}
+            "kv_chunk": decoder.spec.kv_chunk, "programs": entries,
+            "flops_source": "hand count per chip: 2 x matmul params per token + attention",
+            "pass_width": None, "flops": None, "bytes": None, "estimated_s": None,
+            "per_pass": []}
   if max(e["total"] for e in entries) > chip.hbm_gib * GIB:
     log("does not fit: no per-pass table")
     return result
