@@ -555,9 +555,9 @@ def render(r: dict) -> str:
                  "max(flops / peak, bytes / bandwidth), a bound: collectives, overlap and "
                  "kernel efficiency are not modelled)")
   else:
+    # (MDM's spec holds kv_chunk 0: its passes have no cache.)
     chunked = (f"; the cache read {r['kv_chunk']} entries at a time, counted over a full "
-               "buffer" if 0 < r.get("kv_chunk", 0) < r["prompt_len"] + r["gen_length"]
-               and r["method"] != "mdm" else "")
+               "buffer" if 0 < r["kv_chunk"] < r["prompt_len"] + r["gen_length"] else "")
     lines.append(f"estimate per pass and chip ({r['batch']} rows, {r['flops_source']}; HBM "
                  f"bytes from hlo_traffic{chunked}; floor = weights a pass reads + KV cache "
                  "per chip):")

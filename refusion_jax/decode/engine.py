@@ -204,20 +204,23 @@ class Placement:
     return jax.tree.map(pin, state.replace(cache=None)).replace(cache=cache)
 
 
+def _sharding_of(params):
+  """The sharding of the first of `params`' leaves (None where it has none)."""
+  leaves = jax.tree.leaves(params)
+  return getattr(leaves[0], "sharding", None) if leaves else None
+
+
 def placement_of(params) -> Placement | None:
   """The placement for states decoded with these parameters (None: a single device
   without a mesh, where nothing varies)."""
-  leaves = jax.tree.leaves(params)
-  where = getattr(leaves[0], "sharding", None) if leaves else None
+  where = _sharding_of(params)
   return Placement(where.mesh) if isinstance(where, NamedSharding) else None
 
 
 def platform_of(params) -> str:
   """The platform ("cpu", "gpu", "tpu") of the devices holding `params` (arrays, or
   shapes placed on a mesh), or JAX's default backend where they name none."""
-  leaves = jax.tree.leaves(params)
-  where = getattr(leaves[0], "sharding", None) if leaves else None
-  devices = getattr(where, "device_set", None)
+  devices = getattr(_sharding_of(params), "device_set", None)
   if devices:
     platform = next(iter(devices)).platform
   else:

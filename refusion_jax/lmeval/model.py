@@ -125,6 +125,11 @@ def _as_int(value: Any, name: str) -> int:
   return out
 
 
+def _unless_none(value: Any, convert, name: str):
+  """None for an unset model arg (None, "" or "none"), else `convert(value, name)`."""
+  return None if value in (None, "", "none", "None") else convert(value, name)
+
+
 def _as_float(value: Any, name: str) -> float:
   try:
     return float(value)
@@ -168,13 +173,11 @@ class RefusionLM(LM):
         token_threshold=_as_float(token_threshold, "token_threshold"),
         temperature=_as_float(temperature, "temperature"),
         mdm_tokens_per_step=_as_int(mdm_tokens_per_step, "mdm_tokens_per_step"),
-        mdm_threshold=(None if mdm_threshold in (None, "", "none", "None")
-                       else _as_float(mdm_threshold, "mdm_threshold")),
+        mdm_threshold=_unless_none(mdm_threshold, _as_float, "mdm_threshold"),
         left_to_right=_as_bool(left_to_right, "left_to_right"),
         recompute_kv=_as_bool(recompute_kv, "recompute_kv"),
         ignore_eos=_as_bool(ignore_eos, "ignore_eos"),
-        kv_chunk=(None if kv_chunk in (None, "", "none", "None")
-                  else _as_int(kv_chunk, "kv_chunk")))
+        kv_chunk=_unless_none(kv_chunk, _as_int, "kv_chunk"))
     self.enable_thinking = _as_bool(enable_thinking, "enable_thinking")
     self.progress = _as_bool(progress, "progress")
     self.seed = _as_int(seed, "seed")
