@@ -58,6 +58,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -307,8 +308,10 @@ def server_pids(proc: subprocess.Popen) -> tuple[int, int | None]:
 
 def server_passes(url) -> float:
   """The server's forward passes so far (its /metrics)."""
-  import httpx  # pylint: disable=import-outside-toplevel
-  text = httpx.get(url + "/metrics", timeout=30).text
+  # The standard library's client: the benchmark runs in the environment that
+  # launch/setup_env.sh builds without --test (no httpx there).
+  with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+    text = r.read().decode()
   return float(re.search(r"^refusion_forward_passes_total (\S+)$", text, re.M).group(1))
 
 

@@ -121,6 +121,53 @@ def test_serve_load_counts_cpu_of_a_process_and_finds_its_child():
   assert serve_load.cpu_seconds() > 0
 
 
+def test_serve_load_reads_the_servers_passes_from_metrics():
+  import http.server  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+
+  class Metrics(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # pylint: disable=invalid-name
+      body = (b"# TYPE refusion_forward_passes_total counter\n"
+              b"refusion_forward_passes_total 1234.0\nrefusion_requests_total 7.0\n")
+      self.send_response(200 if self.path == "/metrics" else 404)
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  try:
+    assert serve_load.server_passes(f"http://127.0.0.1:{server.server_port}") == 1234.0
+  finally:
+    server.shutdown()
+    server.server_close()
+
+
+def test_benchmarks_need_no_test_only_package():
+  """`bash launch/setup_env.sh` without --test must be enough to run every benchmark."""
+  import ast  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(__file__).resolve().parents[1]
+  test_only = set()
+  for line in (root / "requirements-test.txt").read_text().splitlines():
+    name = re.match(r"\s*([A-Za-z0-9_.-]+)", line.split("#")[0])
+    if name:
+      test_only.add(name.group(1).lower().replace("-", "_").split("_")[0])
+  assert {"pytest", "openai", "httpx"} <= test_only
+  for path in sorted((root / "benchmarks").glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+               else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      for name in names:
+        assert name.split(".")[0].lower() not in test_only, f"{path.name} imports {name}"
+
+
 def test_live_batch_turn_reports_each_method(capsys):
   from benchmarks import live_batch_turn  # pylint: disable=import-outside-toplevel
   rows = live_batch_turn.main(["--model_dir=refusion_jax/assets/base_tiny", "--rows=2",
