@@ -39,8 +39,8 @@ makes every answer gen_length tokens on both sides (EOS an ordinary token), a
 load of fixed answer lengths where it weighs less.
 
 Models: `--model_dir` for every method in `--methods` when given; else the
-main job's trained ReFusion model and its AR twin
-(runs/repro_tiny/models/{refusion,arm}/final_model) when both exist, else the
+main job's model of each method (runs/repro_tiny/models/{refusion,arm,mdm}/
+final_model: its ReFusion model, AR twin and MDM) when all of them exist, else the
 bundled base (refusion_jax/assets/base_tiny). Prompts: the chat-templated queries of
 `--task_prompts`, sent as token ids (both sides decode identical ids).
 """
@@ -64,6 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN_JOB = {"refusion": "runs/repro_tiny/models/refusion/final_model",
+            "mdm": "runs/repro_tiny/models/mdm/final_model",
             "ar": "runs/repro_tiny/models/arm/final_model"}
 
 
@@ -120,6 +121,9 @@ def parse_args(argv=None):
   if args.loop_stagger < 0:
     p.error(f"--loop_stagger must be >= 0 (engine turns), got {args.loop_stagger}")
   args.methods = [m for m in args.methods.split(",") if m]
+  unknown = sorted(set(args.methods) - set(MAIN_JOB))
+  if unknown or not args.methods:
+    p.error(f"--methods: {unknown or 'none given'}; choose from refusion, ar, mdm")
   return args
 
 
@@ -440,11 +444,11 @@ def main(argv=None) -> list[dict]:
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
   from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
 
-  main_job = all(os.path.isdir(os.path.join(REPO, d)) for d in MAIN_JOB.values())
+  main_job = all(os.path.isdir(os.path.join(REPO, MAIN_JOB[m])) for m in args.methods)
   if args.model_dir:
     models = [(m, args.model_dir) for m in args.methods]
   elif main_job:
-    models = [(m, os.path.join(REPO, MAIN_JOB[m])) for m in ("refusion", "ar")]
+    models = [(m, os.path.join(REPO, MAIN_JOB[m])) for m in args.methods]
   else:
     models = [(m, os.path.join(REPO, "refusion_jax/assets/base_tiny")) for m in args.methods]
   device = jax.devices()[0]

@@ -86,6 +86,7 @@ def test_decode_speed_memory_only_compiles_from_shapes(capsys):
     ("serve_load", "--requests_per_client=0", "must be >= 1"),
     ("serve_load", "--prompts=-1", "--prompts >= 0"),
     ("serve_load", "--loop_stagger=-1", "--loop_stagger must be >= 0"),
+    ("serve_load", "--methods=beam", "choose from refusion, ar, mdm"),
     ("live_batch_turn", "--rows=0", "--rows must be >= 1"),
     ("live_batch_turn", "--methods=beam", "choose from refusion, ar, mdm")])
 def test_serving_benchmarks_reject_bad_flags(script, flag, needle, capsys):

@@ -84,14 +84,17 @@ def oracle(tmp_path_factory):
           "chat": {m: o[len(TEXTS):] for m, o in out.items()}}
 
 
-def _serving(oracle, engine_mode, row_counts="auto", rows=ROWS, buckets=f"ar:{GEN}"):
+def _serving(oracle, engine_mode, row_counts="auto", rows=ROWS, buckets=f"ar:{GEN}", **fields):
   """A server on a free port (uvicorn on a thread of this process; under
-  engine_mode "process" the engine runs in a child process)."""
+  engine_mode "process" the engine runs in a child process); `fields`: more
+  config fields."""
   import uvicorn  # pylint: disable=import-outside-toplevel
   c = serve_config.get_config()
   c.model_dir, c.model_name, c.rows, c.max_prompt_len = oracle["model_dir"], "tiny", rows, WIDTH
   c.max_queue, c.chunk_passes, c.buckets = QUEUE, 2, buckets
   c.engine, c.row_counts = engine_mode, row_counts
+  for k, v in fields.items():
+    c[k] = v
   c.decode.gen_length, c.decode.slot_size, c.decode.block_size = GEN, SLOT, BLOCK
   for k, v in SETTINGS.items():
     c.decode[k] = v
@@ -619,6 +622,10 @@ def test_gathered_admissions_wait_for_company_and_change_no_token(served_thread)
     ("admit_widths", "256", "--config.admit_widths: '256' is not a prompt width from 1 to 255"),
     ("port", 70000, "--config.port must be in [0, 65536)"),
     ("engine", "fork", "--config.engine must be"),
+    ("engine_cpus", "x", "--config.engine_cpus: 'x' is not a CPU number or range"),
+    ("engine_cpus", "3-1", "--config.engine_cpus: '3-1' is not a CPU number or range"),
+    ("engine_cpus", "100000", "--config.engine_cpus names CPU(s) [100000] this process may "
+                              "not run on"),
     ("request_timeout_s", 0.0, "--config.request_timeout_s must be a positive number"),
 ])
 def test_bad_server_flags_are_named_before_loading(oracle, field, value, needle):
@@ -692,6 +699,43 @@ def test_a_tokenizer_that_does_not_fit_is_refused_before_the_engine_starts(
   with pytest.raises(ValueError, match="does not match the model config: model config "
                      f"eos_token_id={fields['eos_token_id']}"):
     serve.build(c)
+
+
+def test_engine_cpus_needs_the_engine_process(oracle):
+  c = serve_config.get_config()
+  c.model_dir, c.engine, c.engine_cpus = oracle["model_dir"], "thread", "0"
+  with pytest.raises(ValueError, match="needs --config.engine=process"):
+    serve.check_flags(c)
+
+
+def test_cpu_lists_parse_and_print():
+  allowed = sorted(os.sched_getaffinity(0))
+  assert serve.parse_cpus("") == serve.parse_cpus(" , ") == ()
+  assert serve.parse_cpus(f"{allowed[0]}") == (allowed[0],)
+  assert serve.parse_cpus(f"{allowed[-1]},{allowed[0]}-{allowed[0]}") == tuple(
+      sorted({allowed[0], allowed[-1]}))
+  assert serve._cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"  # pylint: disable=protected-access
+
+
+def test_engine_process_runs_on_its_cpus_and_http_on_the_rest(oracle):
+  allowed = set(os.sched_getaffinity(0))
+  engine_cpu = max(allowed)
+  try:
+    info, stop = _serving(oracle, "process", row_counts="", rows=1, buckets="",
+                          engine_cpus=str(engine_cpu))
+    try:
+      pid = info["server"].scheduler._proc.pid  # pylint: disable=protected-access
+      assert os.sched_getaffinity(pid) == {engine_cpu}
+      # The HTTP side (this thread built the server) keeps off the engine's CPU,
+      # unless that is the only one.
+      assert os.sched_getaffinity(0) == ((allowed - {engine_cpu}) or allowed)
+      for i in range(2):
+        _, ids, _, _ = _complete(_client(info), i, "refusion", False)
+        assert ids == oracle["completion"]["refusion"][i]["tokens"], i
+    finally:
+      stop()
+  finally:
+    os.sched_setaffinity(0, allowed)
 
 
 def test_engine_process_death_fails_requests_and_health(oracle):

@@ -57,6 +57,9 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
   parse_admit_widths(c.admit_widths, c.max_prompt_len)
   if c.engine not in ("process", "thread"):
     raise ValueError(f"--config.engine must be \"process\" or \"thread\", got {c.engine!r}")
+  if parse_cpus(c.engine_cpus) and c.engine != "process":
+    raise ValueError(f"--config.engine_cpus={c.engine_cpus!r} needs --config.engine=process "
+                     "(the engine's CPUs are those of a process of its own)")
   for name in ("request_timeout_s", "drain_timeout_s"):
     if not isinstance(c[name], (int, float)) or c[name] <= 0:
       raise ValueError(f"--config.{name} must be a positive number, got {c[name]!r}")
@@ -158,6 +161,41 @@ def decode_configs(c: ml_collections.ConfigDict) -> list[DecodeConfig]:
   return sched_lib.parse_buckets(c.buckets, default)
 
 
+def parse_cpus(text) -> tuple[int, ...]:
+  """`--config.engine_cpus`: "" (every CPU this process may use) or a Linux CPU list
+  such as "1" or "0,2-3", each CPU one this process may run on."""
+  if not isinstance(text, str):
+    raise ValueError(f"--config.engine_cpus must be a string such as \"1\" or \"0,2-3\" "
+                     f"(\"\": every CPU), got {text!r}")
+  allowed = sorted(os.sched_getaffinity(0))
+  cpus = set()
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    lo, _, hi = part.partition("-")
+    try:
+      first, last = int(lo), int(hi or lo)
+    except ValueError:
+      first = last = -1
+    if first < 0 or last < first:
+      raise ValueError(f"--config.engine_cpus: {part!r} is not a CPU number or range "
+                       "(give a list such as \"1\" or \"0,2-3\")")
+    cpus.update(range(first, last + 1))
+  outside = sorted(cpus - set(allowed))
+  if outside:
+    raise ValueError(f"--config.engine_cpus names CPU(s) {outside} this process may not run "
+                     f"on (it may use {_cpu_list(allowed)})")
+  return tuple(sorted(cpus))
+
+
+def _cpu_list(cpus) -> str:
+  runs: list[list[int]] = []
+  for n in sorted(cpus):
+    if runs and n == runs[-1][1] + 1:
+      runs[-1][1] = n
+    else:
+      runs.append([n, n])
+  return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def build(c: ml_collections.ConfigDict):
   """`(app, server)`: the model loaded, every bucket compiled, the engine not yet
   started (the app's lifespan starts it). With `--config.engine=process` the model
@@ -174,6 +212,11 @@ def build(c: ml_collections.ConfigDict):
   if c.engine == "process":
     from refusion_jax.serve import engine_process  # pylint: disable=import-outside-toplevel
     scheduler = engine_process.EngineProcess(c, metrics=metrics)
+    engine_cpus = parse_cpus(c.engine_cpus)
+    rest = sorted(set(os.sched_getaffinity(0)) - set(engine_cpus))
+    if engine_cpus and rest:  # HTTP work keeps off the engine's CPUs
+      os.sched_setaffinity(0, rest)
+      _log(f"[serve] engine on CPU(s) {_cpu_list(engine_cpus)}, HTTP on {_cpu_list(rest)}")
   else:
     scheduler = make_scheduler(c, metrics=metrics)
   name = c.model_name or os.path.basename(os.path.normpath(c.model_dir))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import multiprocessing
 import signal
 import threading
@@ -68,6 +69,11 @@ def _child(c_dict: dict, commands, events) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
   from refusion_jax import serve  # pylint: disable=import-outside-toplevel
+  cpus = serve.parse_cpus(c_dict.get("engine_cpus", ""))
+  if cpus:
+    # Before the first device is made: XLA sizes its CPU thread pool by the CPUs
+    # this process may use.
+    os.sched_setaffinity(0, cpus)
   send_lock = threading.Lock()
 
   def send(msg) -> None:
