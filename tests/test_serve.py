@@ -717,6 +717,13 @@ def test_cpu_lists_parse_and_print():
   assert serve._cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"  # pylint: disable=protected-access
 
 
+def test_engine_cpus_on_a_platform_that_cannot_pin(monkeypatch):
+  monkeypatch.delattr(os, "sched_setaffinity")
+  assert serve.parse_cpus("") == ()  # the default needs nothing
+  with pytest.raises(ValueError, match="this platform cannot pin a process to CPUs"):
+    serve.parse_cpus("1")
+
+
 def test_engine_process_runs_on_its_cpus_and_http_on_the_rest(oracle):
   allowed = set(os.sched_getaffinity(0))
   engine_cpu = max(allowed)

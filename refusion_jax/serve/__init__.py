@@ -167,9 +167,15 @@ def parse_cpus(text) -> tuple[int, ...]:
   if not isinstance(text, str):
     raise ValueError(f"--config.engine_cpus must be a string such as \"1\" or \"0,2-3\" "
                      f"(\"\": every CPU), got {text!r}")
+  parts = [p.strip() for p in text.split(",") if p.strip()]
+  if not parts:
+    return ()
+  if not hasattr(os, "sched_setaffinity"):
+    raise ValueError(f"--config.engine_cpus={text!r}: this platform cannot pin a process to "
+                     "CPUs (Linux can); leave it \"\"")
   allowed = sorted(os.sched_getaffinity(0))
   cpus = set()
-  for part in filter(None, (p.strip() for p in text.split(","))):
+  for part in parts:
     lo, _, hi = part.partition("-")
     try:
       first, last = int(lo), int(hi or lo)
