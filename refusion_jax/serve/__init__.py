@@ -192,6 +192,21 @@ def parse_cpus(text) -> tuple[int, ...]:
   return tuple(sorted(cpus))
 
 
+def pin_process(cpus) -> None:
+  """Runs every thread of this process (those started later inherit it) on `cpus`:
+  Linux sets a CPU list per thread, and the HTTP process already has some (the
+  engine process's event reader)."""
+  try:
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+  except OSError:
+    tids = [0]  # no /proc: this thread only
+  for tid in tids:
+    try:
+      os.sched_setaffinity(tid, cpus)
+    except ProcessLookupError:  # a thread that has ended since
+      pass
+
+
 def _cpu_list(cpus) -> str:
   runs: list[list[int]] = []
   for n in sorted(cpus):
@@ -221,7 +236,7 @@ def build(c: ml_collections.ConfigDict):
     engine_cpus = parse_cpus(c.engine_cpus)
     rest = sorted(set(os.sched_getaffinity(0)) - set(engine_cpus))
     if engine_cpus and rest:  # HTTP work keeps off the engine's CPUs
-      os.sched_setaffinity(0, rest)
+      pin_process(rest)
       _log(f"[serve] engine on CPU(s) {_cpu_list(engine_cpus)}, HTTP on {_cpu_list(rest)}")
   else:
     scheduler = make_scheduler(c, metrics=metrics)
