@@ -35,6 +35,8 @@ def get_config():
   c.admit_widths = "auto"  # narrower prefills for short prompts: "auto", "" or widths "32,64"
   c.admit_batch = 1  # while other rows decode, admit prompts this many at a time (1 = at once),
   c.admit_wait_passes = 0  # ... or once the first has waited this many passes
+  c.wait_for_returns = True  # after a response frees a row, the next pass waits for a new
+  #   request, at most until the pass in flight has run (a returning client joins it)
   c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)
   c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled
   c.log_level = "warning"  # uvicorn's log level

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import jax
@@ -33,7 +34,7 @@ from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.decode import engine
 from refusion_jax.model import Qwen3
 from refusion_jax.serve import engine_process, protocol, text as text_lib
-from refusion_jax.serve.scheduler import Job
+from refusion_jax.serve.scheduler import Job, Scheduler
 from refusion_jax.tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -610,6 +611,78 @@ def test_gathered_admissions_wait_for_company_and_change_no_token(served_thread)
     sched.stop()
   for i in range(6):
     assert results[i] == served_thread["completion"]["refusion"][i]["tokens"], i
+
+
+def test_the_wait_for_a_returning_client_ends_on_a_request_or_the_pass():
+  class Pending:
+    done = False
+
+    def ready(self):
+      return self.done
+
+  fake = types.SimpleNamespace(_inbox=[], _stop=False, _hold=threading.Event(),
+                               _wake=threading.Event(), _return_poll_s=0.001)
+  pending = Pending()
+
+  def waited():
+    t = time.perf_counter()
+    Scheduler._await_return(fake, pending)  # pylint: disable=protected-access
+    return time.perf_counter() - t
+
+  def arrive():
+    fake._inbox.append(object())  # pylint: disable=protected-access
+    fake._wake.set()  # pylint: disable=protected-access
+
+  threading.Timer(0.2, arrive).start()  # a request comes in
+  assert 0.15 < waited() < 10
+  fake._inbox.clear()  # pylint: disable=protected-access
+  threading.Timer(0.2, lambda: setattr(pending, "done", True)).start()  # the pass has run
+  assert 0.15 < waited() < 10
+  assert waited() < 0.1  # already run: no wait
+  pending.done = False
+  arrive()
+  assert waited() < 0.1  # a request already in: no wait
+
+
+def test_waiting_for_returning_clients_changes_no_token(served_thread):
+  # --config.wait_for_returns: four closed-loop clients, each sending its next prompt a
+  # moment after its response (a round trip), on four rows; every answer is sample's.
+  c = serve_config.get_config()
+  c.model_dir, c.rows, c.max_prompt_len = served_thread["model_dir"], ROWS, WIDTH
+  c.max_queue, c.chunk_passes, c.buckets, c.row_counts = QUEUE, 2, "", "1,2,3"
+  c.decode.gen_length, c.decode.slot_size, c.decode.block_size = GEN, SLOT, BLOCK
+  for k, v in SETTINGS.items():
+    c.decode[k] = v
+  c.wait_for_returns = True
+  sched = serve.make_scheduler(c)  # the served_thread's programs: nothing new compiles
+  assert sched.wait_for_returns
+  waits = []
+  real_wait = sched._await_return  # pylint: disable=protected-access
+  sched._await_return = lambda pending: (waits.append(1), real_wait(pending))  # pylint: disable=protected-access
+  sched.start()
+  bucket = sched.buckets[0]
+  results, done = {}, threading.Event()
+
+  def submit(i):
+    def deliver(kind, payload):
+      results[i] = payload.tokens if kind == "done" else payload
+      if i + ROWS < len(TEXTS):
+        threading.Timer(0.002, submit, (i + ROWS,)).start()
+      if len(results) == len(TEXTS):
+        done.set()
+    sched.submit(Job(prompt=served_thread["tok"].encode(TEXTS[i]), bucket=bucket,
+                     knobs=sched.default_knobs(bucket), rng2=np.zeros((2,), np.uint32),
+                     max_tokens=GEN, watch=False, slots=False, deliver=deliver))
+
+  try:
+    for i in range(ROWS):
+      submit(i)
+    assert done.wait(60), sorted(results)
+  finally:
+    sched.stop()
+  for i in range(len(TEXTS)):
+    assert results[i] == served_thread["completion"]["refusion"][i]["tokens"], i
+  assert waits, "no turn waited for a returning client"
 
 
 @pytest.mark.parametrize("field,value,needle", [

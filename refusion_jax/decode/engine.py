@@ -730,6 +730,23 @@ class Snapshot:
     return np.where(committed.all(-1), committed.shape[-1], np.argmin(committed, -1))
 
 
+class PendingRead:
+  """A dispatched read of every row (`LiveBatch.read_later`): calling it waits and
+  gives the `Snapshot`; `ready()` says, without waiting, whether the passes it
+  follows have run and it can be taken at once."""
+
+  def __init__(self, packed: jax.Array, like):
+    self._packed, self._like = packed, like
+
+  def ready(self) -> bool:
+    return self._packed.is_ready()
+
+  def __call__(self) -> Snapshot:
+    tokens, commit, length, nfe, phase, passes = _unpack32(np.asarray(self._packed), self._like)
+    return Snapshot(tokens_bg=tokens, commit_step_bg=commit, length_b=length,
+                    phase_b=phase, passes=int(passes), nfe_b=nfe)
+
+
 class LiveBatch:
   """A fixed set of rows that prompts join and leave one by one, run in bounded
   chunks of passes, for callers that interleave decoding with other work (a server).
@@ -861,20 +878,14 @@ class LiveBatch:
     """Waits for what was dispatched and reads every row (one device-to-host copy)."""
     return self.read_later()()
 
-  def read_later(self) -> Callable[[], Snapshot]:
+  def read_later(self) -> PendingRead:
     """Dispatches the read of every row as it stands after what was dispatched so
     far, without waiting; the function returned waits for it and gives the
     `Snapshot`. More passes may be dispatched in between (the device then runs
     them while the host reads): the snapshot is still of this point."""
     packed = _live_read(self.state, self.knobs, spec=self.decoder.spec)
     packed.copy_to_host_async()
-
-    def get() -> Snapshot:
-      tokens, commit, length, nfe, phase, passes = _unpack32(np.asarray(packed),
-                                                            self._read_like)
-      return Snapshot(tokens_bg=tokens, commit_step_bg=commit, length_b=length,
-                      phase_b=phase, passes=int(passes), nfe_b=nfe)
-    return get
+    return PendingRead(packed, self._read_like)
 
   def free(self, rows: Sequence[int]) -> None:
     if len(rows) == 0:

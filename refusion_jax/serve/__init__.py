@@ -130,6 +130,7 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
                                   metrics=metrics, free_chunk_passes=c.free_chunk_passes,
                                   admit_batch=c.admit_batch,
                                   admit_wait_passes=c.admit_wait_passes,
+                                  wait_for_returns=c.wait_for_returns,
                                   row_counts=parse_row_counts(c.row_counts, c.rows,
                                                               jax.default_backend()),
                                   admit_widths=parse_admit_widths(c.admit_widths,

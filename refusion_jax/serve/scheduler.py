@@ -35,6 +35,14 @@ where a pass costs in proportion to its rows (a CPU), the rows a closed-loop
 client leaves idle between its requests then cost nothing. Tokens and pass
 counts are unchanged.
 
+With `wait_for_returns`, a turn whose deliveries freed rows holds the next pass
+until a request comes in or the pass in flight has run, whichever is first: a
+client whose response just went out often sends its next request within that
+pass, and it then joins the next pass instead of the one after. Where a
+dispatch returns before its pass has run (a CPU) the device stays busy
+meanwhile; where it returns after (a GPU, whose loop condition the host reads)
+the pass has run by then and nothing waits.
+
 With `admit_widths`, an admission prefills at the narrowest of those widths
 (or the full prompt width) that holds its prompts: a short prompt does not pay
 for a `max_prompt_len`-wide prefill.
@@ -155,6 +163,7 @@ class _Lane:
     self.passes = 0
     self.admissions = 0  # admission calls so far
     self.inflight = False  # a run was dispatched and not yet read
+    self.freed = 0  # rows freed by the last turn's deliveries (their clients may come back)
 
   def busy(self) -> int:
     return sum(j is not None for j in self.jobs)
@@ -174,6 +183,7 @@ class Scheduler:
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
                metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
                admit_batch: int = 1, admit_wait_passes: int = 0, admit_widths=(),
+               wait_for_returns: bool = True,
                after_turn: Callable[[], None] | None = None):
     self.model = model
     self.decoders = {}
@@ -190,6 +200,9 @@ class Scheduler:
     # While other rows decode, a lane's waiting prompts are admitted once `admit_batch`
     # of them wait or the first has waited `admit_wait_passes` of its passes.
     self.admit_batch, self.admit_wait_passes = admit_batch, admit_wait_passes
+    # After deliveries that freed rows, the next pass waits for a new request, at most
+    # until the pass in flight has run.
+    self.wait_for_returns = wait_for_returns
     self.metrics = metrics
     # Called on the engine thread after each lane's deliveries and before it waits
     # (the engine process sends what the turn delivered from there).
@@ -198,6 +211,7 @@ class Scheduler:
     self._parked: collections.deque[Job] = collections.deque()  # no lane to be had yet
     self._lock = threading.Lock()
     self._wake = threading.Event()
+    self._return_poll_s = 0.0005  # how often a wait for returning clients looks at the pass
     self._inbox: list[Job] = []
     self._waiting = 0  # submitted, not yet admitted (the bounded queue)
     self._stop = False
@@ -402,7 +416,17 @@ class Scheduler:
                                                    int(nfe_b[r])))))
         job.sent = n
     lane.batch.free(finished)
+    lane.freed = len(finished)
     return out
+
+  def _await_return(self, pending: engine_lib.PendingRead) -> None:
+    """Waits until a request comes in, or the pass in flight (which `pending` reads
+    after) has run, whichever is first: a client whose response just went out may
+    send its next request in that time, and it then joins the next pass instead of
+    the one after (the device stays busy meanwhile)."""
+    while not (pending.ready() or self._inbox or self._stop or self._hold.is_set()):
+      self._wake.wait(self._return_poll_s)
+      self._wake.clear()
 
   def _send_slots(self, job: Job, snap: engine_lib.Snapshot, r: int, bucket: Bucket) -> None:
     """Newly committed positions as runs within a slot: [(position, [token ids])]."""
@@ -465,6 +489,8 @@ class Scheduler:
             # waiting for it, so the device runs it while this thread reads and
             # delivers (rows that finished sit out that pass, done, until freed);
             # requests that came in the meantime join it.
+            if self.wait_for_returns and lane.freed and not lane.waiting:
+              self._await_return(read)
             self._route()
             self._cancel_and_admit(lane)
             lane.batch.run(self.free_chunk_passes, stop_on_done=False, busy=lane.rows_in_use())
