@@ -880,8 +880,8 @@ class LiveBatch:
 
   def read_later(self) -> PendingRead:
     """Dispatches the read of every row as it stands after what was dispatched so
-    far, without waiting; the function returned waits for it and gives the
-    `Snapshot`. More passes may be dispatched in between (the device then runs
+    far, without waiting; the `PendingRead` returned waits for it when called and
+    gives the `Snapshot`. More passes may be dispatched in between (the device then runs
     them while the host reads): the snapshot is still of this point."""
     packed = _live_read(self.state, self.knobs, spec=self.decoder.spec)
     packed.copy_to_host_async()

@@ -470,6 +470,9 @@ class Scheduler:
         for lane in self._lanes.values():
           self._cancel_and_admit(lane)
         busy = [lane for lane in self._lanes.values() if lane.busy()]
+        for lane in self._lanes.values():
+          if not lane.busy():
+            lane.freed = 0  # nobody left to come back mid-decode: a new run waits for none
         if self.metrics is not None:
           self.metrics.busy_rows.set(sum(lane.busy() for lane in busy))
         if not busy or self._hold.is_set():
