@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
+import queue
 import re
 import shutil
 import signal
@@ -615,13 +616,29 @@ def test_gathered_admissions_wait_for_company_and_change_no_token(served_thread)
 
 def test_the_wait_for_a_returning_client_ends_on_a_request_or_the_pass():
   class Pending:
-    done = False
+    def __init__(self):
+      self.event = threading.Event()
+
+    @property
+    def done(self):
+      return self.event.is_set()
+
+    @done.setter
+    def done(self, value):
+      if value:
+        self.event.set()
+      else:
+        self.event.clear()
 
     def ready(self):
-      return self.done
+      return self.event.is_set()
+
+    def wait(self):
+      self.event.wait()
 
   fake = types.SimpleNamespace(_inbox=[], _stop=False, _hold=threading.Event(),
-                               _wake=threading.Event(), _return_poll_s=0.001)
+                               _wake=threading.Event(), _return_poll_s=0.01,
+                               _watch_q=queue.SimpleQueue())
   pending = Pending()
 
   def waited():
@@ -642,6 +659,19 @@ def test_the_wait_for_a_returning_client_ends_on_a_request_or_the_pass():
   pending.done = False
   arrive()
   assert waited() < 0.1  # a request already in: no wait
+  # The watcher wakes the wait once the pass has run: no need to look again.
+  fake._inbox.clear()  # pylint: disable=protected-access
+  fake._return_poll_s = 60.0  # pylint: disable=protected-access
+  fake._watch_q = queue.SimpleQueue()  # pylint: disable=protected-access
+  watch = Scheduler._watch  # pylint: disable=protected-access
+  watcher = threading.Thread(target=watch, args=(fake,), daemon=True)
+  watcher.start()
+  pending = Pending()
+  threading.Timer(0.2, lambda: setattr(pending, "done", True)).start()
+  assert 0.15 < waited() < 10
+  fake._watch_q.put(None)  # pylint: disable=protected-access
+  watcher.join(10)
+  assert not watcher.is_alive()
 
 
 def test_waiting_for_returning_clients_changes_no_token(served_thread):
@@ -658,7 +688,12 @@ def test_waiting_for_returning_clients_changes_no_token(served_thread):
   assert sched.wait_for_returns
   waits = []
   real_wait = sched._await_return  # pylint: disable=protected-access
-  sched._await_return = lambda pending: (waits.append(1), real_wait(pending))  # pylint: disable=protected-access
+
+  def counted_wait(pending):
+    waits.append(1)
+    real_wait(pending)
+
+  sched._await_return = counted_wait  # pylint: disable=protected-access
   sched.start()
   bucket = sched.buckets[0]
   results, done = {}, threading.Event()

@@ -741,6 +741,10 @@ class PendingRead:
   def ready(self) -> bool:
     return self._packed.is_ready()
 
+  def wait(self) -> None:
+    """Blocks until `ready()` (without reading)."""
+    self._packed.block_until_ready()
+
   def __call__(self) -> Snapshot:
     tokens, commit, length, nfe, phase, passes = _unpack32(np.asarray(self._packed), self._like)
     return Snapshot(tokens_bg=tokens, commit_step_bg=commit, length_b=length,

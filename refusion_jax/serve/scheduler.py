@@ -53,6 +53,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from typing import Any, Callable
@@ -211,7 +212,12 @@ class Scheduler:
     self._parked: collections.deque[Job] = collections.deque()  # no lane to be had yet
     self._lock = threading.Lock()
     self._wake = threading.Event()
-    self._return_poll_s = 0.0005  # how often a wait for returning clients looks at the pass
+    # A wait for returning clients is woken by a request, or by this thread's watcher
+    # once the pass has run (no polling: on a CPU the engine shares its cores with
+    # the pass); it looks again at least this often.
+    self._return_poll_s = 0.05
+    self._watch_q: queue.SimpleQueue = queue.SimpleQueue()
+    self._watcher: threading.Thread | None = None
     self._inbox: list[Job] = []
     self._waiting = 0  # submitted, not yet admitted (the bounded queue)
     self._stop = False
@@ -286,6 +292,10 @@ class Scheduler:
   def start(self) -> None:
     self._thread = threading.Thread(target=self._main, name="refusion-engine", daemon=True)
     self._thread.start()
+    if self.wait_for_returns:
+      self._watcher = threading.Thread(target=self._watch, name="refusion-engine-watch",
+                                       daemon=True)
+      self._watcher.start()
 
   def stop(self, timeout: float = 10.0) -> None:
     """Stops the thread; jobs still queued or running get an error."""
@@ -295,6 +305,9 @@ class Scheduler:
     self._wake.set()
     if self._thread is not None:
       self._thread.join(timeout)
+    if self._watcher is not None:
+      self._watch_q.put(None)
+      self._watcher.join(timeout)
 
   # --- the engine thread ------------------------------------------------------------------
 
@@ -424,9 +437,25 @@ class Scheduler:
     after) has run, whichever is first: a client whose response just went out may
     send its next request in that time, and it then joins the next pass instead of
     the one after (the device stays busy meanwhile)."""
+    if pending.ready() or self._inbox:
+      return
+    self._watch_q.put(pending)
     while not (pending.ready() or self._inbox or self._stop or self._hold.is_set()):
       self._wake.wait(self._return_poll_s)
       self._wake.clear()
+
+  def _watch(self) -> None:
+    """The watcher thread: wakes the engine thread once each pending read it is
+    handed can be taken (a read's wait releases the interpreter lock)."""
+    while True:
+      pending = self._watch_q.get()
+      if pending is None:
+        return
+      try:
+        pending.wait()
+      except Exception:  # pylint: disable=broad-except
+        pass  # the engine thread meets the error when it reads
+      self._wake.set()
 
   def _send_slots(self, job: Job, snap: engine_lib.Snapshot, r: int, bucket: Bucket) -> None:
     """Newly committed positions as runs within a slot: [(position, [token ids])]."""
