@@ -562,20 +562,34 @@ def test_thread_engine_serves_the_same(served_thread):
   _sixteen_concurrent_streams(served_thread)
 
 
-def test_gathered_admissions_wait_for_company_and_change_no_token(served_thread):
-  # --config.admit_batch=3: while a row decodes, a new prompt waits for two more (or for
-  # admit_wait_passes of the lane's passes) and they are admitted in one call. Held, so no
-  # pass runs: without gathering the second prompt would be admitted at once.
+def _scheduler_config(served_thread):
+  """The served_thread's settings (one bucket, row counts 1-3) for a scheduler built
+  in this process: it reuses the served_thread's programs, so nothing new compiles."""
   c = serve_config.get_config()
   c.model_dir, c.rows, c.max_prompt_len = served_thread["model_dir"], ROWS, WIDTH
   c.max_queue, c.chunk_passes, c.buckets, c.row_counts = QUEUE, 2, "", "1,2,3"
   c.decode.gen_length, c.decode.slot_size, c.decode.block_size = GEN, SLOT, BLOCK
   for k, v in SETTINGS.items():
     c.decode[k] = v
+  return c
+
+
+def _submit_text(sched, served_thread, i, deliver):
+  """Submits completion prompt i (greedy, the bucket's default knobs) to `sched`."""
+  bucket = sched.buckets[0]
+  sched.submit(Job(prompt=served_thread["tok"].encode(TEXTS[i]), bucket=bucket,
+                   knobs=sched.default_knobs(bucket), rng2=np.zeros((2,), np.uint32),
+                   max_tokens=GEN, watch=False, slots=False, deliver=deliver))
+
+
+def test_gathered_admissions_wait_for_company_and_change_no_token(served_thread):
+  # --config.admit_batch=3: while a row decodes, a new prompt waits for two more (or for
+  # admit_wait_passes of the lane's passes) and they are admitted in one call. Held, so no
+  # pass runs: without gathering the second prompt would be admitted at once.
+  c = _scheduler_config(served_thread)
   c.admit_batch, c.admit_wait_passes = 3, 2
   sched = serve.make_scheduler(c)  # the served_thread's programs: nothing new compiles
   sched.start()
-  bucket = sched.buckets[0]
   results, done = {}, threading.Event()
 
   def submit(i):
@@ -583,9 +597,7 @@ def test_gathered_admissions_wait_for_company_and_change_no_token(served_thread)
       results[i] = payload.tokens if kind == "done" else payload
       if len(results) == 6:
         done.set()
-    sched.submit(Job(prompt=served_thread["tok"].encode(TEXTS[i]), bucket=bucket,
-                     knobs=sched.default_knobs(bucket), rng2=np.zeros((2,), np.uint32),
-                     max_tokens=GEN, watch=False, slots=False, deliver=deliver))
+    _submit_text(sched, served_thread, i, deliver)
 
   def settle(busy, waiting):
     deadline = time.time() + 10
@@ -677,12 +689,7 @@ def test_the_wait_for_a_returning_client_ends_on_a_request_or_the_pass():
 def test_waiting_for_returning_clients_changes_no_token(served_thread):
   # --config.wait_for_returns: four closed-loop clients, each sending its next prompt a
   # moment after its response (a round trip), on four rows; every answer is sample's.
-  c = serve_config.get_config()
-  c.model_dir, c.rows, c.max_prompt_len = served_thread["model_dir"], ROWS, WIDTH
-  c.max_queue, c.chunk_passes, c.buckets, c.row_counts = QUEUE, 2, "", "1,2,3"
-  c.decode.gen_length, c.decode.slot_size, c.decode.block_size = GEN, SLOT, BLOCK
-  for k, v in SETTINGS.items():
-    c.decode[k] = v
+  c = _scheduler_config(served_thread)
   c.wait_for_returns = True
   sched = serve.make_scheduler(c)  # the served_thread's programs: nothing new compiles
   assert sched.wait_for_returns
@@ -695,7 +702,6 @@ def test_waiting_for_returning_clients_changes_no_token(served_thread):
 
   sched._await_return = counted_wait  # pylint: disable=protected-access
   sched.start()
-  bucket = sched.buckets[0]
   results, done = {}, threading.Event()
 
   def submit(i):
@@ -705,9 +711,7 @@ def test_waiting_for_returning_clients_changes_no_token(served_thread):
         threading.Timer(0.002, submit, (i + ROWS,)).start()
       if len(results) == len(TEXTS):
         done.set()
-    sched.submit(Job(prompt=served_thread["tok"].encode(TEXTS[i]), bucket=bucket,
-                     knobs=sched.default_knobs(bucket), rng2=np.zeros((2,), np.uint32),
-                     max_tokens=GEN, watch=False, slots=False, deliver=deliver))
+    _submit_text(sched, served_thread, i, deliver)
 
   try:
     for i in range(ROWS):
