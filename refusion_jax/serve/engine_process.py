@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import multiprocessing
 import signal
 import threading
@@ -73,7 +72,7 @@ def _child(c_dict: dict, commands, events) -> None:
   if cpus:
     # Before the first device is made: XLA sizes its CPU thread pool by the CPUs
     # this process may use.
-    os.sched_setaffinity(0, cpus)
+    serve.pin_process(cpus)
   send_lock = threading.Lock()
 
   def send(msg) -> None:
