@@ -205,6 +205,20 @@ def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
     serve_load.serve_config("m", "refusion", bad, 32)
 
 
+def test_serve_load_counts_the_responses_that_differ_and_where():
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+  want = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+  assert serve_load.mismatch(want, want) == (0, None)
+  # One differs at token 2, one is cut short after token 1: two differ, from token 1.
+  assert serve_load.mismatch([[5, 6, 0, 8], [9], [11, 12, 13]], want) == (2, 1)
+  assert serve_load.mismatch([[5, 6, 7, 8, 1], [9, 10], [4, 12, 13]], want) == (2, 0)
+  with pytest.raises(ValueError, match="2 responses against 3"):
+    serve_load.mismatch(want[:2], want)
+  assert serve_load._mismatch_text((0, None), (0, None), 3) == "yes"  # pylint: disable=protected-access
+  assert (serve_load._mismatch_text((2, 1), (0, None), 3)  # pylint: disable=protected-access
+          == "NO: server 2 of 3 (from token 1), loop 0 of 3")
+
+
 def test_serve_load_closed_loop_gives_each_prompt_its_offline_tokens():
   """The in-process closed loop, its clients started turns apart and together: every
   prompt answered once, with the offline engine's tokens, its passes counted, the
