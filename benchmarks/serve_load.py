@@ -50,14 +50,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -108,6 +111,12 @@ def parse_args(argv=None):
                  help="the in-process loop's clients start this many engine turns apart (0: "
                       "all at once; with fixed answer lengths they then stay in lockstep, "
                       "which the server's clients do not)")
+  p.add_argument("--compile_cache", default="auto",
+                 help="JAX's persistent compilation cache, shared by this process and the "
+                      "server's, so the server loads the programs the in-process loop "
+                      "compiled instead of compiling them again: a folder (kept), 'auto' (a "
+                      "temporary folder removed at the end; the one JAX already uses when "
+                      "set, as by JAX_COMPILATION_CACHE_DIR) or '' (none)")
   p.add_argument("--repeats", type=int, default=3,
                  help="server / offline runs alternated per level (medians reported)")
   args = p.parse_args(argv)
@@ -361,6 +370,8 @@ def start_server(model_dir, method, args, width) -> tuple[subprocess.Popen, str]
     line = proc.stderr.readline()
     if not line and proc.poll() is not None:
       raise RuntimeError(f"the server exited with {proc.returncode}")
+    if line.startswith("[serve] compiled"):  # the server's start-up, beside the loop's
+      print("[server process] " + line[len("[serve] "):].rstrip(), file=sys.stderr, flush=True)
     m = re.search(r"listening on (http://\S+)", line)
     if m:
       return proc, m.group(1)
@@ -464,8 +475,52 @@ async def load(url, prompts, clients: int, args, pids=(None, None)) -> tuple[flo
           tuple((b - a) / wall for a, b in zip(cpu0, cpu1)))
 
 
+@contextlib.contextmanager
+def compile_cache(setting: str):
+  """JAX's persistent compilation cache in `setting`'s folder (see --compile_cache), for
+  this process and, through the environment, the server it starts; every program is
+  kept, however quickly it compiled. Yields the folder, or None."""
+  import jax  # pylint: disable=import-outside-toplevel
+  folder, made = setting, None
+  if setting == "auto":
+    folder = (os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir
+              or None)
+    if folder is None:
+      folder = made = tempfile.mkdtemp(prefix="serve_load_cache_")
+  if not folder:
+    yield None
+    return
+  names = {"JAX_COMPILATION_CACHE_DIR": folder,
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  saved = {k: os.environ.get(k) for k in names}
+  before = {k.lower(): getattr(jax.config, k.lower()) for k in names}
+  os.environ.update(names)
+  jax.config.update("jax_compilation_cache_dir", folder)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  try:
+    yield folder
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+    for k, v in before.items():
+      jax.config.update(k, v)
+    if made:
+      shutil.rmtree(made, ignore_errors=True)
+
+
 def main(argv=None) -> list[dict]:
   args = parse_args(argv)
+  with compile_cache(args.compile_cache) as folder:
+    args.compile_cache = folder
+    return _main(args)
+
+
+def _main(args) -> list[dict]:
   import jax  # pylint: disable=import-outside-toplevel
   from refusion_jax import sample  # pylint: disable=import-outside-toplevel
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
@@ -489,7 +544,9 @@ def main(argv=None) -> list[dict]:
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
         f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), row_counts "
         f"{args.row_counts!r}{', ' + args.server_flags if args.server_flags else ''}, {args.repeats} "
-        "alternated repeats per level")
+        "alternated repeats per level; "
+        + ("compilation cache shared with the server" if args.compile_cache else
+           "no compilation cache"))
   rows_out = []
   for method, model_dir in models:
     model_config, model = sample.load_model(model_dir)

@@ -1,5 +1,7 @@
 """The benchmark scripts run and report well-formed rows (their numbers are not checked)."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -217,6 +219,45 @@ def test_serve_load_counts_the_responses_that_differ_and_where():
   assert serve_load._mismatch_text((0, None), (0, None), 3) == "yes"  # pylint: disable=protected-access
   assert (serve_load._mismatch_text((2, 1), (0, None), 3)  # pylint: disable=protected-access
           == "NO: server 2 of 3 (from token 1), loop 0 of 3")
+
+
+def test_serve_load_shares_a_compilation_cache_with_its_server_and_cleans_up(tmp_path,
+                                                                          monkeypatch):
+  """'auto' makes a temporary folder that the server's environment names and removes it
+  afterwards (or takes the folder JAX already uses); a folder given is kept; '' sets
+  nothing. The settings are restored."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  suite_cache = jax.config.jax_compilation_cache_dir  # the suite's own, if any
+  jax.config.update("jax_compilation_cache_dir", None)
+  try:
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    with serve_load.compile_cache("auto") as folder:
+      assert os.path.isdir(folder) and os.environ["JAX_COMPILATION_CACHE_DIR"] == folder
+      assert os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+      assert jax.config.jax_compilation_cache_dir == folder
+      assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    assert not os.path.exists(folder) and "JAX_COMPILATION_CACHE_DIR" not in os.environ
+    assert jax.config.jax_compilation_cache_dir is None
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == before
+    with serve_load.compile_cache(str(tmp_path / "cache")) as folder:
+      os.makedirs(folder)
+    assert os.path.isdir(tmp_path / "cache")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "theirs"))
+    with serve_load.compile_cache("auto") as folder:
+      assert folder == str(tmp_path / "theirs")
+    assert os.environ["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "theirs")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "configured"))
+    with serve_load.compile_cache("auto") as folder:
+      assert folder == str(tmp_path / "configured")
+      assert os.environ["JAX_COMPILATION_CACHE_DIR"] == folder  # the server's too
+    assert "JAX_COMPILATION_CACHE_DIR" not in os.environ
+  finally:
+    jax.config.update("jax_compilation_cache_dir", suite_cache)
+  with serve_load.compile_cache("") as folder:
+    assert folder is None
 
 
 def test_serve_load_closed_loop_gives_each_prompt_its_offline_tokens():
