@@ -23,6 +23,7 @@ def get_config():
   c.port = 8000  # TCP port (0 = any free port, printed at start-up)
   c.engine = "process"  # the engine loop in its own process ("thread": in the server's)
   c.engine_cpus = ""  # CPUs of the engine process, e.g. "1" or "2-7" ("": all); HTTP gets the rest
+  c.compile_cache_dir = ""  # compiled programs kept here, loaded on a restart ("": JAX default)
   c.rows = 16  # engine rows per lane: requests decoded at once
   c.max_prompt_len = 256  # prompt width of every compiled program (longer prompts get a 400)
   c.buckets = ""  # more compiled shapes, "method:gen_length:slot_size:block_size,..." (ar: "ar:G")

@@ -739,6 +739,9 @@ def test_waiting_for_returning_clients_changes_no_token(served_thread):
     ("engine_cpus", "100000", "--config.engine_cpus names CPU(s) [100000] this process may "
                               "not run on"),
     ("request_timeout_s", 0.0, "--config.request_timeout_s must be a positive number"),
+    ("compile_cache_dir", __file__, "is a file, not a folder"),
+    ("compile_cache_dir", os.path.join(__file__, "cache"),
+     f"cannot be made: {__file__!r} is not a folder this process may write to"),
 ])
 def test_bad_server_flags_are_named_before_loading(oracle, field, value, needle):
   c = serve_config.get_config()
@@ -836,13 +839,19 @@ def test_engine_cpus_on_a_platform_that_cannot_pin(monkeypatch):
     serve.parse_cpus("1")
 
 
-def test_engine_process_runs_on_its_cpus_and_http_on_the_rest(oracle):
+def test_engine_process_runs_on_its_cpus_and_http_on_the_rest(oracle, tmp_path):
+  """Also: the engine process keeps the programs it compiles in --config.compile_cache_dir
+  (made if missing), each of them, however quickly it compiled."""
   allowed = set(os.sched_getaffinity(0))
   engine_cpu = max(allowed)
+  cache = tmp_path / "cache" / "serve"
   try:
     info, stop = _serving(oracle, "process", row_counts="", rows=1, buckets="",
-                          engine_cpus=str(engine_cpu))
+                          engine_cpus=str(engine_cpu), compile_cache_dir=str(cache))
     try:
+      kept = os.listdir(cache)
+      for name in ("_engine_admit", "_engine_run", "_live_read", "_free_rows"):
+        assert any(f.startswith(f"jit_{name}-") for f in kept), (name, kept)
       pid = info["server"].scheduler._proc.pid  # pylint: disable=protected-access
       assert os.sched_getaffinity(pid) == {engine_cpu}
       # Every thread of the HTTP side keeps off the engine's CPU, unless that is the

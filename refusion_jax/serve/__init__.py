@@ -55,6 +55,7 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
     raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
   parse_row_counts(c.row_counts, c.rows, "cpu")
   parse_admit_widths(c.admit_widths, c.max_prompt_len)
+  check_compile_cache(c.compile_cache_dir)
   if c.engine not in ("process", "thread"):
     raise ValueError(f"--config.engine must be \"process\" or \"thread\", got {c.engine!r}")
   if parse_cpus(c.engine_cpus) and c.engine != "process":
@@ -112,6 +113,36 @@ def parse_admit_widths(text, width: int) -> tuple[int, ...]:
                        "max_prompt_len", width, auto)
 
 
+def check_compile_cache(folder) -> None:
+  """`--config.compile_cache_dir`: "" or a folder that is (or can be made) a directory."""
+  if not isinstance(folder, str):
+    raise ValueError(f"--config.compile_cache_dir must be a folder path (\"\": none), got "
+                     f"{folder!r}")
+  if folder and os.path.exists(folder) and not os.path.isdir(folder):
+    raise ValueError(f"--config.compile_cache_dir={folder!r} is a file, not a folder")
+  if folder and not os.path.isdir(folder):
+    parent = os.path.dirname(os.path.abspath(folder))
+    while not os.path.exists(parent):
+      parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+      raise ValueError(f"--config.compile_cache_dir={folder!r} cannot be made: {parent!r} "
+                       "is not a folder this process may write to")
+
+
+def use_compile_cache(folder: str) -> None:
+  """Keeps every program this process compiles in `folder` (JAX's persistent
+  compilation cache, however quickly the program compiled) and loads those found
+  there instead of compiling them. Call it before the process compiles anything:
+  JAX opens its cache once. "" leaves JAX's own setting (JAX_COMPILATION_CACHE_DIR)."""
+  if not folder:
+    return
+  import jax  # pylint: disable=import-outside-toplevel
+  os.makedirs(folder, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", folder)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
   """The model loaded and its `Scheduler`, every bucket compiled (the engine thread
   not started). Runs in the engine process under `--config.engine=process`."""
@@ -119,6 +150,7 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
   from refusion_jax import sample  # pylint: disable=import-outside-toplevel
   from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
   check_flags(c)
+  use_compile_cache(c.compile_cache_dir)  # before loading: that may compile already
   configs = decode_configs(c)
   t = time.perf_counter()
   model_config, model = sample.load_model(c.model_dir, c.get("scan_layers"))
