@@ -592,6 +592,41 @@ def test_live_batch_read_later_is_a_snapshot_of_its_dispatch_point(models):
     assert int(done.nfe_b[r]) == counters["nfe_b"]
 
 
+def test_live_batch_free_runs_no_program_and_the_next_run_frees(models):
+  """`free` dispatches nothing: a read shows the rows free at once (a read dispatched
+  before it does not), the next run frees them on the device (a row cancelled
+  mid-decode runs no further pass), and an admission into a freed row decodes it."""
+  model, dc = models["ar"], _CONFIGS["ar"]
+  prompts = [p[:8] for p in _prompts(np.random.RandomState(3), 3)]
+  live = engine.LiveBatch(engine.Decoder(model, dc), 2, 8)
+  live.admit(prompts[:2], [0, 1], np.zeros((2, 2), np.uint32))
+  live.run(1, stop_on_done=False)
+  before_free = live.read_later()
+  state = live.state
+  live.free([1])  # cancelled mid-decode
+  assert live.state is state  # nothing dispatched
+  snap = live.read()
+  assert snap.phase_b.tolist() == [engine.FIRST_PHASE, engine.FREE]
+  assert before_free().phase_b.tolist() == [engine.FIRST_PHASE] * 2
+  live.run(1, stop_on_done=False)
+  snap = live.read()
+  assert snap.passes == 2 and snap.phase_b[1] == engine.FREE
+  assert int(snap.nfe_b[1]) == 2  # its admission's token and the pass before the free
+  assert int(snap.nfe_b[0]) == 3
+  live.free([1])
+  live.admit(prompts[2:], [1], np.zeros((1, 2), np.uint32))  # rewrites the row: not freed
+  live.run(None, stop_on_done=False)
+  done = live.read()
+  assert (done.phase_b == engine.DONE).all()
+  for r, p in ((0, prompts[0]), (1, prompts[2])):
+    tokens, counters = _single(model, dc, p)
+    assert done.tokens_bg[r, :int(done.length_b[r])].tolist() == tokens
+    assert int(done.nfe_b[r]) == counters["nfe_b"]
+  for bad in ([2], [-1], [0.5]):
+    with pytest.raises(ValueError, match=r"free: rows \[.*\] are not rows of this batch"):
+      live.free(bad)
+
+
 @pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
 def test_live_batch_passes_over_the_busy_rows_only_equal_full_passes(models, method):
   """Prompts joining and leaving a 6-row batch whose passes run over the busy rows

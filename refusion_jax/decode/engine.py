@@ -321,9 +321,11 @@ def _engine_admit(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
                    donate_argnames=("state",))
 def _engine_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes=None,
-                place: Placement | None = None):
-  """The loop; with a (traced) `max_passes` it also returns after that many passes."""
+                place: Placement | None = None, free_b=None):
+  """The loop; with a (traced) `max_passes` it also returns after that many passes.
+  `free_b` (optional): rows freed first (`LiveBatch.free`, taken into the next run)."""
   model = _merge(graphdef, params)
+  state = _freed(state, free_b)
   limit = None if max_passes is None else state.passes + max_passes
   return _placed(_loop(model, program(spec.method), spec, state, knobs, stop_on_done, limit),
                  place)
@@ -359,11 +361,13 @@ def put_rows(state, sub, idx_n):
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
                    donate_argnames=("state",))
 def _engine_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, max_passes,
-                     place: Placement | None = None):
-  """`_engine_run` over rows `idx_n` only (the others must be free or idle): a pass then
-  costs what a pass over `len(idx_n)` rows costs. Rows are independent, so each row's
-  tokens and passes are those of a run over every row."""
+                     place: Placement | None = None, free_b=None):
+  """`_engine_run` over rows `idx_n` only (the others must be free or idle once the rows
+  in `free_b` are freed): a pass then costs what a pass over `len(idx_n)` rows costs.
+  Rows are independent, so each row's tokens and passes are those of a run over every
+  row."""
   model = _merge(graphdef, params)
+  state = _freed(state, free_b)
   sub = take_rows(state, idx_n)
   sub = _loop(model, program(spec.method), spec, sub, knobs, stop_on_done,
               sub.passes + max_passes)
@@ -411,20 +415,21 @@ def _output_like(state, knobs, spec):
   return jax.eval_shape(functools.partial(_output_tree, spec=spec), state, knobs)
 
 
-@functools.partial(jax.jit, static_argnames=("place",), donate_argnames=("state",))
-def _free_rows(state, free_b, place: Placement | None = None):
-  """Frees the rows where `free_b` is set (a finished row once its result is taken, or a
-  cancelled one mid-decode: admission rewrites everything a row holds)."""
+def _freed(state, free_b):
+  """`state` with the rows where `free_b` is set freed (a finished row once its result is
+  taken, or a cancelled one mid-decode: admission rewrites everything a row holds, so
+  freeing only sets the phase). None: no row."""
+  if free_b is None:
+    return state
   phase_b = jnp.where(free_b, FREE, state.rows.phase_b)
-  return _placed(state.replace(rows=state.rows.replace(phase_b=phase_b)), place)
+  return state.replace(rows=state.rows.replace(phase_b=phase_b))
 
 
 def compiled_programs() -> dict[str, int]:
   """Compiled programs so far, per entry point (tests prove reuse with it)."""
   return {"generate": _generate._cache_size(), "run": _engine_run._cache_size(),
           "run_rows": _engine_run_rows._cache_size(),
-          "admit": _engine_admit._cache_size(), "read": _live_read._cache_size(),
-          "free": _free_rows._cache_size()}
+          "admit": _engine_admit._cache_size(), "read": _live_read._cache_size()}
 
 
 # --- host side ----------------------------------------------------------------------------
@@ -735,8 +740,8 @@ class PendingRead:
   gives the `Snapshot`; `ready()` says, without waiting, whether the passes it
   follows have run and it can be taken at once."""
 
-  def __init__(self, packed: jax.Array, like):
-    self._packed, self._like = packed, like
+  def __init__(self, packed: jax.Array, like, freed_b: np.ndarray | None = None):
+    self._packed, self._like, self._freed_b = packed, like, freed_b
 
   def ready(self) -> bool:
     return self._packed.is_ready()
@@ -747,6 +752,8 @@ class PendingRead:
 
   def __call__(self) -> Snapshot:
     tokens, commit, length, nfe, phase, passes = _unpack32(np.asarray(self._packed), self._like)
+    if self._freed_b is not None:  # freed since the last run: the next run frees them
+      phase = np.where(self._freed_b, FREE, phase).astype(phase.dtype)
     return Snapshot(tokens_bg=tokens, commit_step_bg=commit, length_b=length,
                     phase_b=phase, passes=int(passes), nfe_b=nfe)
 
@@ -804,6 +811,9 @@ class LiveBatch:
     if d.place is None and leaves and hasattr(leaves[0], "sharding"):
       state = jax.device_put(state, leaves[0].sharding)
     self.state = state
+    # Rows freed since the last run: that run frees them first (no program of their
+    # own); a read shows them free, an admission rewrites them.
+    self._free_b = np.zeros((rows,), bool)
     self._read_like = jax.eval_shape(functools.partial(_read_tree, spec=d.spec), state,
                                      self.knobs)
 
@@ -849,6 +859,7 @@ class LiveBatch:
       pids_a[j] = 0 if pids is None else pids[j]
     self.state = _engine_admit(d.static, d.params, self.state, ids_ap, lens_a, rows_a,
                                pids_a, keys_a2, self.knobs, spec=d.spec, place=d.place)
+    self._free_b[list(rows)] = False  # rewritten: nothing left to free
 
   def run(self, max_passes: int | None = None, stop_on_done: bool = True,
           busy: Sequence[int] | None = None) -> None:
@@ -864,16 +875,18 @@ class LiveBatch:
     limit = np.int32(1 << 30 if max_passes is None else min(max_passes, 1 << 30))
     n = self._row_count(len(busy)) if busy is not None else self.rows
     self.runs_by_rows[n] += 1
+    free_b, self._free_b = self._free_b, np.zeros((self.rows,), bool)
     if n < self.rows:
       taken = set(busy)
       idx = list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)]
       self.state = _engine_run_rows(d.static, d.params, self.state, self.knobs,
                                     np.bool_(stop_on_done), np.asarray(idx, np.int32),
-                                    spec=d.spec, max_passes=limit, place=d.place)
+                                    spec=d.spec, max_passes=limit, place=d.place,
+                                    free_b=free_b)
       return
     self.state = _engine_run(d.static, d.params, self.state, self.knobs,
                              np.bool_(stop_on_done), spec=d.spec, max_passes=limit,
-                             place=d.place)
+                             place=d.place, free_b=free_b)
 
   def _row_count(self, busy: int) -> int:
     return min([n for n in self.row_counts if n >= busy] or [self.rows])
@@ -889,14 +902,18 @@ class LiveBatch:
     them while the host reads): the snapshot is still of this point."""
     packed = _live_read(self.state, self.knobs, spec=self.decoder.spec)
     packed.copy_to_host_async()
-    return PendingRead(packed, self._read_like)
+    return PendingRead(packed, self._read_like,
+                       self._free_b.copy() if self._free_b.any() else None)
 
   def free(self, rows: Sequence[int]) -> None:
-    if len(rows) == 0:
-      return
-    free_b = np.zeros((self.rows,), bool)
-    free_b[list(rows)] = True
-    self.state = _free_rows(self.state, free_b, place=self.decoder.place)
+    """Releases `rows` (finished, or cancelled mid-decode). No program runs for it: the
+    next `run` frees them before its first pass, a read shows them free at once, and
+    an admission into one rewrites it."""
+    rows = list(rows)
+    bad = [r for r in rows if not isinstance(r, (int, np.integer)) or not 0 <= r < self.rows]
+    if bad:
+      raise ValueError(f"free: rows {bad} are not rows of this batch (0 to {self.rows - 1})")
+    self._free_b[rows] = True
 
   def warm_up(self) -> None:
     """Compiles every program this batch calls (padding rows only: nothing runs)."""
@@ -911,7 +928,6 @@ class LiveBatch:
     for n in self.row_counts:
       self.run(1, busy=list(range(n)))
     self.read()
-    self.state = _free_rows(self.state, np.zeros((self.rows,), bool), place=d.place)
     jax.block_until_ready(self.state)
     self.runs_by_rows.clear()  # counts runs that decode, not these
     self.admits_by_width.clear()
