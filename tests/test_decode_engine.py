@@ -627,6 +627,36 @@ def test_live_batch_free_runs_no_program_and_the_next_run_frees(models):
       live.free(bad)
 
 
+def test_live_batch_read_after_a_run_is_the_runs_own_output(models, monkeypatch):
+  """A read right after a run (or after frees since) takes the rows the run program
+  packed as it ended: no read program runs, and the snapshot equals the read
+  program's. After an admission the read runs its own program."""
+  model, dc = models["refusion"], _CONFIGS["refusion"]
+  prompts = [p[:8] for p in _prompts(np.random.RandomState(9), 3)]
+  live = engine.LiveBatch(engine.Decoder(model, dc), 3, 8, row_counts=(2,))
+  real, calls = engine._live_read, []  # pylint: disable=protected-access
+  monkeypatch.setattr(engine, "_live_read", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+  def own_read():
+    packed = real(live.state, live.knobs, spec=live.decoder.spec)
+    return engine.PendingRead(packed, live._read_like)()  # pylint: disable=protected-access
+
+  live.admit(prompts[:2], [0, 1], np.zeros((2, 2), np.uint32))
+  live.read()
+  assert len(calls) == 1  # after an admission: a read program
+  for busy in ([0, 1], None):  # a run over 2 of the rows, then over all 3
+    live.run(1, stop_on_done=False, busy=busy)
+    snap, want = live.read(), own_read()
+    assert len(calls) == 1, busy
+    for field in ("tokens_bg", "commit_step_bg", "length_b", "phase_b", "nfe_b"):
+      np.testing.assert_array_equal(getattr(snap, field), getattr(want, field))
+    assert snap.passes == want.passes
+  live.free([1])
+  assert live.read().phase_b[1] == engine.FREE and len(calls) == 1
+  live.admit(prompts[2:], [2], np.zeros((1, 2), np.uint32))
+  assert live.read().phase_b[2] != engine.FREE and len(calls) == 2
+
+
 @pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
 def test_live_batch_passes_over_the_busy_rows_only_equal_full_passes(models, method):
   """Prompts joining and leaving a 6-row batch whose passes run over the busy rows

@@ -850,7 +850,7 @@ def test_engine_process_runs_on_its_cpus_and_http_on_the_rest(oracle, tmp_path):
                           engine_cpus=str(engine_cpu), compile_cache_dir=str(cache))
     try:
       kept = os.listdir(cache)
-      for name in ("_engine_admit", "_engine_run", "_live_read"):
+      for name in ("_engine_admit", "_live_run", "_live_read"):
         assert any(f.startswith(f"jit_{name}-") for f in kept), (name, kept)
       pid = info["server"].scheduler._proc.pid  # pylint: disable=protected-access
       assert os.sched_getaffinity(pid) == {engine_cpu}

@@ -429,7 +429,8 @@ def compiled_programs() -> dict[str, int]:
   """Compiled programs so far, per entry point (tests prove reuse with it)."""
   return {"generate": _generate._cache_size(), "run": _engine_run._cache_size(),
           "run_rows": _engine_run_rows._cache_size(),
-          "admit": _engine_admit._cache_size(), "read": _live_read._cache_size()}
+          "admit": _engine_admit._cache_size(), "read": _live_read._cache_size(),
+          "live_run": _live_run._cache_size(), "live_run_rows": _live_run_rows._cache_size()}
 
 
 # --- host side ----------------------------------------------------------------------------
@@ -717,6 +718,27 @@ def _live_read(state, knobs, spec):
   return _pack32(_read_tree(state, knobs, spec))
 
 
+# `LiveBatch`'s runs: the run, and what a read after it gives (packed), in one program,
+# so that a read right after a run needs no program of its own.
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
+                   donate_argnames=("state",))
+def _live_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes, free_b,
+              place: Placement | None = None):
+  state = _engine_run.__wrapped__(graphdef, params, state, knobs, stop_on_done, spec,
+                                  max_passes, place, free_b)
+  return state, _pack32(_read_tree(state, knobs, spec))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
+                   donate_argnames=("state",))
+def _live_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, max_passes,
+                   free_b, place: Placement | None = None):
+  state = _engine_run_rows.__wrapped__(graphdef, params, state, knobs, stop_on_done, idx_n,
+                                       spec, max_passes, place, free_b)
+  return state, _pack32(_read_tree(state, knobs, spec))
+
+
 @dataclasses.dataclass
 class Snapshot:
   """A `LiveBatch`'s rows as the host reads them between runs (numpy)."""
@@ -814,6 +836,8 @@ class LiveBatch:
     # Rows freed since the last run: that run frees them first (no program of their
     # own); a read shows them free, an admission rewrites them.
     self._free_b = np.zeros((rows,), bool)
+    # The last run's read of every row (packed), while nothing but frees came after it.
+    self._after_run = None
     self._read_like = jax.eval_shape(functools.partial(_read_tree, spec=d.spec), state,
                                      self.knobs)
 
@@ -860,6 +884,7 @@ class LiveBatch:
     self.state = _engine_admit(d.static, d.params, self.state, ids_ap, lens_a, rows_a,
                                pids_a, keys_a2, self.knobs, spec=d.spec, place=d.place)
     self._free_b[list(rows)] = False  # rewritten: nothing left to free
+    self._after_run = None
 
   def run(self, max_passes: int | None = None, stop_on_done: bool = True,
           busy: Sequence[int] | None = None) -> None:
@@ -879,14 +904,16 @@ class LiveBatch:
     if n < self.rows:
       taken = set(busy)
       idx = list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)]
-      self.state = _engine_run_rows(d.static, d.params, self.state, self.knobs,
-                                    np.bool_(stop_on_done), np.asarray(idx, np.int32),
-                                    spec=d.spec, max_passes=limit, place=d.place,
-                                    free_b=free_b)
-      return
-    self.state = _engine_run(d.static, d.params, self.state, self.knobs,
-                             np.bool_(stop_on_done), spec=d.spec, max_passes=limit,
-                             place=d.place, free_b=free_b)
+      self.state, packed = _live_run_rows(d.static, d.params, self.state, self.knobs,
+                                          np.bool_(stop_on_done), np.asarray(idx, np.int32),
+                                          spec=d.spec, max_passes=limit, free_b=free_b,
+                                          place=d.place)
+    else:
+      self.state, packed = _live_run(d.static, d.params, self.state, self.knobs,
+                                     np.bool_(stop_on_done), spec=d.spec, max_passes=limit,
+                                     free_b=free_b, place=d.place)
+    packed.copy_to_host_async()
+    self._after_run = packed  # what a read gives until an admission changes the rows
 
   def _row_count(self, busy: int) -> int:
     return min([n for n in self.row_counts if n >= busy] or [self.rows])
@@ -900,8 +927,10 @@ class LiveBatch:
     far, without waiting; the `PendingRead` returned waits for it when called and
     gives the `Snapshot`. More passes may be dispatched in between (the device then runs
     them while the host reads): the snapshot is still of this point."""
-    packed = _live_read(self.state, self.knobs, spec=self.decoder.spec)
-    packed.copy_to_host_async()
+    packed = self._after_run
+    if packed is None:  # an admission since the last run (or none yet): read the rows
+      packed = _live_read(self.state, self.knobs, spec=self.decoder.spec)
+      packed.copy_to_host_async()
     return PendingRead(packed, self._read_like,
                        self._free_b.copy() if self._free_b.any() else None)
 
@@ -927,7 +956,8 @@ class LiveBatch:
     self.run(1)
     for n in self.row_counts:
       self.run(1, busy=list(range(n)))
-    self.read()
+    self._after_run = None
+    self.read()  # the read of its own (after an admission)
     jax.block_until_ready(self.state)
     self.runs_by_rows.clear()  # counts runs that decode, not these
     self.admits_by_width.clear()

@@ -496,6 +496,11 @@ class Scheduler:
         return
       try:
         self._route()
+        # A lane's run in flight carries the read of its rows after it: taken before
+        # this turn's admissions (which it does not show: `_collect` skips their rows),
+        # it needs no program of its own.
+        reads = {id(lane): (lane.batch.read_later(), lane.admissions)
+                 for lane in self._lanes.values() if lane.inflight and lane.busy()}
         for lane in self._lanes.values():
           self._cancel_and_admit(lane)
         busy = [lane for lane in self._lanes.values() if lane.busy()]
@@ -513,7 +518,7 @@ class Scheduler:
             lane.batch.run(self._max_passes(lane, len(busy)), busy=lane.rows_in_use())
             lane.inflight = True
         for lane in busy:
-          read, admissions = lane.batch.read_later(), lane.admissions
+          read, admissions = reads.get(id(lane)) or (lane.batch.read_later(), lane.admissions)
           go = lambda lane=lane: lane.busy() and not self._hold.is_set() and not self._stop
           ahead = lane.busy() < len(lane.jobs) and go()
           if ahead:
