@@ -926,7 +926,8 @@ class LiveBatch:
     """Dispatches the read of every row as it stands after what was dispatched so
     far, without waiting; the `PendingRead` returned waits for it when called and
     gives the `Snapshot`. More passes may be dispatched in between (the device then runs
-    them while the host reads): the snapshot is still of this point."""
+    them while the host reads): the snapshot is still of this point. Right after a
+    run (or frees since) it is that run's own packed output, and no program runs."""
     packed = self._after_run
     if packed is None:  # an admission since the last run (or none yet): read the rows
       packed = _live_read(self.state, self.knobs, spec=self.decoder.spec)
