@@ -216,9 +216,9 @@ def test_serve_load_counts_the_responses_that_differ_and_where():
   assert serve_load.mismatch([[5, 6, 7, 8, 1], [9, 10], [4, 12, 13]], want) == (2, 0)
   with pytest.raises(ValueError, match="2 responses against 3"):
     serve_load.mismatch(want[:2], want)
-  assert serve_load._mismatch_text((0, None), (0, None), 3) == "yes"  # pylint: disable=protected-access
-  assert (serve_load._mismatch_text((2, 1), (0, None), 3)  # pylint: disable=protected-access
-          == "NO: server 2 of 3 (from token 1), loop 0 of 3")
+  text = serve_load._mismatch_text  # pylint: disable=protected-access
+  assert text((0, None), (0, None), 3) == "yes"
+  assert text((2, 1), (0, None), 3) == "NO: server 2 of 3 (from token 1), loop 0 of 3"
 
 
 def test_serve_load_shares_a_compilation_cache_with_its_server_and_cleans_up(tmp_path,
