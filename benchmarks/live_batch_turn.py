@@ -9,8 +9,9 @@ bound how fast it can turn. Per method this prints:
   only once the pass ran, so a run dispatched ahead of a read overlaps
   nothing; on a CPU it returns at once);
 - what a read costs once the pass is done: as `LiveBatch.read` does it (every
-  field packed in one array, one device-to-host copy) and one copy per field,
-  as the engine read before (the same values; checked each trial).
+  field packed in one array, which right after a run the run program itself
+  packed: one device-to-host copy, no program) and one copy per field, as the
+  engine read before (the same values; checked each trial).
 
   python benchmarks/live_batch_turn.py          # the main job's models when present
   python benchmarks/live_batch_turn.py --model_dir DIR --methods refusion
