@@ -131,6 +131,7 @@ def parse_args(argv=None):
   if args.loop_stagger < 0:
     p.error(f"--loop_stagger must be >= 0 (engine turns), got {args.loop_stagger}")
   args.methods = [m for m in args.methods.split(",") if m]
+  args.cache_dir = None  # the folder --compile_cache names, once `main` has made it
   unknown = sorted(set(args.methods) - set(MAIN_JOB))
   if unknown or not args.methods:
     p.error(f"--methods: {unknown or 'none given'}; choose from refusion, ar, mdm")
@@ -211,7 +212,8 @@ def server_fields(model_dir, method, args, width) -> dict:
           "decode.slot_size": slot, "decode.block_size": block,
           "decode.slot_threshold": args.slot_threshold,
           "decode.token_threshold": args.token_threshold, "decode.ignore_eos": args.ignore_eos,
-          **({} if args.kv_chunk is None else {"decode.kv_chunk": args.kv_chunk})}
+          **({} if args.kv_chunk is None else {"decode.kv_chunk": args.kv_chunk}),
+          **({"compile_cache_dir": args.cache_dir} if args.cache_dir else {})}
 
 
 def serve_config(model_dir, method, args, width):
@@ -477,10 +479,12 @@ async def load(url, prompts, clients: int, args, pids=(None, None)) -> tuple[flo
 
 @contextlib.contextmanager
 def compile_cache(setting: str):
-  """JAX's persistent compilation cache in `setting`'s folder (see --compile_cache), for
-  this process and, through the environment, the server it starts; every program is
-  kept, however quickly it compiled. Yields the folder, or None."""
+  """JAX's persistent compilation cache in `setting`'s folder (see --compile_cache) for
+  this process, as the server's `--config.compile_cache_dir` sets it (every program
+  kept, however quickly it compiled); JAX's settings are restored afterwards. Yields
+  the folder, or None; `server_fields` hands it to the server."""
   import jax  # pylint: disable=import-outside-toplevel
+  from refusion_jax import serve  # pylint: disable=import-outside-toplevel
   folder, made = setting, None
   if setting == "auto":
     folder = (os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir
@@ -490,23 +494,13 @@ def compile_cache(setting: str):
   if not folder:
     yield None
     return
-  names = {"JAX_COMPILATION_CACHE_DIR": folder,
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-  saved = {k: os.environ.get(k) for k in names}
-  before = {k.lower(): getattr(jax.config, k.lower()) for k in names}
-  os.environ.update(names)
-  jax.config.update("jax_compilation_cache_dir", folder)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  before = {k: getattr(jax.config, k) for k in (
+      "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+      "jax_persistent_cache_min_entry_size_bytes")}
+  serve.use_compile_cache(folder)
   try:
     yield folder
   finally:
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
     for k, v in before.items():
       jax.config.update(k, v)
     if made:
@@ -516,7 +510,7 @@ def compile_cache(setting: str):
 def main(argv=None) -> list[dict]:
   args = parse_args(argv)
   with compile_cache(args.compile_cache) as folder:
-    args.compile_cache = folder
+    args.cache_dir = folder
     return _main(args)
 
 
@@ -545,7 +539,7 @@ def _main(args) -> list[dict]:
         f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), row_counts "
         f"{args.row_counts!r}{', ' + args.server_flags if args.server_flags else ''}, {args.repeats} "
         "alternated repeats per level; "
-        + ("compilation cache shared with the server" if args.compile_cache else
+        + ("compilation cache shared with the server" if args.cache_dir else
            "no compilation cache"))
   rows_out = []
   for method, model_dir in models:
@@ -605,7 +599,6 @@ def _main(args) -> list[dict]:
                # (server, loop): each side's repeat with the most responses that differ
                "mismatch": (max((p[7] for p in pairs), key=lambda m: m[0]),
                             max((p[6] for p in pairs), key=lambda m: m[0]))}
-        row["same_tokens"] = not row["mismatch"][0][0] and not row["mismatch"][1][0]
         rows_out.append(row)
         print(f"  {method} clients {clients}: {row['tok_s']:,.0f} tok/s "
               f"({row['ratio']:.2f}x offline)", file=sys.stderr, flush=True)

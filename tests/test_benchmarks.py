@@ -223,7 +223,7 @@ def test_serve_load_counts_the_responses_that_differ_and_where():
 
 def test_serve_load_shares_a_compilation_cache_with_its_server_and_cleans_up(tmp_path,
                                                                           monkeypatch):
-  """'auto' makes a temporary folder that the server's environment names and removes it
+  """'auto' makes a temporary folder, which the server's config names, and removes it
   afterwards (or takes the folder JAX already uses); a folder given is kept; '' sets
   nothing. The settings are restored."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -231,18 +231,26 @@ def test_serve_load_shares_a_compilation_cache_with_its_server_and_cleans_up(tmp
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
   suite_cache = jax.config.jax_compilation_cache_dir  # the suite's own, if any
   jax.config.update("jax_compilation_cache_dir", None)
+
+  def servers_folder(folder):
+    args = serve_load.parse_args([])
+    assert "compile_cache_dir" not in serve_load.server_fields("m", "ar", args, 32)
+    args.cache_dir = folder
+    assert f"--config.compile_cache_dir={folder}" in serve_load.server_command("m", "ar", args,
+                                                                                  32)
+    return serve_load.serve_config("m", "ar", args, 32).compile_cache_dir
+
   try:
     before = jax.config.jax_persistent_cache_min_compile_time_secs
     with serve_load.compile_cache("auto") as folder:
-      assert os.path.isdir(folder) and os.environ["JAX_COMPILATION_CACHE_DIR"] == folder
-      assert os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+      assert os.path.isdir(folder) and servers_folder(folder) == folder
       assert jax.config.jax_compilation_cache_dir == folder
       assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
     assert not os.path.exists(folder) and "JAX_COMPILATION_CACHE_DIR" not in os.environ
     assert jax.config.jax_compilation_cache_dir is None
     assert jax.config.jax_persistent_cache_min_compile_time_secs == before
     with serve_load.compile_cache(str(tmp_path / "cache")) as folder:
-      os.makedirs(folder)
+      assert os.path.isdir(folder)  # made
     assert os.path.isdir(tmp_path / "cache")
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "theirs"))
     with serve_load.compile_cache("auto") as folder:
@@ -252,7 +260,7 @@ def test_serve_load_shares_a_compilation_cache_with_its_server_and_cleans_up(tmp
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "configured"))
     with serve_load.compile_cache("auto") as folder:
       assert folder == str(tmp_path / "configured")
-      assert os.environ["JAX_COMPILATION_CACHE_DIR"] == folder  # the server's too
+      assert servers_folder(folder) == folder  # the server's too
     assert "JAX_COMPILATION_CACHE_DIR" not in os.environ
   finally:
     jax.config.update("jax_compilation_cache_dir", suite_cache)
