@@ -321,11 +321,9 @@ def _engine_admit(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
                    donate_argnames=("state",))
 def _engine_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes=None,
-                place: Placement | None = None, free_b=None):
-  """The loop; with a (traced) `max_passes` it also returns after that many passes.
-  `free_b` (optional): rows freed first (`LiveBatch.free`, taken into the next run)."""
+                place: Placement | None = None):
+  """The loop; with a (traced) `max_passes` it also returns after that many passes."""
   model = _merge(graphdef, params)
-  state = _freed(state, free_b)
   limit = None if max_passes is None else state.passes + max_passes
   return _placed(_loop(model, program(spec.method), spec, state, knobs, stop_on_done, limit),
                  place)
@@ -361,13 +359,11 @@ def put_rows(state, sub, idx_n):
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
                    donate_argnames=("state",))
 def _engine_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, max_passes,
-                     place: Placement | None = None, free_b=None):
-  """`_engine_run` over rows `idx_n` only (the others must be free or idle once the rows
-  in `free_b` are freed): a pass then costs what a pass over `len(idx_n)` rows costs.
-  Rows are independent, so each row's tokens and passes are those of a run over every
-  row."""
+                     place: Placement | None = None):
+  """`_engine_run` over rows `idx_n` only (the others must be free or idle): a pass then
+  costs what a pass over `len(idx_n)` rows costs. Rows are independent, so each row's
+  tokens and passes are those of a run over every row."""
   model = _merge(graphdef, params)
-  state = _freed(state, free_b)
   sub = take_rows(state, idx_n)
   sub = _loop(model, program(spec.method), spec, sub, knobs, stop_on_done,
               sub.passes + max_passes)
@@ -418,9 +414,7 @@ def _output_like(state, knobs, spec):
 def _freed(state, free_b):
   """`state` with the rows where `free_b` is set freed (a finished row once its result is
   taken, or a cancelled one mid-decode: admission rewrites everything a row holds, so
-  freeing only sets the phase). None: no row."""
-  if free_b is None:
-    return state
+  freeing only sets the phase)."""
   phase_b = jnp.where(free_b, FREE, state.rows.phase_b)
   return state.replace(rows=state.rows.replace(phase_b=phase_b))
 
@@ -718,15 +712,16 @@ def _live_read(state, knobs, spec):
   return _pack32(_read_tree(state, knobs, spec))
 
 
-# `LiveBatch`'s runs: the run, and what a read after it gives (packed), in one program,
-# so that a read right after a run needs no program of its own.
+# `LiveBatch`'s runs: the rows freed since the last run (`free_b`) freed, the run, and
+# what a read after it gives (packed), in one program, so that neither a free nor a
+# read right after a run needs a program of its own.
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
                    donate_argnames=("state",))
 def _live_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes, free_b,
               place: Placement | None = None):
-  state = _engine_run.__wrapped__(graphdef, params, state, knobs, stop_on_done, spec,
-                                  max_passes, place, free_b)
+  state = _engine_run.__wrapped__(graphdef, params, _freed(state, free_b), knobs,
+                                  stop_on_done, spec, max_passes, place)
   return state, _pack32(_read_tree(state, knobs, spec))
 
 
@@ -734,8 +729,8 @@ def _live_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes, fr
                    donate_argnames=("state",))
 def _live_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, max_passes,
                    free_b, place: Placement | None = None):
-  state = _engine_run_rows.__wrapped__(graphdef, params, state, knobs, stop_on_done, idx_n,
-                                       spec, max_passes, place, free_b)
+  state = _engine_run_rows.__wrapped__(graphdef, params, _freed(state, free_b), knobs,
+                                       stop_on_done, idx_n, spec, max_passes, place)
   return state, _pack32(_read_tree(state, knobs, spec))
 
 
