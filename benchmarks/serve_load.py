@@ -169,6 +169,34 @@ def _mismatch_text(server, loop, n: int) -> str:
       for side, (k, at) in (("server", server), ("loop", loop)))
 
 
+def summary(rows_out: list[dict]) -> list[str]:
+  """The lines printed under the table: the 16-client figures against the target, and
+  what separates them from it."""
+  at16 = [r for r in rows_out if r["clients"] == 16]
+  if not at16:
+    return []
+
+  def each(fmt) -> str:
+    return ", ".join(f"{r['method']} {fmt(r)}" for r in at16)
+
+  # A closed-loop client's row is empty from its response to its next request: at
+  # least the pass in which the response is read. With as many clients as rows and
+  # passes costing the same whatever rows are busy, the server then does at most
+  # N / (N + 1) of the offline work per pass (N: passes per request).
+  return [
+      "",
+      "server / offline throughput at 16 clients: " + each(lambda r: f"{r['ratio']:.2f}x")
+      + f" (target >= 0.90x; median {statistics.median(r['ratio'] for r in at16):.2f}x)",
+      "closed-loop bound at 16 clients (one idle pass per request, full-row passes): "
+      + each(lambda r: f"{r['request_passes'] / (r['request_passes'] + 1):.2f}x"),
+      "passes per second, server / offline at 16 clients (throughput ratio x passes ratio: "
+      "what is left once the passes its closed loop adds are taken out): "
+      + each(lambda r: f"{r['pace_ratio']:.2f}x"),
+      "server / in-process closed loop (the same engine loop and clients, no HTTP) at "
+      "16 clients: " + each(lambda r: f"{r['server_loop_ratio']:.2f}x"),
+  ]
+
+
 def load_prompts(path: str, n: int, tokenizer) -> list[list[int]]:
   out = []
   with open(path, encoding="utf-8") as f:
@@ -591,6 +619,9 @@ def _main(args) -> list[dict]:
                "server_loop_ratio": statistics.median(p[0] / p[4] for p in pairs),
                "loop_pass_ratio": statistics.median(p[5] for p in pairs),
                "pass_ratio": statistics.median(p[2] for p in pairs),
+               # Passes per second, server over offline (the same tokens, so the
+               # throughput ratio times the passes ratio).
+               "pace_ratio": statistics.median(p[0] / p[1] * p[2] for p in pairs),
                "cores": tuple(statistics.median(p[3][k] for p in pairs) for k in range(3)),
                "request_passes": per_request,
                "ttft_p50_ms": 1e3 * _pct([f for _, f, _ in res], 0.5),
@@ -624,21 +655,8 @@ def _main(args) -> list[dict]:
           f"{r['ttft_p50_ms']:.1f} | {r['lat_p50_ms']:.1f} | {r['lat_p99_ms']:.1f} | "
           + " / ".join("–" if c != c else f"{c:.2f}" for c in r["cores"])
           + f" | {_mismatch_text(*r['mismatch'], r['requests'])} |")
-  sixteen = [r["ratio"] for r in rows_out if r["clients"] == 16]
-  if sixteen:
-    print("\nserver / offline throughput at 16 clients: "
-          + ", ".join(f"{r['method']} {r['ratio']:.2f}x" for r in rows_out if r["clients"] == 16)
-          + f" (target >= 0.90x; median {statistics.median(sixteen):.2f}x)")
-    # A closed-loop client's row is empty from its response to its next request: at
-    # least the pass in which the response is read. With as many clients as rows
-    # and passes costing the same whatever rows are busy, the server then does at
-    # most N / (N + 1) of the offline work per pass (N: passes per request).
-    print("closed-loop bound at 16 clients (one idle pass per request, full-row passes): "
-          + ", ".join(f"{r['method']} {r['request_passes'] / (r['request_passes'] + 1):.2f}x"
-                      for r in rows_out if r["clients"] == 16))
-    print("server / in-process closed loop (the same engine loop and clients, no HTTP) at "
-          "16 clients: " + ", ".join(f"{r['method']} {r['server_loop_ratio']:.2f}x"
-                                     for r in rows_out if r["clients"] == 16))
+  for line in summary(rows_out):
+    print(line)
   return rows_out
 
 

@@ -221,6 +221,22 @@ def test_serve_load_counts_the_responses_that_differ_and_where():
   assert text((2, 1), (0, None), 3) == "NO: server 2 of 3 (from token 1), loop 0 of 3"
 
 
+def test_serve_load_summary_separates_the_closed_loop_from_the_servers_pace():
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+  row = {"clients": 16, "method": "refusion", "ratio": 0.81, "request_passes": 4.3,
+         "pace_ratio": 1.02, "server_loop_ratio": 0.85}
+  lines = serve_load.summary([dict(row, clients=64, ratio=0.5), row,
+                              dict(row, method="ar", ratio=0.95, request_passes=9.7,
+                                   pace_ratio=1.2, server_loop_ratio=0.9)])
+  text = "\n".join(lines)
+  assert ("throughput at 16 clients: refusion 0.81x, ar 0.95x (target >= 0.90x; median 0.88x)"
+          in text)
+  assert "closed-loop bound at 16 clients" in text and "refusion 0.81x, ar 0.91x" in text
+  assert "passes per second, server / offline at 16 clients" in text
+  assert "refusion 1.02x, ar 1.20x" in text and "refusion 0.85x, ar 0.90x" in text
+  assert serve_load.summary([dict(row, clients=4)]) == []
+
+
 def test_serve_load_shares_a_compilation_cache_with_its_server_and_cleans_up(tmp_path,
                                                                           monkeypatch):
   """'auto' makes a temporary folder, which the server's config names, and removes it
