@@ -198,6 +198,8 @@ def summary(rows_out: list[dict]) -> list[str]:
 
 
 def load_prompts(path: str, n: int, tokenizer) -> list[list[int]]:
+  """The chat-templated queries of the first `n` lines of `path` (a JSONL file with a
+  "query" per line), as token ids; a file of fewer lines is gone through again."""
   out = []
   with open(path, encoding="utf-8") as f:
     for line in f:
@@ -205,8 +207,11 @@ def load_prompts(path: str, n: int, tokenizer) -> list[list[int]]:
         out.append(tokenizer.encode_prompt(json.loads(line)["query"]))
       if len(out) == n:
         break
-  while len(out) < n:  # a short file: cycle through it
-    out.append(out[len(out) % max(1, len(out))])
+  if not out:
+    raise ValueError(f"--task_prompts {path}: no prompts in it")
+  have = len(out)
+  while len(out) < n:  # a short file: its prompts again, in order
+    out.append(out[len(out) % have])
   return out
 
 

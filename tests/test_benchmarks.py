@@ -1,5 +1,6 @@
 """The benchmark scripts run and report well-formed rows (their numbers are not checked)."""
 
+import json
 import os
 
 import numpy as np
@@ -219,6 +220,23 @@ def test_serve_load_counts_the_responses_that_differ_and_where():
   text = serve_load._mismatch_text  # pylint: disable=protected-access
   assert text((0, None), (0, None), 3) == "yes"
   assert text((2, 1), (0, None), 3) == "NO: server 2 of 3 (from token 1), loop 0 of 3"
+
+
+def test_serve_load_goes_through_a_short_prompt_file_again_in_order(tmp_path):
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+
+  class Ids:
+    def encode_prompt(self, query):
+      return [int(query)]
+
+  path = tmp_path / "prompts.jsonl"
+  path.write_text("".join(json.dumps({"query": str(i)}) + "\n\n" for i in range(3)))
+  assert serve_load.load_prompts(str(path), 2, Ids()) == [[0], [1]]
+  assert serve_load.load_prompts(str(path), 8, Ids()) == [[0], [1], [2], [0], [1], [2], [0],
+                                                         [1]]
+  (tmp_path / "empty.jsonl").write_text("\n")
+  with pytest.raises(ValueError, match="no prompts"):
+    serve_load.load_prompts(str(tmp_path / "empty.jsonl"), 4, Ids())
 
 
 def test_serve_load_summary_separates_the_closed_loop_from_the_servers_pace():
