@@ -34,7 +34,7 @@ the cores with, which the offline run does not pay.
   python benchmarks/serve_load.py --model_dir DIR --methods refusion,ar
   python benchmarks/serve_load.py --ignore_eos --gen_length 64 --block_size 32
 
-With the main job's models a response is about 9 tokens (4.3 ReFusion passes),
+With the main job's models a response is about 9 tokens (5.1 ReFusion passes),
 so the closed loop's idle pass per request weighs heavily; `--ignore_eos`
 makes every answer gen_length tokens on both sides (EOS an ordinary token), a
 load of fixed answer lengths where it weighs less.
