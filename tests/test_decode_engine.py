@@ -232,6 +232,19 @@ def test_mixed_phase_batch_equals_rows_alone(models):
     assert int(out.counters.nfe_b()[i]) == counters["nfe_b"]
 
 
+def test_engine_takes_a_row_that_finishes_at_its_admission():
+  """An AR prompt whose first token is EOS is done once prefilled: the engine takes its
+  result before it frees the row (more prompts than rows, so its step stops on it)."""
+  dc = _CONFIGS["ar"]
+  prompts = _prompts(np.random.RandomState(3), 5)
+  first = _single(_model(), dc, prompts[2])[0][0]
+  model = _model(eos=first)
+  assert _single(model, dc, prompts[2])[0] == [first]
+  run = engine.Decoder(model, dc).engine(2, width=16).run(prompts)
+  for i, prompt in enumerate(prompts):
+    assert run.results[i].tokens == _single(model, dc, prompt)[0]
+
+
 @pytest.mark.parametrize("method, changes", [
     ("refusion", [dict(temperature=0.8), dict(slot_threshold=0.1, token_threshold=0.9),
                   dict(recompute_kv=True)]),

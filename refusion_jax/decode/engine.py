@@ -400,12 +400,6 @@ def _output_tree(state, knobs, spec):
   return program(spec.method).output(spec, state, knobs), state.rows.phase_b, state.passes
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _engine_output(state, knobs, spec):
-  """Every row's output, phase and the pass count, packed (`_pack32`)."""
-  return _pack32(_output_tree(state, knobs, spec))
-
-
 def _output_like(state, knobs, spec):
   """Shapes and dtypes of `_output_tree` (what `_unpack32` rebuilds)."""
   return jax.eval_shape(functools.partial(_output_tree, spec=spec), state, knobs)
@@ -419,9 +413,23 @@ def _freed(state, free_b):
   return state.replace(rows=state.rows.replace(phase_b=phase_b))
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
+                   donate_argnames=("state",))
+def _engine_step(graphdef, params, state, knobs, stop_on_done, free_b, spec,
+                 place: Placement | None = None):
+  """The offline engine's turn after its admissions, in one program: the rows in
+  `free_b` freed (those holding no prompt: finished rows whose results the host took),
+  the loop, and every row's output, phase and the pass count packed (`_pack32`: one
+  device-to-host copy)."""
+  state = _engine_run.__wrapped__(graphdef, params, _freed(state, free_b), knobs,
+                                  stop_on_done, spec, None, place)
+  return state, _pack32(_output_tree(state, knobs, spec))
+
+
 def compiled_programs() -> dict[str, int]:
   """Compiled programs so far, per entry point (tests prove reuse with it)."""
   return {"generate": _generate._cache_size(), "run": _engine_run._cache_size(),
+          "step": _engine_step._cache_size(),
           "run_rows": _engine_run_rows._cache_size(),
           "admit": _engine_admit._cache_size(), "read": _live_read._cache_size(),
           "live_run": _live_run._cache_size(), "live_run_rows": _live_run_rows._cache_size()}
@@ -558,10 +566,9 @@ class Engine:
                               jnp.zeros((a,), jnp.int32), raw_key(jax.random.PRNGKey(0)), d.knobs,
                               spec=d.spec, place=d.place)
       for stop in (True, False):
-        state = _engine_run(d.static, d.params, state, d.knobs, jnp.bool_(stop), spec=d.spec,
-                            place=d.place)
-      jax.block_until_ready(_engine_output(state, d.knobs, spec=d.spec))
-      jax.block_until_ready(_release_done(state, place=d.place))
+        state, packed = _engine_step(d.static, d.params, state, d.knobs, jnp.bool_(stop),
+                                     np.zeros((self.rows,), bool), spec=d.spec, place=d.place)
+      jax.block_until_ready(packed)
 
   def _admit_size(self, n: int) -> int:
     return min(self.admit_max, 1 << math.ceil(math.log2(max(1, n))))
@@ -626,11 +633,19 @@ class Engine:
           continue  # more free rows: admit again before running
       if all(p < 0 for p in row_prompt):
         return passes, admissions
-      state = _engine_run(d.static, d.params, state, d.knobs, jnp.bool_(bool(queue)),
-                          spec=d.spec, place=d.place)
-      out, phase, total = _unpack32(np.asarray(_engine_output(state, d.knobs, spec=d.spec)),
-                                    like)
-      passes = int(total)  # the bucket's state counts its passes from zero
+      # Rows holding no prompt are freed at the step's start: finished ones whose
+      # results were taken below in an earlier turn. (A row can finish at its admission,
+      # as when its first token is EOS: it holds its prompt until the host takes it.)
+      free_b = np.asarray([p < 0 for p in row_prompt])
+      state, packed = _engine_step(d.static, d.params, state, d.knobs, jnp.bool_(bool(queue)),
+                                   free_b, spec=d.spec, place=d.place)
+      out, phase, total = _unpack32(np.asarray(packed), like)
+      before, passes = passes, int(total)  # the bucket's state counts its passes from zero
+      if passes == before and not any(i >= 0 and phase[r] == DONE
+                                      for r, i in enumerate(row_prompt)):
+        raise RuntimeError(f"the engine's step ran no pass and finished no row (rows "
+                           f"{[r for r, i in enumerate(row_prompt) if i >= 0]} hold prompts, "
+                           f"phases {phase.tolist()})")
       now = time.perf_counter()
       counter_arrays = {k: np.asarray(v) for k, v in out.counters.as_dict().items()}
       for r in range(b):
@@ -645,14 +660,6 @@ class Engine:
           row_prompt[r] = -1
           if progress is not None:
             progress.update(1)
-      state = _release_done(state, place=d.place)
-
-
-@functools.partial(jax.jit, static_argnames=("place",), donate_argnames=("state",))
-def _release_done(state, place: Placement | None = None):
-  phase_b = state.rows.phase_b
-  state = state.replace(rows=state.rows.replace(phase_b=jnp.where(phase_b == DONE, FREE, phase_b)))
-  return _placed(state, place)
 
 
 # --- ahead of time ------------------------------------------------------------------------
