@@ -19,7 +19,8 @@ its engine process, and whether every response's tokens equal the offline
 engine's (if not: how many differ, the server's and the loop's, and the
 earliest token at which one does). The offline
 baseline is `decode.engine.Engine` in this process on the same prompts, same
-width, decode settings and rows as the server, compiled before timing; server
+width, prefill widths (`admit_widths`), decode settings and rows as the server,
+compiled before timing; server
 and offline runs alternate `--repeats` times per level (medians; the ratio is
 the median of back-to-back pairs), so both see the same machine load. The
 engine with min(clients, rows) rows is shown beside it, and the server's
@@ -215,10 +216,12 @@ def load_prompts(path: str, n: int, tokenizer) -> list[list[int]]:
   return out
 
 
-def offline_engine(model, dc, prompts, rows: int, width: int):
-  """The engine with `rows` rows, every program it calls on `prompts` compiled."""
+def offline_engine(model, dc, prompts, rows: int, width: int, admit_widths=()):
+  """The engine with `rows` rows, prefilling at the narrowest of `admit_widths` (and
+  `width`) that holds an admission's prompts, every program it calls on `prompts`
+  compiled."""
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
-  eng = engine.Decoder(model, dc).engine(rows, width=width)
+  eng = engine.Decoder(model, dc).engine(rows, width=width, admit_widths=admit_widths)
   eng.run(prompts)
   return eng
 
@@ -590,10 +593,12 @@ def _main(args) -> list[dict]:
                       token_threshold=args.token_threshold, ignore_eos=args.ignore_eos,
                       kv_chunk=args.kv_chunk)
     dc.check_fits(model_config, width)
-    engines = {rows: offline_engine(model, dc, all_prompts, rows, width)
-               for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
     from refusion_jax import serve  # pylint: disable=import-outside-toplevel
-    loop_sched = serve.make_scheduler(serve_config(model_dir, method, args, width))
+    config = serve_config(model_dir, method, args, width)
+    widths = serve.parse_admit_widths(config.admit_widths, width)  # the server's prefill widths
+    engines = {rows: offline_engine(model, dc, all_prompts, rows, width, widths)
+               for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
+    loop_sched = serve.make_scheduler(config)
     loop_sched.start()
     proc, url = start_server(model_dir, method, args, width)
     pids = server_pids(proc)

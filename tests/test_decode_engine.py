@@ -232,6 +232,33 @@ def test_mixed_phase_batch_equals_rows_alone(models):
     assert int(out.counters.nfe_b()[i]) == counters["nfe_b"]
 
 
+@pytest.mark.parametrize("method", ["refusion", "ar"])
+def test_engine_prefills_short_prompts_at_a_narrower_width(models, method, monkeypatch):
+  model, dc = models[method], _CONFIGS[method]
+  prompts = _prompts(np.random.RandomState(5), 9)  # 2 to 14 tokens, width 16
+  eng = engine.Decoder(model, dc).engine(3, width=16, admit_widths=(4, 8))
+  eng.warm_up()
+  compiled = engine.compiled_programs()
+  widths = []
+  admit = engine._engine_admit  # pylint: disable=protected-access
+
+  def spy(graphdef, params, state, ids_ap, *args, **kwargs):
+    widths.append(ids_ap.shape[1])
+    return admit(graphdef, params, state, ids_ap, *args, **kwargs)
+  monkeypatch.setattr(engine, "_engine_admit", spy)
+  run = eng.run(prompts)
+  monkeypatch.setattr(engine, "_engine_admit", admit)
+  assert engine.compiled_programs() == compiled  # warm_up compiled every width and size
+  assert min(widths) < 16 and set(widths) <= {4, 8, 16}
+  wide = engine.Decoder(model, dc).engine(3, width=16).run(prompts)
+  for i, prompt in enumerate(prompts):
+    tokens, counters = _single(model, dc, prompt)
+    assert run.results[i].tokens == tokens == wide.results[i].tokens
+    assert run.results[i].counters == counters
+  with pytest.raises(ValueError, match="admit_widths must be positive ints"):
+    engine.Decoder(model, dc).engine(3, admit_widths=(0, 8))
+
+
 def test_engine_takes_a_row_that_finishes_at_its_admission():
   """An AR prompt whose first token is EOS is done once prefilled: the engine takes its
   result before it frees the row (more prompts than rows, so its step stops on it)."""

@@ -523,11 +523,15 @@ class Engine:
   returns to the host whenever a row finishes while prompts still wait; the
   host takes that row's result and prefills the next prompt into it (the
   other rows keep their state). `admit` lets at most `admit_max` prompts in at a
-  time (powers of two up to it, one small program each).
+  time (powers of two up to it, one small program each). With `admit_widths`, an
+  admission prefills at the narrowest of them below its bucket's width that holds
+  its prompts (one more admission program per width and size; `warm_up` compiles
+  them all), so short prompts do not pay for the bucket's widest, as `LiveBatch`'s.
   """
 
   def __init__(self, decoder: Decoder, rows: int, *, width: int | None = None,
-               min_bucket: int = 8, admit_max: int | None = None):
+               min_bucket: int = 8, admit_max: int | None = None,
+               admit_widths: Sequence[int] = ()):
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
       raise ValueError(f"engine rows must be a positive int, got {rows!r}")
     if width is not None and (not isinstance(width, int) or width < 1):
@@ -537,6 +541,14 @@ class Engine:
     self.width = width  # one bucket of this width for every prompt (None: power-of-two buckets)
     self.min_bucket = min_bucket
     self.admit_max = rows if admit_max is None else max(1, min(admit_max, rows))
+    bad = [w for w in admit_widths if not isinstance(w, int) or isinstance(w, bool) or w < 1]
+    if bad:
+      raise ValueError(f"engine admit_widths must be positive ints, got {bad}")
+    self.admit_widths = tuple(sorted(set(admit_widths)))
+
+  def _prefill_widths(self, width: int) -> list[int]:
+    """The prefill widths of a bucket of this width: the narrower `admit_widths`, and it."""
+    return [w for w in self.admit_widths if w < width] + [width]
 
   def _bucket(self, length: int) -> int:
     if self.width is not None:
@@ -560,8 +572,9 @@ class Engine:
     for width in sorted(widths):
       state = _engine_init(d.static, d.params, spec=d.spec, rows=self.rows, width=width,
                            place=d.place)
-      for a in sorted(sizes):  # padding rows only: nothing is admitted
-        state = _engine_admit(d.static, d.params, state, jnp.zeros((a, width), jnp.int32),
+      for a, w in ((a, w) for a in sorted(sizes) for w in self._prefill_widths(width)):
+        # padding rows only: nothing is admitted
+        state = _engine_admit(d.static, d.params, state, jnp.zeros((a, w), jnp.int32),
                               jnp.ones((a,), jnp.int32), jnp.full((a,), self.rows, jnp.int32),
                               jnp.zeros((a,), jnp.int32), raw_key(jax.random.PRNGKey(0)), d.knobs,
                               spec=d.spec, place=d.place)
@@ -615,7 +628,9 @@ class Engine:
         n = min(len(free), len(queue), self.admit_max)
         a = self._admit_size(n)
         take, queue = queue[:n], queue[n:]
-        ids_ap = np.zeros((a, width), np.int32)
+        longest = max(int(lens[i]) for i in take)
+        ids_ap = np.zeros((a, min(w for w in self._prefill_widths(width) if w >= longest)),
+                          np.int32)
         lens_a = np.ones((a,), np.int32)
         rows_a = np.full((a,), b, np.int32)  # index b: padding, dropped
         pids_a = np.zeros((a,), np.int32)
