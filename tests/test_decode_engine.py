@@ -259,6 +259,22 @@ def test_engine_prefills_short_prompts_at_a_narrower_width(models, method, monke
     engine.Decoder(model, dc).engine(3, admit_widths=(0, 8))
 
 
+def test_counters_read_back_to_the_host_give_the_same_dict_without_device_ops():
+  """The offline engine takes each finished row's counters from host arrays: `as_dict`
+  then computes with numpy, and every value and dtype equals the device's."""
+  from refusion_jax.decode.counters import DecodeCounters  # pylint: disable=import-outside-toplevel
+  rs = np.random.RandomState(0)
+  c = DecodeCounters.zeros(64).replace(
+      steps_b=jnp.asarray(rs.randint(0, 40, 64), jnp.int32),
+      step_tpf_sum_b=jnp.asarray(rs.rand(64) * 30, jnp.float32),
+      plan_b=jnp.asarray(rs.randint(0, 9, 64), jnp.int32), recompute_b=3)
+  on_device, on_host = c.as_dict(), jax.device_get(c).as_dict()
+  assert set(on_device) == set(on_host)
+  for k, v in on_host.items():
+    assert isinstance(v, np.ndarray), k
+    assert v.dtype == on_device[k].dtype and np.array_equal(v, np.asarray(on_device[k])), k
+
+
 def test_engine_takes_a_row_that_finishes_at_its_admission():
   """An AR prompt whose first token is EOS is done once prefilled: the engine takes its
   result before it frees the row (more prompts than rows, so its step stops on it)."""

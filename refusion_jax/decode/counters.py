@@ -10,6 +10,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @flax.struct.dataclass
@@ -41,9 +42,15 @@ class DecodeCounters:
                steps_b=z, recompute_b=z, step_tpf_sum_b=jnp.zeros((batch,), jnp.float32),
                ar_b=z)
 
+  def _xp(self):
+    """numpy for counters read back to the host (no device op per field), else jnp."""
+    return np if isinstance(self.plan_b, np.ndarray) else jnp
+
   def tpf_paper_b(self) -> jax.Array:
     """The paper's TPF per row: the mean over steps of tokens / passes in the step."""
-    return self.step_tpf_sum_b / jnp.maximum(self.steps_b, 1)
+    xp = self._xp()
+    # float32 / float32, as JAX promotes int32 with float32 (numpy would go to float64).
+    return self.step_tpf_sum_b / xp.maximum(self.steps_b, 1).astype(xp.float32)
 
   def add_step_tpf(self, active_b: jax.Array, tokens_b: jax.Array,
                    passes_b: jax.Array) -> "DecodeCounters":
@@ -68,8 +75,9 @@ class DecodeCounters:
     d = {k: getattr(self, k) for k in ("plan_b", "global_verify_b", "draft_b", "verify_b",
                                        "prefill_b", "tokens_b", "steps_b")}
     # [B] even where the field kept its scalar default.
-    d["recompute_b"] = jnp.zeros_like(self.plan_b) + self.recompute_b
-    d["ar_b"] = jnp.zeros_like(self.plan_b) + self.ar_b
+    xp = self._xp()
+    d["recompute_b"] = xp.zeros_like(self.plan_b) + self.recompute_b
+    d["ar_b"] = xp.zeros_like(self.plan_b) + self.ar_b
     d["nfe_b"] = self.nfe_b()
     d["tpf_paper_b"] = self.tpf_paper_b()
     return d
