@@ -100,12 +100,12 @@ def test_engine_equals_single_decodes_in_input_order(models, method, kv_chunk):
   rs = np.random.RandomState(1)
   prompts = _prompts(rs, 11)
   eng = engine.Decoder(model, dc).engine(3)
-  before = engine.compiled_programs()["run"]
+  before = engine.compiled_programs()["step"]
   run = eng.run(prompts)
   buckets = {engine.bucket_width(len(p)) for p in prompts}
   assert len(buckets) == 2
-  # One run program per bucket, and a second run compiles nothing.
-  assert engine.compiled_programs()["run"] - before <= len(buckets)
+  # One step program per bucket, and a second run compiles nothing.
+  assert engine.compiled_programs()["step"] - before <= len(buckets)
   compiled = engine.compiled_programs()
   again = eng.run(prompts)
   assert engine.compiled_programs() == compiled
