@@ -353,6 +353,88 @@ def test_text_stream_holds_back_partial_stops_and_characters():
   assert ts.update([1]) == "ab" and ts.update([1, 2], final=True) == "\xe9"
 
 
+def _reply(timeout=60.0, **body):
+  """A `_Reply` over a stand-in server (letters for tokens), and its cancelled jobs."""
+  from refusion_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
+  cancelled = []
+  server = types.SimpleNamespace(
+      _decode=lambda ids: "".join(chr(ord("a") + i) for i in ids), timeout=timeout,
+      scheduler_in_loop=True, scheduler=types.SimpleNamespace(cancel=cancelled.append),
+      metrics=app_lib.Metrics(), model_name="m", eos_id=99)
+  req = protocol.parse({"model": "m", "prompt": "x", "stream": True, **body}, chat=False)
+  reply = app_lib._Reply(server, req, [1, 2], "completions", time.perf_counter())  # pylint: disable=protected-access
+  reply.job = types.SimpleNamespace(knobs=(0.5, 0.1, 0.0, False))
+  return reply, cancelled
+
+
+def _bodies(sent):
+  """The SSE texts of each body write, and whether more was to come after it."""
+  return [(m["body"].decode(), m["more_body"]) for m in sent if m["type"] == "http.response.body"]
+
+
+def _texts(body: str) -> list:
+  events = [json.loads(x[6:]) for x in body.split("\n\n") if x.startswith("data: {")]
+  return [e["choices"][0]["text"] for e in events if e.get("choices")]
+
+
+def test_stream_merges_waiting_progress_and_writes_what_is_ready_at_once():
+  import asyncio  # pylint: disable=import-outside-toplevel
+  from refusion_jax.serve.scheduler import Done  # pylint: disable=import-outside-toplevel
+
+  async def never():
+    await asyncio.Event().wait()
+
+  async def main():
+    reply, cancelled = _reply()
+    sent = []
+
+    async def send(m):
+      sent.append(m)
+
+    # Three progress reports and the end, all waiting: one text chunk for the three,
+    # the last piece, the finish, [DONE], in one write.
+    for n in (1, 2, 3):
+      reply.deliver("progress", (list(range(n)), n))
+    reply.deliver("done", Done(tokens=[0, 1, 2, 3], forward_passes=4, truncated=False))
+    await reply.stream(never, send)
+    assert sent[0]["type"] == "http.response.start"
+    (body, more), = _bodies(sent)
+    assert not more and body.endswith("data: [DONE]\n\n")
+    assert _texts(body) == ["abc", "d", ""] and not cancelled and reply.finished
+
+    # Events that come apart go out apart.
+    reply, cancelled = _reply()
+    sent = []
+    task = asyncio.ensure_future(reply.stream(never, send))
+    reply.deliver("progress", ([0], 1))
+    for _ in range(5):
+      await asyncio.sleep(0)
+    assert _bodies(sent) == [(_bodies(sent)[0][0], True)] and _texts(_bodies(sent)[0][0]) == ["a"]
+    reply.deliver("done", Done(tokens=[0, 1], forward_passes=2, truncated=False))
+    await task
+    assert [_texts(b) for b, _ in _bodies(sent)] == [["a"], ["b", ""]]
+
+    # Past the deadline: a 408 error event, the job cancelled.
+    reply, cancelled = _reply(timeout=0.05)
+    sent = []
+    await asyncio.wait_for(reply.stream(never, send), 10)
+    (body, more), = _bodies(sent)
+    assert '"code": "request_timeout"' in body and not more and cancelled == [reply.job]
+
+    # The client leaves: no more writes, the job cancelled.
+    reply, cancelled = _reply()
+    sent = []
+
+    async def gone():
+      return {"type": "http.disconnect"}
+
+    reply.deliver("progress", ([0], 1))
+    await asyncio.wait_for(reply.stream(gone, send), 10)
+    assert cancelled == [reply.job] and all(more for _, more in _bodies(sent))
+
+  asyncio.run(main())
+
+
 def test_seeded_sampling_equals_sample(served):
   cl = _client(served)
   tok = served["tok"]
@@ -874,6 +956,8 @@ def test_engine_process_death_fails_requests_and_health(oracle):
   info, stop = _serving(oracle, "process", row_counts="", rows=1, buckets="")  # a small one
   try:
     sched = info["server"].scheduler
+    # The event loop reads the engine's events itself (no reader thread), also at its end.
+    assert sched.delivers_in_loop and sched._reader is None  # pylint: disable=protected-access
     sched.hold(True)
     with httpx.stream("POST", info["url"] + "/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": "hi", "stream": True}) as r:

@@ -1,14 +1,18 @@
 """The HTTP side: a Starlette app over a `Scheduler` (OpenAI's API shapes).
 
 Handlers run on the event loop: they parse and tokenize the request, submit a
-`Job`, and turn the engine thread's events (handed over with
-`call_soon_threadsafe`) into the response. A stream sends only the committed
-left-to-right prefix (`TextStream`), so nothing sent is ever revised.
+`Job`, and turn the engine's events into the response. With the engine in its
+own process the loop reads its pipe and makes every delivery itself; an engine
+thread hands them over with `call_soon_threadsafe`. A stream is written straight
+to ASGI's `send`, the events that are ready together in one write, and sends
+only the committed left-to-right prefix (`TextStream`), so nothing sent is ever
+revised.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -21,7 +25,7 @@ import prometheus_client
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from refusion_jax.serve import protocol
@@ -80,6 +84,12 @@ class Server:
     self.vocab_size = scheduler.model_config.vocab_size
     self.eos_id = scheduler.model_config.eos_token_id
     self.created = int(time.time())
+
+  @property
+  def scheduler_in_loop(self) -> bool:
+    """Whether the scheduler makes its deliveries on the event loop's thread (the
+    engine process read by the loop) rather than on a thread of its own."""
+    return getattr(self.scheduler, "delivers_in_loop", False)
 
   # --- helpers --------------------------------------------------------------------------
 
@@ -194,40 +204,78 @@ class Server:
       if not ids:
         raise protocol.bad("prompt" if not chat else "messages", "the prompt has no tokens")
       bucket = self._bucket(req)
-      loop = asyncio.get_running_loop()
-      events: asyncio.Queue = asyncio.Queue()
-      job = self._job(req, ids, bucket,
-                      lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait,
-                                                                      (kind, payload)))
+      reply = _Reply(self, req, ids, endpoint, start)
+      reply.job = job = self._job(req, ids, bucket, reply.deliver)
       try:
         self.scheduler.submit(job)
       except QueueFull as e:
+        reply.timer.cancel()
         raise ApiError(429, str(e), type_="rate_limit_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
       except EngineDown as e:
+        reply.timer.cancel()
         raise ApiError(503, str(e), type_="server_error", code="engine_down") from None
     except ApiError as e:
       self.metrics.requests.labels(endpoint, str(e.status)).inc()
       return _error(e)
     self.metrics.prompt_tokens.inc(len(ids))
-    reply = _Reply(self, req, ids, job, events, endpoint, start)
     if req.stream:
-      return StreamingResponse(reply.stream(), media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache"})
+      return _Stream(reply)
     return await reply.whole(request)
 
 
-class _Reply:
-  """One request's answer, from the engine's events."""
+class _Mailbox:
+  """One request's engine events, on the event loop's thread: `put` never blocks, `get`
+  waits for the next (a future per wait, no task)."""
 
-  def __init__(self, server: Server, req, ids, job: Job, events: asyncio.Queue, endpoint, start):
-    self.s, self.req, self.ids, self.job, self.events = server, req, ids, job, events
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self.loop = loop
+    self.items: collections.deque = collections.deque()
+    self.waiter: asyncio.Future | None = None
+
+  def put(self, item) -> None:
+    self.items.append(item)
+    if self.waiter is not None and not self.waiter.done():
+      self.waiter.set_result(None)
+
+  def ready(self) -> bool:
+    return bool(self.items)
+
+  async def get(self):
+    while not self.items:
+      self.waiter = self.loop.create_future()
+      try:
+        await self.waiter
+      finally:
+        self.waiter = None
+    return self.items.popleft()
+
+
+class _Reply:
+  """One request's answer, from the engine's events (its `_Mailbox`)."""
+
+  def __init__(self, server: Server, req, ids, endpoint, start):
+    self.s, self.req, self.ids = server, req, ids
     self.endpoint, self.start = endpoint, start
+    self.loop = asyncio.get_running_loop()
+    self.mail = _Mailbox(self.loop)
+    self.job: Job | None = None
     self.text = TextStream(server._decode, req.stops)  # pylint: disable=protected-access
     self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
     self.forward_passes = 0
     self.finished = False
+    # Past the deadline the request gets a "timeout" event (one timer, not one per wait).
+    self.timer = self.loop.call_at(self.loop.time() + max(self._deadline_left(), 0.0),
+                                   self.mail.put, ("timeout", None))
+
+  def deliver(self, kind: str, payload) -> None:
+    """The engine's delivery: on this loop's thread when the scheduler makes its
+    deliveries there, else handed over to it."""
+    if self.s.scheduler_in_loop:
+      self.mail.put((kind, payload))
+    else:
+      self.loop.call_soon_threadsafe(self.mail.put, (kind, payload))
 
   def _deadline_left(self) -> float:
     return self.s.timeout - (time.perf_counter() - self.start)
@@ -243,95 +291,106 @@ class _Reply:
             "total_tokens": len(self.ids) + len(tokens), "forward_passes": self.forward_passes}
 
   async def _next(self):
-    """The next engine event, as (kind, payload); ("timeout", None) past the deadline."""
-    try:
-      return await asyncio.wait_for(self.events.get(), max(self._deadline_left(), 0.0))
-    except asyncio.TimeoutError:
-      return "timeout", None
+    """The next engine event, as (kind, payload). Progress reports already waiting
+    behind it are merged into the last (each holds the whole committed prefix)."""
+    kind, payload = await self.mail.get()
+    items = self.mail.items
+    while kind == "progress" and items and items[0][0] == "progress":
+      kind, payload = items.popleft()
+    return kind, payload
 
   def _close(self, outcome: str, tokens=None) -> None:
     self.finished = True
+    self.timer.cancel()
     m = self.s.metrics
     m.requests.labels(self.endpoint, outcome).inc()
     if outcome == "ok":
       m.completion_tokens.inc(len(tokens))
       m.latency.labels(self.endpoint).observe(time.perf_counter() - self.start)
 
+  def _cancel(self) -> None:
+    """The request ends unfinished (its client left, or the server is stopping)."""
+    if not self.finished:
+      self.s.scheduler.cancel(self.job)
+      self._close("cancelled")
+
+  async def _watch_disconnect(self, receive) -> None:
+    """Puts a "disconnect" event once the client has gone."""
+    while (await receive())["type"] != "http.disconnect":
+      pass
+    self.mail.put(("disconnect", None))
+
   async def _events(self):
-    """Engine events until the text is final: yields ("text", delta) and
-    ("slots", runs); ends with ("done", tokens) or ("error", ApiError)."""
+    """Engine events until the text is final, each as the list of what it gives:
+    ("text", delta) and ("slots", runs), and at the end ("done", tokens),
+    ("error", ApiError) or ("disconnect", None)."""
     while True:
       kind, payload = await self._next()
+      out: list = []
       if kind == "progress":
         tokens, self.forward_passes = payload
         delta = self.text.update(tokens)
         if delta:
-          yield "text", delta
+          out.append(("text", delta))
         if self.text.stopped:
           self.s.scheduler.cancel(self.job)
-          yield "done", self.text.tokens
-          return
+          out.append(("done", self.text.tokens))
       elif kind == "slots":
-        yield "slots", payload
+        out.append(("slots", payload))
       elif kind == "done":
         done: Done = payload
         self.forward_passes = done.forward_passes
         delta = self.text.update(done.tokens, final=True)
         if delta:
-          yield "text", delta
-        yield "done", self.text.tokens
-        return
+          out.append(("text", delta))
+        out.append(("done", self.text.tokens))
       elif kind == "timeout":
         self.s.scheduler.cancel(self.job)
-        yield "error", ApiError(408, f"the request did not finish within {self.s.timeout} s "
-                                "(--config.request_timeout_s)", type_="timeout",
-                                code="request_timeout")
-        return
+        out.append(("error", ApiError(408, f"the request did not finish within "
+                                      f"{self.s.timeout} s (--config.request_timeout_s)",
+                                      type_="timeout", code="request_timeout")))
+      elif kind == "disconnect":
+        out.append(("disconnect", None))
       else:
-        yield "error", ApiError(503, str(payload), type_="server_error", code="engine_error")
+        out.append(("error", ApiError(503, str(payload), type_="server_error",
+                                      code="engine_error")))
+      if out:
+        yield out
+      if out and out[-1][0] in ("done", "error", "disconnect"):
         return
 
   async def whole(self, request: Request) -> Response:
-    disconnect = asyncio.ensure_future(_disconnected(request))
+    watch = asyncio.ensure_future(self._watch_disconnect(request.receive))
     gen = self._events()
     try:
-      text, result = "", None
-      while result is None:
-        step = asyncio.ensure_future(gen.__anext__())
-        await asyncio.wait({step, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        if not step.done():
-          step.cancel()
-          with contextlib.suppress(asyncio.CancelledError):
-            await step
-          self.s.scheduler.cancel(self.job)
-          self._close("cancelled")
-          return Response(status_code=499)
-        kind, payload = step.result()
+      text = ""
+      async for kind, payload in _flat(gen):
         if kind == "text":
           text += payload
-        elif kind in ("done", "error"):
-          result = (kind, payload)
-      kind, payload = result
-      if kind == "error":
-        self._close(str(payload.status))
-        return _error(payload)
-      tokens = payload
-      choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish_reason(tokens),
-                                "logprobs": None, "token_ids": tokens}
-      if self.req.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-      else:
-        choice["text"] = text
-      self._close("ok", tokens)
-      return JSONResponse({"id": self.id, "object": "chat.completion" if self.req.chat
-                           else "text_completion", "created": self.created,
-                           "model": self.s.model_name, "choices": [choice],
-                           "usage": self._usage(tokens)})
+        elif kind == "disconnect":
+          self._cancel()
+          return Response(status_code=499)
+        elif kind == "error":
+          self._close(str(payload.status))
+          return _error(payload)
+        elif kind == "done":
+          tokens = payload
+          choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish_reason(tokens),
+                                    "logprobs": None, "token_ids": tokens}
+          if self.req.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+          else:
+            choice["text"] = text
+          self._close("ok", tokens)
+          return JSONResponse({"id": self.id, "object": "chat.completion" if self.req.chat
+                               else "text_completion", "created": self.created,
+                               "model": self.s.model_name, "choices": [choice],
+                               "usage": self._usage(tokens)})
+      raise AssertionError("the event stream ended without a result")
     finally:
-      disconnect.cancel()
+      watch.cancel()
       await gen.aclose()
-      if not self.finished:
-        self.s.scheduler.cancel(self.job)
+      self._cancel()
 
   def _chunk(self, delta: str | None = None, *, finish=None, role=False, extra=None,
              usage=None) -> str:
@@ -354,43 +413,75 @@ class _Reply:
       body["usage"] = usage
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-  async def stream(self):
-    first = True
+  async def stream(self, receive, send) -> None:
+    """The server-sent event stream, written straight to ASGI's `send`: the events
+    that are ready together go out in one write."""
+    watch = asyncio.ensure_future(self._watch_disconnect(receive))
+    gen = self._events()
     try:
+      await send({"type": "http.response.start", "status": 200, "headers": [
+          (b"content-type", b"text/event-stream; charset=utf-8"),
+          (b"cache-control", b"no-cache")]})
+      parts: list[str] = []
       if self.req.chat:
-        yield self._chunk("", role=True)
-      async for kind, payload in self._events():
-        if kind == "text":
-          if first:
-            first = False
-            self.s.metrics.ttft.labels(self.endpoint).observe(time.perf_counter() - self.start)
-          yield self._chunk(payload)
-        elif kind == "slots":
-          runs = [{"position": p, "token_ids": t, "text": self.s._decode(t)}  # pylint: disable=protected-access
-                  for p, t in payload]
-          yield self._chunk(None if self.req.chat else "", extra={"refusion_slots": runs})
-        elif kind == "done":
-          tokens = payload
-          yield self._chunk(None if self.req.chat else "",
-                            finish=self._finish_reason(tokens), extra={"token_ids": tokens})
-          if self.req.include_usage:
-            yield self._chunk(usage=self._usage(tokens))
-          self._close("ok", tokens)
-        else:
-          self._close(str(payload.status))
-          yield f"data: {json.dumps(payload.body())}\n\n"
-      yield "data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": self._chunk("", role=True).encode(),
+                    "more_body": True})
+      first = True
+      async for batch in gen:
+        for kind, payload in batch:
+          if kind == "text":
+            if first:
+              first = False
+              self.s.metrics.ttft.labels(self.endpoint).observe(time.perf_counter() - self.start)
+            parts.append(self._chunk(payload))
+          elif kind == "slots":
+            runs = [{"position": p, "token_ids": t, "text": self.s._decode(t)}  # pylint: disable=protected-access
+                    for p, t in payload]
+            parts.append(self._chunk(None if self.req.chat else "",
+                                     extra={"refusion_slots": runs}))
+          elif kind == "disconnect":
+            return
+          else:
+            if kind == "done":
+              tokens = payload
+              parts.append(self._chunk(None if self.req.chat else "",
+                                       finish=self._finish_reason(tokens),
+                                       extra={"token_ids": tokens}))
+              if self.req.include_usage:
+                parts.append(self._chunk(usage=self._usage(tokens)))
+              self._close("ok", tokens)
+            else:
+              self._close(str(payload.status))
+              parts.append(f"data: {json.dumps(payload.body())}\n\n")
+            parts.append("data: [DONE]\n\n")
+            await send({"type": "http.response.body", "body": "".join(parts).encode(),
+                        "more_body": False})
+            return
+        if parts and not self.mail.ready():  # nothing more to add to this write
+          await send({"type": "http.response.body", "body": "".join(parts).encode(),
+                      "more_body": True})
+          parts = []
     finally:
-      if not self.finished:  # the client went away (or the server is stopping)
-        self.s.scheduler.cancel(self.job)
-        self._close("cancelled")
+      watch.cancel()
+      await gen.aclose()
+      self._cancel()  # the client went away (or the server is stopping)
 
 
-async def _disconnected(request: Request) -> None:
-  while True:
-    message = await request.receive()
-    if message["type"] == "http.disconnect":
-      return
+async def _flat(batches):
+  async for batch in batches:
+    for item in batch:
+      yield item
+
+
+class _Stream:
+  """The ASGI response of a streamed request (`_Reply.stream`)."""
+
+  def __init__(self, reply: _Reply):
+    self.reply = reply
+
+  async def __call__(self, scope, receive, send) -> None:
+    del scope
+    await self.reply.stream(receive, send)
 
 
 def make_app(server: Server) -> Starlette:

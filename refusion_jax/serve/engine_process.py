@@ -18,24 +18,41 @@ model live only there) and the server process talks to it over two pipes:
 `EngineProcess` has the `Scheduler` interface the app uses (submit, cancel,
 hold, busy_rows, queue_depth, error, buckets, ...); the bounded queue is
 counted on the server side, so a full queue answers 429 without a round trip.
-If the engine process dies, every request in flight gets an error, /health
+Started in an event loop (the app's lifespan), it reads the engine's pipe on
+that loop, which then makes every delivery itself: no reader thread to hand each
+event over to the loop, and no interpreter lock passed between them. Messages
+go over the pipes with the standard pickler. If the engine process dies, every request in flight gets an error, /health
 reports it, and new requests are refused.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import multiprocessing
+import pickle
 import signal
 import threading
+import time
 from typing import Any
 
 import ml_collections
+import numpy as np
 
 from refusion_jax.serve.scheduler import Bucket, EngineDown, Job, QueueFull
 
 log = logging.getLogger("refusion_jax.serve")
+
+
+def _put(conn, msg) -> None:
+  """Sends `msg` over a pipe: the standard pickler, not multiprocessing's (which
+  builds a pickler with its own reducers for every message)."""
+  conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+
+
+def _get(conn):
+  return pickle.loads(conn.recv_bytes())
 
 
 class EngineFailed(RuntimeError):
@@ -77,7 +94,7 @@ def _child(c_dict: dict, commands, events) -> None:
 
   def send(msg) -> None:
     with send_lock:
-      events.send(msg)
+      _put(events, msg)
 
   tally = _Tally()
   outbox: list = []
@@ -118,13 +135,14 @@ def _child(c_dict: dict, commands, events) -> None:
   try:
     while True:
       try:
-        msg = commands.recv()
+        msg = _get(commands)
       except (EOFError, OSError):  # the server process is gone
         break
       op = msg[0]
       if op == "submit":
         _, key, prompt, bucket, knobs, rng2, max_tokens, watch, slots = msg
-        job = Job(prompt=prompt, bucket=bucket, knobs=knobs, rng2=rng2, max_tokens=max_tokens,
+        job = Job(prompt=prompt, bucket=bucket, knobs=knobs, rng2=np.array(rng2, np.uint32),
+                  max_tokens=max_tokens,
                   watch=watch, slots=slots, deliver=deliverer(key))
         jobs[key] = job
         submitted[0] += 1
@@ -177,7 +195,7 @@ class EngineProcess:
       self._proc.kill()
       raise EngineFailed(f"the engine process did not start within {start_timeout_s:.0f} s")
     try:
-      msg = self._events.recv()
+      msg = _get(self._events)
     except EOFError:
       self._proc.join(5)
       raise EngineFailed(f"the engine process exited while starting (exit code "
@@ -192,6 +210,9 @@ class EngineProcess:
     self.width, self.rows, self.row_counts = info["width"], info["rows"], info["row_counts"]
     self._default_knobs = info["default_knobs"]
     self._reader: threading.Thread | None = None
+    self._loop: asyncio.AbstractEventLoop | None = None
+    self._closed = False  # the event pipe has reached its end
+    self._exit_seen = False  # `_exited` has run
 
   # --- the Scheduler interface ------------------------------------------------------------
 
@@ -210,7 +231,7 @@ class EngineProcess:
 
   def _send(self, msg) -> None:
     try:
-      self._commands.send(msg)
+      _put(self._commands, msg)
     except (OSError, ValueError):  # the engine process is gone; the reader reports it
       pass
 
@@ -225,7 +246,8 @@ class EngineProcess:
       key = next(self._ids)
       self._jobs[key], self._keys[job] = job, key
       self._submitted += 1
-      self._send(("submit", key, list(job.prompt), job.bucket, job.knobs, job.rng2,
+      self._send(("submit", key, list(job.prompt), job.bucket, job.knobs,
+                  [int(x) for x in job.rng2],
                   job.max_tokens, job.watch, job.slots))
     self._gauge()
 
@@ -242,7 +264,23 @@ class EngineProcess:
     with self._lock:
       self._send(("hold", bool(on)))
 
+  @property
+  def delivers_in_loop(self) -> bool:
+    """True once `start` ran in an event loop: every `deliver` is then called on that
+    loop's thread (the app hands events over without `call_soon_threadsafe`)."""
+    return self._loop is not None
+
   def start(self) -> None:
+    """Starts reading the engine's events: in the running event loop when there is one
+    (its thread then makes every delivery, with no thread hand-over per event), else
+    on a thread of its own."""
+    try:
+      self._loop = asyncio.get_running_loop()
+    except RuntimeError:
+      self._loop = None
+    if self._loop is not None:
+      self._loop.add_reader(self._events.fileno(), self._readable)
+      return
     self._reader = threading.Thread(target=self._read, name="refusion-engine-events",
                                     daemon=True)
     self._reader.start()
@@ -252,14 +290,26 @@ class EngineProcess:
     with self._lock:
       self._stopping = True
       self._send(("stop",))
+    if self._loop is not None and not self._closed:
+      # Called on the loop's thread, which is the reader: read while the engine
+      # drains (it must not block on a full pipe), then whatever it sent last.
+      self._loop.remove_reader(self._events.fileno())
+      deadline = time.monotonic() + timeout
+      while not self._closed and self._proc.is_alive() and time.monotonic() < deadline:
+        if self._events.poll(0.05):
+          self._take()
+      while not self._closed and self._events.poll(0):
+        self._take()
     self._proc.join(timeout)
     if self._proc.is_alive():
       self._proc.kill()
       self._proc.join(5)
     if self._reader is not None:
       self._reader.join(timeout)
+    else:
+      self._exited()
 
-  # --- the server's reader thread ---------------------------------------------------------
+  # --- reading the engine's events ---------------------------------------------------------
 
   def _gauge(self) -> None:
     if self.metrics is not None:
@@ -275,28 +325,56 @@ class EngineProcess:
     self._dequeued, self._engine_error = dequeued, error
     self._gauge()
 
+  def _handle(self, msg) -> None:
+    _, batch, counters = msg
+    if counters is not None:
+      self._count(counters)
+    for key, kind, payload in batch:
+      with self._lock:
+        job = self._jobs.get(key)
+        if job is not None and kind in ("done", "error"):
+          del self._jobs[key]
+          self._keys.pop(job, None)
+      if job is not None:
+        try:
+          job.deliver(kind, payload)
+        except Exception:  # pylint: disable=broad-except
+          log.exception("delivering a %s event failed", kind)
+
+  def _take(self) -> None:
+    """Reads and handles one message; at the pipe's end, the engine's exit."""
+    try:
+      msg = _get(self._events)
+    except (EOFError, OSError):
+      self._closed = True
+      if self._loop is not None:
+        self._loop.remove_reader(self._events.fileno())
+        if not self._stopping:  # else `stop` reports it once the process is joined
+          # The process is reaped off the loop's thread; its requests' errors are
+          # delivered back on it.
+          self._loop.run_in_executor(None, self._proc.join, 5).add_done_callback(
+              lambda _: self._exited())
+      return
+    self._handle(msg)
+
+  def _readable(self) -> None:
+    """The event loop's reader: every message the pipe holds now."""
+    while not self._closed and self._events.poll(0):
+      self._take()
+
   def _read(self) -> None:
-    while True:
-      try:
-        msg = self._events.recv()
-      except (EOFError, OSError):
-        break
-      _, batch, counters = msg
-      if counters is not None:
-        self._count(counters)
-      for key, kind, payload in batch:
-        with self._lock:
-          job = self._jobs.get(key)
-          if job is not None and kind in ("done", "error"):
-            del self._jobs[key]
-            self._keys.pop(job, None)
-        if job is not None:
-          try:
-            job.deliver(kind, payload)
-          except Exception:  # pylint: disable=broad-except
-            log.exception("delivering a %s event failed", kind)
+    """The reader thread (no event loop): until the pipe's end."""
+    while not self._closed:
+      self._take()
     self._proc.join(5)
+    self._exited()
+
+  def _exited(self) -> None:
+    """The engine process has exited: every request in flight gets an error (once)."""
     with self._lock:
+      if self._exit_seen:
+        return
+      self._exit_seen = True
       if not self._stopping:
         self._died = f"the engine process exited (exit code {self._proc.exitcode})"
         log.error("%s", self._died)

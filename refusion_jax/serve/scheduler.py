@@ -10,8 +10,9 @@ The engine thread owns every lane. Each turn it takes the submitted jobs,
 frees the rows of cancelled ones, admits waiting jobs into free rows (in
 batches), runs each busy lane for a chunk of passes and reads what its rows
 committed. It never waits on the HTTP side: results go out through each job's
-`deliver` callback (the server hands them to its event loop with
-`call_soon_threadsafe`), and text is made on the event loop, not here.
+`deliver` callback (the app's event loop takes them: with
+`call_soon_threadsafe` from this thread, or from the engine process's pipe),
+and text is made on the event loop, not here.
 
 A lane runs without a pass bound (returning when a row is done, as the
 offline engine does) unless one of its jobs watches progress (streaming, stop
