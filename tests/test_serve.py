@@ -768,6 +768,39 @@ def test_the_wait_for_a_returning_client_ends_on_a_request_or_the_pass():
   assert not watcher.is_alive()
 
 
+def test_progress_goes_out_every_chunk_passes_while_a_row_is_free(served_thread):
+  # One AR stream on 4 rows: the lane returns after every pass (a row is free), but
+  # the stream's progress goes out with its first text, then every chunk_passes (2)
+  # passes at most; the tokens are the same.
+  c = _scheduler_config(served_thread)
+  c.buckets = f"ar:{GEN}"  # the served_thread's programs: nothing new compiles
+  sched = serve.make_scheduler(c)
+  sched.start()
+  bucket = [b for b in sched.buckets if b.method == "ar"][0]
+  try:
+    for i in range(2):
+      events, done = [], threading.Event()
+
+      def deliver(kind, payload, events=events, done=done):
+        events.append((kind, payload))
+        if kind in ("done", "error"):
+          done.set()
+      sched.submit(Job(prompt=served_thread["tok"].encode(TEXTS[i]), bucket=bucket,
+                       knobs=sched.default_knobs(bucket), rng2=np.zeros((2,), np.uint32),
+                       max_tokens=GEN, watch=True, slots=False, deliver=deliver))
+      assert done.wait(60), events
+      want = served_thread["completion"]["ar"][i]
+      assert events[-1][0] == "done" and events[-1][1].tokens == want["tokens"]
+      progress = [p for k, p in events if k == "progress"]
+      assert progress and progress[0][1] <= 2  # the first text at the first read
+      nfe = [n for _, n in progress]
+      assert all(b - a >= c.chunk_passes for a, b in zip(nfe, nfe[1:])), nfe
+      assert all(want["tokens"][:len(t)] == t for t, _ in progress)
+      assert len(progress) <= 1 + want["nfe"] // c.chunk_passes, (len(progress), want["nfe"])
+  finally:
+    sched.stop()
+
+
 def test_waiting_for_returning_clients_changes_no_token(served_thread):
   # --config.wait_for_returns: four closed-loop clients, each sending its next prompt a
   # moment after its response (a round trip), on four rows; every answer is sample's.

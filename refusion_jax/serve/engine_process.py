@@ -13,7 +13,9 @@ model live only there) and the server process talks to it over two pipes:
   `failed` (the error, raised again by `start`); then one message per engine
   turn with that turn's events (`progress`, `slots`, `done`, `error` per job)
   and the engine's counters (forward passes, cancelled rows, busy rows,
-  requests taken off the queue, the last decoder error) when they changed.
+  requests taken off the queue, the last decoder error) when they changed; a
+  turn with no event that changed only the pass count sends nothing unless
+  `PASSES_EVERY_S` has gone by (the next message carries it).
 
 `EngineProcess` has the `Scheduler` interface the app uses (submit, cancel,
 hold, busy_rows, queue_depth, error, buckets, ...); the bounded queue is
@@ -53,6 +55,10 @@ def _put(conn, msg) -> None:
 
 def _get(conn):
   return pickle.loads(conn.recv_bytes())
+
+
+# The pass count alone goes to the server at most this often (/metrics).
+PASSES_EVERY_S = 0.05
 
 
 class EngineFailed(RuntimeError):
@@ -101,6 +107,7 @@ def _child(c_dict: dict, commands, events) -> None:
   jobs: dict[int, Job] = {}
   submitted = [0]
   last: list = [None]
+  last_sent = [0.0]
   try:
     c = ml_collections.ConfigDict(c_dict)
     sched = serve.make_scheduler(c, metrics=tally)
@@ -109,13 +116,21 @@ def _child(c_dict: dict, commands, events) -> None:
     return
 
   def after_turn() -> None:
-    # Runs on the engine thread only (every delivery is made there).
+    # Runs on the engine thread only (every delivery is made there). A turn with no
+    # event whose only change is the pass count sends nothing until PASSES_EVERY_S
+    # has gone by, unless no row is busy: a message wakes the server process, which
+    # on a small CPU takes time from the passes.
     counters = (tally.forward_passes.value, tally.cancelled_rows.value, tally.busy_rows.value,
                 submitted[0] - sched.queue_depth(), sched.error)
-    if not outbox and counters == last[0]:
-      return
+    if not outbox:
+      if counters == last[0]:
+        return
+      if (last[0] is not None and counters[1:] == last[0][1:] and counters[2]
+          and time.monotonic() - last_sent[0] < PASSES_EVERY_S):
+        return
     batch, outbox[:] = list(outbox), []
     last[0] = counters
+    last_sent[0] = time.monotonic()
     send(("turn", batch, counters))
 
   sched.after_turn = after_turn

@@ -22,7 +22,10 @@ turns): then it hands control back every `chunk_passes` passes, and every
 `free_chunk_passes` passes (default 1) while a row is free, so that a request
 arriving mid-run joins at the next pass rather than after a whole chunk (a
 closed-loop client's next request comes while the others' rows run). Chunking
-changes no token and no pass count (`LiveBatch`).
+changes no token and no pass count (`LiveBatch`). A watching job's progress
+goes out with its first text, then at most every `chunk_passes` passes, also
+in the turns a free row shortens: those are for admissions, and a report per
+pass per stream would cost the HTTP side an event per token.
 
 With `admit_batch` > 1, prompts that arrive while other rows decode are admitted
 `admit_batch` at a time, or once the first has waited `admit_wait_passes` of its
@@ -144,6 +147,7 @@ class Job:
   # Engine-thread bookkeeping.
   row: int = -1
   sent: int = 0  # committed prefix delivered so far
+  sent_pass: int = 0  # the lane's pass count at the last progress delivered
   seen: np.ndarray | None = None  # positions reported to a `slots` job
   admission: int = 0  # the lane's admission call that prefilled it
   submitted: float = 0.0
@@ -425,10 +429,13 @@ class Scheduler:
             truncated=keep < n or snap.phase_b[r] != engine_lib.DONE))))
         lane.jobs[r] = None
         finished.append(r)
-      elif job.watch and n > job.sent:
+      elif (job.watch and n > job.sent
+            and (job.sent == 0 or snap.passes - job.sent_pass >= self.chunk_passes)):
+        # The first text at once, then at most every chunk_passes passes: also while a
+        # row is free and the lane returns after every pass (for admissions).
         out.append((self._send, (job, "progress", (snap.tokens_bg[r, :n].tolist(),
                                                    int(nfe_b[r])))))
-        job.sent = n
+        job.sent, job.sent_pass = n, snap.passes
     lane.batch.free(finished)
     lane.freed = len(finished)
     return out
