@@ -30,6 +30,7 @@ def get_config():
   c.max_queue = 256  # requests waiting for a row at most (more get 429 with Retry-After)
   c.max_lanes = 4  # row sets alive at once (one per shape and knob values in use)
   c.chunk_passes = 4  # passes between returns to the host while streaming / lanes take turns
+  #   (and between a stream's progress reports, also while a row is free)
   c.free_chunk_passes = 1  # the same while a row is free (a new request waits at most this long)
   c.row_counts = "auto"  # also passes over fewer rows when fewer are busy: "auto", "" or "4,8,12"
   c.admit_max = 0  # prompts prefilled per admission call at most (0 = rows)
