@@ -435,8 +435,8 @@ class _Reply:
               self.s.metrics.ttft.labels(self.endpoint).observe(time.perf_counter() - self.start)
             parts.append(self._chunk(payload))
           elif kind == "slots":
-            runs = [{"position": p, "token_ids": t, "text": self.s._decode(t)}  # pylint: disable=protected-access
-                    for p, t in payload]
+            decode = self.s._decode  # pylint: disable=protected-access
+            runs = [{"position": p, "token_ids": t, "text": decode(t)} for p, t in payload]
             parts.append(self._chunk(None if self.req.chat else "",
                                      extra={"refusion_slots": runs}))
           elif kind == "disconnect":

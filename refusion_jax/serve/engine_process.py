@@ -23,8 +23,9 @@ counted on the server side, so a full queue answers 429 without a round trip.
 Started in an event loop (the app's lifespan), it reads the engine's pipe on
 that loop, which then makes every delivery itself: no reader thread to hand each
 event over to the loop, and no interpreter lock passed between them. Messages
-go over the pipes with the standard pickler. If the engine process dies, every request in flight gets an error, /health
-reports it, and new requests are refused.
+go over the pipes with the standard pickler. If the engine process dies, every
+request in flight gets an error, /health reports it, and new requests are
+refused.
 """
 
 from __future__ import annotations
