@@ -432,6 +432,17 @@ def test_stream_merges_waiting_progress_and_writes_what_is_ready_at_once():
     await asyncio.wait_for(reply.stream(gone, send), 10)
     assert cancelled == [reply.job] and all(more for _, more in _bodies(sent))
 
+    # A server that raises OSError from `send` once the client is gone (ASGI 2.4).
+    reply, cancelled = _reply()
+
+    async def broken(m):
+      if m["type"] == "http.response.body":
+        raise OSError("the connection is closed")
+
+    reply.deliver("progress", ([0], 1))
+    await asyncio.wait_for(reply.stream(never, broken), 10)
+    assert cancelled == [reply.job] and reply.finished
+
   asyncio.run(main())
 
 

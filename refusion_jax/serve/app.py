@@ -461,6 +461,8 @@ class _Reply:
           await send({"type": "http.response.body", "body": "".join(parts).encode(),
                       "more_body": True})
           parts = []
+    except OSError:  # a server on ASGI 2.4 raises it from `send` once the client is gone
+      pass
     finally:
       watch.cancel()
       await gen.aclose()
