@@ -12,7 +12,10 @@ closed loop without HTTP (`closed_loop`: the server's engine loop, its
 within the delivery of its last response, the clients started
 `--loop_stagger` engine turns apart as the server's fall out of step), so that
 what the server adds over its engine loop shows apart from what a closed loop
-costs. Per level: throughput
+costs. With `--process_loop`, also the server's engine process with no HTTP in
+front (`ProcessLoop`: `EngineProcess` as the server runs it, its events read
+on an event loop, the clients coroutines on that loop), which shows what the
+second process costs apart from HTTP. Per level: throughput
 (completion tokens / wall time), time to first token and request latency
 (p50 / p99), the CPU cores used by the client, the server's HTTP process and
 its engine process, and whether every response's tokens equal the offline
@@ -108,6 +111,10 @@ def parse_args(argv=None):
   p.add_argument("--server_flags", default="",
                  help="more server flags, space-separated (e.g. --config.chunk_passes=2)")
   p.add_argument("--no_stream", action="store_true", help="clients ask for whole responses")
+  p.add_argument("--process_loop", action="store_true",
+                 help="also run the server's engine process without HTTP (closed-loop clients "
+                      "as coroutines in this process): what the process boundary costs apart "
+                      "from HTTP (one more model copy on the device)")
   p.add_argument("--loop_stagger", type=int, default=1,
                  help="the in-process loop's clients start this many engine turns apart (0: "
                       "all at once; with fixed answer lengths they then stay in lockstep, "
@@ -161,13 +168,15 @@ def mismatch(got: list[list[int]], want: list[list[int]]) -> tuple[int, int | No
   return bad, first
 
 
-def _mismatch_text(server, loop, n: int) -> str:
-  """The table's cell: "yes", or how many of the n responses differ on each side."""
-  if not server[0] and not loop[0]:
+def _mismatch_text(server, loop, process, n: int) -> str:
+  """The table's cell: "yes", or how many of the n responses differ on each side (the
+  engine process's when it ran)."""
+  if not server[0] and not loop[0] and not process[0]:
     return "yes"
-  return "NO: " + ", ".join(
-      f"{side} {k} of {n}" + (f" (from token {at})" if k else "")
-      for side, (k, at) in (("server", server), ("loop", loop)))
+  sides = (("server", server), ("loop", loop)) + ((("engine process", process),)
+                                                   if process[0] else ())
+  return "NO: " + ", ".join(f"{side} {k} of {n}" + (f" (from token {at})" if k else "")
+                            for side, (k, at) in sides)
 
 
 def summary(rows_out: list[dict]) -> list[str]:
@@ -195,7 +204,11 @@ def summary(rows_out: list[dict]) -> list[str]:
       + each(lambda r: f"{r['pace_ratio']:.2f}x"),
       "server / in-process closed loop (the same engine loop and clients, no HTTP) at "
       "16 clients: " + each(lambda r: f"{r['server_loop_ratio']:.2f}x"),
-  ]
+  ] + ([
+      "engine process without HTTP / in-process closed loop at 16 clients: "
+      + each(lambda r: "–" if r.get("process_loop_ratio") is None
+             else f"{r['process_loop_ratio']:.2f}x")]
+       if any(r.get("process_loop_ratio") is not None for r in at16) else [])
 
 
 def load_prompts(path: str, n: int, tokenizer) -> list[list[int]]:
@@ -356,6 +369,94 @@ def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, fl
   finally:
     scheduler.after_turn = after_turn
   return wall, [results[i] for i in range(len(prompts))], passes() - before
+
+
+class ProcessLoop:
+  """The server's engine process with no HTTP in front: an `EngineProcess` started in an
+  event loop (on a thread of this process), so its events are read and delivered on
+  that loop as in the server, under closed-loop clients that are coroutines there.
+  `run` mirrors `load`: each client's first request as a warm-up, then the timed
+  requests; it gives (wall seconds, tokens per prompt, forward passes)."""
+
+  def __init__(self, config):
+    import threading  # pylint: disable=import-outside-toplevel
+    from refusion_jax.serve import engine_process  # pylint: disable=import-outside-toplevel
+    self.loop = asyncio.new_event_loop()
+    self.thread = threading.Thread(target=self.loop.run_forever, name="process-loop",
+                                   daemon=True)
+    self.thread.start()
+    try:
+      self.engine = engine_process.EngineProcess(config)
+    except BaseException:
+      self._halt()
+      raise
+    self._call(self._on_loop(self.engine.start))
+
+  @staticmethod
+  async def _on_loop(fn):
+    return fn()
+
+  def _call(self, coro, timeout: float = 900.0):
+    return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+  def _halt(self) -> None:
+    self.loop.call_soon_threadsafe(self.loop.stop)
+    self.thread.join(10)
+
+  def close(self) -> None:
+    try:
+      self._call(self._on_loop(self.engine.stop))  # on the loop: it reads the pipe
+    finally:
+      self._halt()
+
+  def run(self, prompts, clients: int, args) -> tuple[float, list, float]:
+    return self._call(self._run(prompts, clients, args))
+
+  async def _settle(self) -> None:
+    """Until the engine reports no busy row (its pass count is then current)."""
+    deadline = time.perf_counter() + 10
+    while self.engine.busy_rows() and time.perf_counter() < deadline:
+      await asyncio.sleep(0.005)
+
+  async def _run(self, prompts, clients: int, args):
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from refusion_jax.serve.scheduler import Job  # pylint: disable=import-outside-toplevel
+    eng = self.engine
+    bucket = eng.buckets[0]
+    knobs = eng.default_knobs(bucket)
+
+    async def one(prompt) -> list[int]:
+      fut = self.loop.create_future()
+
+      def deliver(kind, payload):  # on this loop's thread
+        if kind in ("done", "error") and not fut.done():
+          fut.set_result((kind, payload))
+      eng.submit(Job(prompt=list(prompt), bucket=bucket, knobs=knobs,
+                     rng2=np.zeros((2,), np.uint32), max_tokens=args.gen_length,
+                     watch=not args.no_stream, slots=False, deliver=deliver))
+      kind, payload = await fut
+      if kind != "done":
+        raise RuntimeError(f"the engine process failed a request: {payload}")
+      return payload.tokens
+
+    async def burst(todo: list) -> dict:
+      results: dict[int, list[int]] = {}
+
+      async def client():
+        while todo:
+          i, prompt = todo.pop(0)
+          results[i] = await one(prompt)
+      await asyncio.gather(*(client() for _ in range(min(clients, len(todo)))))
+      return results
+
+    await burst([(i, prompts[0]) for i in range(clients)])  # warm-up
+    await self._settle()
+    before = eng.forward_passes
+    t0 = time.perf_counter()
+    results = await burst(list(enumerate(prompts)))
+    wall = time.perf_counter() - t0
+    await self._settle()
+    return wall, [results[i] for i in range(len(prompts))], eng.forward_passes - before
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -600,6 +701,7 @@ def _main(args) -> list[dict]:
                for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
     loop_sched = serve.make_scheduler(config)
     loop_sched.start()
+    ploop = ProcessLoop(config) if args.process_loop else None
     proc, url = start_server(model_dir, method, args, width)
     pids = server_pids(proc)
     try:
@@ -611,11 +713,16 @@ def _main(args) -> list[dict]:
           off_tps, off_tokens, off_passes, per_request = offline(engines[args.rows], prompts)
           loop_wall, loop_tokens, loop_passes = closed_loop(loop_sched, prompts, clients, args)
           wall, res, passes, cores = asyncio.run(load(url, prompts, clients, args, pids))
+          proc_tps, proc_miss = None, (0, None)
+          if ploop is not None:
+            p_wall, p_tokens, _ = ploop.run(prompts, clients, args)
+            proc_tps = sum(len(t) for t in p_tokens) / p_wall
+            proc_miss = mismatch(p_tokens, off_tokens)
           tps = sum(len(t) for _, _, t in res) / wall
           loop_tps = sum(len(t) for t in loop_tokens) / loop_wall
           pairs.append((tps, off_tps, passes / off_passes, cores, loop_tps,
                         loop_passes / off_passes, mismatch(loop_tokens, off_tokens),
-                        mismatch([t for _, _, t in res], off_tokens)))
+                        mismatch([t for _, _, t in res], off_tokens), proc_tps, proc_miss))
           if clients < args.rows:
             small = offline(engines[clients], prompts)[0]
         srv = statistics.median(p[0] for p in pairs)
@@ -637,14 +744,20 @@ def _main(args) -> list[dict]:
                "ttft_p50_ms": 1e3 * _pct([f for _, f, _ in res], 0.5),
                "lat_p50_ms": 1e3 * _pct([l for l, _, _ in res], 0.5),
                "lat_p99_ms": 1e3 * _pct([l for l, _, _ in res], 0.99),
-               # (server, loop): each side's repeat with the most responses that differ
-               "mismatch": (max((p[7] for p in pairs), key=lambda m: m[0]),
-                            max((p[6] for p in pairs), key=lambda m: m[0]))}
+               # The engine process without HTTP over the in-process loop.
+               "process_loop_ratio": (statistics.median(p[8] / p[4] for p in pairs)
+                                      if ploop is not None else None),
+               # (server, loop, engine process): each side's repeat with the most
+               # responses that differ
+               "mismatch": tuple(max((p[k] for p in pairs), key=lambda m: m[0])
+                                 for k in (7, 6, 9))}
         rows_out.append(row)
         print(f"  {method} clients {clients}: {row['tok_s']:,.0f} tok/s "
               f"({row['ratio']:.2f}x offline)", file=sys.stderr, flush=True)
     finally:
       loop_sched.stop()
+      if ploop is not None:
+        ploop.close()
       proc.send_signal(signal.SIGTERM)
       try:
         proc.wait(timeout=60)
@@ -654,8 +767,8 @@ def _main(args) -> list[dict]:
         "server / offline | passes / offline | in-process loop tok/s | loop / offline | "
         "server / loop | loop passes / offline | passes / request | offline, clients rows | "
         "TTFT p50 ms | latency p50 ms | latency p99 ms | CPU cores: client / HTTP / engine | "
-        "same tokens |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "engine process, no HTTP / loop | same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows_out:
     small = "–" if r["offline_small_tok_s"] is None else f"{r['offline_small_tok_s']:,.0f}"
     print(f"| {r['model']} | {r['method']} | {r['clients']} | {r['requests']} | {r['tok_s']:,.0f} | "
@@ -664,6 +777,7 @@ def _main(args) -> list[dict]:
           f"{r['loop_pass_ratio']:.2f} | {r['request_passes']:.1f} | {small} | "
           f"{r['ttft_p50_ms']:.1f} | {r['lat_p50_ms']:.1f} | {r['lat_p99_ms']:.1f} | "
           + " / ".join("–" if c != c else f"{c:.2f}" for c in r["cores"])
+          + (" | –" if r["process_loop_ratio"] is None else f" | {r['process_loop_ratio']:.2f}x")
           + f" | {_mismatch_text(*r['mismatch'], r['requests'])} |")
   for line in summary(rows_out):
     print(line)

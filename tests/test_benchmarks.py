@@ -218,8 +218,11 @@ def test_serve_load_counts_the_responses_that_differ_and_where():
   with pytest.raises(ValueError, match="2 responses against 3"):
     serve_load.mismatch(want[:2], want)
   text = serve_load._mismatch_text  # pylint: disable=protected-access
-  assert text((0, None), (0, None), 3) == "yes"
-  assert text((2, 1), (0, None), 3) == "NO: server 2 of 3 (from token 1), loop 0 of 3"
+  assert text((0, None), (0, None), (0, None), 3) == "yes"
+  assert (text((2, 1), (0, None), (0, None), 3)
+          == "NO: server 2 of 3 (from token 1), loop 0 of 3")
+  assert (text((0, None), (0, None), (1, 0), 3)
+          == "NO: server 0 of 3, loop 0 of 3, engine process 1 of 3 (from token 0)")
 
 
 def test_serve_load_goes_through_a_short_prompt_file_again_in_order(tmp_path):
@@ -253,6 +256,9 @@ def test_serve_load_summary_separates_the_closed_loop_from_the_servers_pace():
   assert "passes per second, server / offline at 16 clients" in text
   assert "refusion 1.02x, ar 1.20x" in text and "refusion 0.85x, ar 0.90x" in text
   assert serve_load.summary([dict(row, clients=4)]) == []
+  assert "engine process without HTTP" not in text
+  text = "\n".join(serve_load.summary([dict(row, process_loop_ratio=0.91)]))
+  assert "engine process without HTTP / in-process closed loop at 16 clients: refusion 0.91x" in text
 
 
 def test_serve_load_shares_a_compilation_cache_with_its_server_and_cleans_up(tmp_path,
@@ -339,3 +345,35 @@ def test_serve_load_closed_loop_gives_each_prompt_its_offline_tokens():
     assert tokens == offline[1] and turns[0] == 3
   finally:
     sched.stop()
+
+
+def test_serve_load_process_loop_gives_each_prompt_its_offline_tokens():
+  """The engine process without HTTP (`ProcessLoop`): every prompt answered once, with
+  the offline engine's tokens, read and delivered on its event loop, its passes
+  counted without the warm-up's; closed cleanly."""
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
+  model_dir = "refusion_jax/assets/base_tiny"
+  args = serve_load.parse_args(["--rows=4", "--clients=3", "--gen_length=8", "--slot_size=4",
+                                "--block_size=8", "--row_counts=", "--process_loop"])
+  _, model = sample.load_model(model_dir)
+  rs = np.random.RandomState(1)
+  prompts = [[int(t) for t in rs.randint(4, 60, size=rs.randint(2, 9))] for _ in range(7)]
+  dc = DecodeConfig(gen_length=8, slot_size=4, block_size=8, slot_threshold=0.5,
+                    token_threshold=0.1)
+  offline = serve_load.offline(serve_load.offline_engine(model, dc, prompts, 4, 16), prompts)
+  ploop = serve_load.ProcessLoop(serve_load.serve_config(model_dir, "refusion", args, 16))
+  try:
+    assert ploop.engine.delivers_in_loop
+    wall, tokens, passes = ploop.run(prompts, 3, args)
+    assert tokens == offline[1]
+    assert wall > 0 and 3 * passes >= round(offline[3] * len(prompts)) > 0
+    # Again (the warm-up's passes not counted: no more than the first time's, give or
+    # take the turns a closed loop's timing moves).
+    wall, tokens, again = ploop.run(prompts, 3, args)
+    assert tokens == offline[1] and 3 * again >= round(offline[3] * len(prompts))
+    assert again <= passes + len(prompts)
+  finally:
+    ploop.close()
+  assert not ploop.thread.is_alive() and not ploop.engine._proc.is_alive()  # pylint: disable=protected-access

@@ -245,6 +245,11 @@ class EngineProcess:
   def busy_rows(self) -> int:
     return self._busy
 
+  @property
+  def forward_passes(self) -> int:
+    """Forward passes the engine has reported so far (current once no row is busy)."""
+    return self._passes
+
   def _send(self, msg) -> None:
     try:
       _put(self._commands, msg)
