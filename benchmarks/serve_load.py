@@ -290,6 +290,16 @@ def serve_config(model_dir, method, args, width):
   return c
 
 
+def loop_job(prompt, bucket, knobs, args, deliver):
+  """A request as the server's HTTP side would submit it for this benchmark's clients
+  (greedy, key 0, the bucket's whole gen_length, progress watched when streaming)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from refusion_jax.serve.scheduler import Job  # pylint: disable=import-outside-toplevel
+  return Job(prompt=list(prompt), bucket=bucket, knobs=knobs, rng2=np.zeros((2,), np.uint32),
+             max_tokens=args.gen_length, watch=not args.no_stream, slots=False,
+             deliver=deliver)
+
+
 def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, float]:
   """The server's engine loop (`Scheduler`, in this process) under `clients` closed-loop
   clients that take no time: each submits its next prompt from within the delivery of
@@ -305,8 +315,6 @@ def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, fl
   for good, where the server's clients, out of step after their first responses,
   come back at different passes."""
   import threading  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from refusion_jax.serve.scheduler import Job  # pylint: disable=import-outside-toplevel
   bucket = scheduler.buckets[0]
   knobs = scheduler.default_knobs(bucket)
   lock, finished = threading.Lock(), threading.Event()
@@ -342,9 +350,7 @@ def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, fl
           if len(results) == total:
             finished.set()
           submit()
-      scheduler.submit(Job(prompt=list(prompt), bucket=bucket, knobs=knobs,
-                           rng2=np.zeros((2,), np.uint32), max_tokens=args.gen_length,
-                           watch=not args.no_stream, slots=False, deliver=deliver))
+      scheduler.submit(loop_job(prompt, bucket, knobs, args, deliver))
 
     finished.clear()
     t0 = time.perf_counter()
@@ -419,8 +425,6 @@ class ProcessLoop:
       await asyncio.sleep(0.005)
 
   async def _run(self, prompts, clients: int, args):
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    from refusion_jax.serve.scheduler import Job  # pylint: disable=import-outside-toplevel
     eng = self.engine
     bucket = eng.buckets[0]
     knobs = eng.default_knobs(bucket)
@@ -431,9 +435,7 @@ class ProcessLoop:
       def deliver(kind, payload):  # on this loop's thread
         if kind in ("done", "error") and not fut.done():
           fut.set_result((kind, payload))
-      eng.submit(Job(prompt=list(prompt), bucket=bucket, knobs=knobs,
-                     rng2=np.zeros((2,), np.uint32), max_tokens=args.gen_length,
-                     watch=not args.no_stream, slots=False, deliver=deliver))
+      eng.submit(loop_job(prompt, bucket, knobs, args, deliver))
       kind, payload = await fut
       if kind != "done":
         raise RuntimeError(f"the engine process failed a request: {payload}")

@@ -258,7 +258,8 @@ def test_serve_load_summary_separates_the_closed_loop_from_the_servers_pace():
   assert serve_load.summary([dict(row, clients=4)]) == []
   assert "engine process without HTTP" not in text
   text = "\n".join(serve_load.summary([dict(row, process_loop_ratio=0.91)]))
-  assert "engine process without HTTP / in-process closed loop at 16 clients: refusion 0.91x" in text
+  assert ("engine process without HTTP / in-process closed loop at 16 clients: refusion 0.91x"
+          in text)
 
 
 def test_serve_load_shares_a_compilation_cache_with_its_server_and_cleans_up(tmp_path,
@@ -308,24 +309,36 @@ def test_serve_load_shares_a_compilation_cache_with_its_server_and_cleans_up(tmp
     assert folder is None
 
 
+_LOOP_MODEL = "refusion_jax/assets/base_tiny"
+_LOOP_FLAGS = ["--rows=4", "--clients=3", "--gen_length=8", "--slot_size=4", "--block_size=8",
+               "--row_counts="]
+
+
+def _loop_prompts_and_offline(seed: int):
+  """Seven short random prompts and the offline engine's run of them (4 rows, width 16,
+  the settings of `_LOOP_FLAGS`) on the bundled base."""
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
+  _, model = sample.load_model(_LOOP_MODEL)
+  rs = np.random.RandomState(seed)
+  prompts = [[int(t) for t in rs.randint(4, 60, size=rs.randint(2, 9))] for _ in range(7)]
+  dc = DecodeConfig(gen_length=8, slot_size=4, block_size=8, slot_threshold=0.5,
+                    token_threshold=0.1)
+  return prompts, serve_load.offline(serve_load.offline_engine(model, dc, prompts, 4, 16),
+                                     prompts)
+
+
 def test_serve_load_closed_loop_gives_each_prompt_its_offline_tokens():
   """The in-process closed loop, its clients started turns apart and together: every
   prompt answered once, with the offline engine's tokens, its passes counted, the
   warm-up requests not among them."""
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
-  from refusion_jax import sample, serve  # pylint: disable=import-outside-toplevel
-  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
-  model_dir = "refusion_jax/assets/base_tiny"
-  flags = ["--rows=4", "--clients=3", "--gen_length=8", "--slot_size=4", "--block_size=8",
-           "--row_counts="]
-  args = serve_load.parse_args(flags)
-  _, model = sample.load_model(model_dir)
-  rs = np.random.RandomState(0)
-  prompts = [[int(t) for t in rs.randint(4, 60, size=rs.randint(2, 9))] for _ in range(7)]
-  dc = DecodeConfig(gen_length=8, slot_size=4, block_size=8, slot_threshold=0.5,
-                    token_threshold=0.1)
-  offline = serve_load.offline(serve_load.offline_engine(model, dc, prompts, 4, 16), prompts)
-  sched = serve.make_scheduler(serve_load.serve_config(model_dir, "refusion", args, 16))
+  from refusion_jax import serve  # pylint: disable=import-outside-toplevel
+  flags = _LOOP_FLAGS
+  prompts, offline = _loop_prompts_and_offline(seed=0)
+  sched = serve.make_scheduler(serve_load.serve_config(
+      _LOOP_MODEL, "refusion", serve_load.parse_args(flags), 16))
   turns = []
   sched.after_turn = lambda: sched.busy_rows() and turns.append(sched.busy_rows())
   sched.start()
@@ -352,18 +365,9 @@ def test_serve_load_process_loop_gives_each_prompt_its_offline_tokens():
   the offline engine's tokens, read and delivered on its event loop, its passes
   counted without the warm-up's; closed cleanly."""
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
-  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
-  model_dir = "refusion_jax/assets/base_tiny"
-  args = serve_load.parse_args(["--rows=4", "--clients=3", "--gen_length=8", "--slot_size=4",
-                                "--block_size=8", "--row_counts=", "--process_loop"])
-  _, model = sample.load_model(model_dir)
-  rs = np.random.RandomState(1)
-  prompts = [[int(t) for t in rs.randint(4, 60, size=rs.randint(2, 9))] for _ in range(7)]
-  dc = DecodeConfig(gen_length=8, slot_size=4, block_size=8, slot_threshold=0.5,
-                    token_threshold=0.1)
-  offline = serve_load.offline(serve_load.offline_engine(model, dc, prompts, 4, 16), prompts)
-  ploop = serve_load.ProcessLoop(serve_load.serve_config(model_dir, "refusion", args, 16))
+  args = serve_load.parse_args(_LOOP_FLAGS + ["--process_loop"])
+  prompts, offline = _loop_prompts_and_offline(seed=1)
+  ploop = serve_load.ProcessLoop(serve_load.serve_config(_LOOP_MODEL, "refusion", args, 16))
   try:
     assert ploop.engine.delivers_in_loop
     wall, tokens, passes = ploop.run(prompts, 3, args)

@@ -359,7 +359,7 @@ def _reply(timeout=60.0, **body):
   cancelled = []
   server = types.SimpleNamespace(
       _decode=lambda ids: "".join(chr(ord("a") + i) for i in ids), timeout=timeout,
-      scheduler_in_loop=True, scheduler=types.SimpleNamespace(cancel=cancelled.append),
+      scheduler=types.SimpleNamespace(cancel=cancelled.append, delivers_in_loop=True),
       metrics=app_lib.Metrics(), model_name="m", eos_id=99)
   req = protocol.parse({"model": "m", "prompt": "x", "stream": True, **body}, chat=False)
   reply = app_lib._Reply(server, req, [1, 2], "completions", time.perf_counter())  # pylint: disable=protected-access

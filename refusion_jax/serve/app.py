@@ -85,12 +85,6 @@ class Server:
     self.eos_id = scheduler.model_config.eos_token_id
     self.created = int(time.time())
 
-  @property
-  def scheduler_in_loop(self) -> bool:
-    """Whether the scheduler makes its deliveries on the event loop's thread (the
-    engine process read by the loop) rather than on a thread of its own."""
-    return getattr(self.scheduler, "delivers_in_loop", False)
-
   # --- helpers --------------------------------------------------------------------------
 
   def _decode(self, tokens) -> str:
@@ -265,6 +259,9 @@ class _Reply:
     self.created = int(time.time())
     self.forward_passes = 0
     self.finished = False
+    # Deliveries come on this loop's thread (the engine process read by the loop), or
+    # from an engine thread.
+    self.in_loop = server.scheduler.delivers_in_loop
     # Past the deadline the request gets a "timeout" event (one timer, not one per wait).
     self.timer = self.loop.call_at(self.loop.time() + max(self._deadline_left(), 0.0),
                                    self.mail.put, ("timeout", None))
@@ -272,7 +269,7 @@ class _Reply:
   def deliver(self, kind: str, payload) -> None:
     """The engine's delivery: on this loop's thread when the scheduler makes its
     deliveries there, else handed over to it."""
-    if self.s.scheduler_in_loop:
+    if self.in_loop:
       self.mail.put((kind, payload))
     else:
       self.loop.call_soon_threadsafe(self.mail.put, (kind, payload))
@@ -364,33 +361,36 @@ class _Reply:
     gen = self._events()
     try:
       text = ""
-      async for kind, payload in _flat(gen):
-        if kind == "text":
-          text += payload
-        elif kind == "disconnect":
-          self._cancel()
-          return Response(status_code=499)
-        elif kind == "error":
-          self._close(str(payload.status))
-          return _error(payload)
-        elif kind == "done":
-          tokens = payload
-          choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish_reason(tokens),
-                                    "logprobs": None, "token_ids": tokens}
-          if self.req.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-          else:
-            choice["text"] = text
-          self._close("ok", tokens)
-          return JSONResponse({"id": self.id, "object": "chat.completion" if self.req.chat
-                               else "text_completion", "created": self.created,
-                               "model": self.s.model_name, "choices": [choice],
-                               "usage": self._usage(tokens)})
+      async for batch in gen:
+        for kind, payload in batch:
+          if kind == "text":
+            text += payload
+          elif kind == "disconnect":
+            self._cancel()
+            return Response(status_code=499)
+          elif kind == "error":
+            self._close(str(payload.status))
+            return _error(payload)
+          elif kind == "done":
+            return self._whole_body(text, payload)
       raise AssertionError("the event stream ended without a result")
     finally:
       watch.cancel()
       await gen.aclose()
       self._cancel()
+
+  def _whole_body(self, text: str, tokens: list[int]) -> JSONResponse:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish_reason(tokens),
+                              "logprobs": None, "token_ids": tokens}
+    if self.req.chat:
+      choice["message"] = {"role": "assistant", "content": text}
+    else:
+      choice["text"] = text
+    self._close("ok", tokens)
+    return JSONResponse({"id": self.id, "object": "chat.completion" if self.req.chat
+                         else "text_completion", "created": self.created,
+                         "model": self.s.model_name, "choices": [choice],
+                         "usage": self._usage(tokens)})
 
   def _chunk(self, delta: str | None = None, *, finish=None, role=False, extra=None,
              usage=None) -> str:
@@ -467,12 +467,6 @@ class _Reply:
       watch.cancel()
       await gen.aclose()
       self._cancel()  # the client went away (or the server is stopping)
-
-
-async def _flat(batches):
-  async for batch in batches:
-    for item in batch:
-      yield item
 
 
 class _Stream:

@@ -185,6 +185,8 @@ class _Lane:
 class Scheduler:
   """Runs the lanes on its own thread (module docstring)."""
 
+  delivers_in_loop = False  # deliveries are made on the engine thread (see EngineProcess)
+
   def __init__(self, model, decode_configs: list[DecodeConfig], *, rows: int, width: int,
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
                metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
