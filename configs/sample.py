@@ -38,6 +38,9 @@ def get_config():
   # KV entries attention reads at a time, up to the longest row's live part (0: the whole
   # buffer at once; unset: 64 on CPU, 512 on TPU, 0 on GPU)
   c.decode.kv_chunk = ml_collections.config_dict.placeholder(int)
+  # float32 matrix products: "default", "high" or "highest" (unset: "highest" on GPUs, whose
+  # default TF32 can make a greedy answer depend on what it is batched with; JAX's elsewhere)
+  c.decode.matmul_precision = ml_collections.config_dict.placeholder(str)
 
   c.output_json = "-"  # where the JSON list of results goes ("-" = stdout)
   c.trace = False  # print each response coloured by the step that committed each token (stderr)

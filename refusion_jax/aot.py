@@ -378,7 +378,8 @@ def _step_program(graphdef, params, state, knobs, *, spec):
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
-  return engine.program(spec.method).step(nnx.merge(graphdef, params), spec, state, knobs)
+  with engine.precision(spec):
+    return engine.program(spec.method).step(nnx.merge(graphdef, params), spec, state, knobs)
 
 
 @functools.cache

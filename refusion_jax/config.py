@@ -316,6 +316,12 @@ DECODE_METHODS = ("refusion", "ar", "mdm")
 # TPU: the loop runs on the chip; not timed on one. GPU: each trip's condition is
 # read by the host, so the whole buffer stays one product there (0).
 KV_CHUNK_AUTO = {"cpu": 64, "tpu": 512}
+# DecodeConfig.matmul_precision when unset, per platform (absent: JAX's default). A GPU
+# computes float32 matrix products in TF32 by default, whose rounding depends on the
+# kernel a product's shape selects: a prompt's greedy answer could then change with what
+# it is batched or prefilled with.
+MATMUL_PRECISION_AUTO = {"gpu": "highest"}
+MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +361,11 @@ class DecodeConfig:
   # (KV_CHUNK_AUTO; 0 on GPUs, where each trip of the loop waits for the host).
   # Static: one program per value. MDM passes have no cache and ignore it.
   kv_chunk: int | None = None
+  # Precision of float32 matrix products in decoding (jax.default_matmul_precision):
+  # "default", "high" or "highest". None: per platform (MATMUL_PRECISION_AUTO: "highest"
+  # on GPUs, JAX's default elsewhere). Products of bfloat16 activations are unaffected.
+  # Static: one program per value.
+  matmul_precision: str | None = None
 
   def __post_init__(self):
     if self.method not in DECODE_METHODS:
@@ -385,6 +396,9 @@ class DecodeConfig:
                                       or isinstance(self.kv_chunk, bool) or self.kv_chunk < 0):
       raise ValueError(f"decode.kv_chunk must be an int >= 0 (0: the whole buffer) or None "
                        f"(per platform), got {self.kv_chunk!r}")
+    if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
+      raise ValueError(f"decode.matmul_precision must be one of {MATMUL_PRECISIONS} or None "
+                       f"(per platform), got {self.matmul_precision!r}")
     for name in ("left_to_right", "recompute_kv"):
       value = getattr(self, name)
       if not isinstance(value, bool):
@@ -403,6 +417,12 @@ class DecodeConfig:
     if self.kv_chunk is not None:
       return self.kv_chunk
     return KV_CHUNK_AUTO.get(platform, 0)
+
+  def matmul_precision_on(self, platform: str) -> str | None:
+    """`matmul_precision` as a decode on `platform` uses it (None: JAX's default)."""
+    if self.matmul_precision is not None:
+      return self.matmul_precision
+    return MATMUL_PRECISION_AUTO.get(platform)
 
   @property
   def num_blocks(self) -> int:

@@ -91,6 +91,8 @@ def test_from_hf_config_errors(tmp_path):
     ({"kv_chunk": -1}, r"decode.kv_chunk must be an int >= 0 \(0: the whole buffer\)"),
     ({"kv_chunk": 64.0}, "decode.kv_chunk must be an int >= 0"),
     ({"kv_chunk": True}, "decode.kv_chunk must be an int >= 0"),
+    ({"matmul_precision": "float64"}, r"decode.matmul_precision must be one of \('default', "),
+    ({"matmul_precision": "HIGHEST"}, "decode.matmul_precision must be one of"),
 ])
 def test_decode_config_rejects_bad_values(changes, message):
   with pytest.raises(ValueError, match=message):
@@ -103,6 +105,17 @@ def test_decode_config_kv_chunk_per_platform():
   assert [auto.kv_chunk_on(p) for p in ("cpu", "tpu", "gpu")] == [
       config_lib.KV_CHUNK_AUTO["cpu"], config_lib.KV_CHUNK_AUTO["tpu"], 0]
   assert [config_lib.DecodeConfig(kv_chunk=k).kv_chunk_on("gpu") for k in (0, 16)] == [0, 16]
+
+
+def test_decode_config_matmul_precision_per_platform():
+  # Unset: "highest" on GPUs (whose float32 products are TF32 by default), JAX's default
+  # (None) on CPUs and TPUs; a value given is used everywhere.
+  auto = config_lib.DecodeConfig()
+  assert auto.matmul_precision is None
+  assert [auto.matmul_precision_on(p) for p in ("cpu", "tpu", "gpu")] == [None, None, "highest"]
+  assert [config_lib.DecodeConfig(matmul_precision=v).matmul_precision_on(p)
+          for v in ("default", "high") for p in ("cpu", "gpu")] == [
+              "default", "default", "high", "high"]
 
 
 def test_decode_config_fits_model_positions():

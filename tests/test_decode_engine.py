@@ -806,3 +806,29 @@ def test_live_batch_rejects_bad_admit_widths(models):
     with pytest.raises(ValueError, match=r"live batch admit_widths must be ints from 1 to "
                                          r"width=8, got \[.*\]"):
       engine.LiveBatch(dec, 2, 8, admit_widths=bad)
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_matmul_precision_reaches_every_product_of_the_decode_programs(method):
+  # decode.matmul_precision is traced into the programs: with "highest" every matrix
+  # product of a decode program carries it (on a GPU, float32 products are otherwise
+  # TF32, whose rounding varies with the kernel a product's shape selects); unset on
+  # a CPU, none does (JAX's default, the programs as before).
+  attention = "bidirectional" if method == "mdm" else "causal"
+  cfg = config_lib.tiny(num_layers=1, vocab_size=VOCAB, hidden_size=32, num_heads=2,
+                        num_kv_heads=2, head_dim=16, mlp_dim=64, mask_token_id=MASK,
+                        pad_token_id=PAD, attention=attention)
+  model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+  base = DecodeConfig(method=method, gen_length=8, slot_size=4, block_size=8)
+
+  def products(dc):
+    d = engine.Decoder(model, dc)
+    assert d.spec.matmul_precision == dc.matmul_precision_on("cpu")
+    texts = [engine.lower_program(d, name, rows=2, width=8).as_text()
+             for name in ("generate", "admit", "run")]
+    dots = [line for t in texts for line in t.splitlines() if "dot_general" in line]
+    return len(dots), sum("HIGHEST" in line for line in dots)
+
+  n, highest = products(base)
+  assert n > 0 and highest == 0
+  assert products(base.replace(matmul_precision="highest")) == (n, n)

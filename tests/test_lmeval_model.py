@@ -76,6 +76,13 @@ def test_model_args_and_generative_only(model_dir):
   assert chunked.decode_config.kv_chunk == 8
   with pytest.raises(ValueError, match="model arg kv_chunk must be an int"):
     cls(model_dir, kv_chunk="many")
+  assert lm.decode_config.matmul_precision is None  # per platform
+  precise = cls.create_from_arg_string(
+      f"model_dir={model_dir},gen_length=16,slot_size=4,block_size=8,matmul_precision=highest",
+      {})
+  assert precise.decode_config.matmul_precision == "highest"
+  with pytest.raises(ValueError, match="decode.matmul_precision must be one of"):
+    cls(model_dir, matmul_precision="fp64")
   with pytest.raises(ValueError, match=r"unknown model arg\(s\) \['slots'\]"):
     cls(model_dir, slots=3)
   with pytest.raises(ValueError, match="batch_size='auto' is not supported"):

@@ -456,7 +456,7 @@ def test_a_shipped_base_is_checked_and_every_model_starts_from_it(smoke_run, tmp
     settings.validate(config)
 
 
-def test_decode_cache_key_holds_ignore_eos_and_kv_chunk_only_when_set():
+def test_decode_cache_key_holds_ignore_eos_kv_chunk_and_precision_only_when_set():
   # A result cached before DecodeConfig had ignore_eos (kv_chunk) is the same decode as
   # one with it off (per platform), so its key must still match; set, the key differs.
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
@@ -468,3 +468,6 @@ def test_decode_cache_key_holds_ignore_eos_and_kv_chunk_only_when_set():
   assert "kv_chunk" not in off
   chunked = scoring._decode_key(dc.replace(kv_chunk=0))  # pylint: disable=protected-access
   assert chunked == {**off, "kv_chunk": 0}
+  assert "matmul_precision" not in off
+  precise = scoring._decode_key(dc.replace(matmul_precision="highest"))  # pylint: disable=protected-access
+  assert precise == {**off, "matmul_precision": "highest"}

@@ -141,6 +141,8 @@ def test_trace_views():
     (dict(prompt_ids="1,2", **{"decode.block_size": 6}), ValueError, "block_size"),
     (dict(prompt_ids="1,900"), ValueError, "token id 900"),
     (dict(prompt_ids="1,2", **{"decode.method": "mdm"}), ValueError, "bidirectional"),
+    (dict(prompt_ids="1,2", **{"decode.matmul_precision": "fp64"}), ValueError,
+     "decode.matmul_precision must be one of"),
     (dict(prompt_ids="1,2", output_json="/nonexistent/o.json"), FileNotFoundError, "output_json"),
 ])
 def test_bad_flags(models, overrides, error, match):

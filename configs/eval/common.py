@@ -28,6 +28,9 @@ def decode_fields(method: str = "refusion", gen_length: int = 512, slot_size: in
   # KV entries attention reads at a time, up to the longest row's live part (0: the whole
   # buffer at once; unset: 64 on CPU, 512 on TPU, 0 on GPU)
   d.kv_chunk = placeholder(int)
+  # float32 matrix products: "default", "high" or "highest" (unset: "highest" on GPUs, whose
+  # default TF32 can make a greedy answer depend on what it is batched with; JAX's elsewhere)
+  d.matmul_precision = placeholder(str)
   return d
 
 

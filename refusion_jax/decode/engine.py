@@ -37,6 +37,7 @@ program per bucket).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -69,6 +70,7 @@ class Spec:
   left_to_right: bool = False
   vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK
   kv_chunk: int = 0  # DecodeConfig.kv_chunk as resolved for the platform (KVCache.chunk)
+  matmul_precision: str | None = None  # DecodeConfig.matmul_precision as resolved (None: JAX's)
 
 
 @flax.struct.dataclass
@@ -118,14 +120,22 @@ def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_
   """The static part of a DecodeConfig on `platform`; fields a method ignores are
   normalised so that they share one program."""
   dc, g = decode_config, decode_config.gen_length
-  kv_chunk = dc.kv_chunk_on(platform)
+  kv_chunk, mp = dc.kv_chunk_on(platform), dc.matmul_precision_on(platform)
   if dc.method == "ar":
-    return Spec("ar", g, g, g, False, vocab_chunk, kv_chunk)
+    return Spec("ar", g, g, g, False, vocab_chunk, kv_chunk, mp)
   if dc.method == "mdm":  # no KV cache
-    return Spec("mdm", g, dc.block_size, dc.block_size, False, vocab_chunk)
+    return Spec("mdm", g, dc.block_size, dc.block_size, False, vocab_chunk, 0, mp)
   if dc.left_to_right:  # blocks play no part left to right
-    return Spec("refusion", g, dc.slot_size, g, True, vocab_chunk, kv_chunk)
-  return Spec("refusion", g, dc.slot_size, dc.block_size, False, vocab_chunk, kv_chunk)
+    return Spec("refusion", g, dc.slot_size, g, True, vocab_chunk, kv_chunk, mp)
+  return Spec("refusion", g, dc.slot_size, dc.block_size, False, vocab_chunk, kv_chunk, mp)
+
+
+def precision(spec: Spec):
+  """The context a decode program is traced in: its float32 matrix products at
+  `spec.matmul_precision` (None: JAX's default, as set outside)."""
+  if spec.matmul_precision is None:
+    return contextlib.nullcontext()
+  return jax.default_matmul_precision(spec.matmul_precision)
 
 
 def knobs_of(model_config, decode_config: DecodeConfig) -> Knobs:
@@ -291,11 +301,12 @@ def _generate(graphdef, params, ids_bp, lens_b, rng, knobs: Knobs, spec: Spec):
   model = _merge(graphdef, params)
   prog = program(spec.method)
   b, p = ids_bp.shape
-  state = prog.init(model, spec, b, p)
-  rows = jnp.arange(b)
-  state = prog.admit(model, spec, state, ids_bp, lens_b, rows, prompt_keys(rng, rows), knobs)
-  state = _loop(model, prog, spec, state, knobs, jnp.bool_(False))
-  return prog.output(spec, state, knobs), state
+  with precision(spec):
+    state = prog.init(model, spec, b, p)
+    rows = jnp.arange(b)
+    state = prog.admit(model, spec, state, ids_bp, lens_b, rows, prompt_keys(rng, rows), knobs)
+    state = _loop(model, prog, spec, state, knobs, jnp.bool_(False))
+    return prog.output(spec, state, knobs), state
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "rows", "width", "place"))
@@ -314,7 +325,9 @@ def _engine_admit(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, 
   model = _merge(graphdef, params)
   rng_a2 = jnp.broadcast_to(rng, (ids_ap.shape[0], 2))
   keys_a2 = jax.vmap(jax.random.fold_in)(rng_a2, pids_a)
-  state = program(spec.method).admit(model, spec, state, ids_ap, lens_a, rows_a, keys_a2, knobs)
+  with precision(spec):
+    state = program(spec.method).admit(model, spec, state, ids_ap, lens_a, rows_a, keys_a2,
+                                       knobs)
   return _placed(state, place)
 
 
@@ -325,8 +338,9 @@ def _engine_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes=N
   """The loop; with a (traced) `max_passes` it also returns after that many passes."""
   model = _merge(graphdef, params)
   limit = None if max_passes is None else state.passes + max_passes
-  return _placed(_loop(model, program(spec.method), spec, state, knobs, stop_on_done, limit),
-                 place)
+  with precision(spec):
+    state = _loop(model, program(spec.method), spec, state, knobs, stop_on_done, limit)
+  return _placed(state, place)
 
 
 def take_rows(state, idx_n):
@@ -365,8 +379,9 @@ def _engine_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, 
   tokens and passes are those of a run over every row."""
   model = _merge(graphdef, params)
   sub = take_rows(state, idx_n)
-  sub = _loop(model, program(spec.method), spec, sub, knobs, stop_on_done,
-              sub.passes + max_passes)
+  with precision(spec):
+    sub = _loop(model, program(spec.method), spec, sub, knobs, stop_on_done,
+                sub.passes + max_passes)
   return _placed(put_rows(state, sub, idx_n), place)
 
 

@@ -148,7 +148,7 @@ class RefusionLM(LM):
                mdm_tokens_per_step: int = 1, mdm_threshold: float | None = None,
                left_to_right: bool = False, recompute_kv: bool = False,
                ignore_eos: bool = False, kv_chunk: int | str | None = None,
-               batch_size: int | str = 1,
+               matmul_precision: str | None = None, batch_size: int | str = 1,
                enable_thinking: bool = True, seed: int = 0,
                progress: bool = True, max_batch_size: Any = None, device: Any = None,
                **unknown):
@@ -159,7 +159,7 @@ class RefusionLM(LM):
                        "model_dir, tokenizer_dir, method, gen_length, slot_size, block_size, "
                        "slot_threshold, token_threshold, temperature, mdm_tokens_per_step, "
                        "mdm_threshold, left_to_right, recompute_kv, ignore_eos, kv_chunk, "
-                       "batch_size, enable_thinking, seed, progress")
+                       "matmul_precision, batch_size, enable_thinking, seed, progress")
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
       raise ValueError("refusion_jax: batch_size='auto' is not supported; give the number of "
                        "engine rows (e.g. --batch_size 16)")
@@ -177,7 +177,8 @@ class RefusionLM(LM):
         left_to_right=_as_bool(left_to_right, "left_to_right"),
         recompute_kv=_as_bool(recompute_kv, "recompute_kv"),
         ignore_eos=_as_bool(ignore_eos, "ignore_eos"),
-        kv_chunk=_unless_none(kv_chunk, _as_int, "kv_chunk"))
+        kv_chunk=_unless_none(kv_chunk, _as_int, "kv_chunk"),
+        matmul_precision=_unless_none(matmul_precision, lambda v, _: str(v), "matmul_precision"))
     self.enable_thinking = _as_bool(enable_thinking, "enable_thinking")
     self.progress = _as_bool(progress, "progress")
     self.seed = _as_int(seed, "seed")

@@ -74,14 +74,15 @@ def _problem_set(config, workdir: str, tokenizer, data: str, per_task: int,
 
 def _decode_key(c: DecodeConfig) -> dict:
   """A decode config as a cache key holds it: `ignore_eos` only when set and
-  `kv_chunk` only when given, so results cached before the fields existed (the
-  same decoding rules; `kv_chunk` changes only how attention's sums are taken)
-  still count."""
+  `kv_chunk` and `matmul_precision` only when given, so results cached before the
+  fields existed (the same decoding rules; `kv_chunk` changes only how attention's
+  sums are taken) still count."""
   d = dataclasses.asdict(c)
   if not c.ignore_eos:
     del d["ignore_eos"]
-  if c.kv_chunk is None:
-    del d["kv_chunk"]
+  for name in ("kv_chunk", "matmul_precision"):
+    if d[name] is None:
+      del d[name]
   return d
 
 
