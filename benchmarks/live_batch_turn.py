@@ -1,4 +1,4 @@
-"""One turn of the server's engine loop, timed in its parts: a run, then a read.
+"""One turn of the server's engine loop, timed in its parts: an admission, a run, a read.
 
 The server (`refusion_jax.serve`) drives a `LiveBatch` one short run at a time
 and reads every row after each, so what a run's dispatch and a read cost
@@ -8,6 +8,11 @@ bound how fast it can turn. Per method this prints:
   device was still working on that pass when it did (0: the dispatch returned
   only once the pass ran, so a run dispatched ahead of a read overlaps
   nothing; on a CPU it returns at once);
+- what one pass costs, from its dispatch until it has run, beside what an
+  admission costs (one prompt into one free row, and a prompt into every row):
+  a server whose returning clients come back out of step admits about once per
+  pass, where an offline engine with a full queue refills rows that finish
+  together in one admission;
 - what a read costs once the pass is done: as `LiveBatch.read` does it (every
   field packed in one array, which right after a run the run program itself
   packed: one device-to-host copy, no program) and one copy per field, as the
@@ -92,13 +97,21 @@ def turn(model_dir: str, method: str, args) -> dict:
   batch.warm_up()
   vocab = model.config.vocab_size
   rows = list(range(args.rows))
-  times = {"run": [], "packed": [], "per_field": []}
+  times = {"run": [], "pass": [], "admit_one": [], "admit_all": [], "packed": [],
+           "per_field": []}
   busy = 0
   for trial in range(args.trials + 5):
     batch.free(rows)
     prompts = [[(7 + 13 * (i + trial)) % (vocab - 2) + 1] * args.prompt_len for i in rows]
+    jax.block_until_ready(batch.state)
+    a0 = time.perf_counter()
     batch.admit(prompts, rows, np.zeros((args.rows, 2), np.uint32))
     jax.block_until_ready(batch.state)
+    a1 = time.perf_counter()
+    batch.free([0])
+    batch.admit(prompts[:1], [0], np.zeros((1, 2), np.uint32))
+    jax.block_until_ready(batch.state)
+    a2 = time.perf_counter()
     t0 = time.perf_counter()
     batch.run(1, stop_on_done=False)
     t1 = time.perf_counter()
@@ -115,10 +128,15 @@ def turn(model_dir: str, method: str, args) -> dict:
     if trial >= 5:
       busy += still
       times["run"].append((t1 - t0) * 1e3)
+      times["pass"].append((t2 - t0) * 1e3)
+      times["admit_all"].append((a1 - a0) * 1e3)
+      times["admit_one"].append((a2 - a1) * 1e3)
       times["packed"].append((t3 - t2) * 1e3)
       times["per_field"].append((t4 - t3) * 1e3)
   med = {k: statistics.median(v) for k, v in times.items()}
   return {"method": method, "run_ms": med["run"], "busy": busy, "trials": args.trials,
+          "pass_ms": med["pass"], "admit_one_ms": med["admit_one"],
+          "admit_all_ms": med["admit_all"],
           "packed_ms": med["packed"], "per_field_ms": med["per_field"], "copies": copies}
 
 
@@ -134,14 +152,17 @@ def main(argv=None) -> list[dict]:
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}); {args.rows} rows, prompts of "
         f"{args.prompt_len}, gen {args.gen_length}; medians of {args.trials} turns")
-  print("\n| method | run(1) returns after (ms) | device still busy then | read, packed (ms) "
-        "| read, one copy per field (ms) | per field / packed |")
-  print("|---|---|---|---|---|---|")
+  print("\n| method | run(1) returns after (ms) | device still busy then | one pass, done (ms) "
+        "| admission of 1 prompt, done (ms) | of a prompt per row (ms) | 1-prompt admission / "
+        "pass | read, packed (ms) | read, one copy per field (ms) | per field / packed |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   rows = []
   for method, model_dir in models:
     r = turn(model_dir, method, args)
     rows.append(r)
-    print(f"| {method} | {r['run_ms']:.2f} | {r['busy']}/{r['trials']} | {r['packed_ms']:.3f} "
+    print(f"| {method} | {r['run_ms']:.2f} | {r['busy']}/{r['trials']} | {r['pass_ms']:.2f} "
+          f"| {r['admit_one_ms']:.2f} | {r['admit_all_ms']:.2f} "
+          f"| {r['admit_one_ms'] / r['pass_ms']:.2f}x | {r['packed_ms']:.3f} "
           f"| {r['per_field_ms']:.3f} ({r['copies']} copies) | "
           f"{r['per_field_ms'] / r['packed_ms']:.2f}x |", flush=True)
   return rows

@@ -178,9 +178,12 @@ def test_live_batch_turn_reports_each_method(capsys):
                                "--prompt_len=4", "--gen_length=8", "--trials=2"])
   assert [r["method"] for r in rows] == ["refusion", "ar"]
   assert all(r["packed_ms"] > 0 and r["per_field_ms"] > 0 and r["copies"] > 1 for r in rows)
+  assert all(r["pass_ms"] >= r["run_ms"] and r["admit_one_ms"] > 0 and r["admit_all_ms"] > 0
+             for r in rows)
   assert all(0 <= r["busy"] <= 2 for r in rows)
   out = capsys.readouterr().out
   assert "| refusion |" in out and "| ar |" in out and "copies)" in out
+  assert "admission of 1 prompt, done (ms)" in out
 
 
 def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
