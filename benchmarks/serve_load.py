@@ -104,6 +104,10 @@ def parse_args(argv=None):
                  help="decode.kv_chunk on both sides: KV entries attention reads at a time, up "
                       "to the longest row's live part (0: the whole buffer; default: per "
                       "platform)")
+  p.add_argument("--matmul_precision", default=None,
+                 choices=["default", "high", "highest"],
+                 help="decode.matmul_precision on both sides (default: per platform, "
+                      "'highest' on GPUs)")
   p.add_argument("--chunk_passes", type=int, default=4, help="the server's --config.chunk_passes")
   p.add_argument("--free_chunk_passes", type=int, default=1,
                  help="the server's --config.free_chunk_passes")
@@ -262,6 +266,8 @@ def server_fields(model_dir, method, args, width) -> dict:
           "decode.slot_threshold": args.slot_threshold,
           "decode.token_threshold": args.token_threshold, "decode.ignore_eos": args.ignore_eos,
           **({} if args.kv_chunk is None else {"decode.kv_chunk": args.kv_chunk}),
+          **({} if args.matmul_precision is None
+             else {"decode.matmul_precision": args.matmul_precision}),
           **({"compile_cache_dir": args.cache_dir} if args.cache_dir else {})}
 
 
@@ -673,7 +679,9 @@ def _main(args) -> list[dict]:
         + f"; gen {args.gen_length}, slot {args.slot_size}, "
         f"block {args.block_size}, tau_s {args.slot_threshold}, tau_t {args.token_threshold}"
         f"{', EOS ignored (every answer gen_length tokens)' if args.ignore_eos else ''}"
-        f"{'' if args.kv_chunk is None else f', kv_chunk {args.kv_chunk}'}; "
+        f"{'' if args.kv_chunk is None else f', kv_chunk {args.kv_chunk}'}"
+        + ("" if args.matmul_precision is None
+           else f", matmul_precision {args.matmul_precision}") + "; "
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
         f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), row_counts "
         f"{args.row_counts!r}{', ' + args.server_flags if args.server_flags else ''}, {args.repeats} "
@@ -694,7 +702,7 @@ def _main(args) -> list[dict]:
     dc = DecodeConfig(method=method, gen_length=args.gen_length, slot_size=slot,
                       block_size=block, slot_threshold=args.slot_threshold,
                       token_threshold=args.token_threshold, ignore_eos=args.ignore_eos,
-                      kv_chunk=args.kv_chunk)
+                      kv_chunk=args.kv_chunk, matmul_precision=args.matmul_precision)
     dc.check_fits(model_config, width)
     from refusion_jax import serve  # pylint: disable=import-outside-toplevel
     config = serve_config(model_dir, method, args, width)

@@ -206,6 +206,11 @@ def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
   fields = serve_load.server_fields("some/model", "ar", args, 32)
   assert all(c[k] == v for k, v in fields.items()
              if k != "chunk_passes" and k != "decode.slot_threshold")
+  assert c.decode.matmul_precision is None  # per platform on both sides
+  precise = serve_load.parse_args(["--matmul_precision=default"])
+  assert serve_load.serve_config("m", "refusion", precise, 32).decode.matmul_precision == "default"
+  assert "--config.decode.matmul_precision=default" in serve_load.server_command(
+      "m", "refusion", precise, 32)
   bad = serve_load.parse_args(["--server_flags=--rows=3"])
   with pytest.raises(ValueError, match="not --config.FIELD=VALUE"):
     serve_load.serve_config("m", "refusion", bad, 32)
