@@ -589,12 +589,12 @@ class Engine:
                            place=d.place)
       for a, w in ((a, w) for a in sorted(sizes) for w in self._prefill_widths(width)):
         # padding rows only: nothing is admitted
-        state = _engine_admit(d.static, d.params, state, jnp.zeros((a, w), jnp.int32),
-                              jnp.ones((a,), jnp.int32), jnp.full((a,), self.rows, jnp.int32),
-                              jnp.zeros((a,), jnp.int32), raw_key(jax.random.PRNGKey(0)), d.knobs,
+        state = _engine_admit(d.static, d.params, state, np.zeros((a, w), np.int32),
+                              np.ones((a,), np.int32), np.full((a,), self.rows, np.int32),
+                              np.zeros((a,), np.int32), raw_key(jax.random.PRNGKey(0)), d.knobs,
                               spec=d.spec, place=d.place)
       for stop in (True, False):
-        state, packed = _engine_step(d.static, d.params, state, d.knobs, jnp.bool_(stop),
+        state, packed = _engine_step(d.static, d.params, state, d.knobs, np.bool_(stop),
                                      np.zeros((self.rows,), bool), spec=d.spec, place=d.place)
       jax.block_until_ready(packed)
 
@@ -655,9 +655,9 @@ class Engine:
           lens_a[j], rows_a[j], pids_a[j] = lens[i], free[j], i
           row_prompt[free[j]] = i
           row_start[free[j]] = now
-        state = _engine_admit(d.static, d.params, state, jnp.asarray(ids_ap),
-                              jnp.asarray(lens_a), jnp.asarray(rows_a), jnp.asarray(pids_a),
-                              rng, d.knobs, spec=d.spec, place=d.place)
+        # Host arrays go in as they are: the call's own transfer, no eager op each.
+        state = _engine_admit(d.static, d.params, state, ids_ap, lens_a, rows_a, pids_a, rng,
+                              d.knobs, spec=d.spec, place=d.place)
         admissions += 1
         if queue and len(free) > n:
           continue  # more free rows: admit again before running
@@ -667,7 +667,7 @@ class Engine:
       # results were taken below in an earlier turn. (A row can finish at its admission,
       # as when its first token is EOS: it holds its prompt until the host takes it.)
       free_b = np.asarray([p < 0 for p in row_prompt])
-      state, packed = _engine_step(d.static, d.params, state, d.knobs, jnp.bool_(bool(queue)),
+      state, packed = _engine_step(d.static, d.params, state, d.knobs, np.bool_(bool(queue)),
                                    free_b, spec=d.spec, place=d.place)
       out, phase, total = _unpack32(np.asarray(packed), like)
       before, passes = passes, int(total)  # the bucket's state counts its passes from zero
