@@ -58,6 +58,8 @@ def parse_args(argv=None):
   p.add_argument("--gen_length", type=int, default=24)
   p.add_argument("--slot_size", type=int, default=4)
   p.add_argument("--trials", type=int, default=40, help="timed turns (after 5 untimed)")
+  p.add_argument("--matmul_precision", default=None, choices=["default", "high", "highest"],
+                 help="decode.matmul_precision (default: per platform, 'highest' on GPUs)")
   args = p.parse_args(argv)
   for name in ("rows", "prompt_len", "gen_length", "slot_size", "trials"):
     if getattr(args, name) < 1:
@@ -92,7 +94,8 @@ def turn(model_dir: str, method: str, args) -> dict:
   _, model = sample.load_model(model_dir)
   g = args.gen_length
   dc = DecodeConfig(method=method, gen_length=g, slot_size=g if method == "ar" else args.slot_size,
-                    block_size=g, slot_threshold=0.5, token_threshold=0.1)
+                    block_size=g, slot_threshold=0.5, token_threshold=0.1,
+                    matmul_precision=args.matmul_precision)
   batch = engine.LiveBatch(engine.Decoder(model, dc), args.rows, args.prompt_len)
   batch.warm_up()
   vocab = model.config.vocab_size
@@ -151,7 +154,9 @@ def main(argv=None) -> list[dict]:
     models = [(m, os.path.join(REPO, BASE)) for m in args.methods]
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}); {args.rows} rows, prompts of "
-        f"{args.prompt_len}, gen {args.gen_length}; medians of {args.trials} turns")
+        f"{args.prompt_len}, gen {args.gen_length}"
+        + ("" if args.matmul_precision is None else f", matmul_precision {args.matmul_precision}")
+        + f"; medians of {args.trials} turns")
   print("\n| method | run(1) returns after (ms) | device still busy then | one pass, done (ms) "
         "| admission of 1 prompt, done (ms) | of a prompt per row (ms) | 1-prompt admission / "
         "pass | read, packed (ms) | read, one copy per field (ms) | per field / packed |")

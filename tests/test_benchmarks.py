@@ -175,7 +175,8 @@ def test_benchmarks_need_no_test_only_package():
 def test_live_batch_turn_reports_each_method(capsys):
   from benchmarks import live_batch_turn  # pylint: disable=import-outside-toplevel
   rows = live_batch_turn.main(["--model_dir=refusion_jax/assets/base_tiny", "--rows=2",
-                               "--prompt_len=4", "--gen_length=8", "--trials=2"])
+                               "--prompt_len=4", "--gen_length=8", "--trials=2",
+                               "--matmul_precision=highest"])
   assert [r["method"] for r in rows] == ["refusion", "ar"]
   assert all(r["packed_ms"] > 0 and r["per_field_ms"] > 0 and r["copies"] > 1 for r in rows)
   assert all(r["pass_ms"] >= r["run_ms"] and r["admit_one_ms"] > 0 and r["admit_all_ms"] > 0
@@ -183,7 +184,7 @@ def test_live_batch_turn_reports_each_method(capsys):
   assert all(0 <= r["busy"] <= 2 for r in rows)
   out = capsys.readouterr().out
   assert "| refusion |" in out and "| ar |" in out and "copies)" in out
-  assert "admission of 1 prompt, done (ms)" in out
+  assert "admission of 1 prompt, done (ms)" in out and "matmul_precision highest" in out
 
 
 def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
