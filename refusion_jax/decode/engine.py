@@ -252,12 +252,13 @@ def set_rows(full, new, rows_a):
 
 def _loop(model, prog: Program, spec: Spec, state, knobs: Knobs, stop_on_done, pass_limit=None):
   """Passes until no row is active, or (stop_on_done) some row is done, or (a traced
-  `pass_limit`) the state has run that many passes in all."""
+  `pass_limit`) the state has run that many passes in all; at `spec`'s precision."""
   def cond(s):
     phase_b = s.rows.phase_b
     go = (phase_b >= FIRST_PHASE).any() & ~(stop_on_done & (phase_b == DONE).any())
     return go if pass_limit is None else go & (s.passes < pass_limit)
-  return jax.lax.while_loop(cond, lambda s: prog.step(model, spec, s, knobs), state)
+  with precision(spec):
+    return jax.lax.while_loop(cond, lambda s: prog.step(model, spec, s, knobs), state)
 
 
 class StaticGraph:
@@ -301,12 +302,12 @@ def _generate(graphdef, params, ids_bp, lens_b, rng, knobs: Knobs, spec: Spec):
   model = _merge(graphdef, params)
   prog = program(spec.method)
   b, p = ids_bp.shape
+  state = prog.init(model, spec, b, p)
+  rows = jnp.arange(b)
   with precision(spec):
-    state = prog.init(model, spec, b, p)
-    rows = jnp.arange(b)
     state = prog.admit(model, spec, state, ids_bp, lens_b, rows, prompt_keys(rng, rows), knobs)
-    state = _loop(model, prog, spec, state, knobs, jnp.bool_(False))
-    return prog.output(spec, state, knobs), state
+  state = _loop(model, prog, spec, state, knobs, jnp.bool_(False))
+  return prog.output(spec, state, knobs), state
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "rows", "width", "place"))
@@ -338,9 +339,8 @@ def _engine_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes=N
   """The loop; with a (traced) `max_passes` it also returns after that many passes."""
   model = _merge(graphdef, params)
   limit = None if max_passes is None else state.passes + max_passes
-  with precision(spec):
-    state = _loop(model, program(spec.method), spec, state, knobs, stop_on_done, limit)
-  return _placed(state, place)
+  return _placed(_loop(model, program(spec.method), spec, state, knobs, stop_on_done, limit),
+                 place)
 
 
 def take_rows(state, idx_n):
@@ -379,9 +379,8 @@ def _engine_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, 
   tokens and passes are those of a run over every row."""
   model = _merge(graphdef, params)
   sub = take_rows(state, idx_n)
-  with precision(spec):
-    sub = _loop(model, program(spec.method), spec, sub, knobs, stop_on_done,
-                sub.passes + max_passes)
+  sub = _loop(model, program(spec.method), spec, sub, knobs, stop_on_done,
+              sub.passes + max_passes)
   return _placed(put_rows(state, sub, idx_n), place)
 
 
