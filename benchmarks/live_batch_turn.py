@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from refusion_jax import sample  # noqa: E402
-from refusion_jax.config import DecodeConfig  # noqa: E402
+from refusion_jax.config import MATMUL_PRECISIONS, DecodeConfig  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,7 +58,7 @@ def parse_args(argv=None):
   p.add_argument("--gen_length", type=int, default=24)
   p.add_argument("--slot_size", type=int, default=4)
   p.add_argument("--trials", type=int, default=40, help="timed turns (after 5 untimed)")
-  p.add_argument("--matmul_precision", default=None, choices=["default", "high", "highest"],
+  p.add_argument("--matmul_precision", default=None, choices=MATMUL_PRECISIONS,
                  help="decode.matmul_precision (default: per platform, 'highest' on GPUs)")
   args = p.parse_args(argv)
   for name in ("rows", "prompt_len", "gen_length", "slot_size", "trials"):

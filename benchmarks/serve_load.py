@@ -70,6 +70,8 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from refusion_jax.config import MATMUL_PRECISIONS  # noqa: E402  (no JAX import)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN_JOB = {"refusion": "runs/repro_tiny/models/refusion/final_model",
             "mdm": "runs/repro_tiny/models/mdm/final_model",
@@ -104,8 +106,7 @@ def parse_args(argv=None):
                  help="decode.kv_chunk on both sides: KV entries attention reads at a time, up "
                       "to the longest row's live part (0: the whole buffer; default: per "
                       "platform)")
-  p.add_argument("--matmul_precision", default=None,
-                 choices=["default", "high", "highest"],
+  p.add_argument("--matmul_precision", default=None, choices=MATMUL_PRECISIONS,
                  help="decode.matmul_precision on both sides (default: per platform, "
                       "'highest' on GPUs)")
   p.add_argument("--chunk_passes", type=int, default=4, help="the server's --config.chunk_passes")
