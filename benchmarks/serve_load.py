@@ -293,7 +293,8 @@ def serve_config(model_dir, method, args, width):
       raise ValueError(f"--server_flags: {flag!r} is not --config.FIELD=VALUE")
     old, value = c[m.group(1)], m.group(2)  # a ConfigDict reads dotted names (not writes)
     put(m.group(1), value.lower() in ("1", "true") if isinstance(old, bool)
-        else type(old)(value) if old is not None else value)
+        else type(old)(value) if old is not None
+        else value.lower() == "true" if value.lower() in ("true", "false") else value)
   return c
 
 

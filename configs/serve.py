@@ -39,6 +39,8 @@ def get_config():
   c.admit_wait_passes = 0  # ... or once the first has waited this many passes
   c.wait_for_returns = True  # after a response frees a row, the next pass waits for a new
   #   request, at most until the pass in flight has run (a returning client joins it)
+  c.run_ahead = ml_collections.config_dict.placeholder(bool)  # while a row is free, dispatch the
+  #   next pass before handing out the last one's results (None: on CPUs and TPUs, not on GPUs)
   c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)
   c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled
   c.log_level = "warning"  # uvicorn's log level

@@ -91,6 +91,8 @@ def test_decode_speed_memory_only_compiles_from_shapes(capsys):
     ("serve_load", "--loop_stagger=-1", "--loop_stagger must be >= 0"),
     ("serve_load", "--methods=beam", "choose from refusion, ar, mdm"),
     ("live_batch_turn", "--rows=0", "--rows must be >= 1"),
+    ("closed_loop_turns", "--clients=0", "--clients must be >= 1"),
+    ("closed_loop_turns", "--methods=beam", "choose from refusion, ar, mdm"),
     ("live_batch_turn", "--methods=beam", "choose from refusion, ar, mdm")])
 def test_serving_benchmarks_reject_bad_flags(script, flag, needle, capsys):
   import importlib  # pylint: disable=import-outside-toplevel
@@ -187,6 +189,24 @@ def test_live_batch_turn_reports_each_method(capsys):
   assert "admission of 1 prompt, done (ms)" in out and "matmul_precision highest" in out
 
 
+def test_closed_loop_turns_reports_both_turn_orders(capsys):
+  from benchmarks import closed_loop_turns  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
+  run = engine.LiveBatch.run
+  rows = closed_loop_turns.main(["--model_dir=refusion_jax/assets/base_tiny", "--methods=refusion",
+                                 "--clients=3", "--requests_per_client=2", "--rows=2",
+                                 "--gen_length=8", "--repeats=1", "--dispatch_waits"])
+  assert engine.LiveBatch.run is run  # the waiting dispatch was undone
+  (r,) = rows
+  assert r["method"] == "refusion"
+  for side in ("offline", "ahead", "not_ahead"):
+    assert r[side]["tok_s"] > 0 and r[side]["passes"] > 0 and r[side]["admissions"] > 0
+  # Clients that come back at once never leave a row out of a pass when not run ahead.
+  assert r["not_ahead"]["passes"] <= r["ahead"]["passes"]
+  out = capsys.readouterr().out
+  assert "| refusion |" in out and "made to wait for its passes" in out
+
+
 def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
   args = serve_load.parse_args(["--rows=4", "--clients=2,8", "--gen_length=8", "--ignore_eos",
@@ -212,6 +232,10 @@ def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
   assert serve_load.serve_config("m", "refusion", precise, 32).decode.matmul_precision == "default"
   assert "--config.decode.matmul_precision=default" in serve_load.server_command(
       "m", "refusion", precise, 32)
+  assert c.run_ahead is None  # per platform on both sides
+  for value, want in (("false", False), ("True", True)):
+    ahead = serve_load.parse_args([f"--server_flags=--config.run_ahead={value}"])
+    assert serve_load.serve_config("m", "ar", ahead, 32).run_ahead is want  # a bool, unset before
   bad = serve_load.parse_args(["--server_flags=--rows=3"])
   with pytest.raises(ValueError, match="not --config.FIELD=VALUE"):
     serve_load.serve_config("m", "refusion", bad, 32)

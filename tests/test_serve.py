@@ -850,6 +850,97 @@ def test_waiting_for_returning_clients_changes_no_token(served_thread):
   assert waits, "no turn waited for a returning client"
 
 
+def _closed_loop_passes(served_thread, run_ahead: bool, queues) -> tuple[int, dict]:
+  """Closed-loop clients on a scheduler with `run_ahead`: client k sends the prompts of
+  `queues[k]`, (prompt, max_tokens) pairs, one after the other, each from within the
+  delivery of the last one's response (a client that takes no time). (The lane's
+  passes, {prompt: (tokens, the request's own passes)}.)"""
+  c = _scheduler_config(served_thread)
+  c.run_ahead = run_ahead
+  sched = serve.make_scheduler(c)  # the served_thread's programs: nothing new compiles
+  assert sched.run_ahead is run_ahead
+  bucket = sched.buckets[0]
+  lane = next(iter(sched._lanes.values()))  # pylint: disable=protected-access
+  before = lane.batch.read().passes
+  results, done = {}, threading.Event()
+  total = sum(len(q) for q in queues)
+
+  def submit(todo):
+    i, max_tokens = todo.pop(0)
+
+    def deliver(kind, payload):
+      if kind == "progress":
+        return
+      results[i] = (payload.tokens, payload.forward_passes) if kind == "done" else payload
+      if todo:
+        submit(todo)
+      if len(results) == total:
+        done.set()
+    sched.submit(Job(prompt=served_thread["tok"].encode(TEXTS[i]), bucket=bucket,
+                     knobs=sched.default_knobs(bucket), rng2=np.zeros((2,), np.uint32),
+                     max_tokens=max_tokens, watch=False, slots=False, deliver=deliver))
+
+  try:
+    sched.hold(True)  # every client's first prompt admitted before the first pass
+    for q in queues:
+      submit(list(q))
+    sched.start()
+    sched.hold(False)
+    assert done.wait(60), sorted(results)
+  finally:
+    sched.stop()
+  return lane.batch.read().passes - before, results
+
+
+def test_without_run_ahead_a_client_that_comes_back_at_once_joins_the_next_pass(
+    served_thread):
+  # --config.run_ahead=false (the default on a GPU, whose dispatch returns only once its
+  # passes have run): a response goes out before the next pass is dispatched, so a
+  # client that sends its next prompt at once joins that pass and its row never sits
+  # out. Two such clients on 4 rows, one sending short requests (max_tokens 3) that
+  # finish while the other's run on, then take exactly as many passes as the longer of
+  # their requests' own passes added up. Run ahead (the default elsewhere), a freed row
+  # sits out the pass dispatched before its read while the other row decodes.
+  want = served_thread["completion"]["refusion"]
+  queues = [[(i, 3) for i in range(8)], [(8, GEN), (9, GEN)]]
+  passes, results = _closed_loop_passes(served_thread, False, queues)
+  longer = max(sum(results[i][1] for i, _ in q) for q in queues)
+  assert passes == longer
+  ahead_passes, ahead_results = _closed_loop_passes(served_thread, True, queues)
+  assert ahead_passes > longer
+  assert ahead_results == results  # the same tokens and passes for every request
+  for q in queues:
+    for i, max_tokens in q:
+      assert results[i][0] == want[i]["tokens"][:max_tokens], i
+
+
+def test_engine_process_without_run_ahead_serves_the_same(oracle):
+  # --config.run_ahead=false (a GPU's default) through HTTP and the engine process,
+  # whose turns' results go out before the next dispatch: the same answers, streamed
+  # and not, also under 16 concurrent streams.
+  info, stop = _serving(oracle, "process", run_ahead=False)
+  try:
+    cl = _client(info)
+    for method in ("refusion", "ar"):
+      for i in range(2):
+        want = info["completion"][method][i]
+        for stream in (False, True):
+          text, ids, _, usage = _complete(cl, i, method, stream)
+          assert (text, ids) == (want["text"], want["tokens"]), (method, i, stream)
+          assert usage.model_extra["forward_passes"] == want["nfe"]
+    _sixteen_concurrent_streams(info)
+  finally:
+    stop()
+
+
+def test_run_ahead_setting():
+  assert serve.run_ahead_on(None, "cpu") and serve.run_ahead_on(None, "tpu")
+  assert not serve.run_ahead_on(None, "gpu")
+  assert serve.run_ahead_on(True, "gpu") and not serve.run_ahead_on(False, "cpu")
+  with pytest.raises(ValueError, match="--config.run_ahead must be true, false or unset"):
+    serve.run_ahead_on("yes", "cpu")
+
+
 @pytest.mark.parametrize("field,value,needle", [
     ("rows", 0, "--config.rows must be a positive int"),
     ("chunk_passes", 0, "--config.chunk_passes must be a positive int"),

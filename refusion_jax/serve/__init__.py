@@ -54,6 +54,7 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
   if not isinstance(c.port, int) or not 0 <= c.port < 65536:
     raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
   parse_row_counts(c.row_counts, c.rows, "cpu")
+  run_ahead_on(c.get("run_ahead"), "cpu")
   parse_admit_widths(c.admit_widths, c.max_prompt_len)
   check_compile_cache(c.compile_cache_dir)
   if c.engine not in ("process", "thread"):
@@ -100,6 +101,23 @@ def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
     step = max(1, rows // 4)
     return tuple(range(step, rows, step))
   return _auto_or_ints(text, "row_counts", "row count", "counts", "4,8,12", "rows", rows, auto)
+
+
+def run_ahead_on(setting, platform: str) -> bool:
+  """`--config.run_ahead`: True, False, or None (unset: on unless `platform` is "gpu").
+
+  While a row is free the engine hands control back after every pass. Run ahead, it
+  dispatches the next pass before reading the last one's rows and handing them out,
+  so that the device works meanwhile: where a dispatch returns before its passes
+  have run (CPUs; TPUs, whose loops run on the device). On a GPU the host reads a
+  loop's condition, so a dispatch returns only once its passes have run: there
+  running ahead overlaps nothing and only holds a client's response back a pass
+  (and its freed row idle for it)."""
+  if setting is None:
+    return platform != "gpu"
+  if not isinstance(setting, bool):
+    raise ValueError(f"--config.run_ahead must be true, false or unset, got {setting!r}")
+  return setting
 
 
 def parse_admit_widths(text, width: int) -> tuple[int, ...]:
@@ -163,6 +181,7 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
                                   admit_batch=c.admit_batch,
                                   admit_wait_passes=c.admit_wait_passes,
                                   wait_for_returns=c.wait_for_returns,
+                                  run_ahead=run_ahead_on(c.run_ahead, jax.default_backend()),
                                   row_counts=parse_row_counts(c.row_counts, c.rows,
                                                               jax.default_backend()),
                                   admit_widths=parse_admit_widths(c.admit_widths,

@@ -47,6 +47,14 @@ dispatch returns before its pass has run (a CPU) the device stays busy
 meanwhile; where it returns after (a GPU, whose loop condition the host reads)
 the pass has run by then and nothing waits.
 
+With `run_ahead` off (the default on a GPU), no pass is dispatched ahead of a read:
+each turn reads the rows, hands the results over, admits what came in and only then
+dispatches. On a GPU the host reads a loop's condition, so a dispatch returns only
+once its passes have run: running ahead overlaps nothing there, and it holds every
+response back a pass and the freed row idle for it. Off, a client that sends its
+next request at once joins the very next pass (on a CPU too, where the device then
+waits while the host hands results over); `wait_for_returns` plays no part.
+
 With `admit_widths`, an admission prefills at the narrowest of those widths
 (or the full prompt width) that holds its prompts: a short prompt does not pay
 for a `max_prompt_len`-wide prefill.
@@ -191,7 +199,7 @@ class Scheduler:
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
                metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
                admit_batch: int = 1, admit_wait_passes: int = 0, admit_widths=(),
-               wait_for_returns: bool = True,
+               wait_for_returns: bool = True, run_ahead: bool = True,
                after_turn: Callable[[], None] | None = None):
     self.model = model
     self.decoders = {}
@@ -211,6 +219,9 @@ class Scheduler:
     # After deliveries that freed rows, the next pass waits for a new request, at most
     # until the pass in flight has run.
     self.wait_for_returns = wait_for_returns
+    # While a row is free, the next pass is dispatched before the last one's rows are
+    # read and handed over (off: after, once the deliveries have gone out).
+    self.run_ahead = run_ahead
     self.metrics = metrics
     # Called on the engine thread after each lane's deliveries and before it waits
     # (the engine process sends what the turn delivered from there).
@@ -530,7 +541,7 @@ class Scheduler:
         for lane in busy:
           read, admissions = reads.get(id(lane)) or (lane.batch.read_later(), lane.admissions)
           go = lambda lane=lane: lane.busy() and not self._hold.is_set() and not self._stop
-          ahead = lane.busy() < len(lane.jobs) and go()
+          ahead = self.run_ahead and lane.busy() < len(lane.jobs) and go()
           if ahead:
             # A row is free: the next pass is dispatched behind the read, before
             # waiting for it, so the device runs it while this thread reads and
@@ -544,8 +555,16 @@ class Scheduler:
           deliveries = self._collect(lane, read(), admissions)
           lane.inflight = ahead
           if not ahead:
-            # The lane's next chunk is dispatched before the deliveries are made, so
-            # the device works while this thread hands results over.
+            # With run_ahead the lane's next chunk is dispatched before the deliveries
+            # are made, so the device works while this thread hands results over.
+            # Without, they go out first: where a dispatch returns only once its passes
+            # have run (a GPU), a client then gets its response a chunk sooner, and a
+            # request it sends at once (or one that came meanwhile) joins the next one.
+            if not self.run_ahead:
+              for fn, fn_args in deliveries:
+                fn(*fn_args)
+              deliveries = []
+              self.after_turn()
             self._route()
             self._cancel_and_admit(lane)
             if go():
@@ -553,7 +572,8 @@ class Scheduler:
               lane.inflight = True
           for fn, fn_args in deliveries:
             fn(*fn_args)
-          self.after_turn()
+          if self.run_ahead:
+            self.after_turn()
       except Exception as e:  # pylint: disable=broad-except
         log.exception("engine thread failed")
         self.error = f"{type(e).__name__}: {e}"

@@ -1,0 +1,176 @@
+"""The server's engine loop under closed-loop clients, running ahead of its reads or not.
+
+While a row is free the server's engine (`refusion_jax.serve.scheduler`) hands
+control back after every pass. Run ahead (`--config.run_ahead=true`), it
+dispatches the next pass before reading the last one's rows and handing them
+out, so that the device works meanwhile; a freed row then sits out that pass.
+Not run ahead, it reads, hands the results over, admits what came in and only
+then dispatches, so that a client that comes straight back joins the next pass.
+Which pays depends on whether a dispatch returns before its passes have run
+(CPUs, TPUs) or only after (GPUs: the host reads each loop condition).
+
+Per method this runs the offline engine and the in-process closed loop of
+`serve_load.py` (the server's `Scheduler` and clients that submit their next
+prompt from within the delivery of their last response; no HTTP) with
+run_ahead on and off, on the same prompts, alternated, and prints throughput,
+forward passes and admission calls. `--dispatch_waits` makes every run of the
+loop wait until its passes have run before it returns, as a GPU's dispatch
+does, to see on a CPU what the setting does there (the offline engine is left
+as it is: it reads right after each dispatch anyway).
+
+  python benchmarks/closed_loop_turns.py                   # main job's models when present
+  python benchmarks/closed_loop_turns.py --dispatch_waits --methods refusion
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import serve_load  # noqa: E402  (no JAX import)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model_dir", default="",
+                 help="model for every method (default: the main job's models when present, "
+                      "else the bundled base, refusion_jax/assets/base_tiny)")
+  p.add_argument("--methods", default="refusion,ar")
+  p.add_argument("--clients", type=int, default=16)
+  p.add_argument("--requests_per_client", type=int, default=16)
+  p.add_argument("--rows", type=int, default=16)
+  p.add_argument("--gen_length", type=int, default=24)
+  p.add_argument("--row_counts", default="",
+                 help="the loop's --config.row_counts (default none: passes over every row, "
+                      "as on an accelerator)")
+  p.add_argument("--dispatch_waits", action="store_true",
+                 help="every run of the loop returns only once its passes have run (a GPU's "
+                      "dispatch)")
+  p.add_argument("--repeats", type=int, default=3)
+  args = p.parse_args(argv)
+  for name in ("clients", "requests_per_client", "rows", "gen_length", "repeats"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+  args.methods = [m for m in args.methods.split(",") if m]
+  unknown = sorted(set(args.methods) - set(serve_load.MAIN_JOB))
+  if unknown or not args.methods:
+    p.error(f"--methods: {unknown or 'none given'}; choose from refusion, ar, mdm")
+  return args
+
+
+def _waiting_runs(live_batch_cls):
+  """Makes `LiveBatch.run` wait for its passes; returns the undo."""
+  import jax  # pylint: disable=import-outside-toplevel
+  run = live_batch_cls.run
+
+  def waiting(self, *a, **k):
+    run(self, *a, **k)
+    jax.block_until_ready(self.state)
+  live_batch_cls.run = waiting
+  return lambda: setattr(live_batch_cls, "run", run)
+
+
+def _admissions(sched) -> int:
+  return sum(lane.admissions for lane in list(sched._lanes.values()))  # pylint: disable=protected-access
+
+
+def measure(method: str, model_dir: str, args) -> dict:
+  from refusion_jax import sample, serve  # pylint: disable=import-outside-toplevel
+  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
+  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  model_config, model = sample.load_model(model_dir)
+  tok = (Tokenizer.from_dir(model_dir)
+         if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else Tokenizer.tiny())
+  sl = serve_load.parse_args([f"--methods={method}", f"--clients={args.clients}",
+                              f"--rows={args.rows}", f"--gen_length={args.gen_length}",
+                              f"--block_size={args.gen_length}",
+                              f"--row_counts={args.row_counts}", "--compile_cache="])
+  prompts = serve_load.load_prompts(os.path.join(serve_load.REPO, sl.task_prompts),
+                                    args.requests_per_client * args.clients, tok)
+  width = -(-max(len(p) for p in prompts) // 16) * 16
+  slot = args.gen_length if method == "ar" else sl.slot_size
+  dc = DecodeConfig(method=method, gen_length=args.gen_length, slot_size=slot,
+                    block_size=args.gen_length, slot_threshold=sl.slot_threshold,
+                    token_threshold=sl.token_threshold)
+  dc.check_fits(model_config, width)
+  config = serve_load.serve_config(model_dir, method, sl, width)
+  eng = serve_load.offline_engine(model, dc, prompts, args.rows, width,
+                                  serve.parse_admit_widths(config.admit_widths, width))
+  loops = {}
+  for ahead in (True, False):
+    config.run_ahead = ahead
+    loops[ahead] = serve.make_scheduler(config)
+    loops[ahead].start()
+  runs: dict = {"offline": [], True: [], False: []}
+  try:
+    for _ in range(args.repeats):
+      run = eng.run(prompts)
+      want = [r.tokens for r in run.results]
+      runs["offline"].append((sum(len(t) for t in want) / run.seconds, run.passes,
+                              run.admissions))
+      for ahead, sched in loops.items():
+        before = _admissions(sched)
+        wall, tokens, passes = serve_load.closed_loop(sched, prompts, args.clients, sl)
+        if tokens != want:
+          raise AssertionError(f"{method}: the loop with run_ahead={ahead} decoded other tokens "
+                               "than the offline engine")
+        runs[ahead].append((sum(len(t) for t in tokens) / wall, passes,
+                            _admissions(sched) - before))
+  finally:
+    for sched in loops.values():
+      sched.stop()
+  out = {"method": method}
+  for key, name in (("offline", "offline"), (True, "ahead"), (False, "not_ahead")):
+    out[name] = {"tok_s": statistics.median(r[0] for r in runs[key]),
+                 "passes": statistics.median(r[1] for r in runs[key]),
+                 "admissions": statistics.median(r[2] for r in runs[key])}
+  return out
+
+
+def main(argv=None) -> list[dict]:
+  args = parse_args(argv)
+  import jax  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
+  main_job = {m: os.path.join(serve_load.REPO, serve_load.MAIN_JOB[m]) for m in args.methods}
+  if args.model_dir:
+    models = [(m, args.model_dir) for m in args.methods]
+  elif all(os.path.isdir(d) for d in main_job.values()):
+    models = list(main_job.items())
+  else:
+    models = [(m, os.path.join(serve_load.REPO, "refusion_jax/assets/base_tiny"))
+              for m in args.methods]
+  device = jax.devices()[0]
+  print(f"device: {device.platform} ({device.device_kind}); {args.rows} rows, {args.clients} "
+        f"closed-loop clients, {args.requests_per_client * args.clients} requests, gen "
+        f"{args.gen_length}, row_counts {args.row_counts!r}; the loop's dispatch "
+        + ("made to wait for its passes (as on a GPU)" if args.dispatch_waits
+           else "as this device does it")
+        + f"; medians of {args.repeats} alternated runs")
+  print("\n| method | offline tok/s | loop, run ahead: tok/s | / offline | not run ahead: tok/s "
+        "| / offline | passes: offline / ahead / not | admission calls: offline / ahead / not |")
+  print("|---|---|---|---|---|---|---|---|")
+  undo = _waiting_runs(engine.LiveBatch) if args.dispatch_waits else (lambda: None)
+  rows = []
+  try:
+    for method, model_dir in models:
+      r = measure(method, model_dir, args)
+      rows.append(r)
+      off, on, no = r["offline"], r["ahead"], r["not_ahead"]
+      print(f"| {method} | {off['tok_s']:,.0f} | {on['tok_s']:,.0f} "
+            f"| {on['tok_s'] / off['tok_s']:.2f}x | {no['tok_s']:,.0f} "
+            f"| {no['tok_s'] / off['tok_s']:.2f}x "
+            f"| {off['passes']:.0f} / {on['passes']:.0f} / {no['passes']:.0f} "
+            f"| {off['admissions']:.0f} / {on['admissions']:.0f} / {no['admissions']:.0f} |",
+            flush=True)
+  finally:
+    undo()
+  return rows
+
+
+if __name__ == "__main__":
+  main()
