@@ -51,6 +51,9 @@ def parse_args(argv=None):
   p.add_argument("--dispatch_waits", action="store_true",
                  help="every run of the loop returns only once its passes have run (a GPU's "
                       "dispatch)")
+  p.add_argument("--matmul_precision", default=None, choices=serve_load.MATMUL_PRECISIONS,
+                 help="decode.matmul_precision on both sides (default: per platform, "
+                      "'highest' on GPUs)")
   p.add_argument("--repeats", type=int, default=3)
   args = p.parse_args(argv)
   for name in ("clients", "requests_per_client", "rows", "gen_length", "repeats"):
@@ -89,14 +92,16 @@ def measure(method: str, model_dir: str, args) -> dict:
   sl = serve_load.parse_args([f"--methods={method}", f"--clients={args.clients}",
                               f"--rows={args.rows}", f"--gen_length={args.gen_length}",
                               f"--block_size={args.gen_length}",
-                              f"--row_counts={args.row_counts}", "--compile_cache="])
+                              f"--row_counts={args.row_counts}", "--compile_cache="]
+                             + ([f"--matmul_precision={args.matmul_precision}"]
+                                if args.matmul_precision else []))
   prompts = serve_load.load_prompts(os.path.join(serve_load.REPO, sl.task_prompts),
                                     args.requests_per_client * args.clients, tok)
   width = -(-max(len(p) for p in prompts) // 16) * 16
   slot = args.gen_length if method == "ar" else sl.slot_size
   dc = DecodeConfig(method=method, gen_length=args.gen_length, slot_size=slot,
                     block_size=args.gen_length, slot_threshold=sl.slot_threshold,
-                    token_threshold=sl.token_threshold)
+                    token_threshold=sl.token_threshold, matmul_precision=args.matmul_precision)
   dc.check_fits(model_config, width)
   config = serve_load.serve_config(model_dir, method, sl, width)
   eng = serve_load.offline_engine(model, dc, prompts, args.rows, width,
@@ -147,7 +152,9 @@ def main(argv=None) -> list[dict]:
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}); {args.rows} rows, {args.clients} "
         f"closed-loop clients, {args.requests_per_client * args.clients} requests, gen "
-        f"{args.gen_length}, row_counts {args.row_counts!r}; the loop's dispatch "
+        f"{args.gen_length}, row_counts {args.row_counts!r}"
+        + ("" if args.matmul_precision is None else f", matmul_precision {args.matmul_precision}")
+        + "; the loop's dispatch "
         + ("made to wait for its passes (as on a GPU)" if args.dispatch_waits
            else "as this device does it")
         + f"; medians of {args.repeats} alternated runs")

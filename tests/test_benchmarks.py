@@ -195,7 +195,8 @@ def test_closed_loop_turns_reports_both_turn_orders(capsys):
   run = engine.LiveBatch.run
   rows = closed_loop_turns.main(["--model_dir=refusion_jax/assets/base_tiny", "--methods=refusion",
                                  "--clients=3", "--requests_per_client=2", "--rows=2",
-                                 "--gen_length=8", "--repeats=1", "--dispatch_waits"])
+                                 "--gen_length=8", "--repeats=1", "--dispatch_waits",
+                                 "--matmul_precision=highest"])
   assert engine.LiveBatch.run is run  # the waiting dispatch was undone
   (r,) = rows
   assert r["method"] == "refusion"
@@ -205,6 +206,7 @@ def test_closed_loop_turns_reports_both_turn_orders(capsys):
   assert r["not_ahead"]["passes"] <= r["ahead"]["passes"]
   out = capsys.readouterr().out
   assert "| refusion |" in out and "made to wait for its passes" in out
+  assert "matmul_precision highest" in out
 
 
 def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
