@@ -675,6 +675,9 @@ def _main(args) -> list[dict]:
   else:
     models = [(m, os.path.join(REPO, "refusion_jax/assets/base_tiny")) for m in args.methods]
   device = jax.devices()[0]
+  from refusion_jax import serve  # pylint: disable=import-outside-toplevel
+  ahead = serve.run_ahead_on(serve_config("", args.methods[0], args, 16).run_ahead,
+                             device.platform)
   print(f"device: {device.platform} ({device.device_kind}); server rows {args.rows}; "
         + (f"{args.prompts} requests per level" if args.prompts else
            f"{args.requests_per_client} requests per client per level")
@@ -685,7 +688,8 @@ def _main(args) -> list[dict]:
         + ("" if args.matmul_precision is None
            else f", matmul_precision {args.matmul_precision}") + "; "
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
-        f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), row_counts "
+        f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), "
+        f"run_ahead {'on' if ahead else 'off'}, row_counts "
         f"{args.row_counts!r}{', ' + args.server_flags if args.server_flags else ''}, {args.repeats} "
         "alternated repeats per level; "
         + ("compilation cache shared with the server" if args.cache_dir else
@@ -706,7 +710,6 @@ def _main(args) -> list[dict]:
                       token_threshold=args.token_threshold, ignore_eos=args.ignore_eos,
                       kv_chunk=args.kv_chunk, matmul_precision=args.matmul_precision)
     dc.check_fits(model_config, width)
-    from refusion_jax import serve  # pylint: disable=import-outside-toplevel
     config = serve_config(model_dir, method, args, width)
     widths = serve.parse_admit_widths(config.admit_widths, width)  # the server's prefill widths
     engines = {rows: offline_engine(model, dc, all_prompts, rows, width, widths)
