@@ -16,7 +16,9 @@ run_ahead on and off, on the same prompts, alternated, and prints throughput,
 forward passes and admission calls. `--dispatch_waits` makes every run of the
 loop wait until its passes have run before it returns, as a GPU's dispatch
 does, to see on a CPU what the setting does there (the offline engine is left
-as it is: it reads right after each dispatch anyway).
+as it is: it reads right after each dispatch anyway). `--loop_stagger 0` starts
+the clients together, as the offline engine fills its rows: then only what
+lies between a response and the next request differs from the offline engine.
 
   python benchmarks/closed_loop_turns.py                   # main job's models when present
   python benchmarks/closed_loop_turns.py --dispatch_waits --methods refusion
@@ -48,6 +50,9 @@ def parse_args(argv=None):
   p.add_argument("--row_counts", default="",
                  help="the loop's --config.row_counts (default none: passes over every row, "
                       "as on an accelerator)")
+  p.add_argument("--loop_stagger", type=int, default=1,
+                 help="the loop's clients start this many engine turns apart (0: all at "
+                      "once, as the offline engine's rows do; serve_load.py's --loop_stagger)")
   p.add_argument("--dispatch_waits", action="store_true",
                  help="every run of the loop returns only once its passes have run (a GPU's "
                       "dispatch)")
@@ -59,6 +64,8 @@ def parse_args(argv=None):
   for name in ("clients", "requests_per_client", "rows", "gen_length", "repeats"):
     if getattr(args, name) < 1:
       p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+  if args.loop_stagger < 0:
+    p.error(f"--loop_stagger must be >= 0 (engine turns), got {args.loop_stagger}")
   args.methods = [m for m in args.methods.split(",") if m]
   unknown = sorted(set(args.methods) - set(serve_load.MAIN_JOB))
   if unknown or not args.methods:
@@ -92,7 +99,8 @@ def measure(method: str, model_dir: str, args) -> dict:
   sl = serve_load.parse_args([f"--methods={method}", f"--clients={args.clients}",
                               f"--rows={args.rows}", f"--gen_length={args.gen_length}",
                               f"--block_size={args.gen_length}",
-                              f"--row_counts={args.row_counts}", "--compile_cache="]
+                              f"--row_counts={args.row_counts}", "--compile_cache=",
+                              f"--loop_stagger={args.loop_stagger}"]
                              + ([f"--matmul_precision={args.matmul_precision}"]
                                 if args.matmul_precision else []))
   prompts = serve_load.load_prompts(os.path.join(serve_load.REPO, sl.task_prompts),
@@ -151,7 +159,8 @@ def main(argv=None) -> list[dict]:
               for m in args.methods]
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}); {args.rows} rows, {args.clients} "
-        f"closed-loop clients, {args.requests_per_client * args.clients} requests, gen "
+        f"closed-loop clients {args.loop_stagger} turn(s) apart, "
+        f"{args.requests_per_client * args.clients} requests, gen "
         f"{args.gen_length}, row_counts {args.row_counts!r}"
         + ("" if args.matmul_precision is None else f", matmul_precision {args.matmul_precision}")
         + "; the loop's dispatch "

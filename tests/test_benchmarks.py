@@ -92,6 +92,7 @@ def test_decode_speed_memory_only_compiles_from_shapes(capsys):
     ("serve_load", "--methods=beam", "choose from refusion, ar, mdm"),
     ("live_batch_turn", "--rows=0", "--rows must be >= 1"),
     ("closed_loop_turns", "--clients=0", "--clients must be >= 1"),
+    ("closed_loop_turns", "--loop_stagger=-1", "--loop_stagger must be >= 0"),
     ("closed_loop_turns", "--methods=beam", "choose from refusion, ar, mdm"),
     ("live_batch_turn", "--methods=beam", "choose from refusion, ar, mdm")])
 def test_serving_benchmarks_reject_bad_flags(script, flag, needle, capsys):
@@ -196,7 +197,7 @@ def test_closed_loop_turns_reports_both_turn_orders(capsys):
   rows = closed_loop_turns.main(["--model_dir=refusion_jax/assets/base_tiny", "--methods=refusion",
                                  "--clients=3", "--requests_per_client=2", "--rows=2",
                                  "--gen_length=8", "--repeats=1", "--dispatch_waits",
-                                 "--matmul_precision=highest"])
+                                 "--matmul_precision=highest", "--loop_stagger=0"])
   assert engine.LiveBatch.run is run  # the waiting dispatch was undone
   (r,) = rows
   assert r["method"] == "refusion"
@@ -206,7 +207,7 @@ def test_closed_loop_turns_reports_both_turn_orders(capsys):
   assert r["not_ahead"]["passes"] <= r["ahead"]["passes"]
   out = capsys.readouterr().out
   assert "| refusion |" in out and "made to wait for its passes" in out
-  assert "matmul_precision highest" in out
+  assert "matmul_precision highest" in out and "clients 0 turn(s) apart" in out
 
 
 def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
