@@ -859,6 +859,7 @@ def _closed_loop_passes(served_thread, run_ahead: bool, queues) -> tuple[int, di
   c.run_ahead = run_ahead
   sched = serve.make_scheduler(c)  # the served_thread's programs: nothing new compiles
   assert sched.run_ahead is run_ahead
+  compiled = engine.compiled_programs()
   bucket = sched.buckets[0]
   lane = next(iter(sched._lanes.values()))  # pylint: disable=protected-access
   before = lane.batch.read().passes
@@ -889,6 +890,7 @@ def _closed_loop_passes(served_thread, run_ahead: bool, queues) -> tuple[int, di
     assert done.wait(60), sorted(results)
   finally:
     sched.stop()
+  assert engine.compiled_programs() == compiled  # either order: the same programs
   return lane.batch.read().passes - before, results
 
 
