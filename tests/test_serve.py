@@ -614,8 +614,11 @@ def test_protocol_refuses_stream_options_without_stream():
 
 
 def test_row_counts():
-  assert serve.parse_row_counts("auto", 16, "cpu") == (4, 8, 12)
+  assert serve.parse_row_counts("auto", 16, "cpu") == (1, 2, 4, 8, 12)
   assert serve.parse_row_counts("auto", 4, "cpu") == (1, 2, 3)
+  assert serve.parse_row_counts("auto", 8, "cpu") == (1, 2, 4, 6)
+  assert serve.parse_row_counts("auto", 64, "cpu") == (1, 2, 4, 8, 16, 32, 48)
+  assert serve.parse_row_counts("auto", 1, "cpu") == ()
   assert serve.parse_row_counts("auto", 16, "gpu") == ()
   assert serve.parse_row_counts("", 16, "cpu") == ()
   assert serve.parse_row_counts(" 12, 4,8,4 ", 16, "tpu") == (4, 8, 12)

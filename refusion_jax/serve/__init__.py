@@ -92,14 +92,16 @@ def _auto_or_ints(text, field: str, noun: str, plural: str, example: str, limit_
 
 
 def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
-  """`--config.row_counts`: "auto" (on a CPU every multiple of rows/4 below rows,
-  elsewhere none: an accelerator's pass costs about the same over fewer rows),
-  "" (none), or counts such as "4,8,12" (each from 1 to rows - 1)."""
+  """`--config.row_counts`: "auto" (on a CPU every multiple of rows/4 below rows and
+  every power of two below rows/4, so that a lightly loaded server runs passes over
+  a row or two; elsewhere none: an accelerator's pass costs about the same over
+  fewer rows), "" (none), or counts such as "4,8,12" (each from 1 to rows - 1)."""
   def auto():
     if platform != "cpu":
       return ()
     step = max(1, rows // 4)
-    return tuple(range(step, rows, step))
+    small = {1 << k for k in range(step.bit_length()) if 1 << k < step}
+    return tuple(sorted(small | set(range(step, rows, step))))
   return _auto_or_ints(text, "row_counts", "row count", "counts", "4,8,12", "rows", rows, auto)
 
 
