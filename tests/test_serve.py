@@ -645,17 +645,23 @@ def test_admit_widths():
     serve.parse_admit_widths(32, 256)
 
 
-def test_thread_engine_serves_the_same(served_thread):
-  # --config.engine=thread: the same scheduler on a thread of the server's process.
-  cl = _client(served_thread)
+def _serves_the_same(served):
+  """Prompts 0 and 1 of both methods, streamed and not, equal `sample`'s text, tokens
+  and passes; so do 16 concurrent streams."""
+  cl = _client(served)
   for method in ("refusion", "ar"):
     for i in range(2):
-      want = served_thread["completion"][method][i]
+      want = served["completion"][method][i]
       for stream in (False, True):
         text, ids, _, usage = _complete(cl, i, method, stream)
         assert (text, ids) == (want["text"], want["tokens"]), (method, i, stream)
         assert usage.model_extra["forward_passes"] == want["nfe"]
-  _sixteen_concurrent_streams(served_thread)
+  _sixteen_concurrent_streams(served)
+
+
+def test_thread_engine_serves_the_same(served_thread):
+  # --config.engine=thread: the same scheduler on a thread of the server's process.
+  _serves_the_same(served_thread)
 
 
 def _scheduler_config(served_thread):
@@ -925,15 +931,7 @@ def test_engine_process_without_run_ahead_serves_the_same(oracle):
   # and not, also under 16 concurrent streams.
   info, stop = _serving(oracle, "process", run_ahead=False)
   try:
-    cl = _client(info)
-    for method in ("refusion", "ar"):
-      for i in range(2):
-        want = info["completion"][method][i]
-        for stream in (False, True):
-          text, ids, _, usage = _complete(cl, i, method, stream)
-          assert (text, ids) == (want["text"], want["tokens"]), (method, i, stream)
-          assert usage.model_extra["forward_passes"] == want["nfe"]
-    _sixteen_concurrent_streams(info)
+    _serves_the_same(info)
   finally:
     stop()
 

@@ -54,7 +54,7 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
   if not isinstance(c.port, int) or not 0 <= c.port < 65536:
     raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
   parse_row_counts(c.row_counts, c.rows, "cpu")
-  run_ahead_on(c.get("run_ahead"), "cpu")
+  run_ahead_on(c.run_ahead, "cpu")
   parse_admit_widths(c.admit_widths, c.max_prompt_len)
   check_compile_cache(c.compile_cache_dir)
   if c.engine not in ("process", "thread"):

@@ -453,6 +453,13 @@ class Scheduler:
     lane.freed = len(finished)
     return out
 
+  def _hand_over(self, deliveries: list) -> None:
+    """Makes a turn's deliveries (`_collect`'s), then `after_turn` (the engine process
+    sends them from there)."""
+    for fn, fn_args in deliveries:
+      fn(*fn_args)
+    self.after_turn()
+
   def _await_return(self, pending: engine_lib.PendingRead) -> None:
     """Waits until a request comes in, or the pass in flight (which `pending` reads
     after) has run, whichever is first: a client whose response just went out may
@@ -561,19 +568,14 @@ class Scheduler:
             # have run (a GPU), a client then gets its response a chunk sooner, and a
             # request it sends at once (or one that came meanwhile) joins the next one.
             if not self.run_ahead:
-              for fn, fn_args in deliveries:
-                fn(*fn_args)
-              deliveries = []
-              self.after_turn()
+              self._hand_over(deliveries)
             self._route()
             self._cancel_and_admit(lane)
             if go():
               lane.batch.run(self._max_passes(lane, len(busy)), busy=lane.rows_in_use())
               lane.inflight = True
-          for fn, fn_args in deliveries:
-            fn(*fn_args)
           if self.run_ahead:
-            self.after_turn()
+            self._hand_over(deliveries)
       except Exception as e:  # pylint: disable=broad-except
         log.exception("engine thread failed")
         self.error = f"{type(e).__name__}: {e}"
