@@ -66,10 +66,7 @@ def parse_args(argv=None):
       p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
   if args.loop_stagger < 0:
     p.error(f"--loop_stagger must be >= 0 (engine turns), got {args.loop_stagger}")
-  args.methods = [m for m in args.methods.split(",") if m]
-  unknown = sorted(set(args.methods) - set(serve_load.MAIN_JOB))
-  if unknown or not args.methods:
-    p.error(f"--methods: {unknown or 'none given'}; choose from refusion, ar, mdm")
+  args.methods = serve_load.parse_methods(p, args.methods)
   return args
 
 
@@ -92,10 +89,8 @@ def _admissions(sched) -> int:
 def measure(method: str, model_dir: str, args) -> dict:
   from refusion_jax import sample, serve  # pylint: disable=import-outside-toplevel
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
-  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   model_config, model = sample.load_model(model_dir)
-  tok = (Tokenizer.from_dir(model_dir)
-         if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else Tokenizer.tiny())
+  tok = serve_load.tokenizer_for(model_dir)
   sl = serve_load.parse_args([f"--methods={method}", f"--clients={args.clients}",
                               f"--rows={args.rows}", f"--gen_length={args.gen_length}",
                               f"--block_size={args.gen_length}",
@@ -149,14 +144,7 @@ def main(argv=None) -> list[dict]:
   args = parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
-  main_job = {m: os.path.join(serve_load.REPO, serve_load.MAIN_JOB[m]) for m in args.methods}
-  if args.model_dir:
-    models = [(m, args.model_dir) for m in args.methods]
-  elif all(os.path.isdir(d) for d in main_job.values()):
-    models = list(main_job.items())
-  else:
-    models = [(m, os.path.join(serve_load.REPO, "refusion_jax/assets/base_tiny"))
-              for m in args.methods]
+  models = serve_load.models_for(args.model_dir, args.methods)
   device = jax.devices()[0]
   print(f"device: {device.platform} ({device.device_kind}); {args.rows} rows, {args.clients} "
         f"closed-loop clients {args.loop_stagger} turn(s) apart, "

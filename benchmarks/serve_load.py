@@ -143,12 +143,36 @@ def parse_args(argv=None):
     p.error("--requests_per_client, --rows and --repeats must be >= 1, --prompts >= 0")
   if args.loop_stagger < 0:
     p.error(f"--loop_stagger must be >= 0 (engine turns), got {args.loop_stagger}")
-  args.methods = [m for m in args.methods.split(",") if m]
+  args.methods = parse_methods(p, args.methods)
   args.cache_dir = None  # the folder --compile_cache names, once `main` has made it
-  unknown = sorted(set(args.methods) - set(MAIN_JOB))
-  if unknown or not args.methods:
-    p.error(f"--methods: {unknown or 'none given'}; choose from refusion, ar, mdm")
   return args
+
+
+def parse_methods(p: argparse.ArgumentParser, text: str) -> list[str]:
+  """`--methods`: comma-separated methods with a main-job model (`p.error` otherwise)."""
+  methods = [m for m in text.split(",") if m]
+  unknown = sorted(set(methods) - set(MAIN_JOB))
+  if unknown or not methods:
+    p.error(f"--methods: {unknown or 'none given'}; choose from refusion, ar, mdm")
+  return methods
+
+
+def models_for(model_dir: str, methods: list[str]) -> list[tuple[str, str]]:
+  """(method, model folder) pairs: `model_dir` for every method when given, else the
+  main job's models when all are present, else the bundled base."""
+  if model_dir:
+    return [(m, model_dir) for m in methods]
+  if all(os.path.isdir(os.path.join(REPO, MAIN_JOB[m])) for m in methods):
+    return [(m, os.path.join(REPO, MAIN_JOB[m])) for m in methods]
+  return [(m, os.path.join(REPO, "refusion_jax/assets/base_tiny")) for m in methods]
+
+
+def tokenizer_for(model_dir: str):
+  """The model folder's tokenizer when it has one, else the bundled tiny one."""
+  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+    return Tokenizer.from_dir(model_dir)
+  return Tokenizer.tiny()
 
 
 def _pct(xs, q):
@@ -665,15 +689,8 @@ def _main(args) -> list[dict]:
   import jax  # pylint: disable=import-outside-toplevel
   from refusion_jax import sample  # pylint: disable=import-outside-toplevel
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
-  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
 
-  main_job = all(os.path.isdir(os.path.join(REPO, MAIN_JOB[m])) for m in args.methods)
-  if args.model_dir:
-    models = [(m, args.model_dir) for m in args.methods]
-  elif main_job:
-    models = [(m, os.path.join(REPO, MAIN_JOB[m])) for m in args.methods]
-  else:
-    models = [(m, os.path.join(REPO, "refusion_jax/assets/base_tiny")) for m in args.methods]
+  models = models_for(args.model_dir, args.methods)
   device = jax.devices()[0]
   from refusion_jax import serve  # pylint: disable=import-outside-toplevel
   ahead = serve.run_ahead_on(serve_config("", args.methods[0], args, 16).run_ahead,
@@ -697,9 +714,7 @@ def _main(args) -> list[dict]:
   rows_out = []
   for method, model_dir in models:
     model_config, model = sample.load_model(model_dir)
-    tok = (Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir,
-                                                                         "tokenizer.json"))
-           else Tokenizer.tiny())
+    tok = tokenizer_for(model_dir)
     most = args.prompts or args.requests_per_client * max(args.clients)
     all_prompts = load_prompts(os.path.join(REPO, args.task_prompts), most, tok)
     width = -(-max(len(p) for p in all_prompts) // 16) * 16
