@@ -20,6 +20,12 @@ as it is: it reads right after each dispatch anyway). `--loop_stagger 0` starts
 the clients together, as the offline engine fills its rows: then only what
 lies between a response and the next request differs from the offline engine.
 
+A second table shows where the loop's engine thread spends its time, per run
+call: in `LiveBatch.run` (on a GPU its passes, since the dispatch returns only
+once they have run), in reads (on a CPU, the wait for the passes), in admission
+calls, holding for a returning client, and the rest: the turn's own Python and
+deliveries, which on a GPU no pass overlaps.
+
   python benchmarks/closed_loop_turns.py                   # main job's models when present
   python benchmarks/closed_loop_turns.py --dispatch_waits --methods refusion
 """
@@ -30,6 +36,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -82,11 +89,60 @@ def _waiting_runs(live_batch_cls):
   return lambda: setattr(live_batch_cls, "run", run)
 
 
+class _EngineClock:
+  """Where the engine thread's time goes: patches `LiveBatch.run`, `LiveBatch.admit`,
+  `PendingRead.__call__` and `Scheduler._await_return` to add up the seconds the
+  engine thread spends in each (other threads are not counted) and the calls;
+  `reset` starts over, `undo` restores the methods. The rest of a run's wall time is
+  the engine thread's own work (the turn's Python, deliveries and dispatches of
+  nothing else) and any wait for a request while no row is busy."""
+
+  PARTS = ("run", "read", "admit", "hold")
+
+  def __init__(self, live_batch_cls, pending_read_cls, scheduler_cls):
+    import threading  # pylint: disable=import-outside-toplevel
+    self.seconds, self.calls = {}, {}
+    self.reset()
+    self._undo = []
+    for cls, name, part in ((live_batch_cls, "run", "run"), (live_batch_cls, "admit", "admit"),
+                            (pending_read_cls, "__call__", "read"),
+                            (scheduler_cls, "_await_return", "hold")):
+      fn = getattr(cls, name)
+
+      def timed(*a, _fn=fn, _part=part, **k):
+        if threading.current_thread().name != "refusion-engine":
+          return _fn(*a, **k)
+        t = time.perf_counter()
+        try:
+          return _fn(*a, **k)
+        finally:
+          self.seconds[_part] += time.perf_counter() - t
+          self.calls[_part] += 1
+      setattr(cls, name, timed)
+      self._undo.append((cls, name, fn))
+
+  def reset(self) -> None:
+    self.seconds = dict.fromkeys(self.PARTS, 0.0)
+    self.calls = dict.fromkeys(self.PARTS, 0)
+
+  def per_run(self, wall: float) -> dict:
+    """Milliseconds per run call in each part, and in the rest of `wall`."""
+    n = max(self.calls["run"], 1)
+    out = {part: 1e3 * self.seconds[part] / n for part in self.PARTS}
+    out["rest"] = 1e3 * (wall - sum(self.seconds.values())) / n
+    out["run_calls"] = self.calls["run"]
+    return out
+
+  def undo(self) -> None:
+    for cls, name, fn in reversed(self._undo):
+      setattr(cls, name, fn)
+
+
 def _admissions(sched) -> int:
   return sum(lane.admissions for lane in list(sched._lanes.values()))  # pylint: disable=protected-access
 
 
-def measure(method: str, model_dir: str, args) -> dict:
+def measure(method: str, model_dir: str, args, clock: _EngineClock) -> dict:
   from refusion_jax import sample, serve  # pylint: disable=import-outside-toplevel
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
   model_config, model = sample.load_model(model_dir)
@@ -123,12 +179,13 @@ def measure(method: str, model_dir: str, args) -> dict:
                               run.admissions))
       for ahead, sched in loops.items():
         before = _admissions(sched)
-        wall, tokens, passes = serve_load.closed_loop(sched, prompts, args.clients, sl)
+        wall, tokens, passes = serve_load.closed_loop(sched, prompts, args.clients, sl,
+                                                      on_start=clock.reset)
         if tokens != want:
           raise AssertionError(f"{method}: the loop with run_ahead={ahead} decoded other tokens "
                                "than the offline engine")
         runs[ahead].append((sum(len(t) for t in tokens) / wall, passes,
-                            _admissions(sched) - before))
+                            _admissions(sched) - before, clock.per_run(wall)))
   finally:
     for sched in loops.values():
       sched.stop()
@@ -137,6 +194,9 @@ def measure(method: str, model_dir: str, args) -> dict:
     out[name] = {"tok_s": statistics.median(r[0] for r in runs[key]),
                  "passes": statistics.median(r[1] for r in runs[key]),
                  "admissions": statistics.median(r[2] for r in runs[key])}
+    if key != "offline":
+      out[name]["ms_per_run"] = {k: statistics.median(r[3][k] for r in runs[key])
+                                 for k in runs[key][0][3]}
   return out
 
 
@@ -158,11 +218,13 @@ def main(argv=None) -> list[dict]:
   print("\n| method | offline tok/s | loop, run ahead: tok/s | / offline | not run ahead: tok/s "
         "| / offline | passes: offline / ahead / not | admission calls: offline / ahead / not |")
   print("|---|---|---|---|---|---|---|---|")
+  from refusion_jax.serve import scheduler  # pylint: disable=import-outside-toplevel
   undo = _waiting_runs(engine.LiveBatch) if args.dispatch_waits else (lambda: None)
+  clock = _EngineClock(engine.LiveBatch, engine.PendingRead, scheduler.Scheduler)
   rows = []
   try:
     for method, model_dir in models:
-      r = measure(method, model_dir, args)
+      r = measure(method, model_dir, args, clock)
       rows.append(r)
       off, on, no = r["offline"], r["ahead"], r["not_ahead"]
       print(f"| {method} | {off['tok_s']:,.0f} | {on['tok_s']:,.0f} "
@@ -172,7 +234,19 @@ def main(argv=None) -> list[dict]:
             f"| {off['admissions']:.0f} / {on['admissions']:.0f} / {no['admissions']:.0f} |",
             flush=True)
   finally:
+    clock.undo()
     undo()
+  print("\nThe loop's engine thread, ms per run call (medians): in `LiveBatch.run` (on a GPU, "
+        "or with --dispatch_waits, the passes), in reads (on a CPU, the wait for the passes), "
+        "in admission calls, holding for a returning client (run ahead only), the rest (the "
+        "turn's own Python and deliveries)")
+  print("\n| method | loop | run calls | run | reads | admissions | hold | the rest |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    for name, label in (("ahead", "run ahead"), ("not_ahead", "not run ahead")):
+      t = r[name]["ms_per_run"]
+      print(f"| {r['method']} | {label} | {t['run_calls']:.0f} | {t['run']:.2f} | {t['read']:.2f} "
+            f"| {t['admit']:.2f} | {t['hold']:.2f} | {t['rest']:.2f} |")
   return rows
 
 

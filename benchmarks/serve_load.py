@@ -332,7 +332,8 @@ def loop_job(prompt, bucket, knobs, args, deliver):
              deliver=deliver)
 
 
-def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, float]:
+def closed_loop(scheduler, prompts, clients: int, args,
+                on_start=None) -> tuple[float, list, float]:
   """The server's engine loop (`Scheduler`, in this process) under `clients` closed-loop
   clients that take no time: each submits its next prompt from within the delivery of
   its last response, with no HTTP between. (wall seconds, tokens per prompt, passes).
@@ -345,7 +346,8 @@ def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, fl
   scheduler's `after_turn`): started together, clients whose answers all take the
   same passes (`--ignore_eos`) finish in the same pass and are admitted in one call
   for good, where the server's clients, out of step after their first responses,
-  come back at different passes."""
+  come back at different passes. `on_start` (optional) is called just before the
+  timed requests start, after the warm-up."""
   import threading  # pylint: disable=import-outside-toplevel
   bucket = scheduler.buckets[0]
   knobs = scheduler.default_knobs(bucket)
@@ -362,7 +364,7 @@ def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, fl
     after_turn()
   scheduler.after_turn = turn
 
-  def run(todo: list) -> tuple[float, dict]:
+  def run(todo: list, timed: bool) -> tuple[float, dict]:
     results: dict[int, list[int]] = {}
     errors: list = []
     total = len(todo)
@@ -385,6 +387,8 @@ def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, fl
       scheduler.submit(loop_job(prompt, bucket, knobs, args, deliver))
 
     finished.clear()
+    if timed and on_start is not None:
+      on_start()
     t0 = time.perf_counter()
     with lock:
       starts.extend((c * args.loop_stagger, submit)
@@ -401,9 +405,9 @@ def closed_loop(scheduler, prompts, clients: int, args) -> tuple[float, list, fl
     return sum(lane.passes for lane in list(scheduler._lanes.values()))  # pylint: disable=protected-access
 
   try:
-    run([(i, prompts[0]) for i in range(clients)])  # each client's first request: warm-up
+    run([(i, prompts[0]) for i in range(clients)], False)  # each client's first request: warm-up
     before = passes()
-    wall, results = run(list(enumerate(prompts)))
+    wall, results = run(list(enumerate(prompts)), True)
   finally:
     scheduler.after_turn = after_turn
   return wall, [results[i] for i in range(len(prompts))], passes() - before
