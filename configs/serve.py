@@ -41,6 +41,8 @@ def get_config():
   #   request, at most until the pass in flight has run (a returning client joins it)
   c.run_ahead = ml_collections.config_dict.placeholder(bool)  # while a row is free, dispatch the
   #   next pass before handing out the last one's results (None: on CPUs and TPUs, not on GPUs)
+  c.done_rows = 1  # a run returns once this many rows are done (or at its pass bound): more
+  #   gathers finished rows into fewer turns (each a read, deliveries and an admission call)
   c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)
   c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled
   c.log_level = "warning"  # uvicorn's log level

@@ -683,6 +683,46 @@ def test_live_batch_free_runs_no_program_and_the_next_run_frees(models):
       live.free(bad)
 
 
+@pytest.mark.parametrize("method", ["refusion", "ar"])
+def test_live_batch_run_returns_once_enough_rows_are_done(models, method):
+  """`run(stop_on_done=n)` returns once n rows are done (True: the first; more than
+  the busy rows: when none is active), at the pass where a twin batch run one pass at
+  a time saw the n-th row finish; tokens and passes equal each prompt decoded alone."""
+  model, dc = models[method], _CONFIGS[method]
+  prompts = [p[:8] for p in _prompts(np.random.RandomState(11), 3)]
+  dec = engine.Decoder(model, dc)
+  keys = np.zeros((3, 2), np.uint32)
+  twin = engine.LiveBatch(dec, 3, 8)
+  twin.admit(prompts, [0, 1, 2], keys)
+  done_at = [None] * 3
+  while None in done_at:
+    twin.run(1, stop_on_done=False)
+    snap = twin.read()
+    for r in range(3):
+      if done_at[r] is None and snap.phase_b[r] == engine.DONE:
+        done_at[r] = snap.passes
+  order = sorted(done_at)
+  for n, want in ((True, order[0]), (1, order[0]), (2, order[1]), (3, order[2])):
+    live = engine.LiveBatch(dec, 3, 8)
+    live.admit(prompts, [0, 1, 2], keys)
+    live.run(None, stop_on_done=n)
+    snap = live.read()
+    assert snap.passes == want, (n, done_at)
+    assert (snap.phase_b == engine.DONE).sum() >= (1 if n is True else n)
+  live = engine.LiveBatch(dec, 3, 8)
+  live.admit(prompts[:2], [0, 1], keys[:2])
+  live.run(None, stop_on_done=3)  # more than the busy rows: runs until none is active
+  snap = live.read()
+  assert snap.passes == max(done_at[:2])
+  for r, p in enumerate(prompts[:2]):
+    tokens, counters = _single(model, dc, p)
+    assert snap.tokens_bg[r, :int(snap.length_b[r])].tolist() == tokens
+    assert int(snap.nfe_b[r]) == counters["nfe_b"]
+  for bad in (-1, 4, 1.5, "2"):
+    with pytest.raises(ValueError, match="run: stop_on_done must be a bool or a row count"):
+      live.run(1, stop_on_done=bad)
+
+
 def test_live_batch_read_after_a_run_is_the_runs_own_output(models, monkeypatch):
   """A read right after a run (or after frees since) takes the rows the run program
   packed as it ended: no read program runs, and the snapshot equals the read

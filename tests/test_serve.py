@@ -859,13 +859,15 @@ def test_waiting_for_returning_clients_changes_no_token(served_thread):
   assert waits, "no turn waited for a returning client"
 
 
-def _closed_loop_passes(served_thread, run_ahead: bool, queues) -> tuple[int, dict]:
-  """Closed-loop clients on a scheduler with `run_ahead`: client k sends the prompts of
-  `queues[k]`, (prompt, max_tokens) pairs, one after the other, each from within the
-  delivery of the last one's response (a client that takes no time). (The lane's
-  passes, {prompt: (tokens, the request's own passes)}.)"""
+def _closed_loop_passes(served_thread, run_ahead: bool, queues, **fields) -> tuple[int, dict]:
+  """Closed-loop clients on a scheduler with `run_ahead` (and config `fields`): client k
+  sends the prompts of `queues[k]`, (prompt, max_tokens) pairs, one after the other,
+  each from within the delivery of the last one's response (a client that takes no
+  time; it watches progress when max_tokens is below GEN, as the server's requests do).
+  (The lane's passes, {prompt: (tokens, the request's own passes)})."""
   c = _scheduler_config(served_thread)
   c.run_ahead = run_ahead
+  c.update(fields)
   sched = serve.make_scheduler(c)  # the served_thread's programs: nothing new compiles
   assert sched.run_ahead is run_ahead
   compiled = engine.compiled_programs()
@@ -888,7 +890,8 @@ def _closed_loop_passes(served_thread, run_ahead: bool, queues) -> tuple[int, di
         done.set()
     sched.submit(Job(prompt=served_thread["tok"].encode(TEXTS[i]), bucket=bucket,
                      knobs=sched.default_knobs(bucket), rng2=np.zeros((2,), np.uint32),
-                     max_tokens=max_tokens, watch=False, slots=False, deliver=deliver))
+                     max_tokens=max_tokens, watch=max_tokens < GEN, slots=False,
+                     deliver=deliver))
 
   try:
     sched.hold(True)  # every client's first prompt admitted before the first pass
@@ -925,6 +928,43 @@ def test_without_run_ahead_a_client_that_comes_back_at_once_joins_the_next_pass(
       assert results[i][0] == want[i]["tokens"][:max_tokens], i
 
 
+def test_done_rows_gathers_finished_rows_into_one_return(served_thread, monkeypatch):
+  # --config.done_rows=2: a run returns once two rows are done (or at its pass bound, or
+  # when no row is active), not at the first, so that one turn (a read, deliveries and
+  # an admission call) serves both. Four closed-loop clients on four rows, out of step
+  # after first requests of different lengths: with done_rows=1 some run returns with
+  # one row done; with 2, none that had no pass bound does. Every request's tokens and
+  # own passes are the same, and no new program compiles.
+  want = served_thread["completion"]["refusion"]
+  queues = [[(0, 3), (1, GEN), (2, GEN)], [(3, 6), (4, GEN), (5, GEN)],
+            [(6, 9), (7, GEN), (8, GEN)], [(9, GEN), (10, GEN), (11, GEN)]]
+  real, returns = engine.LiveBatch.run, []
+
+  def run(self, max_passes=None, stop_on_done=True, busy=None):
+    real(self, max_passes, stop_on_done, busy)
+    if not isinstance(stop_on_done, bool):  # the scheduler's runs (warm-up's are True)
+      snap = self.read()  # the run's own output: no program of its own
+      returns.append((max_passes, stop_on_done, int((snap.phase_b == engine.DONE).sum()),
+                      int((snap.phase_b >= engine.FIRST_PHASE).sum())))
+  monkeypatch.setattr(engine.LiveBatch, "run", run)
+  results = {}
+  for done_rows in (1, 2):
+    returns.clear()
+    _, results[done_rows] = _closed_loop_passes(served_thread, False, queues,
+                                                free_chunk_passes=2, done_rows=done_rows)
+    assert {r[1] for r in returns} == {done_rows}
+    unbounded = [r for r in returns if r[0] is None]
+    assert unbounded, returns
+    if done_rows == 1:
+      assert any(r[2] == 1 and r[3] > 0 for r in unbounded), unbounded
+    else:
+      assert all(r[2] >= 2 or r[3] == 0 for r in unbounded), unbounded
+  assert results[2] == results[1]
+  for q in queues:
+    for i, max_tokens in q:
+      assert results[1][i][0] == want[i]["tokens"][:max_tokens], i
+
+
 def test_engine_process_without_run_ahead_serves_the_same(oracle):
   # --config.run_ahead=false (a GPU's default) through HTTP and the engine process,
   # whose turns' results go out before the next dispatch: the same answers, streamed
@@ -951,6 +991,8 @@ def test_run_ahead_setting():
     ("admit_batch", 0, "--config.admit_batch must be an int from 1 to rows (4)"),
     ("admit_batch", 5, "--config.admit_batch must be an int from 1 to rows (4)"),
     ("admit_wait_passes", -1, "--config.admit_wait_passes must be an int >= 0"),
+    ("done_rows", 0, "--config.done_rows must be an int from 1 to rows (4)"),
+    ("done_rows", 5, "--config.done_rows must be an int from 1 to rows (4)"),
     ("admit_widths", "256", "--config.admit_widths: '256' is not a prompt width from 1 to 255"),
     ("port", 70000, "--config.port must be in [0, 65536)"),
     ("engine", "fork", "--config.engine must be"),

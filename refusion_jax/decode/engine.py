@@ -251,11 +251,14 @@ def set_rows(full, new, rows_a):
 
 
 def _loop(model, prog: Program, spec: Spec, state, knobs: Knobs, stop_on_done, pass_limit=None):
-  """Passes until no row is active, or (stop_on_done) some row is done, or (a traced
-  `pass_limit`) the state has run that many passes in all; at `spec`'s precision."""
+  """Passes until no row is active, or some row is done (`stop_on_done` True; a traced
+  int n > 0: once n rows are done; False or 0: never), or (a traced `pass_limit`) the
+  state has run that many passes in all; at `spec`'s precision."""
   def cond(s):
     phase_b = s.rows.phase_b
-    go = (phase_b >= FIRST_PHASE).any() & ~(stop_on_done & (phase_b == DONE).any())
+    done = (phase_b == DONE).sum(dtype=jnp.int32)
+    stop = (stop_on_done > 0) & (done >= stop_on_done)
+    go = (phase_b >= FIRST_PHASE).any() & ~stop
     return go if pass_limit is None else go & (s.passes < pass_limit)
   with precision(spec):
     return jax.lax.while_loop(cond, lambda s: prog.step(model, spec, s, knobs), state)
@@ -917,16 +920,22 @@ class LiveBatch:
     self._free_b[list(rows)] = False  # rewritten: nothing left to free
     self._after_run = None
 
-  def run(self, max_passes: int | None = None, stop_on_done: bool = True,
+  def run(self, max_passes: int | None = None, stop_on_done: bool | int = True,
           busy: Sequence[int] | None = None) -> None:
-    """Dispatches passes until no row is active, a row is done (stop_on_done), or
-    `max_passes` passes (None: no bound). Asynchronous: `read` waits for it.
+    """Dispatches passes until no row is active, a row is done (stop_on_done; an int
+    n: once n rows are done, rows done before the run included; False or 0: never),
+    or `max_passes` passes (None: no bound). Asynchronous: `read` waits for it.
 
     `busy` (optional) lists every row that is not free; the others must be. The
     passes then run over the smallest compiled row count that holds them
     (`row_counts`), padded with free rows, which costs less where a pass's cost
     grows with its rows (a CPU); tokens and pass counts are unchanged."""
     d = self.decoder
+    if (not isinstance(stop_on_done, (bool, int, np.integer)) or stop_on_done < 0
+        or stop_on_done > self.rows):
+      raise ValueError(f"run: stop_on_done must be a bool or a row count from 0 to "
+                       f"{self.rows}, got {stop_on_done!r}")
+    stop = np.int32(stop_on_done)  # one traced type for True, False and counts
     # "No bound" is a bound no decode reaches (passes + bound must not overflow int32).
     limit = np.int32(1 << 30 if max_passes is None else min(max_passes, 1 << 30))
     n = self._row_count(len(busy)) if busy is not None else self.rows
@@ -936,12 +945,12 @@ class LiveBatch:
       taken = set(busy)
       idx = list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)]
       self.state, packed = _live_run_rows(d.static, d.params, self.state, self.knobs,
-                                          np.bool_(stop_on_done), np.asarray(idx, np.int32),
+                                          stop, np.asarray(idx, np.int32),
                                           spec=d.spec, max_passes=limit, free_b=free_b,
                                           place=d.place)
     else:
       self.state, packed = _live_run(d.static, d.params, self.state, self.knobs,
-                                     np.bool_(stop_on_done), spec=d.spec, max_passes=limit,
+                                     stop, spec=d.spec, max_passes=limit,
                                      free_b=free_b, place=d.place)
     packed.copy_to_host_async()
     self._after_run = packed  # what a read gives until an admission changes the rows

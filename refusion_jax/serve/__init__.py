@@ -51,6 +51,10 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
       c.admit_wait_passes < 0):
     raise ValueError(f"--config.admit_wait_passes must be an int >= 0, got "
                      f"{c.admit_wait_passes!r}")
+  if not isinstance(c.done_rows, int) or isinstance(c.done_rows, bool) or not (
+      1 <= c.done_rows <= c.rows):
+    raise ValueError(f"--config.done_rows must be an int from 1 to rows ({c.rows}), got "
+                     f"{c.done_rows!r}")
   if not isinstance(c.port, int) or not 0 <= c.port < 65536:
     raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
   parse_row_counts(c.row_counts, c.rows, "cpu")
@@ -184,6 +188,7 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
                                   admit_wait_passes=c.admit_wait_passes,
                                   wait_for_returns=c.wait_for_returns,
                                   run_ahead=run_ahead_on(c.run_ahead, jax.default_backend()),
+                                  done_rows=c.done_rows,
                                   row_counts=parse_row_counts(c.row_counts, c.rows,
                                                               jax.default_backend()),
                                   admit_widths=parse_admit_widths(c.admit_widths,

@@ -55,6 +55,14 @@ response back a pass and the freed row idle for it. Off, a client that sends its
 next request at once joins the very next pass (on a CPU too, where the device then
 waits while the host hands results over); `wait_for_returns` plays no part.
 
+With `done_rows` > 1, a run returns once that many rows are done (or at its pass
+bound, or when no row is active) rather than at the first: a finished row then waits
+for others, up to the bound, so that one turn reads, hands over and admits for all of
+them. Each turn costs the host a read, deliveries and an admission call, which on a
+GPU overlap no pass; clients out of step finish a row in nearly every pass, where the
+offline engine's rows, admitted together, finish together. Off by default (1). Tokens
+and each request's passes are unchanged.
+
 With `admit_widths`, an admission prefills at the narrowest of those widths
 (or the full prompt width) that holds its prompts: a short prompt does not pay
 for a `max_prompt_len`-wide prefill.
@@ -199,7 +207,7 @@ class Scheduler:
                max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
                metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
                admit_batch: int = 1, admit_wait_passes: int = 0, admit_widths=(),
-               wait_for_returns: bool = True, run_ahead: bool = True,
+               wait_for_returns: bool = True, run_ahead: bool = True, done_rows: int = 1,
                after_turn: Callable[[], None] | None = None):
     self.model = model
     self.decoders = {}
@@ -222,6 +230,8 @@ class Scheduler:
     # While a row is free, the next pass is dispatched before the last one's rows are
     # read and handed over (off: after, once the deliveries have gone out).
     self.run_ahead = run_ahead
+    # A run returns once this many rows are done (or at its pass bound).
+    self.done_rows = done_rows
     self.metrics = metrics
     # Called on the engine thread after each lane's deliveries and before it waits
     # (the engine process sends what the turn delivered from there).
@@ -543,7 +553,8 @@ class Scheduler:
           continue
         for lane in busy:
           if not lane.inflight:
-            lane.batch.run(self._max_passes(lane, len(busy)), busy=lane.rows_in_use())
+            lane.batch.run(self._max_passes(lane, len(busy)), stop_on_done=self.done_rows,
+                           busy=lane.rows_in_use())
             lane.inflight = True
         for lane in busy:
           read, admissions = reads.get(id(lane)) or (lane.batch.read_later(), lane.admissions)
@@ -572,7 +583,8 @@ class Scheduler:
             self._route()
             self._cancel_and_admit(lane)
             if go():
-              lane.batch.run(self._max_passes(lane, len(busy)), busy=lane.rows_in_use())
+              lane.batch.run(self._max_passes(lane, len(busy)), stop_on_done=self.done_rows,
+                             busy=lane.rows_in_use())
               lane.inflight = True
           if self.run_ahead:
             self._hand_over(deliveries)
