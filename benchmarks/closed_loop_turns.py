@@ -66,6 +66,9 @@ def parse_args(argv=None):
   p.add_argument("--matmul_precision", default=None, choices=serve_load.MATMUL_PRECISIONS,
                  help="decode.matmul_precision on both sides (default: per platform, "
                       "'highest' on GPUs)")
+  p.add_argument("--server_flags", default="",
+                 help="more settings of the loop's scheduler, as the server takes them: "
+                      "'--config.FIELD=VALUE ...' (serve_load.py's --server_flags)")
   p.add_argument("--repeats", type=int, default=3)
   args = p.parse_args(argv)
   for name in ("clients", "requests_per_client", "rows", "gen_length", "repeats"):
@@ -151,7 +154,8 @@ def measure(method: str, model_dir: str, args, clock: _EngineClock) -> dict:
                               f"--rows={args.rows}", f"--gen_length={args.gen_length}",
                               f"--block_size={args.gen_length}",
                               f"--row_counts={args.row_counts}", "--compile_cache=",
-                              f"--loop_stagger={args.loop_stagger}"]
+                              f"--loop_stagger={args.loop_stagger}",
+                              f"--server_flags={args.server_flags}"]
                              + ([f"--matmul_precision={args.matmul_precision}"]
                                 if args.matmul_precision else []))
   prompts = serve_load.load_prompts(os.path.join(serve_load.REPO, sl.task_prompts),
@@ -211,6 +215,7 @@ def main(argv=None) -> list[dict]:
         f"{args.requests_per_client * args.clients} requests, gen "
         f"{args.gen_length}, row_counts {args.row_counts!r}"
         + ("" if args.matmul_precision is None else f", matmul_precision {args.matmul_precision}")
+        + (f", {args.server_flags}" if args.server_flags else "")
         + "; the loop's dispatch "
         + ("made to wait for its passes (as on a GPU)" if args.dispatch_waits
            else "as this device does it")

@@ -200,7 +200,8 @@ def test_closed_loop_turns_reports_both_turn_orders(capsys):
   rows = closed_loop_turns.main(["--model_dir=refusion_jax/assets/base_tiny", "--methods=refusion",
                                  "--clients=3", "--requests_per_client=2", "--rows=2",
                                  "--gen_length=8", "--repeats=1", "--dispatch_waits",
-                                 "--matmul_precision=highest", "--loop_stagger=0"])
+                                 "--matmul_precision=highest", "--loop_stagger=0",
+                                 "--server_flags=--config.done_rows=2"])
   assert engine.LiveBatch.run is run  # the waiting dispatch and the clock were undone
   assert (engine.LiveBatch.admit, engine.PendingRead.__call__,
           scheduler.Scheduler._await_return) == patched  # pylint: disable=protected-access
@@ -219,6 +220,7 @@ def test_closed_loop_turns_reports_both_turn_orders(capsys):
   assert "| refusion | not run ahead |" in out and "| the rest |" in out
   assert "| refusion |" in out and "made to wait for its passes" in out
   assert "matmul_precision highest" in out and "clients 0 turn(s) apart" in out
+  assert "--config.done_rows=2" in out
 
 
 def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
