@@ -620,6 +620,29 @@ def test_decode_program_holds_no_copy_of_the_kv_cache(method):
   assert memory.temp_size_in_bytes < 0.5 * cache_bytes, (memory.temp_size_in_bytes, cache_bytes)
 
 
+def test_dispatches_pass_the_parameters_flat_and_decoders_share_programs(models):
+  """A Decoder's dispatches pass `FlatParams`: the parameters' arrays in `nnx.State`'s
+  leaf order under one interned structure, which `_merge` turns back into the model.
+  A second Decoder of the same model reuses the first one's programs."""
+  model, dc = models["ar"], _CONFIGS["ar"]
+  a, b = engine.Decoder(model, dc), engine.Decoder(model, dc)
+  leaves, treedef = jax.tree.flatten(a.params)
+  flat_leaves, flat_def = jax.tree.flatten(a.flat)
+  assert len(flat_leaves) == len(leaves) and all(x is y for x, y in zip(flat_leaves, leaves))
+  assert a.flat.structure is b.flat.structure and a.flat.structure.treedef == treedef
+  assert jax.tree.unflatten(flat_def, flat_leaves).structure is a.flat.structure
+  merged = engine._merge(a.static, a.flat)  # pylint: disable=protected-access
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(merged), nnx.state(model))
+  prompt = _prompts(np.random.RandomState(2), 1)[0]
+  ids = np.zeros((1, SINGLE_WIDTH), np.int32)
+  ids[0, :len(prompt)] = prompt
+  lens = np.asarray([len(prompt)], np.int32)
+  first = jax.device_get(a.generate(ids, lens).tokens_bg)
+  compiled = engine.compiled_programs()
+  np.testing.assert_array_equal(jax.device_get(b.generate(ids, lens).tokens_bg), first)
+  assert engine.compiled_programs() == compiled
+
+
 def test_live_batch_read_later_is_a_snapshot_of_its_dispatch_point(models):
   """A read dispatched before more passes gives the rows as they stood then (the
   passes dispatched after it, onto the donated state, change neither it nor the
