@@ -629,7 +629,7 @@ def test_dispatches_pass_the_parameters_flat_and_decoders_share_programs(models)
   leaves, treedef = jax.tree.flatten(a.params)
   flat_leaves, flat_def = jax.tree.flatten(a.flat)
   assert len(flat_leaves) == len(leaves) and all(x is y for x, y in zip(flat_leaves, leaves))
-  assert a.flat.structure is b.flat.structure and a.flat.structure.treedef == treedef
+  assert a.flat.structure is b.flat.structure and a.flat.structure.value == treedef
   assert jax.tree.unflatten(flat_def, flat_leaves).structure is a.flat.structure
   merged = engine._merge(a.static, a.flat)  # pylint: disable=protected-access
   jax.tree.map(np.testing.assert_array_equal, nnx.state(merged), nnx.state(model))

@@ -264,53 +264,36 @@ def _loop(model, prog: Program, spec: Spec, state, knobs: Knobs, stop_on_done, p
     return jax.lax.while_loop(cond, lambda s: prog.step(model, spec, s, knobs), state)
 
 
-class StaticGraph:
-  """A model's GraphDef as a static jit argument whose hash is computed once.
+class Interned:
+  """A value as a static jit argument or pytree aux data whose hash is computed once.
 
-  Every dispatch of a jitted function hashes its static arguments; a GraphDef's
-  hash walks the whole module graph (about half a millisecond per dispatch on a
-  small CPU, for a two-layer model), which a server loop dispatching a pass at a
-  time pays on every pass. `static_graph` interns one per distinct GraphDef, so a
-  cache lookup is a precomputed hash and an identity check."""
+  Every dispatch of a jitted function hashes its static arguments and the aux data
+  of its arguments' pytrees: a GraphDef's hash walks the whole module graph (about
+  half a millisecond per dispatch on a small CPU, for a two-layer model), a
+  parameter tree's structure its Variables, which a server loop dispatching a pass
+  at a time pays on every pass. `interned` keeps one per distinct value, so a cache
+  lookup is a precomputed hash and an identity check."""
 
-  __slots__ = ("graphdef", "_hash")
+  __slots__ = ("value", "_hash")
 
-  def __init__(self, graphdef):
-    self.graphdef = graphdef
-    self._hash = hash(graphdef)
-
-  def __hash__(self):
-    return self._hash
-
-  def __eq__(self, other):
-    return self is other or (isinstance(other, StaticGraph) and self._hash == other._hash
-                             and self.graphdef == other.graphdef)
-
-
-_STATIC_GRAPHS: dict = {}
-
-
-def static_graph(graphdef) -> StaticGraph:
-  """The one `StaticGraph` of graphdefs equal to this one."""
-  return _STATIC_GRAPHS.setdefault(graphdef, StaticGraph(graphdef))
-
-
-class _Structure:
-  """A parameter tree's structure as pytree aux data whose hash is computed once
-  (interned by `flat_params`: a cache lookup is then an identity check)."""
-
-  __slots__ = ("treedef", "_hash")
-
-  def __init__(self, treedef):
-    self.treedef = treedef
-    self._hash = hash(treedef)
+  def __init__(self, value):
+    self.value = value
+    self._hash = hash(value)
 
   def __hash__(self):
     return self._hash
 
   def __eq__(self, other):
-    return self is other or (isinstance(other, _Structure) and self._hash == other._hash
-                             and self.treedef == other.treedef)
+    return self is other or (isinstance(other, Interned) and self._hash == other._hash
+                             and self.value == other.value)
+
+
+_INTERNED: dict = {}
+
+
+def interned(value) -> Interned:
+  """The one `Interned` of values equal to this one (a GraphDef, a tree structure)."""
+  return _INTERNED.setdefault(value, Interned(value))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -322,7 +305,7 @@ class FlatParams:
 
   __slots__ = ("leaves", "structure")
 
-  def __init__(self, leaves: tuple, structure: _Structure):
+  def __init__(self, leaves: tuple, structure: Interned):
     self.leaves, self.structure = leaves, structure
 
   def tree_flatten(self):
@@ -333,23 +316,20 @@ class FlatParams:
     return cls(tuple(leaves), structure)
 
   def state(self):
-    return jax.tree_util.tree_unflatten(self.structure.treedef, self.leaves)
-
-
-_STRUCTURES: dict = {}
+    return jax.tree_util.tree_unflatten(self.structure.value, self.leaves)
 
 
 def flat_params(params) -> FlatParams:
   """`params` (an `nnx.State`) as a `FlatParams`, its structure interned."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
-  return FlatParams(tuple(leaves), _STRUCTURES.setdefault(treedef, _Structure(treedef)))
+  return FlatParams(tuple(leaves), interned(treedef))
 
 
 def _merge(graphdef, params):
-  """`nnx.merge` of a GraphDef or a `StaticGraph` with an `nnx.State` or `FlatParams`."""
+  """`nnx.merge` of a GraphDef (or its `Interned`) with an `nnx.State` or `FlatParams`."""
   if isinstance(params, FlatParams):
     params = params.state()
-  return nnx.merge(graphdef.graphdef if isinstance(graphdef, StaticGraph) else graphdef, params)
+  return nnx.merge(graphdef.value if isinstance(graphdef, Interned) else graphdef, params)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
@@ -529,7 +509,7 @@ class Decoder:
     self.knobs = knobs_of(model.config, decode_config)
     self.graphdef, self.params = nnx.split(model)
     self.spec = spec_of(decode_config, vocab_chunk, platform_of(self.params))
-    self.static = static_graph(self.graphdef)  # what this module's dispatches pass
+    self.static = interned(self.graphdef)  # what this module's dispatches pass
     self.flat = flat_params(self.params)  # the same for the parameters
     self.place = placement_of(self.params)
 
