@@ -18,6 +18,13 @@ bound how fast it can turn. Per method this prints:
   packed: one device-to-host copy, no program) and one copy per field, as the
   engine read before (the same values; checked each trial).
 
+A second table times the dispatch alone (the call's return, not the program's
+end) of a one-prompt admission and of a trivial program, after a gap of each
+kind, each kind's calls back to back: none (the same call just waited for), a 1
+ms and a 10 ms sleep, and a pass (`run(1)`, waited for, read). A thread that slept while a pass ran
+dispatches more slowly whatever the program (docs/RESULTS.md, "Where the loop's
+engine thread spends a run call").
+
   python benchmarks/live_batch_turn.py          # the main job's models when present
   python benchmarks/live_batch_turn.py --model_dir DIR --methods refusion
 """
@@ -90,6 +97,50 @@ def _busy(tree) -> bool:
   return not all(leaf.is_ready() for leaf in jax.tree.leaves(tree))
 
 
+GAPS = ("none", "sleep 1 ms", "sleep 10 ms", "a pass")
+
+
+@jax.jit
+def _trivial(x):
+  return x + 1
+
+
+def after_gaps(batch: engine.LiveBatch, prompt: list[int], trials: int) -> dict:
+  """Median ms a one-prompt admission's and a trivial program's dispatch take to
+  return after each gap in `GAPS` (`prompt` into row 0, the others as they are)."""
+  def gap(kind):
+    if kind == "sleep 1 ms":
+      time.sleep(0.001)
+    elif kind == "sleep 10 ms":
+      time.sleep(0.01)
+    elif kind == "a pass":
+      batch.run(1, stop_on_done=False)
+      jax.block_until_ready(batch.state)
+      batch.read()
+  one = np.ones((4,), np.int32)
+  jax.block_until_ready(_trivial(one))
+  key = np.zeros((1, 2), np.uint32)
+  times = {}
+  for kind in GAPS:  # each kind in a block of its own: "none" is the same call back to back
+    for what in ("admit", "trivial"):
+      ts = times[(kind, what)] = []
+      for trial in range(trials + 2):
+        jax.block_until_ready(batch.state)
+        gap(kind)
+        if what == "admit":
+          batch.free([0])
+          t0 = time.perf_counter()
+          batch.admit([prompt], [0], key)
+        else:
+          t0 = time.perf_counter()
+          out = _trivial(one)
+        t1 = time.perf_counter()
+        jax.block_until_ready(batch.state if what == "admit" else out)
+        if trial >= 2:
+          ts.append((t1 - t0) * 1e3)
+  return {f"{what}_after_{kind}": statistics.median(v) for (kind, what), v in times.items()}
+
+
 def turn(model_dir: str, method: str, args) -> dict:
   _, model = sample.load_model(model_dir)
   g = args.gen_length
@@ -137,7 +188,8 @@ def turn(model_dir: str, method: str, args) -> dict:
       times["packed"].append((t3 - t2) * 1e3)
       times["per_field"].append((t4 - t3) * 1e3)
   med = {k: statistics.median(v) for k, v in times.items()}
-  return {"method": method, "run_ms": med["run"], "busy": busy, "trials": args.trials,
+  gaps = after_gaps(batch, prompts[0], args.trials)
+  return {**gaps, "method": method, "run_ms": med["run"], "busy": busy, "trials": args.trials,
           "pass_ms": med["pass"], "admit_one_ms": med["admit_one"],
           "admit_all_ms": med["admit_all"],
           "packed_ms": med["packed"], "per_field_ms": med["per_field"], "copies": copies}
@@ -170,6 +222,13 @@ def main(argv=None) -> list[dict]:
           f"| {r['admit_one_ms'] / r['pass_ms']:.2f}x | {r['packed_ms']:.3f} "
           f"| {r['per_field_ms']:.3f} ({r['copies']} copies) | "
           f"{r['per_field_ms'] / r['packed_ms']:.2f}x |", flush=True)
+  print("\nDispatch alone (ms until the call returns), after a gap of each kind:\n")
+  print("| method | program | " + " | ".join(f"after {g}" for g in GAPS) + " |")
+  print("|---|---|" + "---|" * len(GAPS))
+  for r in rows:
+    for what, name in (("admit", "admission of 1 prompt"), ("trivial", "x + 1")):
+      print(f"| {r['method']} | {name} | "
+            + " | ".join(f"{r[f'{what}_after_{g}']:.3f}" for g in GAPS) + " |")
   return rows
 
 

@@ -188,6 +188,9 @@ def test_live_batch_turn_reports_each_method(capsys):
   out = capsys.readouterr().out
   assert "| refusion |" in out and "| ar |" in out and "copies)" in out
   assert "admission of 1 prompt, done (ms)" in out and "matmul_precision highest" in out
+  gaps = [f"{what}_after_{g}" for what in ("admit", "trivial") for g in live_batch_turn.GAPS]
+  assert all(r[k] > 0 for r in rows for k in gaps)
+  assert out.count("| admission of 1 prompt |") == 2 and "| after sleep 10 ms |" in out
 
 
 def test_closed_loop_turns_reports_both_turn_orders(capsys):
