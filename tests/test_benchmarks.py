@@ -433,3 +433,20 @@ def test_serve_load_process_loop_gives_each_prompt_its_offline_tokens():
   finally:
     ploop.close()
   assert not ploop.thread.is_alive() and not ploop.engine._proc.is_alive()  # pylint: disable=protected-access
+
+
+def test_results_contents_links_every_section_once():
+  """docs/RESULTS.md's Contents list links each `## ` section once, by GitHub's anchor."""
+  import re  # pylint: disable=import-outside-toplevel
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "docs", "RESULTS.md")
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  heads = [line[3:] for line in text.splitlines()
+           if line.startswith("## ") and line != "## Contents"]
+  contents = text.split("## Contents", 1)[1].split("\n## ", 1)[0]
+  links = re.findall(r"\[(.+)\]\(#([^)]+)\)", contents)
+  slug = lambda h: re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-")
+  assert sorted(h for h, _ in links) == sorted(heads)
+  assert all(anchor == slug(h) for h, anchor in links)
+  assert len({slug(h) for h in heads}) == len(heads)  # no anchor needs a -1 suffix
