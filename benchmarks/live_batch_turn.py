@@ -18,7 +18,14 @@ bound how fast it can turn. Per method this prints:
   packed: one device-to-host copy, no program) and one copy per field, as the
   engine read before (the same values; checked each trial).
 
-A second table times the dispatch alone (the call's return, not the program's
+A second table times one turn of a closed loop whose client came back: a prompt
+admitted into a freed row, `run(1)` and the read, as the server does it (an
+admission program, then a run program) beside one program that admits and runs
+(benchmark only, not in the engine; the two batches' packed reads are checked
+equal every trial). Where a dispatch waits for its passes (a GPU), each program
+of a turn costs the host a dispatch that overlaps no pass.
+
+A third table times the dispatch alone (the call's return, not the program's
 end) of a one-prompt admission and of a trivial program, after a gap of each
 kind, each kind's calls back to back: none (the same call just waited for), a 1
 ms and a 10 ms sleep, and a pass (`run(1)`, waited for, read). A thread that slept while a pass ran
@@ -98,6 +105,64 @@ def _busy(tree) -> bool:
 
 
 GAPS = ("none", "sleep 1 ms", "sleep 10 ms", "a pass")
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
+                   donate_argnames=("state",))
+def _admit_and_run(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, knobs, stop,
+                   spec, max_passes, place=None):
+  """An admission and a run in one program (what `LiveBatch.admit` then `run` dispatch
+  as two), with the packed read after it."""
+  state = engine._engine_admit.__wrapped__(  # pylint: disable=protected-access
+      graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, knobs, spec, place)
+  state = engine._engine_run.__wrapped__(  # pylint: disable=protected-access
+      graphdef, params, state, knobs, stop, spec, max_passes, place)
+  return state, engine._live_read.__wrapped__(state, knobs, spec)  # pylint: disable=protected-access
+
+
+def admit_then_run(d: engine.Decoder, rows: int, width: int, prompts, trials: int) -> dict:
+  """Median ms of a turn (a prompt into a freed row, `run(1)`, the read) as two programs
+  and as one, on twin batches whose reads are checked equal every trial."""
+  two, one = (engine.LiveBatch(d, rows, width) for _ in range(2))
+  two.warm_up()
+  one.warm_up()
+  keys = np.zeros((rows, 2), np.uint32)
+  for b in (two, one):
+    b.admit(prompts, list(range(rows)), keys)
+  jax.block_until_ready((two.state, one.state))
+  times = {"two": [], "one": []}
+
+  def as_two(r, p):
+    two.free([r])
+    two.admit([p], [r], keys[:1])
+    two.run(1, stop_on_done=False)
+    return two.read()
+
+  def as_one(r, p):
+    ids_ap = np.zeros((1, width), np.int32)
+    ids_ap[0, :len(p)] = p
+    one.state, packed = _admit_and_run(
+        d.static, d.flat, one.state, ids_ap, np.array([len(p)], np.int32),
+        np.array([r], np.int32), np.zeros((1,), np.int32), keys[:1], one.knobs,
+        np.int32(0), spec=d.spec, max_passes=np.int32(1), place=d.place)
+    return engine.PendingRead(packed, one._read_like)()  # pylint: disable=protected-access
+
+  for trial in range(trials + 3):
+    r, p = trial % rows, prompts[(trial + 1) % rows]
+    snaps = {}
+    for name in (("two", "one") if trial % 2 else ("one", "two")):
+      jax.block_until_ready((two.state, one.state))
+      t0 = time.perf_counter()
+      snaps[name] = (as_two if name == "two" else as_one)(r, p)
+      if trial >= 3:
+        times[name].append((time.perf_counter() - t0) * 1e3)
+    a, b = snaps["two"], snaps["one"]
+    if not (a.passes == b.passes and all(np.array_equal(getattr(a, f), getattr(b, f)) for f in
+                                         ("tokens_bg", "commit_step_bg", "length_b", "phase_b",
+                                          "nfe_b"))):
+      raise AssertionError(f"{d.config.method}: admitting and running in one program read "
+                           f"differently from two programs (trial {trial})")
+  return {k: statistics.median(v) for k, v in times.items()}
 
 
 @jax.jit
@@ -188,8 +253,10 @@ def turn(model_dir: str, method: str, args) -> dict:
       times["packed"].append((t3 - t2) * 1e3)
       times["per_field"].append((t4 - t3) * 1e3)
   med = {k: statistics.median(v) for k, v in times.items()}
+  fused = admit_then_run(batch.decoder, args.rows, args.prompt_len, prompts, args.trials)
   gaps = after_gaps(batch, prompts[0], args.trials)
-  return {**gaps, "method": method, "run_ms": med["run"], "busy": busy, "trials": args.trials,
+  return {**gaps, "turn_two_programs_ms": fused["two"], "turn_one_program_ms": fused["one"],
+          "method": method, "run_ms": med["run"], "busy": busy, "trials": args.trials,
           "pass_ms": med["pass"], "admit_one_ms": med["admit_one"],
           "admit_all_ms": med["admit_all"],
           "packed_ms": med["packed"], "per_field_ms": med["per_field"], "copies": copies}
@@ -222,6 +289,12 @@ def main(argv=None) -> list[dict]:
           f"| {r['admit_one_ms'] / r['pass_ms']:.2f}x | {r['packed_ms']:.3f} "
           f"| {r['per_field_ms']:.3f} ({r['copies']} copies) | "
           f"{r['per_field_ms'] / r['packed_ms']:.2f}x |", flush=True)
+  print("\nA returning client's turn (a prompt into a freed row, run(1), the read), ms:\n")
+  print("| method | admission, then run: two programs | one program | one / two |")
+  print("|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['method']} | {r['turn_two_programs_ms']:.3f} | {r['turn_one_program_ms']:.3f} "
+          f"| {r['turn_one_program_ms'] / r['turn_two_programs_ms']:.2f}x |")
   print("\nDispatch alone (ms until the call returns), after a gap of each kind:\n")
   print("| method | program | " + " | ".join(f"after {g}" for g in GAPS) + " |")
   print("|---|---|" + "---|" * len(GAPS))

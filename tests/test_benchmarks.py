@@ -191,6 +191,8 @@ def test_live_batch_turn_reports_each_method(capsys):
   gaps = [f"{what}_after_{g}" for what in ("admit", "trivial") for g in live_batch_turn.GAPS]
   assert all(r[k] > 0 for r in rows for k in gaps)
   assert out.count("| admission of 1 prompt |") == 2 and "| after sleep 10 ms |" in out
+  assert all(r["turn_two_programs_ms"] > 0 and r["turn_one_program_ms"] > 0 for r in rows)
+  assert "| admission, then run: two programs | one program |" in out
 
 
 def test_closed_loop_turns_reports_both_turn_orders(capsys):
@@ -450,3 +452,17 @@ def test_results_contents_links_every_section_once():
   assert sorted(h for h, _ in links) == sorted(heads)
   assert all(anchor == slug(h) for h, anchor in links)
   assert len({slug(h) for h in heads}) == len(heads)  # no anchor needs a -1 suffix
+
+
+def test_live_batch_turn_checks_the_one_program_turn_against_two(monkeypatch):
+  from benchmarks import live_batch_turn  # pylint: disable=import-outside-toplevel
+  fused = live_batch_turn._admit_and_run  # pylint: disable=protected-access
+
+  def off_by_one(*args, **kwargs):  # a turn whose read is off in its first word
+    state, packed = fused(*args, **kwargs)
+    return state, packed.at[0].add(1)
+
+  monkeypatch.setattr(live_batch_turn, "_admit_and_run", off_by_one)
+  with pytest.raises(AssertionError, match="read differently from two programs"):
+    live_batch_turn.main(["--model_dir=refusion_jax/assets/base_tiny", "--rows=2",
+                          "--prompt_len=4", "--gen_length=8", "--trials=2", "--methods=ar"])
