@@ -21,16 +21,16 @@ bound how fast it can turn. Per method this prints:
 A second table times one turn of a closed loop whose client came back: a prompt
 admitted into a freed row, `run(1)` and the read, as the server does it (an
 admission program, then a run program) beside one program that admits and runs
-(benchmark only, not in the engine; the two batches' packed reads are checked
-equal every trial). Where a dispatch waits for its passes (a GPU), each program
+(benchmark only, not in the engine; the two batches' reads are checked equal
+every trial). Where a dispatch waits for its passes (a GPU), each program
 of a turn costs the host a dispatch that overlaps no pass.
 
 A third table times the dispatch alone (the call's return, not the program's
 end) of a one-prompt admission and of a trivial program, after a gap of each
-kind, each kind's calls back to back: none (the same call just waited for), a 1
-ms and a 10 ms sleep, and a pass (`run(1)`, waited for, read). A thread that slept while a pass ran
-dispatches more slowly whatever the program (docs/RESULTS.md, "Where the loop's
-engine thread spends a run call").
+kind, each kind's calls back to back: none (the same call just waited for), a
+1 ms and a 10 ms sleep, and a pass (`run(1)`, waited for, read). On a CPU an
+admission after a thread slept through a pass dispatches more slowly
+(docs/RESULTS.md, "Where the loop's engine thread spends a run call").
 
   python benchmarks/live_batch_turn.py          # the main job's models when present
   python benchmarks/live_batch_turn.py --model_dir DIR --methods refusion
