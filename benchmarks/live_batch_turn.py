@@ -21,8 +21,8 @@ bound how fast it can turn. Per method this prints:
 A second table times one turn of a closed loop whose client came back: a prompt
 admitted into a freed row, `run(1)` and the read, as the server does it (an
 admission program, then a run program) beside one program that admits and runs
-(benchmark only, not in the engine; the two batches' reads are checked equal
-every trial). Where a dispatch waits for its passes (a GPU), each program
+(benchmark only, not in the engine; run on twin batches, whose reads are
+compared every trial: the table counts the trials where they are equal). Where a dispatch waits for its passes (a GPU), each program
 of a turn costs the host a dispatch that overlaps no pass.
 
 A third table times the dispatch alone (the call's return, not the program's
@@ -122,7 +122,7 @@ def _admit_and_run(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng,
 
 def admit_then_run(d: engine.Decoder, rows: int, width: int, prompts, trials: int) -> dict:
   """Median ms of a turn (a prompt into a freed row, `run(1)`, the read) as two programs
-  and as one, on twin batches whose reads are checked equal every trial."""
+  and as one, on twin batches, and in how many trials their reads were equal."""
   two, one = (engine.LiveBatch(d, rows, width) for _ in range(2))
   two.warm_up()
   one.warm_up()
@@ -147,6 +147,7 @@ def admit_then_run(d: engine.Decoder, rows: int, width: int, prompts, trials: in
         np.int32(0), spec=d.spec, max_passes=np.int32(1), place=d.place)
     return engine.PendingRead(packed, one._read_like)()  # pylint: disable=protected-access
 
+  equal = 0  # trials whose reads are equal (a GPU's reduced-precision products may differ)
   for trial in range(trials + 3):
     r, p = trial % rows, prompts[(trial + 1) % rows]
     snaps = {}
@@ -157,12 +158,11 @@ def admit_then_run(d: engine.Decoder, rows: int, width: int, prompts, trials: in
       if trial >= 3:
         times[name].append((time.perf_counter() - t0) * 1e3)
     a, b = snaps["two"], snaps["one"]
-    if not (a.passes == b.passes and all(np.array_equal(getattr(a, f), getattr(b, f)) for f in
-                                         ("tokens_bg", "commit_step_bg", "length_b", "phase_b",
-                                          "nfe_b"))):
-      raise AssertionError(f"{d.config.method}: admitting and running in one program read "
-                           f"differently from two programs (trial {trial})")
-  return {k: statistics.median(v) for k, v in times.items()}
+    equal += a.passes == b.passes and all(
+        np.array_equal(getattr(a, f), getattr(b, f))
+        for f in ("tokens_bg", "commit_step_bg", "length_b", "phase_b", "nfe_b"))
+  return {**{k: statistics.median(v) for k, v in times.items()}, "equal": equal,
+          "trials": trials + 3}
 
 
 @jax.jit
@@ -256,6 +256,7 @@ def turn(model_dir: str, method: str, args) -> dict:
   fused = admit_then_run(batch.decoder, args.rows, args.prompt_len, prompts, args.trials)
   gaps = after_gaps(batch, prompts[0], args.trials)
   return {**gaps, "turn_two_programs_ms": fused["two"], "turn_one_program_ms": fused["one"],
+          "turn_reads_equal": f"{fused['equal']}/{fused['trials']}",
           "method": method, "run_ms": med["run"], "busy": busy, "trials": args.trials,
           "pass_ms": med["pass"], "admit_one_ms": med["admit_one"],
           "admit_all_ms": med["admit_all"],
@@ -290,11 +291,13 @@ def main(argv=None) -> list[dict]:
           f"| {r['per_field_ms']:.3f} ({r['copies']} copies) | "
           f"{r['per_field_ms'] / r['packed_ms']:.2f}x |", flush=True)
   print("\nA returning client's turn (a prompt into a freed row, run(1), the read), ms:\n")
-  print("| method | admission, then run: two programs | one program | one / two |")
-  print("|---|---|---|---|")
+  print("| method | admission, then run: two programs | one program | one / two "
+        "| trials whose reads are equal |")
+  print("|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['method']} | {r['turn_two_programs_ms']:.3f} | {r['turn_one_program_ms']:.3f} "
-          f"| {r['turn_one_program_ms'] / r['turn_two_programs_ms']:.2f}x |")
+          f"| {r['turn_one_program_ms'] / r['turn_two_programs_ms']:.2f}x "
+          f"| {r['turn_reads_equal']} |")
   print("\nDispatch alone (ms until the call returns), after a gap of each kind:\n")
   print("| method | program | " + " | ".join(f"after {g}" for g in GAPS) + " |")
   print("|---|---|" + "---|" * len(GAPS))

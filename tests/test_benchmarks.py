@@ -192,6 +192,7 @@ def test_live_batch_turn_reports_each_method(capsys):
   assert all(r[k] > 0 for r in rows for k in gaps)
   assert out.count("| admission of 1 prompt |") == 2 and "| after sleep 10 ms |" in out
   assert all(r["turn_two_programs_ms"] > 0 and r["turn_one_program_ms"] > 0 for r in rows)
+  assert [r["turn_reads_equal"] for r in rows] == ["5/5", "5/5"]  # one program reads as two
   assert "| admission, then run: two programs | one program |" in out
 
 
@@ -454,7 +455,7 @@ def test_results_contents_links_every_section_once():
   assert len({slug(h) for h in heads}) == len(heads)  # no anchor needs a -1 suffix
 
 
-def test_live_batch_turn_checks_the_one_program_turn_against_two(monkeypatch):
+def test_live_batch_turn_counts_one_program_turns_that_read_differently(monkeypatch):
   from benchmarks import live_batch_turn  # pylint: disable=import-outside-toplevel
   fused = live_batch_turn._admit_and_run  # pylint: disable=protected-access
 
@@ -463,6 +464,6 @@ def test_live_batch_turn_checks_the_one_program_turn_against_two(monkeypatch):
     return state, packed.at[0].add(1)
 
   monkeypatch.setattr(live_batch_turn, "_admit_and_run", off_by_one)
-  with pytest.raises(AssertionError, match="read differently from two programs"):
-    live_batch_turn.main(["--model_dir=refusion_jax/assets/base_tiny", "--rows=2",
-                          "--prompt_len=4", "--gen_length=8", "--trials=2", "--methods=ar"])
+  rows = live_batch_turn.main(["--model_dir=refusion_jax/assets/base_tiny", "--rows=2",
+                               "--prompt_len=4", "--gen_length=8", "--trials=2", "--methods=ar"])
+  assert rows[0]["turn_reads_equal"] == "0/5"
