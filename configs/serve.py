@@ -43,6 +43,8 @@ def get_config():
   #   next pass before handing out the last one's results (None: on CPUs and TPUs, not on GPUs)
   c.done_rows = 1  # a run returns once this many rows are done (or at its pass bound): more
   #   gathers finished rows into fewer turns (each a read, deliveries and an admission call)
+  c.fuse_admission = False  # an admission goes out with the next run, in one program (one
+  #   dispatch a turn instead of two, for one more program per admission program)
   c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)
   c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled
   c.log_level = "warning"  # uvicorn's log level

@@ -819,6 +819,63 @@ def test_live_batch_passes_over_the_busy_rows_only_equal_full_passes(models, met
     assert results[i] == (tokens, counters["nfe_b"]), (method, i)
 
 
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_live_batch_fused_admissions_equal_admissions_apart(models, method, monkeypatch):
+  """With `fuse_admission` an admission goes out with the next full-row run, in one
+  program; a read, a second admission or a run over fewer rows dispatches it on its
+  own first. Twin batches, one fused and one not, driven alike: every read equal, each
+  prompt's tokens and passes equal its decode alone, nothing compiled after warm_up,
+  and the fused program really ran."""
+  model, dc = models[method], _CONFIGS[method]
+  prompts = _prompts(np.random.RandomState(13), 9)
+  dec = engine.Decoder(model, dc)
+  twins = [engine.LiveBatch(dec, 4, 16, row_counts=(2,), admit_widths=(8,),
+                            fuse_admission=fuse) for fuse in (False, True)]
+  for live in twins:
+    live.warm_up()
+  compiled = engine.compiled_programs()
+  real, fused_calls = engine._live_admit_run, []  # pylint: disable=protected-access
+  monkeypatch.setattr(engine, "_live_admit_run",
+                      lambda *a, **k: fused_calls.append(1) or real(*a, **k))
+
+  def both(fn):
+    out = [fn(live) for live in twins]
+    if isinstance(out[0], engine.Snapshot):
+      for field in ("tokens_bg", "commit_step_bg", "length_b", "phase_b", "nfe_b"):
+        np.testing.assert_array_equal(getattr(out[0], field), getattr(out[1], field))
+      assert out[0].passes == out[1].passes
+    return out[0]
+
+  queue, jobs, results, turn = list(range(len(prompts))), [None] * 4, {}, 0
+  while queue or any(j is not None for j in jobs):
+    free = [r for r, j in enumerate(jobs) if j is None]
+    # One prompt per admission, two admissions in some turns (the first then goes
+    # out on its own), and every third turn a read between admission and run.
+    for r in free[:1 + turn % 2]:
+      if queue:
+        i = queue.pop(0)
+        both(lambda live, i=i, r=r: live.admit([prompts[i]], [r], np.zeros((1, 2), np.uint32)))
+        jobs[r] = i
+    if turn % 3 == 2:
+      both(lambda live: live.read())
+    busy = [r for r, j in enumerate(jobs) if j is not None]
+    both(lambda live: live.run(1 + turn % 2, stop_on_done=False, busy=busy))
+    snap = both(lambda live: live.read())
+    done = [r for r in busy if snap.phase_b[r] == engine.DONE]
+    for r in done:
+      results[jobs[r]] = (snap.tokens_bg[r, :int(snap.length_b[r])].tolist(),
+                          int(snap.nfe_b[r]))
+      jobs[r] = None
+    both(lambda live: live.free(done))
+    turn += 1
+  monkeypatch.undo()
+  assert engine.compiled_programs() == compiled
+  assert fused_calls, "no admission went out with a run"
+  for i, p in enumerate(prompts):
+    tokens, counters = _single(model, dc, p)
+    assert results[i] == (tokens, counters["nfe_b"]), (method, i)
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_kv_cache_take_and_put_rows(scan):
   cfg = config_lib.tiny(num_layers=2, vocab_size=VOCAB, hidden_size=32, num_heads=2,

@@ -965,6 +965,35 @@ def test_done_rows_gathers_finished_rows_into_one_return(served_thread, monkeypa
       assert results[1][i][0] == want[i]["tokens"][:max_tokens], i
 
 
+def test_fused_admissions_change_no_token_and_no_pass(served_thread, monkeypatch):
+  # --config.fuse_admission: a turn's admission goes out with its next run, in one
+  # program. Closed-loop clients out of step, with run_ahead off (a GPU's default) and
+  # on: every request's tokens and own passes as with admissions apart, the lane's
+  # passes too with run_ahead off, the one program really ran, and nothing compiled
+  # once the scheduler was made.
+  want = served_thread["completion"]["refusion"]
+  queues = [[(i, 3) for i in range(6)], [(6, GEN), (7, GEN)], [(8, 6), (9, GEN)]]
+  real, calls = engine._live_admit_run, []  # pylint: disable=protected-access
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return real(*args, **kwargs)
+
+  counted._cache_size = real._cache_size  # pylint: disable=protected-access
+  monkeypatch.setattr(engine, "_live_admit_run", counted)
+  for run_ahead in (False, True):
+    apart = _closed_loop_passes(served_thread, run_ahead, queues)
+    calls.clear()
+    fused = _closed_loop_passes(served_thread, run_ahead, queues, fuse_admission=True)
+    assert calls, run_ahead
+    assert fused[1] == apart[1], run_ahead
+    if not run_ahead:
+      assert fused[0] == apart[0]
+  for q in queues:
+    for i, max_tokens in q:
+      assert fused[1][i][0] == want[i]["tokens"][:max_tokens], i
+
+
 def test_engine_process_without_run_ahead_serves_the_same(oracle):
   # --config.run_ahead=false (a GPU's default) through HTTP and the engine process,
   # whose turns' results go out before the next dispatch: the same answers, streamed

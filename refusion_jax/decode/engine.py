@@ -481,7 +481,8 @@ def compiled_programs() -> dict[str, int]:
           "step": _engine_step._cache_size(),
           "run_rows": _engine_run_rows._cache_size(),
           "admit": _engine_admit._cache_size(), "read": _live_read._cache_size(),
-          "live_run": _live_run._cache_size(), "live_run_rows": _live_run_rows._cache_size()}
+          "live_run": _live_run._cache_size(), "live_run_rows": _live_run_rows._cache_size(),
+          "live_admit_run": _live_admit_run._cache_size()}
 
 
 # --- host side ----------------------------------------------------------------------------
@@ -799,6 +800,18 @@ def _live_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes, fr
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
                    donate_argnames=("state",))
+def _live_admit_run(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, knobs,
+                    stop_on_done, spec, max_passes, free_b, place: Placement | None = None):
+  """An admission and the run after it in one program (`LiveBatch(fuse_admission=True)`):
+  what `_engine_admit` then `_live_run` do, for one dispatch instead of two."""
+  state = _engine_admit.__wrapped__(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a,
+                                    rng, knobs, spec, place)
+  return _live_run.__wrapped__(graphdef, params, state, knobs, stop_on_done, spec, max_passes,
+                               free_b, place)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
+                   donate_argnames=("state",))
 def _live_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, max_passes,
                    free_b, place: Placement | None = None):
   state = _engine_run_rows.__wrapped__(graphdef, params, _freed(state, free_b), knobs,
@@ -861,11 +874,18 @@ class LiveBatch:
   an admission prefills at the narrowest of them (or `width`) that holds its
   prompts, so short prompts do not pay for the widest (each width compiles one
   more admission program per admission size).
+
+  With `fuse_admission`, an admission is held back and dispatched with the next
+  run, in one program (one more program per admission program): where a dispatch
+  overlaps no pass (a GPU, whose host reads a loop's condition), a turn that admits
+  costs one dispatch instead of two. Anything else that needs the rows (a read, a
+  second admission, a run over fewer rows, `state`) dispatches it on its own first.
+  Tokens and pass counts are unchanged.
   """
 
   def __init__(self, decoder: Decoder, rows: int, width: int, knobs: Knobs | None = None,
                *, admit_max: int | None = None, row_counts: Sequence[int] = (),
-               admit_widths: Sequence[int] = ()):
+               admit_widths: Sequence[int] = (), fuse_admission: bool = False):
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
       raise ValueError(f"live batch rows must be a positive int, got {rows!r}")
     if not isinstance(width, int) or isinstance(width, bool) or width < 1:
@@ -899,7 +919,10 @@ class LiveBatch:
     leaves = jax.tree.leaves(d.params)
     if d.place is None and leaves and hasattr(leaves[0], "sharding"):
       state = jax.device_put(state, leaves[0].sharding)
-    self.state = state
+    self._state = state
+    # An admission held for the next run (`fuse_admission`): its host arrays.
+    self.fuse_admission = bool(fuse_admission)
+    self._held: tuple | None = None
     # Rows freed since the last run: that run frees them first (no program of their
     # own); a read shows them free, an admission rewrites them.
     self._free_b = np.zeros((rows,), bool)
@@ -907,6 +930,24 @@ class LiveBatch:
     self._after_run = None
     self._read_like = jax.eval_shape(functools.partial(_read_tree, spec=d.spec), state,
                                      self.knobs)
+
+  @property
+  def state(self):
+    """The rows' decode state on the device (a held admission is dispatched first)."""
+    self._dispatch_held()
+    return self._state
+
+  @state.setter
+  def state(self, value) -> None:
+    self._dispatch_held()
+    self._state = value
+
+  def _dispatch_held(self) -> None:
+    if self._held is not None:
+      held, self._held = self._held, None
+      d = self.decoder
+      self._state = _engine_admit(d.static, d.flat, self._state, *held, self.knobs,
+                                  spec=d.spec, place=d.place)
 
   def admit_sizes(self) -> list[int]:
     """The admission batch sizes compiled (powers of two up to `admit_max`)."""
@@ -948,8 +989,12 @@ class LiveBatch:
       ids_ap[j, :len(p)] = p
       lens_a[j], rows_a[j], keys_a2[j] = len(p), rows[j], rng_a2[j]
       pids_a[j] = 0 if pids is None else pids[j]
-    self.state = _engine_admit(d.static, d.flat, self.state, ids_ap, lens_a, rows_a,
-                               pids_a, keys_a2, self.knobs, spec=d.spec, place=d.place)
+    self._dispatch_held()
+    if self.fuse_admission:  # dispatched with the next run
+      self._held = (ids_ap, lens_a, rows_a, pids_a, keys_a2)
+    else:
+      self._state = _engine_admit(d.static, d.flat, self._state, ids_ap, lens_a, rows_a,
+                                  pids_a, keys_a2, self.knobs, spec=d.spec, place=d.place)
     self._free_b[list(rows)] = False  # rewritten: nothing left to free
     self._after_run = None
 
@@ -977,14 +1022,19 @@ class LiveBatch:
     if n < self.rows:
       taken = set(busy)
       idx = list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)]
-      self.state, packed = _live_run_rows(d.static, d.flat, self.state, self.knobs,
-                                          stop, np.asarray(idx, np.int32),
-                                          spec=d.spec, max_passes=limit, free_b=free_b,
-                                          place=d.place)
+      self._state, packed = _live_run_rows(d.static, d.flat, self.state, self.knobs,
+                                           stop, np.asarray(idx, np.int32),
+                                           spec=d.spec, max_passes=limit, free_b=free_b,
+                                           place=d.place)
+    elif self._held is not None:
+      held, self._held = self._held, None
+      self._state, packed = _live_admit_run(d.static, d.flat, self._state, *held, self.knobs,
+                                            stop, spec=d.spec, max_passes=limit,
+                                            free_b=free_b, place=d.place)
     else:
-      self.state, packed = _live_run(d.static, d.flat, self.state, self.knobs,
-                                     stop, spec=d.spec, max_passes=limit,
-                                     free_b=free_b, place=d.place)
+      self._state, packed = _live_run(d.static, d.flat, self._state, self.knobs,
+                                      stop, spec=d.spec, max_passes=limit,
+                                      free_b=free_b, place=d.place)
     packed.copy_to_host_async()
     self._after_run = packed  # what a read gives until an admission changes the rows
 
@@ -1022,11 +1072,14 @@ class LiveBatch:
     """Compiles every program this batch calls (padding rows only: nothing runs)."""
     d = self.decoder
     for a, w in self.admit_programs():
-      self.state = _engine_admit(d.static, d.flat, self.state,
-                                 np.zeros((a, w), np.int32), np.ones((a,), np.int32),
-                                 np.full((a,), self.rows, np.int32), np.zeros((a,), np.int32),
-                                 np.zeros((a, 2), np.uint32), self.knobs, spec=d.spec,
-                                 place=d.place)
+      padding = (np.zeros((a, w), np.int32), np.ones((a,), np.int32),
+                 np.full((a,), self.rows, np.int32), np.zeros((a,), np.int32),
+                 np.zeros((a, 2), np.uint32))
+      self.state = _engine_admit(d.static, d.flat, self.state, *padding, self.knobs,
+                                 spec=d.spec, place=d.place)
+      if self.fuse_admission:
+        self._held = padding
+        self.run(1)
     self.run(1)
     for n in self.row_counts:
       self.run(1, busy=list(range(n)))

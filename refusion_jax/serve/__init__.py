@@ -188,7 +188,7 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
                                   admit_wait_passes=c.admit_wait_passes,
                                   wait_for_returns=c.wait_for_returns,
                                   run_ahead=run_ahead_on(c.run_ahead, jax.default_backend()),
-                                  done_rows=c.done_rows,
+                                  done_rows=c.done_rows, fuse_admission=c.fuse_admission,
                                   row_counts=parse_row_counts(c.row_counts, c.rows,
                                                               jax.default_backend()),
                                   admit_widths=parse_admit_widths(c.admit_widths,
@@ -204,6 +204,7 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
        + f", prompts up to {c.max_prompt_len} tokens"
        + (f" (prefilled also at {', '.join(map(str, scheduler.admit_widths))})"
           if scheduler.admit_widths else "")
+       + (", admissions dispatched with the next run" if c.fuse_admission else "")
        + ", in "
        f"{time.perf_counter() - t:.1f}s")
   return scheduler

@@ -63,6 +63,11 @@ GPU overlap no pass; clients out of step finish a row in nearly every pass, wher
 offline engine's rows, admitted together, finish together. Off by default (1). Tokens
 and each request's passes are unchanged.
 
+With `fuse_admission`, a turn's admission goes out with its next run, in one
+program: a turn that admits costs one dispatch instead of two, which matters
+where a dispatch overlaps no pass (a GPU). Off by default; tokens and passes are
+unchanged.
+
 With `admit_widths`, an admission prefills at the narrowest of those widths
 (or the full prompt width) that holds its prompts: a short prompt does not pay
 for a `max_prompt_len`-wide prefill.
@@ -208,7 +213,7 @@ class Scheduler:
                metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
                admit_batch: int = 1, admit_wait_passes: int = 0, admit_widths=(),
                wait_for_returns: bool = True, run_ahead: bool = True, done_rows: int = 1,
-               after_turn: Callable[[], None] | None = None):
+               fuse_admission: bool = False, after_turn: Callable[[], None] | None = None):
     self.model = model
     self.decoders = {}
     for dc in decode_configs:
@@ -232,6 +237,8 @@ class Scheduler:
     self.run_ahead = run_ahead
     # A run returns once this many rows are done (or at its pass bound).
     self.done_rows = done_rows
+    # Admissions go out with the next run, in one program (`LiveBatch.fuse_admission`).
+    self.fuse_admission = fuse_admission
     self.metrics = metrics
     # Called on the engine thread after each lane's deliveries and before it waits
     # (the engine process sends what the turn delivered from there).
@@ -270,7 +277,8 @@ class Scheduler:
     """Fresh rows of `bucket` with these knob values (every lane's batch is made here)."""
     return engine_lib.LiveBatch(self.decoders[bucket], self.rows, self.width,
                                 self._knobs_for(bucket, knobs), admit_max=self.admit_max,
-                                row_counts=self.row_counts, admit_widths=self.admit_widths)
+                                row_counts=self.row_counts, admit_widths=self.admit_widths,
+                                fuse_admission=self.fuse_admission)
 
   def default_knobs(self, bucket: Bucket) -> tuple[float, float, float, bool]:
     dc = self.decoders[bucket].config
