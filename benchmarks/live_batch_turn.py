@@ -19,10 +19,10 @@ bound how fast it can turn. Per method this prints:
   engine read before (the same values; checked each trial).
 
 A second table times one turn of a closed loop whose client came back: a prompt
-admitted into a freed row, `run(1)` and the read, as the server does it (an
-admission program, then a run program) beside one program that admits and runs
-(benchmark only, not in the engine; run on twin batches, whose reads are
-compared every trial: the table counts the trials where they are equal). Where a dispatch waits for its passes (a GPU), each program
+admitted into a freed row, `run(1)` and the read, as the server does it by
+default (an admission program, then a run program) and with `fuse_admission`
+(one program that admits and runs), on twin batches whose reads are compared
+every trial (the table counts the trials where they are equal). Where a dispatch waits for its passes (a GPU), each program
 of a turn costs the host a dispatch that overlaps no pass.
 
 A third table times the dispatch alone (the call's return, not the program's
@@ -107,23 +107,11 @@ def _busy(tree) -> bool:
 GAPS = ("none", "sleep 1 ms", "sleep 10 ms", "a pass")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
-                   donate_argnames=("state",))
-def _admit_and_run(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, knobs, stop,
-                   spec, max_passes, place=None):
-  """An admission and a run in one program (what `LiveBatch.admit` then `run` dispatch
-  as two), with the packed read after it."""
-  state = engine._engine_admit.__wrapped__(  # pylint: disable=protected-access
-      graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, knobs, spec, place)
-  state = engine._engine_run.__wrapped__(  # pylint: disable=protected-access
-      graphdef, params, state, knobs, stop, spec, max_passes, place)
-  return state, engine._live_read.__wrapped__(state, knobs, spec)  # pylint: disable=protected-access
-
-
 def admit_then_run(d: engine.Decoder, rows: int, width: int, prompts, trials: int) -> dict:
   """Median ms of a turn (a prompt into a freed row, `run(1)`, the read) as two programs
-  and as one, on twin batches, and in how many trials their reads were equal."""
-  two, one = (engine.LiveBatch(d, rows, width) for _ in range(2))
+  and as one (`LiveBatch(fuse_admission=True)`), on twin batches, and in how many
+  trials their reads were equal."""
+  two, one = (engine.LiveBatch(d, rows, width, fuse_admission=fuse) for fuse in (False, True))
   two.warm_up()
   one.warm_up()
   keys = np.zeros((rows, 2), np.uint32)
@@ -132,20 +120,11 @@ def admit_then_run(d: engine.Decoder, rows: int, width: int, prompts, trials: in
   jax.block_until_ready((two.state, one.state))
   times = {"two": [], "one": []}
 
-  def as_two(r, p):
-    two.free([r])
-    two.admit([p], [r], keys[:1])
-    two.run(1, stop_on_done=False)
-    return two.read()
-
-  def as_one(r, p):
-    ids_ap = np.zeros((1, width), np.int32)
-    ids_ap[0, :len(p)] = p
-    one.state, packed = _admit_and_run(
-        d.static, d.flat, one.state, ids_ap, np.array([len(p)], np.int32),
-        np.array([r], np.int32), np.zeros((1,), np.int32), keys[:1], one.knobs,
-        np.int32(0), spec=d.spec, max_passes=np.int32(1), place=d.place)
-    return engine.PendingRead(packed, one._read_like)()  # pylint: disable=protected-access
+  def turn_of(batch, r, p):
+    batch.free([r])
+    batch.admit([p], [r], keys[:1])
+    batch.run(1, stop_on_done=False)
+    return batch.read()
 
   equal = 0  # trials whose reads are equal (a GPU's reduced-precision products may differ)
   for trial in range(trials + 3):
@@ -154,7 +133,7 @@ def admit_then_run(d: engine.Decoder, rows: int, width: int, prompts, trials: in
     for name in (("two", "one") if trial % 2 else ("one", "two")):
       jax.block_until_ready((two.state, one.state))
       t0 = time.perf_counter()
-      snaps[name] = (as_two if name == "two" else as_one)(r, p)
+      snaps[name] = turn_of(two if name == "two" else one, r, p)
       if trial >= 3:
         times[name].append((time.perf_counter() - t0) * 1e3)
     a, b = snaps["two"], snaps["one"]
@@ -291,7 +270,7 @@ def main(argv=None) -> list[dict]:
           f"| {r['per_field_ms']:.3f} ({r['copies']} copies) | "
           f"{r['per_field_ms'] / r['packed_ms']:.2f}x |", flush=True)
   print("\nA returning client's turn (a prompt into a freed row, run(1), the read), ms:\n")
-  print("| method | admission, then run: two programs | one program | one / two "
+  print("| method | admission, then run: two programs | one program (fuse_admission) | one / two "
         "| trials whose reads are equal |")
   print("|---|---|---|---|---|")
   for r in rows:

@@ -193,7 +193,7 @@ def test_live_batch_turn_reports_each_method(capsys):
   assert out.count("| admission of 1 prompt |") == 2 and "| after sleep 10 ms |" in out
   assert all(r["turn_two_programs_ms"] > 0 and r["turn_one_program_ms"] > 0 for r in rows)
   assert [r["turn_reads_equal"] for r in rows] == ["5/5", "5/5"]  # one program reads as two
-  assert "| admission, then run: two programs | one program |" in out
+  assert "| admission, then run: two programs | one program (fuse_admission) |" in out
 
 
 def test_closed_loop_turns_reports_both_turn_orders(capsys):
@@ -457,13 +457,14 @@ def test_results_contents_links_every_section_once():
 
 def test_live_batch_turn_counts_one_program_turns_that_read_differently(monkeypatch):
   from benchmarks import live_batch_turn  # pylint: disable=import-outside-toplevel
-  fused = live_batch_turn._admit_and_run  # pylint: disable=protected-access
+  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
+  fused = engine._live_admit_run  # pylint: disable=protected-access
 
   def off_by_one(*args, **kwargs):  # a turn whose read is off in its first word
     state, packed = fused(*args, **kwargs)
     return state, packed.at[0].add(1)
 
-  monkeypatch.setattr(live_batch_turn, "_admit_and_run", off_by_one)
+  monkeypatch.setattr(engine, "_live_admit_run", off_by_one)
   rows = live_batch_turn.main(["--model_dir=refusion_jax/assets/base_tiny", "--rows=2",
                                "--prompt_len=4", "--gen_length=8", "--trials=2", "--methods=ar"])
   assert rows[0]["turn_reads_equal"] == "0/5"
