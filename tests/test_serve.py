@@ -997,11 +997,13 @@ def test_fused_admissions_change_no_token_and_no_pass(served_thread, monkeypatch
   served_thread["compiled"]["live_admit_run"] = engine.compiled_programs()["live_admit_run"]
 
 
-def test_engine_process_without_run_ahead_serves_the_same(oracle):
+@pytest.mark.parametrize("fuse_admission", [False, True])
+def test_engine_process_without_run_ahead_serves_the_same(oracle, fuse_admission):
   # --config.run_ahead=false (a GPU's default) through HTTP and the engine process,
-  # whose turns' results go out before the next dispatch: the same answers, streamed
-  # and not, also under 16 concurrent streams.
-  info, stop = _serving(oracle, "process", run_ahead=False)
+  # whose turns' results go out before the next dispatch, with admissions apart or
+  # sent with the next run (--config.fuse_admission): the same answers, streamed and
+  # not, also under 16 concurrent streams.
+  info, stop = _serving(oracle, "process", run_ahead=False, fuse_admission=fuse_admission)
   try:
     _serves_the_same(info)
   finally:
