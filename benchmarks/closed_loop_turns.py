@@ -36,6 +36,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -103,7 +104,6 @@ class _EngineClock:
   PARTS = ("run", "read", "admit", "hold")
 
   def __init__(self, live_batch_cls, pending_read_cls, scheduler_cls):
-    import threading  # pylint: disable=import-outside-toplevel
     self.seconds, self.calls = {}, {}
     self.reset()
     self._undo = []

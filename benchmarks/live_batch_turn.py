@@ -22,8 +22,9 @@ A second table times one turn of a closed loop whose client came back: a prompt
 admitted into a freed row, `run(1)` and the read, as the server does it by
 default (an admission program, then a run program) and with `fuse_admission`
 (one program that admits and runs), on twin batches whose reads are compared
-every trial (the table counts the trials where they are equal). Where a dispatch waits for its passes (a GPU), each program
-of a turn costs the host a dispatch that overlaps no pass.
+every trial (the table counts the trials where they are equal). Where a
+dispatch waits for its passes (a GPU), each program of a turn costs the host a
+dispatch that overlaps no pass.
 
 A third table times the dispatch alone (the call's return, not the program's
 end) of a one-prompt admission and of a trivial program, after a gap of each

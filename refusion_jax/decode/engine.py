@@ -937,11 +937,6 @@ class LiveBatch:
     self._dispatch_held()
     return self._state
 
-  @state.setter
-  def state(self, value) -> None:
-    self._dispatch_held()
-    self._state = value
-
   def _dispatch_held(self) -> None:
     if self._held is not None:
       held, self._held = self._held, None
@@ -1022,6 +1017,7 @@ class LiveBatch:
     if n < self.rows:
       taken = set(busy)
       idx = list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)]
+      # `self.state`: a held admission goes out on its own first (no fused program here).
       self._state, packed = _live_run_rows(d.static, d.flat, self.state, self.knobs,
                                            stop, np.asarray(idx, np.int32),
                                            spec=d.spec, max_passes=limit, free_b=free_b,
@@ -1075,8 +1071,8 @@ class LiveBatch:
       padding = (np.zeros((a, w), np.int32), np.ones((a,), np.int32),
                  np.full((a,), self.rows, np.int32), np.zeros((a,), np.int32),
                  np.zeros((a, 2), np.uint32))
-      self.state = _engine_admit(d.static, d.flat, self.state, *padding, self.knobs,
-                                 spec=d.spec, place=d.place)
+      self._state = _engine_admit(d.static, d.flat, self.state, *padding, self.knobs,
+                                  spec=d.spec, place=d.place)
       if self.fuse_admission:
         self._held = padding
         self.run(1)
