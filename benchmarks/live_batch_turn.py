@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import serve_load  # noqa: E402
 from refusion_jax import sample  # noqa: E402
 from refusion_jax.config import MATMUL_PRECISIONS, DecodeConfig  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402
@@ -79,10 +80,7 @@ def parse_args(argv=None):
   for name in ("rows", "prompt_len", "gen_length", "slot_size", "trials"):
     if getattr(args, name) < 1:
       p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-  args.methods = [m for m in args.methods.split(",") if m]
-  unknown = sorted(set(args.methods) - {"refusion", "ar", "mdm"})
-  if unknown or not args.methods:
-    p.error(f"--methods: {unknown or 'none given'}; choose from refusion, ar, mdm")
+  args.methods = serve_load.parse_methods(p, args.methods)
   return args
 
 
