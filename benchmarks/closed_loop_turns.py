@@ -1,4 +1,5 @@
-"""The server's engine loop under closed-loop clients, running ahead of its reads or not.
+"""The server's engine loop under closed-loop clients: running ahead of its reads or
+not, and running ahead with its programs called from a thread of their own.
 
 While a row is free the server's engine (`refusion_jax.serve.scheduler`) hands
 control back after every pass. Run ahead (`--config.run_ahead=true`), it
@@ -7,16 +8,19 @@ out, so that the device works meanwhile; a freed row then sits out that pass.
 Not run ahead, it reads, hands the results over, admits what came in and only
 then dispatches, so that a client that comes straight back joins the next pass.
 Which pays depends on whether a dispatch returns before its passes have run
-(CPUs, TPUs) or only after (GPUs: the host reads each loop condition).
+(CPUs, TPUs) or only after (GPUs: the host reads each loop condition). With
+`--config.dispatch_thread` the programs are called from a thread of their own,
+so that running ahead overlaps the host's work with the passes there too.
 
 Per method this runs the offline engine and the in-process closed loop of
 `serve_load.py` (the server's `Scheduler` and clients that submit their next
-prompt from within the delivery of their last response; no HTTP) with
-run_ahead on and off, on the same prompts, alternated, and prints throughput,
-forward passes and admission calls. `--dispatch_waits` makes every run of the
-loop wait until its passes have run before it returns, as a GPU's dispatch
-does, to see on a CPU what the setting does there (the offline engine is left
-as it is: it reads right after each dispatch anyway). `--loop_stagger 0` starts
+prompt from within the delivery of their last response; no HTTP) run ahead,
+not run ahead, and run ahead on a dispatch thread, on the same prompts,
+alternated, and prints throughput, forward passes and admission calls.
+`--dispatch_waits` makes every call of a run program of the loop return only
+once its passes have run, as a GPU's does (on whichever thread makes it), to
+see on a CPU what the settings do there (the offline engine is left as it is:
+it reads right after each dispatch anyway). `--loop_stagger 0` starts
 the clients together, as the offline engine fills its rows: then only what
 lies between a response and the next request differs from the offline engine.
 
@@ -81,16 +85,34 @@ def parse_args(argv=None):
   return args
 
 
-def _waiting_runs(live_batch_cls):
-  """Makes `LiveBatch.run` wait for its passes; returns the undo."""
-  import jax  # pylint: disable=import-outside-toplevel
-  run = live_batch_cls.run
+RUN_PROGRAMS = ("_live_run", "_live_run_rows", "_live_admit_run")
 
-  def waiting(self, *a, **k):
-    run(self, *a, **k)
-    jax.block_until_ready(self.state)
-  live_batch_cls.run = waiting
-  return lambda: setattr(live_batch_cls, "run", run)
+
+class _Waiting:
+  """A program whose call returns only once its outputs are ready (a GPU's loop)."""
+
+  def __init__(self, fn):
+    self._fn = fn
+
+  def __call__(self, *a, **k):
+    import jax  # pylint: disable=import-outside-toplevel
+    return jax.block_until_ready(self._fn(*a, **k))
+
+  def __getattr__(self, name):  # `__wrapped__`, `_cache_size`: the program's own
+    return getattr(self._fn, name)
+
+
+def _waiting_runs(engine_module):
+  """Makes every call of `LiveBatch`'s run programs wait for its passes; returns the undo."""
+  real = {name: getattr(engine_module, name) for name in RUN_PROGRAMS}
+  for name, fn in real.items():
+    setattr(engine_module, name, _Waiting(fn))
+  return lambda: [setattr(engine_module, name, fn) for name, fn in real.items()]
+
+
+LOOPS = (("ahead", "run ahead", {"run_ahead": True, "dispatch_thread": False}),
+         ("not_ahead", "not run ahead", {"run_ahead": False, "dispatch_thread": False}),
+         ("thread", "run ahead, dispatch thread", {"run_ahead": True, "dispatch_thread": True}))
 
 
 class _EngineClock:
@@ -170,37 +192,36 @@ def measure(method: str, model_dir: str, args, clock: _EngineClock) -> dict:
   eng = serve_load.offline_engine(model, dc, prompts, args.rows, width,
                                   serve.parse_admit_widths(config.admit_widths, width))
   loops = {}
-  for ahead in (True, False):
-    config.run_ahead = ahead
-    loops[ahead] = serve.make_scheduler(config)
-    loops[ahead].start()
-  runs: dict = {"offline": [], True: [], False: []}
+  for name, _, settings in LOOPS:
+    config.update(settings)
+    loops[name] = serve.make_scheduler(config)
+    loops[name].start()
+  runs: dict = {"offline": [], **{name: [] for name, _, _ in LOOPS}}
   try:
     for _ in range(args.repeats):
       run = eng.run(prompts)
       want = [r.tokens for r in run.results]
       runs["offline"].append((sum(len(t) for t in want) / run.seconds, run.passes,
                               run.admissions))
-      for ahead, sched in loops.items():
+      for name, sched in loops.items():
         before = _admissions(sched)
         wall, tokens, passes = serve_load.closed_loop(sched, prompts, args.clients, sl,
                                                       on_start=clock.reset)
         if tokens != want:
-          raise AssertionError(f"{method}: the loop with run_ahead={ahead} decoded other tokens "
-                               "than the offline engine")
-        runs[ahead].append((sum(len(t) for t in tokens) / wall, passes,
+          raise AssertionError(f"{method}: the loop ({name}) decoded other tokens "
+                               " than the offline engine")
+        runs[name].append((sum(len(t) for t in tokens) / wall, passes,
                             _admissions(sched) - before, clock.per_run(wall)))
   finally:
     for sched in loops.values():
       sched.stop()
   out = {"method": method}
-  for key, name in (("offline", "offline"), (True, "ahead"), (False, "not_ahead")):
-    out[name] = {"tok_s": statistics.median(r[0] for r in runs[key]),
-                 "passes": statistics.median(r[1] for r in runs[key]),
-                 "admissions": statistics.median(r[2] for r in runs[key])}
-    if key != "offline":
-      out[name]["ms_per_run"] = {k: statistics.median(r[3][k] for r in runs[key])
-                                 for k in runs[key][0][3]}
+  for name, got in runs.items():
+    out[name] = {"tok_s": statistics.median(r[0] for r in got),
+                 "passes": statistics.median(r[1] for r in got),
+                 "admissions": statistics.median(r[2] for r in got)}
+    if name != "offline":
+      out[name]["ms_per_run"] = {k: statistics.median(r[3][k] for r in got) for k in got[0][3]}
   return out
 
 
@@ -220,24 +241,21 @@ def main(argv=None) -> list[dict]:
         + ("made to wait for its passes (as on a GPU)" if args.dispatch_waits
            else "as this device does it")
         + f"; medians of {args.repeats} alternated runs")
-  print("\n| method | offline tok/s | loop, run ahead: tok/s | / offline | not run ahead: tok/s "
-        "| / offline | passes: offline / ahead / not | admission calls: offline / ahead / not |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("\n| method | loop | tok/s | / offline | passes | admission calls |")
+  print("|---|---|---|---|---|---|")
   from refusion_jax.serve import scheduler  # pylint: disable=import-outside-toplevel
-  undo = _waiting_runs(engine.LiveBatch) if args.dispatch_waits else (lambda: None)
+  undo = _waiting_runs(engine) if args.dispatch_waits else (lambda: None)
   clock = _EngineClock(engine.LiveBatch, engine.PendingRead, scheduler.Scheduler)
   rows = []
   try:
     for method, model_dir in models:
       r = measure(method, model_dir, args, clock)
       rows.append(r)
-      off, on, no = r["offline"], r["ahead"], r["not_ahead"]
-      print(f"| {method} | {off['tok_s']:,.0f} | {on['tok_s']:,.0f} "
-            f"| {on['tok_s'] / off['tok_s']:.2f}x | {no['tok_s']:,.0f} "
-            f"| {no['tok_s'] / off['tok_s']:.2f}x "
-            f"| {off['passes']:.0f} / {on['passes']:.0f} / {no['passes']:.0f} "
-            f"| {off['admissions']:.0f} / {on['admissions']:.0f} / {no['admissions']:.0f} |",
-            flush=True)
+      off = r["offline"]
+      for name, label in [("offline", "offline engine")] + [(n, l) for n, l, _ in LOOPS]:
+        x = r[name]
+        print(f"| {method} | {label} | {x['tok_s']:,.0f} | {x['tok_s'] / off['tok_s']:.2f}x "
+              f"| {x['passes']:.0f} | {x['admissions']:.0f} |", flush=True)
   finally:
     clock.undo()
     undo()
@@ -248,7 +266,7 @@ def main(argv=None) -> list[dict]:
   print("\n| method | loop | run calls | run | reads | admissions | hold | the rest |")
   print("|---|---|---|---|---|---|---|---|")
   for r in rows:
-    for name, label in (("ahead", "run ahead"), ("not_ahead", "not run ahead")):
+    for name, label, _ in LOOPS:
       t = r[name]["ms_per_run"]
       print(f"| {r['method']} | {label} | {t['run_calls']:.0f} | {t['run']:.2f} | {t['read']:.2f} "
             f"| {t['admit']:.2f} | {t['hold']:.2f} | {t['rest']:.2f} |")

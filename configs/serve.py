@@ -40,11 +40,14 @@ def get_config():
   c.wait_for_returns = True  # after a response frees a row, the next pass waits for a new
   #   request, at most until the pass in flight has run (a returning client joins it)
   c.run_ahead = ml_collections.config_dict.placeholder(bool)  # while a row is free, dispatch the
-  #   next pass before handing out the last one's results (None: on CPUs and TPUs, not on GPUs)
+  #   next pass before handing out the last one's results (None: on CPUs and TPUs, not on GPUs
+  #   unless dispatch_thread)
   c.done_rows = 1  # a run returns once this many rows are done (or at its pass bound): more
   #   gathers finished rows into fewer turns (each a read, deliveries and an admission call)
   c.fuse_admission = False  # an admission goes out with the next run, in one program (one
   #   dispatch a turn instead of two, for one more program per admission program)
+  c.dispatch_thread = False  # call the decode programs from a thread of their own, so that the
+  #   engine reads and hands out results while a GPU's passes run (its call waits for them)
   c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)
   c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled
   c.log_level = "warning"  # uvicorn's log level

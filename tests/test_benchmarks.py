@@ -2,6 +2,7 @@
 
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -196,35 +197,49 @@ def test_live_batch_turn_reports_each_method(capsys):
   assert "| admission, then run: two programs | one program (fuse_admission) |" in out
 
 
-def test_closed_loop_turns_reports_both_turn_orders(capsys):
+def test_closed_loop_turns_reports_every_turn_order(capsys):
   from benchmarks import closed_loop_turns  # pylint: disable=import-outside-toplevel
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
   from refusion_jax.serve import scheduler  # pylint: disable=import-outside-toplevel
-  run = engine.LiveBatch.run
-  patched = (engine.LiveBatch.admit, engine.PendingRead.__call__,
+  programs = [getattr(engine, name) for name in closed_loop_turns.RUN_PROGRAMS]
+  patched = (engine.LiveBatch.run, engine.LiveBatch.admit, engine.PendingRead.__call__,
              scheduler.Scheduler._await_return)  # pylint: disable=protected-access
-  rows = closed_loop_turns.main(["--model_dir=refusion_jax/assets/base_tiny", "--methods=refusion",
-                                 "--clients=3", "--requests_per_client=2", "--rows=2",
-                                 "--gen_length=8", "--repeats=1", "--dispatch_waits",
-                                 "--matmul_precision=highest", "--loop_stagger=0",
-                                 "--server_flags=--config.done_rows=2"])
-  assert engine.LiveBatch.run is run  # the waiting dispatch and the clock were undone
-  assert (engine.LiveBatch.admit, engine.PendingRead.__call__,
+  waited = []
+  real_wait = closed_loop_turns._Waiting.__call__  # pylint: disable=protected-access
+  closed_loop_turns._Waiting.__call__ = (  # pylint: disable=protected-access
+      lambda self, *a, **k: waited.append(threading.current_thread().name)
+      or real_wait(self, *a, **k))
+  try:
+    rows = closed_loop_turns.main(["--model_dir=refusion_jax/assets/base_tiny",
+                                   "--methods=refusion", "--clients=3",
+                                   "--requests_per_client=2", "--rows=2", "--gen_length=8",
+                                   "--repeats=1", "--dispatch_waits",
+                                   "--matmul_precision=highest", "--loop_stagger=0",
+                                   "--server_flags=--config.done_rows=2"])
+  finally:
+    closed_loop_turns._Waiting.__call__ = real_wait  # pylint: disable=protected-access
+  # The waiting dispatch and the clock were undone.
+  assert [getattr(engine, name) for name in closed_loop_turns.RUN_PROGRAMS] == programs
+  assert (engine.LiveBatch.run, engine.LiveBatch.admit, engine.PendingRead.__call__,
           scheduler.Scheduler._await_return) == patched  # pylint: disable=protected-access
+  # Runs waited for their passes on the engine thread, and on the dispatch thread.
+  assert "refusion-engine" in waited
+  assert any(name.startswith("refusion-dispatch") for name in waited)
   (r,) = rows
   assert r["method"] == "refusion"
-  for side in ("offline", "ahead", "not_ahead"):
+  for side in ("offline", "ahead", "not_ahead", "thread"):
     assert r[side]["tok_s"] > 0 and r[side]["passes"] > 0 and r[side]["admissions"] > 0
   # Clients that come back at once never leave a row out of a pass when not run ahead.
   assert r["not_ahead"]["passes"] <= r["ahead"]["passes"]
-  for side in ("ahead", "not_ahead"):
+  for side in ("ahead", "not_ahead", "thread"):
     t = r[side]["ms_per_run"]
     assert t["run_calls"] >= 1 and t["run"] > 0 and t["read"] > 0 and t["admit"] > 0, t
     assert t["hold"] >= 0 and t["rest"] > -0.5, t
   assert r["not_ahead"]["ms_per_run"]["hold"] == 0  # only a run ahead holds for a client
   out = capsys.readouterr().out
   assert "| refusion | not run ahead |" in out and "| the rest |" in out
-  assert "| refusion |" in out and "made to wait for its passes" in out
+  assert "| refusion | run ahead, dispatch thread |" in out
+  assert "| refusion | offline engine |" in out and "made to wait for its passes" in out
   assert "matmul_precision highest" in out and "clients 0 turn(s) apart" in out
   assert "--config.done_rows=2" in out
 

@@ -997,6 +997,47 @@ def test_fused_admissions_change_no_token_and_no_pass(served_thread, monkeypatch
   served_thread["compiled"]["live_admit_run"] = engine.compiled_programs()["live_admit_run"]
 
 
+def test_dispatch_thread_changes_no_token_and_no_pass(served_thread, monkeypatch):
+  # --config.dispatch_thread: every lane's programs are called from a thread of their
+  # own. Closed-loop clients out of step, run ahead and not: every request's tokens and
+  # own passes as without it, the lane's passes too with run_ahead off, every run went
+  # out on the dispatch thread, and nothing compiled once the scheduler was made.
+  want = served_thread["completion"]["refusion"]
+  queues = [[(i, 3) for i in range(6)], [(6, GEN), (7, GEN)], [(8, 6), (9, GEN)]]
+  threads = []
+  for name in ("_live_run", "_live_run_rows"):
+    real = getattr(engine, name)
+
+    def recorded(*args, _real=real, **kwargs):
+      threads.append(threading.current_thread().name)
+      return _real(*args, **kwargs)
+    recorded._cache_size = real._cache_size  # pylint: disable=protected-access
+    monkeypatch.setattr(engine, name, recorded)
+  for run_ahead in (False, True):
+    plain = _closed_loop_passes(served_thread, run_ahead, queues)
+    assert threads and "refusion-engine" in set(threads)
+    threads.clear()
+    threaded = _closed_loop_passes(served_thread, run_ahead, queues, dispatch_thread=True)
+    assert threads and all(t.startswith("refusion-dispatch") for t in threads), set(threads)
+    threads.clear()
+    assert threaded[1] == plain[1], run_ahead
+    if not run_ahead:
+      assert threaded[0] == plain[0]
+  for q in queues:
+    for i, max_tokens in q:
+      assert threaded[1][i][0] == want[i]["tokens"][:max_tokens], i
+
+
+def test_engine_process_with_a_dispatch_thread_serves_the_same(oracle):
+  # --config.dispatch_thread through HTTP and the engine process, run ahead: the same
+  # answers, streamed and not, also under 16 concurrent streams.
+  info, stop = _serving(oracle, "process", run_ahead=True, dispatch_thread=True)
+  try:
+    _serves_the_same(info)
+  finally:
+    stop()
+
+
 @pytest.mark.parametrize("fuse_admission", [False, True])
 def test_engine_process_without_run_ahead_serves_the_same(oracle, fuse_admission):
   # --config.run_ahead=false (a GPU's default) through HTTP and the engine process,
@@ -1014,6 +1055,8 @@ def test_run_ahead_setting():
   assert serve.run_ahead_on(None, "cpu") and serve.run_ahead_on(None, "tpu")
   assert not serve.run_ahead_on(None, "gpu")
   assert serve.run_ahead_on(True, "gpu") and not serve.run_ahead_on(False, "cpu")
+  # A dispatch thread returns at once on a GPU too: unset, run ahead there.
+  assert serve.run_ahead_on(None, "gpu", True) and not serve.run_ahead_on(False, "gpu", True)
   with pytest.raises(ValueError, match="--config.run_ahead must be true, false or unset"):
     serve.run_ahead_on("yes", "cpu")
 

@@ -37,6 +37,7 @@ program per bucket).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -837,23 +838,46 @@ class Snapshot:
     return np.where(committed.all(-1), committed.shape[-1], np.argmin(committed, -1))
 
 
+class _Later:
+  """A device value that a `LiveBatch`'s dispatch thread has yet to return: output
+  `index` of the call behind `future` (`dispatch_thread`)."""
+
+  __slots__ = ("future", "index")
+
+  def __init__(self, future: concurrent.futures.Future, index: int | None = None):
+    self.future, self.index = future, index
+
+  def get(self):
+    """Waits for the call to return (not for the device to finish) and gives the value."""
+    out = self.future.result()
+    return out if self.index is None else out[self.index]
+
+
+def _now(x):
+  """`x`, or the value it stands for if it is a `_Later` (waiting for its call)."""
+  return x.get() if isinstance(x, _Later) else x
+
+
 class PendingRead:
   """A dispatched read of every row (`LiveBatch.read_later`): calling it waits and
   gives the `Snapshot`; `ready()` says, without waiting, whether the passes it
   follows have run and it can be taken at once."""
 
-  def __init__(self, packed: jax.Array, like, freed_b: np.ndarray | None = None):
+  def __init__(self, packed, like, freed_b: np.ndarray | None = None):
     self._packed, self._like, self._freed_b = packed, like, freed_b
 
   def ready(self) -> bool:
-    return self._packed.is_ready()
+    if isinstance(self._packed, _Later) and not self._packed.future.done():
+      return False
+    return _now(self._packed).is_ready()
 
   def wait(self) -> None:
     """Blocks until `ready()` (without reading)."""
-    self._packed.block_until_ready()
+    _now(self._packed).block_until_ready()
 
   def __call__(self) -> Snapshot:
-    tokens, commit, length, nfe, phase, passes = _unpack32(np.asarray(self._packed), self._like)
+    tokens, commit, length, nfe, phase, passes = _unpack32(np.asarray(_now(self._packed)),
+                                                           self._like)
     if self._freed_b is not None:  # freed since the last run: the next run frees them
       phase = np.where(self._freed_b, FREE, phase).astype(phase.dtype)
     return Snapshot(tokens_bg=tokens, commit_step_bg=commit, length_b=length,
@@ -881,11 +905,20 @@ class LiveBatch:
   costs one dispatch instead of two. Anything else that needs the rows (a read, a
   second admission, a run over fewer rows, `state`) dispatches it on its own first.
   Tokens and pass counts are unchanged.
+
+  With `dispatch_thread`, the batch's programs are called from a thread of its
+  own, in the order they were asked for, and `admit` and `run` return at once.
+  Where a call returns only once its passes have run (a GPU, whose host reads a
+  loop's condition; the call lets go of Python's lock meanwhile), the caller can
+  then read the last run and hand its results over while the next run's passes
+  are on the device, as a CPU's own asynchronous dispatch allows. Reads, `state`
+  and errors wait for the calls before them. Tokens and pass counts are unchanged.
   """
 
   def __init__(self, decoder: Decoder, rows: int, width: int, knobs: Knobs | None = None,
                *, admit_max: int | None = None, row_counts: Sequence[int] = (),
-               admit_widths: Sequence[int] = (), fuse_admission: bool = False):
+               admit_widths: Sequence[int] = (), fuse_admission: bool = False,
+               dispatch_thread: bool = False):
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
       raise ValueError(f"live batch rows must be a positive int, got {rows!r}")
     if not isinstance(width, int) or isinstance(width, bool) or width < 1:
@@ -930,19 +963,41 @@ class LiveBatch:
     self._after_run = None
     self._read_like = jax.eval_shape(functools.partial(_read_tree, spec=d.spec), state,
                                      self.knobs)
+    # `dispatch_thread`: one worker, so calls run in the order they were made. Its
+    # thread ends once the batch is dropped (the executor's own weak reference).
+    self.dispatch_thread = bool(dispatch_thread)
+    self._worker = (concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="refusion-dispatch") if self.dispatch_thread else None)
+
+  def _call(self, fn, *args, outs: int = 1, to_host: int | None = None, **kw):
+    """`fn(*args, **kw)` (`outs` outputs), on the dispatch thread if there is one: then
+    a `_Later` per output (one for a single output). A `_Later` among `args` is the
+    value it stands for (its call has returned by then: the calls run in order).
+    Output `to_host` (0 for a single output) starts its copy to the host at once."""
+    def call():
+      out = fn(*[_now(a) for a in args], **kw)
+      if to_host is not None:
+        (out if outs == 1 else out[to_host]).copy_to_host_async()
+      return out
+    if self._worker is None:
+      return call()
+    future = self._worker.submit(call)
+    return _Later(future) if outs == 1 else tuple(_Later(future, i) for i in range(outs))
 
   @property
   def state(self):
-    """The rows' decode state on the device (a held admission is dispatched first)."""
+    """The rows' decode state on the device (a held admission is dispatched first; with
+    `dispatch_thread`, waits for the calls before it to return)."""
     self._dispatch_held()
+    self._state = _now(self._state)
     return self._state
 
   def _dispatch_held(self) -> None:
     if self._held is not None:
       held, self._held = self._held, None
       d = self.decoder
-      self._state = _engine_admit(d.static, d.flat, self._state, *held, self.knobs,
-                                  spec=d.spec, place=d.place)
+      self._state = self._call(_engine_admit, d.static, d.flat, self._state, *held,
+                               self.knobs, spec=d.spec, place=d.place)
 
   def admit_sizes(self) -> list[int]:
     """The admission batch sizes compiled (powers of two up to `admit_max`)."""
@@ -988,8 +1043,8 @@ class LiveBatch:
     if self.fuse_admission:  # dispatched with the next run
       self._held = (ids_ap, lens_a, rows_a, pids_a, keys_a2)
     else:
-      self._state = _engine_admit(d.static, d.flat, self._state, ids_ap, lens_a, rows_a,
-                                  pids_a, keys_a2, self.knobs, spec=d.spec, place=d.place)
+      self._state = self._call(_engine_admit, d.static, d.flat, self._state, ids_ap, lens_a,
+                               rows_a, pids_a, keys_a2, self.knobs, spec=d.spec, place=d.place)
     self._free_b[list(rows)] = False  # rewritten: nothing left to free
     self._after_run = None
 
@@ -1017,21 +1072,21 @@ class LiveBatch:
     if n < self.rows:
       taken = set(busy)
       idx = list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)]
-      # `self.state`: a held admission goes out on its own first (no fused program here).
-      self._state, packed = _live_run_rows(d.static, d.flat, self.state, self.knobs,
-                                           stop, np.asarray(idx, np.int32),
-                                           spec=d.spec, max_passes=limit, free_b=free_b,
-                                           place=d.place)
+      # A held admission goes out on its own first (no fused program here).
+      self._dispatch_held()
+      self._state, packed = self._call(_live_run_rows, d.static, d.flat, self._state,
+                                       self.knobs, stop, np.asarray(idx, np.int32),
+                                       spec=d.spec, max_passes=limit, free_b=free_b,
+                                       place=d.place, outs=2, to_host=1)
     elif self._held is not None:
       held, self._held = self._held, None
-      self._state, packed = _live_admit_run(d.static, d.flat, self._state, *held, self.knobs,
-                                            stop, spec=d.spec, max_passes=limit,
-                                            free_b=free_b, place=d.place)
+      self._state, packed = self._call(_live_admit_run, d.static, d.flat, self._state, *held,
+                                       self.knobs, stop, spec=d.spec, max_passes=limit,
+                                       free_b=free_b, place=d.place, outs=2, to_host=1)
     else:
-      self._state, packed = _live_run(d.static, d.flat, self._state, self.knobs,
-                                      stop, spec=d.spec, max_passes=limit,
-                                      free_b=free_b, place=d.place)
-    packed.copy_to_host_async()
+      self._state, packed = self._call(_live_run, d.static, d.flat, self._state, self.knobs,
+                                       stop, spec=d.spec, max_passes=limit,
+                                       free_b=free_b, place=d.place, outs=2, to_host=1)
     self._after_run = packed  # what a read gives until an admission changes the rows
 
   def _row_count(self, busy: int) -> int:
@@ -1049,8 +1104,9 @@ class LiveBatch:
     run (or frees since) it is that run's own packed output, and no program runs."""
     packed = self._after_run
     if packed is None:  # an admission since the last run (or none yet): read the rows
-      packed = _live_read(self.state, self.knobs, spec=self.decoder.spec)
-      packed.copy_to_host_async()
+      self._dispatch_held()
+      packed = self._call(_live_read, self._state, self.knobs, spec=self.decoder.spec,
+                          to_host=0)
     return PendingRead(packed, self._read_like,
                        self._free_b.copy() if self._free_b.any() else None)
 

@@ -109,8 +109,9 @@ def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
   return _auto_or_ints(text, "row_counts", "row count", "counts", "4,8,12", "rows", rows, auto)
 
 
-def run_ahead_on(setting, platform: str) -> bool:
-  """`--config.run_ahead`: True, False, or None (unset: on unless `platform` is "gpu").
+def run_ahead_on(setting, platform: str, dispatch_thread: bool = False) -> bool:
+  """`--config.run_ahead`: True, False, or None (unset: on unless `platform` is "gpu"
+  and the programs are not called from a thread of their own, `dispatch_thread`).
 
   While a row is free the engine hands control back after every pass. Run ahead, it
   dispatches the next pass before reading the last one's rows and handing them out,
@@ -118,9 +119,10 @@ def run_ahead_on(setting, platform: str) -> bool:
   have run (CPUs; TPUs, whose loops run on the device). On a GPU the host reads a
   loop's condition, so a dispatch returns only once its passes have run: there
   running ahead overlaps nothing and only holds a client's response back a pass
-  (and its freed row idle for it)."""
+  (and its freed row idle for it), unless the dispatch is made from a thread of its
+  own (`--config.dispatch_thread`), which returns at once."""
   if setting is None:
-    return platform != "gpu"
+    return platform != "gpu" or bool(dispatch_thread)
   if not isinstance(setting, bool):
     raise ValueError(f"--config.run_ahead must be true, false or unset, got {setting!r}")
   return setting
@@ -187,8 +189,10 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
                                   admit_batch=c.admit_batch,
                                   admit_wait_passes=c.admit_wait_passes,
                                   wait_for_returns=c.wait_for_returns,
-                                  run_ahead=run_ahead_on(c.run_ahead, jax.default_backend()),
+                                  run_ahead=run_ahead_on(c.run_ahead, jax.default_backend(),
+                                                         c.dispatch_thread),
                                   done_rows=c.done_rows, fuse_admission=c.fuse_admission,
+                                  dispatch_thread=c.dispatch_thread,
                                   row_counts=parse_row_counts(c.row_counts, c.rows,
                                                               jax.default_backend()),
                                   admit_widths=parse_admit_widths(c.admit_widths,
@@ -205,6 +209,7 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
        + (f" (prefilled also at {', '.join(map(str, scheduler.admit_widths))})"
           if scheduler.admit_widths else "")
        + (", admissions dispatched with the next run" if c.fuse_admission else "")
+       + (", programs called from a thread of their own" if c.dispatch_thread else "")
        + ", in "
        f"{time.perf_counter() - t:.1f}s")
   return scheduler

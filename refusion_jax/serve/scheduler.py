@@ -47,13 +47,14 @@ dispatch returns before its pass has run (a CPU) the device stays busy
 meanwhile; where it returns after (a GPU, whose loop condition the host reads)
 the pass has run by then and nothing waits.
 
-With `run_ahead` off (the default on a GPU), no pass is dispatched ahead of a read:
-each turn reads the rows, hands the results over, admits what came in and only then
-dispatches. On a GPU the host reads a loop's condition, so a dispatch returns only
-once its passes have run: running ahead overlaps nothing there, and it holds every
-response back a pass and the freed row idle for it. Off, a client that sends its
-next request at once joins the very next pass (on a CPU too, where the device then
-waits while the host hands results over); `wait_for_returns` plays no part.
+With `run_ahead` off (the default on a GPU without `dispatch_thread`), no pass is
+dispatched ahead of a read: each turn reads the rows, hands the results over, admits
+what came in and only then dispatches. On a GPU the host reads a loop's condition,
+so a dispatch returns only once its passes have run: running ahead from this thread
+overlaps nothing there, and it holds every response back a pass and the freed row
+idle for it. Off, a client that sends its next request at once joins the very next
+pass (on a CPU too, where the device then waits while the host hands results over);
+`wait_for_returns` plays no part.
 
 With `done_rows` > 1, a run returns once that many rows are done (or at its pass
 bound, or when no row is active) rather than at the first: a finished row then waits
@@ -67,6 +68,12 @@ With `fuse_admission`, a turn's admission goes out with its next run, in one
 program: a turn that admits costs one dispatch instead of two, which matters
 where a dispatch overlaps no pass (a GPU). Off by default; tokens and passes are
 unchanged.
+
+With `dispatch_thread`, each lane's programs are called from a thread of its own
+(`LiveBatch`), so a run's dispatch returns at once even where the call waits for
+its passes (a GPU): run ahead, the engine thread then reads the last run and hands
+its results over while the next one's passes are on the device, as on a CPU.
+Off by default; tokens and passes are unchanged.
 
 With `admit_widths`, an admission prefills at the narrowest of those widths
 (or the full prompt width) that holds its prompts: a short prompt does not pay
@@ -213,7 +220,8 @@ class Scheduler:
                metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
                admit_batch: int = 1, admit_wait_passes: int = 0, admit_widths=(),
                wait_for_returns: bool = True, run_ahead: bool = True, done_rows: int = 1,
-               fuse_admission: bool = False, after_turn: Callable[[], None] | None = None):
+               fuse_admission: bool = False, dispatch_thread: bool = False,
+               after_turn: Callable[[], None] | None = None):
     self.model = model
     self.decoders = {}
     for dc in decode_configs:
@@ -239,6 +247,8 @@ class Scheduler:
     self.done_rows = done_rows
     # Admissions go out with the next run, in one program (`LiveBatch.fuse_admission`).
     self.fuse_admission = fuse_admission
+    # Every lane's programs are called from a thread of its own (`LiveBatch.dispatch_thread`).
+    self.dispatch_thread = dispatch_thread
     self.metrics = metrics
     # Called on the engine thread after each lane's deliveries and before it waits
     # (the engine process sends what the turn delivered from there).
@@ -278,7 +288,8 @@ class Scheduler:
     return engine_lib.LiveBatch(self.decoders[bucket], self.rows, self.width,
                                 self._knobs_for(bucket, knobs), admit_max=self.admit_max,
                                 row_counts=self.row_counts, admit_widths=self.admit_widths,
-                                fuse_admission=self.fuse_admission)
+                                fuse_admission=self.fuse_admission,
+                                dispatch_thread=self.dispatch_thread)
 
   def default_knobs(self, bucket: Bucket) -> tuple[float, float, float, bool]:
     dc = self.decoders[bucket].config
