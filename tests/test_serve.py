@@ -684,6 +684,58 @@ def _submit_text(sched, served_thread, i, deliver):
                    max_tokens=GEN, watch=False, slots=False, deliver=deliver))
 
 
+@pytest.mark.parametrize("dispatch_thread", [False, True])
+def test_a_decoder_failure_fails_the_requests_in_flight_and_the_engine_serves_on(
+    served_thread, monkeypatch, dispatch_thread):
+  # A run that raises (on the engine thread, or on the dispatch thread, where the error
+  # reaches the engine thread at its next read): the requests in flight get the error,
+  # the scheduler keeps it (what /health answers with, 503), and later requests are
+  # decoded on fresh rows, as `refusion_jax.sample` decodes them.
+  want = served_thread["completion"]["refusion"]
+  c = _scheduler_config(served_thread)
+  c.dispatch_thread = dispatch_thread
+  sched = serve.make_scheduler(c)  # the served_thread's programs: nothing new compiles
+  failures = []
+  for name in ("_live_run", "_live_run_rows"):  # the first run fails, whatever its rows
+    real = getattr(engine, name)
+
+    def failing(*args, _real=real, **kwargs):
+      if not failures:
+        failures.append(threading.current_thread().name)
+        raise RuntimeError("the device went away")
+      return _real(*args, **kwargs)
+    failing._cache_size = real._cache_size  # pylint: disable=protected-access
+    monkeypatch.setattr(engine, name, failing)
+  results, done = {}, threading.Event()
+
+  def deliver_to(i, n):
+    def deliver(kind, payload):
+      if kind in ("done", "error"):
+        results[i] = payload.tokens if kind == "done" else ("error", payload)
+        if len(results) == n:
+          done.set()
+    return deliver
+  try:
+    sched.start()
+    for i in range(2):
+      _submit_text(sched, served_thread, i, deliver_to(i, 2))
+    assert done.wait(60), results
+    assert failures and failures[0].startswith(
+        "refusion-dispatch" if dispatch_thread else "refusion-engine"), failures
+    for i in range(2):
+      assert results[i] == ("error", "the decoder failed: RuntimeError: the device went away"), i
+    assert sched.error == "RuntimeError: the device went away"
+    results.clear()
+    done.clear()
+    for i in range(2, 5):
+      _submit_text(sched, served_thread, i, deliver_to(i, 3))
+    assert done.wait(60), results
+  finally:
+    sched.stop()
+  for i in range(2, 5):
+    assert results[i] == want[i]["tokens"], i
+
+
 def test_gathered_admissions_wait_for_company_and_change_no_token(served_thread):
   # --config.admit_batch=3: while a row decodes, a new prompt waits for two more (or for
   # admit_wait_passes of the lane's passes) and they are admitted in one call. Held, so no
