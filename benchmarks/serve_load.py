@@ -37,6 +37,13 @@ the cores with, which the offline run does not pay.
   python benchmarks/serve_load.py                       # the main job's models when present
   python benchmarks/serve_load.py --model_dir DIR --methods refusion,ar
   python benchmarks/serve_load.py --ignore_eos --gen_length 64 --block_size 32
+  python benchmarks/serve_load.py --clients 16 --compare_flags=--config.run_ahead=false
+
+With `--compare_flags`, a second server per method takes those flags after
+`--server_flags`, and its load runs next to the first server's in every repeat
+(after it, then before it, in turn): a second table gives both servers side by
+side (the ratio is the median of those pairs), so a setting is measured against
+the defaults in one run on the same machine load.
 
 With the main job's models a response is about 9 tokens (5.1 ReFusion passes),
 so the closed loop's idle pass per request weighs heavily; `--ignore_eos`
@@ -115,6 +122,10 @@ def parse_args(argv=None):
   p.add_argument("--row_counts", default="auto", help="the server's --config.row_counts")
   p.add_argument("--server_flags", default="",
                  help="more server flags, space-separated (e.g. --config.chunk_passes=2)")
+  p.add_argument("--compare_flags", default="",
+                 help="a second server with these flags after --server_flags (space-separated "
+                      "--config.FIELD=VALUE), its load alternated with the first's: printed "
+                      "side by side")
   p.add_argument("--no_stream", action="store_true", help="clients ask for whole responses")
   p.add_argument("--process_loop", action="store_true",
                  help="also run the server's engine process without HTTP (closed-loop clients "
@@ -144,6 +155,9 @@ def parse_args(argv=None):
   if args.loop_stagger < 0:
     p.error(f"--loop_stagger must be >= 0 (engine turns), got {args.loop_stagger}")
   args.methods = parse_methods(p, args.methods)
+  bad = [f for f in args.compare_flags.split() if not re.fullmatch(r"--config\.[\w.]+=.*", f)]
+  if bad:
+    p.error(f"--compare_flags: {bad[0]!r} is not --config.FIELD=VALUE")
   args.cache_dir = None  # the folder --compile_cache names, once `main` has made it
   return args
 
@@ -238,6 +252,29 @@ def summary(rows_out: list[dict]) -> list[str]:
       + each(lambda r: "–" if r.get("process_loop_ratio") is None
              else f"{r['process_loop_ratio']:.2f}x")]
        if any(r.get("process_loop_ratio") is not None for r in at16) else [])
+
+
+def compare_lines(rows_out: list[dict], flags: str) -> list[str]:
+  """The side-by-side table of `--compare_flags` (rows with a "compare" entry)."""
+  rows = [r for r in rows_out if r.get("compare")]
+  if not rows:
+    return []
+  out = ["", f"The server beside one with {flags} (its load next to the first's in every "
+         "repeat, after it and before it in turn; ratios are medians of those pairs):", "",
+         "| method | clients | server tok/s | compared tok/s | compared / server | "
+         "server / offline | compared / offline | passes / offline: server, compared | "
+         "CPU cores, compared: client / HTTP / engine | same tokens, compared |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    c = r["compare"]
+    bad, at = c["mismatch"]
+    same = "yes" if not bad else f"NO: {bad} of {r['requests']} (from token {at})"
+    out.append(f"| {r['method']} | {r['clients']} | {r['tok_s']:,.0f} | {c['tok_s']:,.0f} | "
+               f"{c['server_ratio']:.2f}x | {r['ratio']:.2f}x | {c['ratio']:.2f}x | "
+               f"{r['pass_ratio']:.2f}, {c['pass_ratio']:.2f} | "
+               + " / ".join("–" if x != x else f"{x:.2f}" for x in c["cores"])
+               + f" | {same} |")
+  return out
 
 
 def load_prompts(path: str, n: int, tokenizer) -> list[list[int]]:
@@ -532,16 +569,19 @@ def server_passes(url) -> float:
   return float(re.search(r"^refusion_forward_passes_total (\S+)$", text, re.M).group(1))
 
 
-def server_command(model_dir, method, args, width) -> list[str]:
+def server_command(model_dir, method, args, width, more_flags: str = "") -> list[str]:
+  """The server's command line: `server_fields`, `--server_flags`, then `more_flags`
+  (the compared server's `--compare_flags`; the last of a field wins)."""
   return ([sys.executable, "-m", "refusion_jax.serve", "--config=configs/serve.py",
            "--config.port=0", "--config.model_name=m"]
           + [f"--config.{name}={value}"
              for name, value in server_fields(model_dir, method, args, width).items()]
-          + args.server_flags.split())
+          + args.server_flags.split() + more_flags.split())
 
 
-def start_server(model_dir, method, args, width) -> tuple[subprocess.Popen, str]:
-  cmd = server_command(model_dir, method, args, width)
+def start_server(model_dir, method, args, width,
+                 more_flags: str = "") -> tuple[subprocess.Popen, str]:
+  cmd = server_command(model_dir, method, args, width, more_flags)
   proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
   while True:
     line = proc.stderr.readline()
@@ -682,6 +722,13 @@ def compile_cache(setting: str):
       shutil.rmtree(made, ignore_errors=True)
 
 
+def _compared_load(other, prompts, clients: int, args, off_passes, off_tokens) -> tuple:
+  """The compared server's load: (tok/s, passes / offline, CPU cores, mismatch)."""
+  wall, res, passes, cores = asyncio.run(load(other[0], prompts, clients, args, other[1]))
+  return (sum(len(t) for _, _, t in res) / wall, passes / off_passes, cores,
+          mismatch([t for _, _, t in res], off_tokens))
+
+
 def main(argv=None) -> list[dict]:
   args = parse_args(argv)
   with compile_cache(args.compile_cache) as folder:
@@ -711,7 +758,8 @@ def _main(args) -> list[dict]:
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
         f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), "
         f"run_ahead {'on' if ahead else 'off'}, row_counts "
-        f"{args.row_counts!r}{', ' + args.server_flags if args.server_flags else ''}, {args.repeats} "
+        f"{args.row_counts!r}{', ' + args.server_flags if args.server_flags else ''}"
+        f"{'; compared with ' + args.compare_flags if args.compare_flags else ''}, {args.repeats} "
         "alternated repeats per level; "
         + ("compilation cache shared with the server" if args.cache_dir else
            "no compilation cache"))
@@ -736,27 +784,40 @@ def _main(args) -> list[dict]:
     loop_sched = serve.make_scheduler(config)
     loop_sched.start()
     ploop = ProcessLoop(config) if args.process_loop else None
-    proc, url = start_server(model_dir, method, args, width)
-    pids = server_pids(proc)
+    procs = []  # every server started, stopped at the end
     try:
+      proc, url = start_server(model_dir, method, args, width)
+      procs.append(proc)
+      pids = server_pids(proc)
+      other = None  # the compared server (--compare_flags): (url, pids)
+      if args.compare_flags:
+        other_proc, other_url = start_server(model_dir, method, args, width, args.compare_flags)
+        procs.append(other_proc)
+        other = (other_url, server_pids(other_proc))
       for clients in args.clients:
         prompts = all_prompts[:args.prompts or args.requests_per_client * clients]
         # Server and offline runs alternate, so that both see the same machine load.
         pairs, small, res, off_tokens = [], None, None, None
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
           off_tps, off_tokens, off_passes, per_request = offline(engines[args.rows], prompts)
           loop_wall, loop_tokens, loop_passes = closed_loop(loop_sched, prompts, clients, args)
+          compared = None
+          if other is not None and repeat % 2:  # the two servers' order alternates
+            compared = _compared_load(other, prompts, clients, args, off_passes, off_tokens)
           wall, res, passes, cores = asyncio.run(load(url, prompts, clients, args, pids))
           proc_tps, proc_miss = None, (0, None)
           if ploop is not None:
             p_wall, p_tokens, _ = ploop.run(prompts, clients, args)
             proc_tps = sum(len(t) for t in p_tokens) / p_wall
             proc_miss = mismatch(p_tokens, off_tokens)
+          if other is not None and not repeat % 2:
+            compared = _compared_load(other, prompts, clients, args, off_passes, off_tokens)
           tps = sum(len(t) for _, _, t in res) / wall
           loop_tps = sum(len(t) for t in loop_tokens) / loop_wall
           pairs.append((tps, off_tps, passes / off_passes, cores, loop_tps,
                         loop_passes / off_passes, mismatch(loop_tokens, off_tokens),
-                        mismatch([t for _, _, t in res], off_tokens), proc_tps, proc_miss))
+                        mismatch([t for _, _, t in res], off_tokens), proc_tps, proc_miss,
+                        compared))
           if clients < args.rows:
             small = offline(engines[clients], prompts)[0]
         srv = statistics.median(p[0] for p in pairs)
@@ -784,7 +845,16 @@ def _main(args) -> list[dict]:
                # (server, loop, engine process): each side's repeat with the most
                # responses that differ
                "mismatch": tuple(max((p[k] for p in pairs), key=lambda m: m[0])
-                                 for k in (7, 6, 9))}
+                                 for k in (7, 6, 9)),
+               # The compared server (--compare_flags), its ratios over pairs of the repeats.
+               "compare": None if other is None else {
+                   "tok_s": statistics.median(p[10][0] for p in pairs),
+                   "ratio": statistics.median(p[10][0] / p[1] for p in pairs),
+                   "server_ratio": statistics.median(p[10][0] / p[0] for p in pairs),
+                   "pass_ratio": statistics.median(p[10][1] for p in pairs),
+                   "cores": tuple(statistics.median(p[10][2][k] for p in pairs)
+                                  for k in range(3)),
+                   "mismatch": max((p[10][3] for p in pairs), key=lambda m: m[0])}}
         rows_out.append(row)
         print(f"  {method} clients {clients}: {row['tok_s']:,.0f} tok/s "
               f"({row['ratio']:.2f}x offline)", file=sys.stderr, flush=True)
@@ -792,11 +862,13 @@ def _main(args) -> list[dict]:
       loop_sched.stop()
       if ploop is not None:
         ploop.close()
-      proc.send_signal(signal.SIGTERM)
-      try:
-        proc.wait(timeout=60)
-      except subprocess.TimeoutExpired:
-        proc.kill()
+      for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+      for proc in procs:
+        try:
+          proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+          proc.kill()
   print(f"\n| model | method | clients | requests | server tok/s | offline tok/s, {args.rows} rows | "
         "server / offline | passes / offline | in-process loop tok/s | loop / offline | "
         "server / loop | loop passes / offline | passes / request | offline, clients rows | "
@@ -813,7 +885,7 @@ def _main(args) -> list[dict]:
           + " / ".join("–" if c != c else f"{c:.2f}" for c in r["cores"])
           + (" | –" if r["process_loop_ratio"] is None else f" | {r['process_loop_ratio']:.2f}x")
           + f" | {_mismatch_text(*r['mismatch'], r['requests'])} |")
-  for line in summary(rows_out):
+  for line in summary(rows_out) + compare_lines(rows_out, args.compare_flags):
     print(line)
   return rows_out
 

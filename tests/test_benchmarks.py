@@ -91,6 +91,8 @@ def test_decode_speed_memory_only_compiles_from_shapes(capsys):
     ("serve_load", "--prompts=-1", "--prompts >= 0"),
     ("serve_load", "--loop_stagger=-1", "--loop_stagger must be >= 0"),
     ("serve_load", "--methods=beam", "choose from refusion, ar, mdm"),
+    ("serve_load", "--compare_flags=--rows=3", "--compare_flags: '--rows=3' is not "
+                                               "--config.FIELD=VALUE"),
     ("live_batch_turn", "--rows=0", "--rows must be >= 1"),
     ("closed_loop_turns", "--clients=0", "--clients must be >= 1"),
     ("closed_loop_turns", "--loop_stagger=-1", "--loop_stagger must be >= 0"),
@@ -242,6 +244,27 @@ def test_closed_loop_turns_reports_every_turn_order(capsys):
   assert "| refusion | offline engine |" in out and "made to wait for its passes" in out
   assert "matmul_precision highest" in out and "clients 0 turn(s) apart" in out
   assert "--config.done_rows=2" in out
+
+
+def test_serve_load_compared_server_takes_its_flags_last_and_prints_beside():
+  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
+  args = serve_load.parse_args(["--server_flags=--config.chunk_passes=2",
+                                "--compare_flags=--config.run_ahead=false "
+                                "--config.chunk_passes=3"])
+  cmd = serve_load.server_command("m", "refusion", args, 32, args.compare_flags)
+  assert cmd[-3:] == ["--config.chunk_passes=2", "--config.run_ahead=false",
+                      "--config.chunk_passes=3"]  # the compared server's flags win
+  assert serve_load.server_command("m", "refusion", args, 32)[-1] == "--config.chunk_passes=2"
+  row = {"method": "ar", "clients": 16, "requests": 256, "tok_s": 3000.0, "ratio": 0.8,
+         "pass_ratio": 1.22,
+         "compare": {"tok_s": 3300.0, "ratio": 0.88, "server_ratio": 1.1, "pass_ratio": 1.13,
+                     "cores": (0.1, 0.25, float("nan")), "mismatch": (2, 5)}}
+  lines = serve_load.compare_lines([row, dict(row, compare=None)], args.compare_flags)
+  assert "with --config.run_ahead=false --config.chunk_passes=3" in lines[1]
+  assert lines[-1] == ("| ar | 16 | 3,000 | 3,300 | 1.10x | 0.80x | 0.88x | 1.22, 1.13 | "
+                       "0.10 / 0.25 / – | NO: 2 of 256 (from token 5) |")
+  assert len(lines) == 6  # the row without a compared server prints nothing
+  assert serve_load.compare_lines([dict(row, compare=None)], "") == []
 
 
 def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
