@@ -676,6 +676,20 @@ def _scheduler_config(served_thread):
   return c
 
 
+def _before_programs(monkeypatch, names, before):
+  """Patches the engine programs `names` so that `before(name)` runs ahead of each call
+  (on the thread that makes it; it may raise); they keep their compile counts
+  (`engine.compiled_programs`)."""
+  for name in names:
+    real = getattr(engine, name)
+
+    def wrapped(*args, _real=real, _name=name, **kwargs):
+      before(_name)
+      return _real(*args, **kwargs)
+    wrapped._cache_size = real._cache_size  # pylint: disable=protected-access
+    monkeypatch.setattr(engine, name, wrapped)
+
+
 def _submit_text(sched, served_thread, i, deliver):
   """Submits completion prompt i (greedy, the bucket's default knobs) to `sched`."""
   bucket = sched.buckets[0]
@@ -696,16 +710,13 @@ def test_a_decoder_failure_fails_the_requests_in_flight_and_the_engine_serves_on
   c.dispatch_thread = dispatch_thread
   sched = serve.make_scheduler(c)  # the served_thread's programs: nothing new compiles
   failures = []
-  for name in ("_live_run", "_live_run_rows"):  # the first run fails, whatever its rows
-    real = getattr(engine, name)
 
-    def failing(*args, _real=real, **kwargs):
-      if not failures:
-        failures.append(threading.current_thread().name)
-        raise RuntimeError("the device went away")
-      return _real(*args, **kwargs)
-    failing._cache_size = real._cache_size  # pylint: disable=protected-access
-    monkeypatch.setattr(engine, name, failing)
+  def fail_first(_):
+    if not failures:
+      failures.append(threading.current_thread().name)
+      raise RuntimeError("the device went away")
+  # The first run fails, whatever its rows.
+  _before_programs(monkeypatch, ("_live_run", "_live_run_rows"), fail_first)
   results, done = {}, threading.Event()
 
   def deliver_to(i, n):
@@ -1017,33 +1028,40 @@ def test_done_rows_gathers_finished_rows_into_one_return(served_thread, monkeypa
       assert results[1][i][0] == want[i]["tokens"][:max_tokens], i
 
 
+def _closed_loops_agree(served_thread, check, **fields) -> None:
+  """Closed-loop clients out of step (`_closed_loop_passes`) on a scheduler with config
+  `fields` and on one without, run ahead and not: every request's tokens and own passes
+  the same, the lane's passes too when not run ahead, and each prompt's tokens
+  `refusion_jax.sample`'s. `check(with_fields)` runs after each of the two."""
+  want = served_thread["completion"]["refusion"]
+  queues = [[(i, 3) for i in range(6)], [(6, GEN), (7, GEN)], [(8, 6), (9, GEN)]]
+  for run_ahead in (False, True):
+    plain = _closed_loop_passes(served_thread, run_ahead, queues)
+    check(False)
+    other = _closed_loop_passes(served_thread, run_ahead, queues, **fields)
+    check(True)
+    assert other[1] == plain[1], run_ahead
+    if not run_ahead:
+      assert other[0] == plain[0]
+  for q in queues:
+    for i, max_tokens in q:
+      assert other[1][i][0] == want[i]["tokens"][:max_tokens], i
+
+
 def test_fused_admissions_change_no_token_and_no_pass(served_thread, monkeypatch):
   # --config.fuse_admission: a turn's admission goes out with its next run, in one
   # program. Closed-loop clients out of step, with run_ahead off (a GPU's default) and
   # on: every request's tokens and own passes as with admissions apart, the lane's
   # passes too with run_ahead off, the one program really ran, and nothing compiled
   # once the scheduler was made.
-  want = served_thread["completion"]["refusion"]
-  queues = [[(i, 3) for i in range(6)], [(6, GEN), (7, GEN)], [(8, 6), (9, GEN)]]
-  real, calls = engine._live_admit_run, []  # pylint: disable=protected-access
+  calls = []
+  _before_programs(monkeypatch, ("_live_admit_run",), calls.append)
 
-  def counted(*args, **kwargs):
-    calls.append(1)
-    return real(*args, **kwargs)
-
-  counted._cache_size = real._cache_size  # pylint: disable=protected-access
-  monkeypatch.setattr(engine, "_live_admit_run", counted)
-  for run_ahead in (False, True):
-    apart = _closed_loop_passes(served_thread, run_ahead, queues)
+  def check(fused: bool) -> None:
+    if fused:
+      assert calls
     calls.clear()
-    fused = _closed_loop_passes(served_thread, run_ahead, queues, fuse_admission=True)
-    assert calls, run_ahead
-    assert fused[1] == apart[1], run_ahead
-    if not run_ahead:
-      assert fused[0] == apart[0]
-  for q in queues:
-    for i, max_tokens in q:
-      assert fused[1][i][0] == want[i]["tokens"][:max_tokens], i
+  _closed_loops_agree(served_thread, check, fuse_admission=True)
   # These schedulers compiled their one-program turns at start-up (nothing while
   # serving: checked above); the module's last check counts the rest from here.
   served_thread["compiled"]["live_admit_run"] = engine.compiled_programs()["live_admit_run"]
@@ -1054,30 +1072,17 @@ def test_dispatch_thread_changes_no_token_and_no_pass(served_thread, monkeypatch
   # own. Closed-loop clients out of step, run ahead and not: every request's tokens and
   # own passes as without it, the lane's passes too with run_ahead off, every run went
   # out on the dispatch thread, and nothing compiled once the scheduler was made.
-  want = served_thread["completion"]["refusion"]
-  queues = [[(i, 3) for i in range(6)], [(6, GEN), (7, GEN)], [(8, 6), (9, GEN)]]
   threads = []
-  for name in ("_live_run", "_live_run_rows"):
-    real = getattr(engine, name)
+  _before_programs(monkeypatch, ("_live_run", "_live_run_rows"),
+                   lambda _: threads.append(threading.current_thread().name))
 
-    def recorded(*args, _real=real, **kwargs):
-      threads.append(threading.current_thread().name)
-      return _real(*args, **kwargs)
-    recorded._cache_size = real._cache_size  # pylint: disable=protected-access
-    monkeypatch.setattr(engine, name, recorded)
-  for run_ahead in (False, True):
-    plain = _closed_loop_passes(served_thread, run_ahead, queues)
-    assert threads and "refusion-engine" in set(threads)
+  def check(threaded: bool) -> None:
+    if threaded:
+      assert threads and all(t.startswith("refusion-dispatch") for t in threads), set(threads)
+    else:
+      assert threads and "refusion-engine" in set(threads)
     threads.clear()
-    threaded = _closed_loop_passes(served_thread, run_ahead, queues, dispatch_thread=True)
-    assert threads and all(t.startswith("refusion-dispatch") for t in threads), set(threads)
-    threads.clear()
-    assert threaded[1] == plain[1], run_ahead
-    if not run_ahead:
-      assert threaded[0] == plain[0]
-  for q in queues:
-    for i, max_tokens in q:
-      assert threaded[1][i][0] == want[i]["tokens"][:max_tokens], i
+  _closed_loops_agree(served_thread, check, dispatch_thread=True)
 
 
 def test_engine_process_with_a_dispatch_thread_serves_the_same(oracle):
