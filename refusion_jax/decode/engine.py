@@ -1122,14 +1122,14 @@ class LiveBatch:
 
   def warm_up(self) -> None:
     """Compiles every program this batch calls (padding rows only: nothing runs)."""
-    d = self.decoder
+    self._dispatch_held()  # an admission held from before goes out first
     for a, w in self.admit_programs():
       padding = (np.zeros((a, w), np.int32), np.ones((a,), np.int32),
                  np.full((a,), self.rows, np.int32), np.zeros((a,), np.int32),
                  np.zeros((a, 2), np.uint32))
-      self._state = _engine_admit(d.static, d.flat, self.state, *padding, self.knobs,
-                                  spec=d.spec, place=d.place)
-      if self.fuse_admission:
+      self._held = padding
+      self._dispatch_held()  # the admission program on its own
+      if self.fuse_admission:  # and with the run after it, in one program
         self._held = padding
         self.run(1)
     self.run(1)
