@@ -590,6 +590,37 @@ def test_bad_input_gets_its_4xx_and_the_server_keeps_serving(served):
       served["completion"]["refusion"][1]["tokens"])
 
 
+def test_a_body_over_max_request_bytes_gets_413_and_the_server_keeps_serving(served):
+  server, limit = served["server"], 1000
+  body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4})
+  at_limit = body[:-1] + " " * (limit - len(body)) + "}"
+  over = at_limit[:-1] + " }"
+  saved, server.max_request_bytes = server.max_request_bytes, limit
+  try:
+    url = served["url"] + "/v1/completions"
+    headers = {"Content-Type": "application/json"}
+    r = httpx.post(url, content=over.encode(), headers=headers, timeout=30)  # Content-Length
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and err["type"] == "invalid_request_error"
+    assert f"{limit + 1} bytes" in err["message"], err
+    assert "--config.max_request_bytes" in err["message"]
+    def chunked():  # no Content-Length: refused once what came in passes the limit
+      for i in range(0, len(over), 300):
+        yield over[i:i + 300].encode()
+    r = httpx.post(url, content=chunked(), headers=headers, timeout=30)
+    assert r.status_code == 413, r.text
+    assert f"more than {limit} bytes" in r.json()["error"]["message"]
+    r = httpx.post(url, content=at_limit.encode(), headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+  finally:
+    server.max_request_bytes = saved
+  assert httpx.get(served["url"] + "/health").json()["status"] == "ok"
+  assert _complete(_client(served), 1, "refusion", False)[1] == (
+      served["completion"]["refusion"][1]["tokens"])
+
+
 def test_models_health_metrics(served):
   models = _client(served).models.list().data
   assert [m.id for m in models] == ["tiny"]
@@ -1135,6 +1166,7 @@ def test_run_ahead_setting():
     ("engine_cpus", "100000", "--config.engine_cpus names CPU(s) [100000] this process may "
                               "not run on"),
     ("request_timeout_s", 0.0, "--config.request_timeout_s must be a positive number"),
+    ("max_request_bytes", 0, "--config.max_request_bytes must be a positive int"),
     ("compile_cache_dir", __file__, "is a file, not a folder"),
     ("compile_cache_dir", os.path.join(__file__, "cache"),
      f"cannot be made: {__file__!r} is not a folder this process may write to"),

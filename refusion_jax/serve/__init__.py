@@ -38,7 +38,7 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
   if c.tokenizer_dir and not os.path.isdir(c.tokenizer_dir):
     raise FileNotFoundError(f"--config.tokenizer_dir={c.tokenizer_dir!r} does not exist")
   for name in ("rows", "max_prompt_len", "max_queue", "max_lanes", "chunk_passes",
-               "free_chunk_passes"):
+               "free_chunk_passes", "max_request_bytes"):
     if not isinstance(c[name], int) or isinstance(c[name], bool) or c[name] <= 0:
       raise ValueError(f"--config.{name} must be a positive int, got {c[name]!r}")
   if not isinstance(c.admit_max, int) or c.admit_max < 0:
@@ -307,5 +307,5 @@ def build(c: ml_collections.ConfigDict):
     scheduler = make_scheduler(c, metrics=metrics)
   name = c.model_name or os.path.basename(os.path.normpath(c.model_dir))
   server = app_lib.Server(scheduler, tokenizer, name, request_timeout_s=c.request_timeout_s,
-                          metrics=metrics)
+                          metrics=metrics, max_request_bytes=c.max_request_bytes)
   return app_lib.make_app(server), server

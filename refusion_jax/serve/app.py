@@ -75,8 +75,10 @@ class Server:
   """Endpoints over one model (see the module docstring)."""
 
   def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, *,
-               request_timeout_s: float, metrics: Metrics):
+               request_timeout_s: float, metrics: Metrics,
+               max_request_bytes: int = 4 << 20):
     self.scheduler = scheduler
+    self.max_request_bytes = max_request_bytes
     self.tokenizer = tokenizer
     self.model_name = model_name
     self.timeout = request_timeout_s
@@ -150,6 +152,24 @@ class Server:
                watch=req.stream or bool(req.stops) or max_tokens < bucket.gen_length,
                slots=req.stream and req.stream_slots, deliver=deliver)
 
+  async def _body(self, request: Request) -> bytes:
+    """The request's body, refused (413) once it is longer than `max_request_bytes`:
+    by its Content-Length before any of it is read, else while it streams in."""
+    limit = self.max_request_bytes
+    def too_large(size: str) -> ApiError:
+      return ApiError(413, f"the request body is {size} bytes; this server takes at most "
+                      f"{limit} (--config.max_request_bytes)", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+      raise too_large(length)
+    parts, size = [], 0
+    async for part in request.stream():
+      size += len(part)
+      if size > limit:
+        raise too_large(f"more than {limit}")
+      parts.append(part)
+    return b"".join(parts)
+
   # --- endpoints ------------------------------------------------------------------------
 
   async def health(self, request: Request) -> Response:
@@ -181,7 +201,7 @@ class Server:
     endpoint = "chat" if chat else "completions"
     start = time.perf_counter()
     try:
-      raw = await request.body()
+      raw = await self._body(request)
       try:
         body = json.loads(raw)
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
