@@ -533,6 +533,11 @@ def test_request_timeout(served):
 
 BAD = [
     ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x\\ud800"}', 400, "prompt"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": '
+     b'"\\udfff"}]}', 400, "messages[0].content"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ["a", "\\ud83d"]}', 400,
+     "stop[1]"),
     ("/v1/completions", b"[1, 2]", 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": 5}, 400, "prompt"),
