@@ -53,6 +53,8 @@ import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
+from refusion_jax import fileio
+
 ITERATOR_HANDLER = grain.checkpoint.CheckpointHandler
 IteratorSave = grain.checkpoint.CheckpointSave
 IteratorRestore = grain.checkpoint.CheckpointRestore
@@ -169,6 +171,9 @@ def _problem(value: Any) -> str | None:
     if not isinstance(value[field], str):
       return (f"field {field!r} must be a string, got {type(value[field]).__name__} "
               f"{str(value[field])[:40]!r}")
+    found = fileio.not_unicode(value[field])
+    if found:
+      return f"field {field!r} is not valid Unicode: a lone surrogate at character {found[1]}"
   if not value["response"].strip():
     return "empty response"
   return None

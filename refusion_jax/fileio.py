@@ -1,4 +1,5 @@
-"""Atomic file writes, a strict JSONL reader and a forgiving JSON reader.
+"""Atomic file writes, a strict JSONL reader, a forgiving JSON reader and a check for
+strings that UTF-8 cannot encode.
 
 Writes go to a temporary file in the same folder, renamed into place: a crash
 or an error mid-write leaves the old file (or none), never half a file.
@@ -48,11 +49,35 @@ def read_json_or_none(path: str) -> Any:
     return None
 
 
+def not_unicode(x, path: str = ""):
+  """(field path, character index) of the first string in a decoded JSON value that
+  UTF-8 cannot encode (a lone surrogate such as "\\ud800", which JSON lets through), or None."""
+  if isinstance(x, str):
+    try:
+      x.encode("utf-8")
+    except UnicodeEncodeError as e:
+      return path, e.start
+  elif isinstance(x, dict):
+    for k, v in x.items():
+      name = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # printable as is
+      where = f"{path}.{name}" if path else name
+      found = not_unicode(k, where) or not_unicode(v, where)
+      if found:
+        return found
+  elif isinstance(x, list):
+    for i, v in enumerate(x):
+      found = not_unicode(v, f"{path}[{i}]")
+      if found:
+        return found
+  return None
+
+
 def jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
   """`(where, value)` for each non-blank line of a JSONL file; `where` is 'path:line'.
 
   Raises:
-    ValueError: `path:line: not valid JSON (...)` at the first malformed line.
+    ValueError: `path:line: not valid JSON (...)` at the first malformed line, or
+      `path:line: ... not valid Unicode` at the first holding a lone surrogate.
   """
   with open(path, encoding="utf-8") as f:
     for number, line in enumerate(f, 1):
@@ -60,6 +85,11 @@ def jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
         continue
       where = f"{path}:{number}"
       try:
-        yield where, json.loads(line)
+        value = json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e})") from None
+      found = not_unicode(value)
+      if found:
+        raise ValueError(f"{where}: {found[0] or 'the line'} is not valid Unicode: a lone "
+                         f"surrogate at character {found[1]}")
+      yield where, value

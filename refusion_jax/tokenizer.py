@@ -28,6 +28,8 @@ import jinja2
 import jinja2.sandbox
 import tokenizers
 
+from refusion_jax import fileio
+
 BOS_TOKEN = "<|beginoftext|>"
 MASK_TOKEN = "<|mask|>"
 TINY_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets",
@@ -198,7 +200,14 @@ class Tokenizer:
     """Token ids of `text`; no special tokens are added (special names in the text match)."""
     if not isinstance(text, str):
       raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
-    return list(self._tok.encode(text, add_special_tokens=False).ids)
+    try:
+      return list(self._tok.encode(text, add_special_tokens=False).ids)
+    except TypeError:
+      found = fileio.not_unicode(text)
+      if found:
+        raise ValueError(f"encode: the text is not valid Unicode: a lone surrogate at "
+                         f"character {found[1]}") from None
+      raise
 
   def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
     """Text of `ids` (a list, numpy or jax array of ints)."""

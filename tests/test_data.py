@@ -128,6 +128,8 @@ BAD_JSONL = [
     ('{"query": "a"}', "missing field 'response'"),
     ('{"response": "b"}', "missing field 'query'"),
     ('{"query": 3, "response": "b"}', "field 'query' must be a string, got int"),
+    ('{"query": "a", "response": "b\\udc00"}',
+     "field 'response' is not valid Unicode: a lone surrogate at character 1"),
     ('{"query": "a", "response": "  "}', "empty response"),
     ('["a", "b"]', "expected a JSON object"),
     ('', None),  # blank lines are allowed

@@ -157,6 +157,12 @@ def test_bad_prompts_file_line(models, tmp_path):
   path.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n{not json\n")
   with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
     sample.run(_config(models["causal"][0], prompts_file=str(path)))
+  path.write_text(json.dumps({"prompt_ids": [1, 2]}) + '\n{"query": "ab\\ud800"}\n')
+  with pytest.raises(ValueError, match="bad.jsonl:2: query is not valid Unicode: a lone "
+                     "surrogate at character 2"):
+    sample.run(_config(models["causal"][0], prompts_file=str(path)))
+  with pytest.raises(ValueError, match="--config.prompt: the query is not valid Unicode"):
+    sample.run(_config(models["causal"][0], prompt="x\udc80"))
 
 
 def test_cli_missing_model_dir_exits_with_message():

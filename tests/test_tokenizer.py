@@ -253,6 +253,13 @@ def test_tiny_roundtrip(tiny):
     assert tiny.decode(tiny.encode(text)) == text
 
 
+def test_text_that_is_not_unicode_is_named(tiny):
+  with pytest.raises(ValueError, match="not valid Unicode: a lone surrogate at character 3"):
+    tiny.encode("abc\udc00")
+  with pytest.raises(TypeError, match="text must be a str"):
+    tiny.encode(b"abc")
+
+
 def test_tiny_files_match_the_training_script():
   spec = importlib.util.spec_from_file_location(
       "train_tiny_tokenizer", os.path.join(REPO_ROOT, "scripts", "train_tiny_tokenizer.py"))

@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Any
 
+from refusion_jax import fileio
+
 
 class ApiError(Exception):
 
@@ -123,33 +125,11 @@ def _content(message, i) -> str:
             f"{content!r}")
 
 
-def _not_unicode(x, path: str = ""):
-  """(field path, character index) of the first string in a decoded JSON value that
-  UTF-8 cannot encode (a lone surrogate such as "\\ud800", which JSON lets through), or None."""
-  if isinstance(x, str):
-    try:
-      x.encode("utf-8")
-    except UnicodeEncodeError as e:
-      return path, e.start
-  elif isinstance(x, dict):
-    for k, v in x.items():
-      where = f"{path}.{k}" if path else str(k)
-      found = _not_unicode(k, where) or _not_unicode(v, where)
-      if found:
-        return found
-  elif isinstance(x, list):
-    for i, v in enumerate(x):
-      found = _not_unicode(v, f"{path}[{i}]")
-      if found:
-        return found
-  return None
-
-
 def parse(body: Any, chat: bool) -> Request:
   """Checks a decoded JSON body; raises ApiError naming the first problem."""
   if not isinstance(body, dict):
     raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-  found = _not_unicode(body)
+  found = fileio.not_unicode(body)
   if found:
     raise bad(found[0], f"is not valid Unicode: a lone surrogate at character {found[1]}")
   allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
