@@ -649,6 +649,64 @@ def test_protocol_refuses_stream_options_without_stream():
                    chat=False)
 
 
+# Values every field of a random request is drawn from: each type JSON has, edge numbers,
+# text that is not Unicode, nested shapes the fields take.
+_ODD = [None, True, False, 0, 1, 2, -1, 16, 2**40, -2**70, 0.5, 1.5, 1e308, -0.0, "", "x",
+        "x\ud800", "refusion", "ar", [], [1], [[5, 6]], ["a", "b"], [1, True], {}, {"a": 1},
+        [{"type": "text", "text": "hi"}], [{"role": "user", "content": "hi"}],
+        {"include_usage": True}, {"enable_thinking": True}, {"enable_thinking": "no"}]
+
+
+def _random_bodies(seed: int, n: int):
+  """(chat, body) pairs: a valid request with up to four fields set to `_ODD` values."""
+  rng = np.random.default_rng(seed)
+  # The fields a request's text, shape and sampling come from, four times as likely.
+  core = ["prompt", "messages", "stop", "max_tokens", "temperature", "seed", "stream",
+          "method", "gen_length"] * 3
+  names = sorted(protocol.CHAT_FIELDS | protocol.COMPLETION_FIELDS) + ["frobnicate"] + core
+  for _ in range(n):
+    chat = bool(rng.integers(2))
+    body = {"model": "tiny", **({"messages": [{"role": "user", "content": "ab"}]} if chat
+                                else {"prompt": "ab"})}
+    for _ in range(int(rng.integers(5))):
+      body[names[rng.integers(len(names))]] = _ODD[rng.integers(len(_ODD))]
+    yield chat, body
+
+
+def test_protocol_answers_random_requests_with_a_request_or_a_4xx():
+  parsed = refused = 0
+  for chat, body in _random_bodies(0, 3000):
+    try:
+      protocol.parse(body, chat)
+      parsed += 1
+    except protocol.ApiError as e:
+      assert 400 <= e.status < 500 and e.message, body
+      json.dumps(e.body(), ensure_ascii=False).encode("utf-8")  # sendable as it is
+      refused += 1
+  assert parsed > 300 and refused > 300, (parsed, refused)
+
+
+def test_random_requests_get_an_answer_or_a_4xx_and_the_server_keeps_serving(served):
+  statuses = collections.Counter()
+  for chat, body in _random_bodies(1, 150):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    # json.dumps escapes a lone surrogate (\ud800) as JSON allows; the server must cope.
+    r = httpx.post(served["url"] + path, content=json.dumps(body).encode(), timeout=60,
+                   headers={"Content-Type": "application/json"})
+    statuses[r.status_code] += 1
+    assert r.status_code == 200 or 400 <= r.status_code < 500, (body, r.status_code, r.text)
+    if r.status_code != 200:
+      assert r.json()["error"]["message"], body
+    elif body.get("stream") is True:
+      assert r.text.rstrip().endswith("data: [DONE]"), (body, r.text)
+    else:
+      assert r.json()["usage"]["completion_tokens"] >= 1, body
+  assert statuses[200] > 10 and sum(statuses.values()) - statuses[200] > 10, statuses
+  assert httpx.get(served["url"] + "/health").json()["status"] == "ok"
+  assert _complete(_client(served), 1, "refusion", False)[1] == (
+      served["completion"]["refusion"][1]["tokens"])
+
+
 def test_row_counts():
   assert serve.parse_row_counts("auto", 16, "cpu") == (1, 2, 4, 8, 12)
   assert serve.parse_row_counts("auto", 4, "cpu") == (1, 2, 3)
