@@ -156,9 +156,10 @@ def read_prompts(c: ml_collections.ConfigDict, tokenizer) -> list[tuple[str, lis
                        "or give prompt_ids")
     if not isinstance(query, str) or not query:
       raise ValueError(f"{where}: 'query' must be a non-empty string, got {query!r}")
-    if fileio.not_unicode(query):
+    found = fileio.not_unicode(query)
+    if found:
       raise ValueError(f"{where}: the query is not valid Unicode: a lone surrogate at "
-                       f"character {fileio.not_unicode(query)[1]}")
+                       f"character {found[1]}")
     return tokenizer.encode_prompt(query)
 
   if c.prompt:
