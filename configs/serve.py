@@ -49,7 +49,8 @@ def get_config():
   #   dispatch a turn instead of two, for one more program per admission program)
   c.dispatch_thread = False  # call the decode programs from a thread of their own, so that the
   #   engine reads and hands out results while a GPU's passes run (its call waits for them)
-  c.request_timeout_s = 600.0  # a request still running after this is cancelled (408)
+  c.request_timeout_s = 600.0  # a request still running (or its body still coming) after this
+  #   is cancelled (408)
   c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled
   c.log_level = "warning"  # uvicorn's log level
   c.decode = sample.get_config().decode  # default decode shape and settings (configs/sample.py)

@@ -14,6 +14,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -529,6 +530,25 @@ def test_request_timeout(served):
   while srv.scheduler.busy_rows():
     assert time.time() < deadline
     time.sleep(0.02)
+  # A body that stops coming: its request times out the same way, and frees nothing else.
+  host, port = served["url"][len("http://"):].split(":")
+  srv.timeout = 0.5
+  try:
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+      sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ")
+      reply = b""
+      while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+        part = sock.recv(4096)
+        if not part:
+          break
+        reply += part
+  finally:
+    srv.timeout = old
+  assert reply.startswith(b"HTTP/1.1 408"), reply
+  assert b'"request_timeout"' in reply and b"body did not arrive" in reply, reply
+  assert _complete(_client(served), 1, "refusion", False)[1] == (
+      served["completion"]["refusion"][1]["tokens"])
 
 
 BAD = [

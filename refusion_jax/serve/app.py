@@ -201,7 +201,13 @@ class Server:
     endpoint = "chat" if chat else "completions"
     start = time.perf_counter()
     try:
-      raw = await self._body(request)
+      try:
+        async with asyncio.timeout(self.timeout):  # a body that never comes holds nothing
+          raw = await self._body(request)
+      except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {self.timeout} s "
+                       "(--config.request_timeout_s)", type_="timeout",
+                       code="request_timeout") from None
       try:
         body = json.loads(raw)
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
