@@ -778,6 +778,26 @@ def test_thread_engine_serves_the_same(served_thread):
   _serves_the_same(served_thread)
 
 
+def test_a_hugging_face_folder_serves_what_its_model_folder_does(oracle, tmp_path):
+  # The released checkpoints come as HF folders (config.json + safetensors): served from
+  # one (here an export of the test model), greedy answers equal the model folder's.
+  from refusion_jax import hf  # pylint: disable=import-outside-toplevel
+  config, model = sample.load_model(oracle["model_dir"])
+  hf_dir = str(tmp_path / "hf")
+  hf.save(config, model, hf_dir)
+  info, stop = _serving({**oracle, "model_dir": hf_dir}, "thread")
+  try:
+    cl = _client(info)
+    for method in ("refusion", "ar"):
+      for i, stream in ((0, False), (3, True)):
+        got = _complete(cl, i, method, stream)
+        want = oracle["completion"][method][i]
+        assert got[1] == want["tokens"], (method, i, stream)
+        assert got[3].model_extra["forward_passes"] == want["nfe"], (method, i)
+  finally:
+    stop()
+
+
 def _scheduler_config(served_thread):
   """The served_thread's settings (one bucket, row counts 1-3) for a scheduler built
   in this process: it reuses the served_thread's programs, so nothing new compiles."""
