@@ -91,9 +91,32 @@ def _is_hf_folder(model_dir: str) -> bool:
     return False
   if os.path.exists(os.path.join(model_dir, "config.json")):
     return True
+  below = _model_dirs_below(model_dir)
   raise FileNotFoundError(
       f"--config.model_dir={model_dir!r} has neither model_config.json (refusion_jax) nor "
-      "config.json (HF)")
+      "config.json (HF)" + (f"; model folders below it: {', '.join(below)}" if below else ""))
+
+
+def _model_dirs_below(folder: str, depth: int = 3, most: int = 5) -> list[str]:
+  """Up to `most` model folders (refusion_jax or HF) at most `depth` levels below
+  `folder` (a training workdir holds its model in models/NAME/final_model), sorted;
+  the first 2000 folders are looked at."""
+  found = []
+  if not os.path.isdir(folder):
+    return found
+  root = folder.rstrip(os.sep).count(os.sep)
+  for seen, (path, dirs, files) in enumerate(os.walk(folder)):
+    if seen == 2000:  # an error message's search, not a crawl
+      break
+    dirs.sort()
+    if "model_config.json" in files or "config.json" in files:
+      found.append(path)
+      dirs.clear()  # a model folder's own subfolders are its weights
+    if path.count(os.sep) - root >= depth:
+      dirs.clear()
+    if len(found) >= most:
+      break
+  return sorted(found)
 
 
 def load_model(model_dir: str, scan_layers: bool | None = None):

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -163,6 +165,20 @@ def test_bad_prompts_file_line(models, tmp_path):
     sample.run(_config(models["causal"][0], prompts_file=str(path)))
   with pytest.raises(ValueError, match="--config.prompt: the query is not valid Unicode"):
     sample.run(_config(models["causal"][0], prompt="x\udc80"))
+
+
+def test_a_folder_above_a_model_names_the_model_folders_below_it(models, tmp_path):
+  # A training workdir holds its model in models/NAME/final_model.
+  work = tmp_path / "work"
+  shutil.copytree(models["causal"][0], work / "models" / "refusion" / "final_model")
+  (work / "models" / "refusion" / "checkpoints" / "100").mkdir(parents=True)
+  with pytest.raises(FileNotFoundError, match=re.escape(
+      f"has neither model_config.json (refusion_jax) nor config.json (HF); model folders "
+      f"below it: {work / 'models' / 'refusion' / 'final_model'}")):
+    sample.run(_config(str(work), prompt_ids="1,2"))
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(FileNotFoundError, match=r"config.json \(HF\)$"):
+    sample.run(_config(str(tmp_path / "empty"), prompt_ids="1,2"))
 
 
 def test_cli_missing_model_dir_exits_with_message():
