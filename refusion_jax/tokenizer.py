@@ -64,6 +64,16 @@ def _to_json(value: Any, indent: int | None = None) -> str:
   return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+def _parts(spec: Mapping[str, Any] | None, key: str) -> list[Mapping[str, Any]]:
+  """A tokenizer.json normalizer or pre-tokenizer as its list of steps (a Sequence's
+  `key`, one step, or none)."""
+  if not spec:
+    return []
+  if spec.get("type") == "Sequence":
+    return list(spec.get(key) or [])
+  return [spec]
+
+
 def _compile_template(source: str, where: str) -> jinja2.Template:
   # A template comes with downloaded checkpoints, so it runs sandboxed.
   env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -109,6 +119,7 @@ class Tokenizer:
                       else _compile_template(chat_template, source))
     # Ids need not be contiguous, so the model needs max id + 1 embedding rows.
     self.id_limit = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+    self._chars_per_token: int | None = None  # longest_text's bound, worked out on first use
 
   def _require_id(self, name: str, field: str) -> int:
     token_id = self._tok.token_to_id(name)
@@ -208,6 +219,27 @@ class Tokenizer:
         raise ValueError(f"encode: the text is not valid Unicode: a lone surrogate at "
                          f"character {found[1]}") from None
       raise
+
+  def longest_text(self, tokens: int) -> int | None:
+    """The most characters a text of at most `tokens` tokens can have, or None where this
+    tokenizer's pipeline gives no such bound.
+
+    For a byte-level BPE after at most NFC (Qwen3's and the bundled tiny one): a token
+    covers at most as many characters as its vocabulary entry has (one per byte; an
+    added token its own text), and NFC turns at most 4 code points into one (Greek
+    letters with three marks), so a longer text cannot fit. Lets a server refuse a huge
+    prompt without encoding it (encoding holds the GIL: about 1 s a MB).
+    """
+    if self._chars_per_token is None:
+      spec = json.loads(self._tok.to_str())
+      normalizers = _parts(spec.get("normalizer"), "normalizers")
+      pre = _parts(spec.get("pre_tokenizer"), "pretokenizers")
+      ok = ((spec.get("model") or {}).get("type") == "BPE"
+            and all(n.get("type") == "NFC" for n in normalizers)
+            and any(p.get("type") == "ByteLevel" for p in pre))
+      self._chars_per_token = (4 * max(map(len, self._tok.get_vocab(with_added_tokens=True)))
+                               if ok else 0)
+    return tokens * self._chars_per_token if self._chars_per_token else None
 
   def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
     """Text of `ids` (a list, numpy or jax array of ints)."""

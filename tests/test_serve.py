@@ -608,6 +608,18 @@ def test_bad_input_gets_its_4xx_and_the_server_keeps_serving(served):
                                                           "max_tokens": 64}, timeout=30)
   assert "refusion:16:4:8" in r.json()["error"]["message"]  # names what is compiled
   assert "ar:16" in r.json()["error"]["message"]
+  # A prompt too long for any WIDTH tokens is refused for its length, without encoding it.
+  limit = served["server"].text_limit
+  assert limit == Tokenizer.tiny().longest_text(WIDTH)
+  for path, body in (("/v1/completions", {"model": "tiny", "prompt": "ab " * limit}),
+                     ("/v1/chat/completions", {"model": "tiny", "messages": [
+                         {"role": "user", "content": "ab " * limit}]})):
+    r = httpx.post(served["url"] + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert f"characters, more than {WIDTH} tokens can hold" in r.json()["error"]["message"]
+  r = httpx.post(served["url"] + "/v1/completions", timeout=30,
+                 json={"model": "tiny", "prompt": [99999] * (WIDTH + 1)})
+  assert f"the prompt has {WIDTH + 1} tokens" in r.json()["error"]["message"]
   with pytest.raises(openai.NotFoundError):
     _client(served).completions.create(model="nope", prompt="hi")
   assert httpx.get(served["url"] + "/health").json()["status"] == "ok"

@@ -260,6 +260,38 @@ def test_text_that_is_not_unicode_is_named(tiny):
     tiny.encode(b"abc")
 
 
+def _texts_that_pack_tokens(tok: Tokenizer) -> list[str]:
+  """Texts of as few tokens per character as this tokenizer allows: runs of its longest
+  vocabulary entries' texts, long space and dash runs, decomposed Greek that NFC
+  composes 4 code points to 1, and mixed text."""
+  vocab = tok._tok.get_vocab(with_added_tokens=True)  # pylint: disable=protected-access
+  longest = sorted(vocab.items(), key=lambda kv: -len(kv[0]))[:20]
+  texts = [tok.decode([i]) * 40 for _, i in longest]
+  texts += [" " * 5000, "-" * 5000, "\n" * 3000, "\u03b1\u0313\u0342\u0345" * 300,
+            "The quick brown fox, 12345 + 678 = ?\n" * 50]
+  return [t for t in texts if t]
+
+
+@pytest.mark.parametrize("which", ["tiny", "qwen"])
+def test_longest_text_bounds_the_characters_of_any_text_that_fits(which, request):
+  tok = request.getfixturevalue(which)
+  per_token = tok.longest_text(1)
+  assert per_token and tok.longest_text(256) == 256 * per_token
+  for text in _texts_that_pack_tokens(tok):
+    n = len(tok.encode(text))
+    assert len(text) <= tok.longest_text(n), (text[:40], n)
+
+
+def test_longest_text_is_none_where_the_pipeline_gives_no_bound(tiny):
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  raw = tokenizers.Tokenizer.from_str(tiny._tok.to_str())  # pylint: disable=protected-access
+  raw.normalizer = tokenizers.normalizers.Replace("x", "")  # "xxxx..." is no token at all
+  shrinking = Tokenizer(raw, eos_token=tiny.eos_token, pad_token=tiny.pad_token,
+                        chat_template=None, source="test")
+  assert len(shrinking.encode("x" * 1000)) == 0
+  assert shrinking.longest_text(8) is None
+
+
 def test_tiny_files_match_the_training_script():
   spec = importlib.util.spec_from_file_location(
       "train_tiny_tokenizer", os.path.join(REPO_ROOT, "scripts", "train_tiny_tokenizer.py"))

@@ -85,6 +85,8 @@ class Server:
     self.metrics = metrics
     self.vocab_size = scheduler.model_config.vocab_size
     self.eos_id = scheduler.model_config.eos_token_id
+    # No text longer than this fits the prompt width: refused without encoding it.
+    self.text_limit = None if tokenizer is None else tokenizer.longest_text(scheduler.width)
     self.created = int(time.time())
 
   # --- helpers --------------------------------------------------------------------------
@@ -96,7 +98,9 @@ class Server:
 
   def _encode(self, req: protocol.Request) -> list[int]:
     if isinstance(req.prompt, list) and not req.chat:
-      bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
+      # Too many ids: refused for their number (by the caller) before each is looked at.
+      bad = ([t for t in req.prompt if not 0 <= t < self.vocab_size]
+             if len(req.prompt) <= self.scheduler.width else [])
       if bad:
         raise protocol.bad("prompt", f"token id {bad[0]} is outside the vocabulary "
                            f"[0, {self.vocab_size})")
@@ -105,12 +109,17 @@ class Server:
       raise protocol.bad("prompt" if not req.chat else "messages",
                          "this model has no tokenizer: give the prompt as token ids")
     if not req.chat:
-      return self.tokenizer.encode(req.prompt)
-    try:
-      text = self.tokenizer.apply_chat_template(req.prompt, add_generation_prompt=True,
-                                                enable_thinking=req.enable_thinking)
-    except ValueError as e:
-      raise protocol.bad("messages", str(e)) from None
+      text = req.prompt
+    else:
+      try:
+        text = self.tokenizer.apply_chat_template(req.prompt, add_generation_prompt=True,
+                                                  enable_thinking=req.enable_thinking)
+      except ValueError as e:
+        raise protocol.bad("messages", str(e)) from None
+    if self.text_limit is not None and len(text) > self.text_limit:
+      raise protocol.bad("messages" if req.chat else "prompt",
+                         f"the prompt has {len(text)} characters, more than "
+                         f"{self.scheduler.width} tokens can hold (--config.max_prompt_len)")
     return self.tokenizer.encode(text)
 
   def _bucket(self, req: protocol.Request) -> Bucket:
