@@ -27,7 +27,8 @@ def get_config():
   c.rows = 16  # engine rows per lane: requests decoded at once
   c.max_prompt_len = 256  # prompt width of every compiled program (longer prompts get a 400)
   c.buckets = ""  # more compiled shapes, "method:gen_length:slot_size:block_size,..." (ar: "ar:G")
-  c.max_request_bytes = 4 << 20  # a longer request body gets a 413 (read no further)
+  c.max_request_bytes = 1 << 20  # a longer request body gets a 413 (read no further); a body
+  #   is parsed on the event loop, about 0.2 s a MiB at worst (a list of many messages)
   c.max_queue = 256  # requests waiting for a row at most (more get 429 with Retry-After)
   c.max_lanes = 4  # row sets alive at once (one per shape and knob values in use)
   c.chunk_passes = 4  # passes between returns to the host while streaming / lanes take turns

@@ -76,7 +76,7 @@ class Server:
 
   def __init__(self, scheduler: Scheduler, tokenizer, model_name: str, *,
                request_timeout_s: float, metrics: Metrics,
-               max_request_bytes: int = 4 << 20):
+               max_request_bytes: int = 1 << 20):
     self.scheduler = scheduler
     self.max_request_bytes = max_request_bytes
     self.tokenizer = tokenizer
