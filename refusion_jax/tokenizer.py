@@ -120,6 +120,7 @@ class Tokenizer:
     # Ids need not be contiguous, so the model needs max id + 1 embedding rows.
     self.id_limit = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
     self._chars_per_token: int | None = None  # longest_text's bound, worked out on first use
+    self._spec_cache: Mapping[str, Any] | None = None
 
   def _require_id(self, name: str, field: str) -> int:
     token_id = self._tok.token_to_id(name)
@@ -231,7 +232,7 @@ class Tokenizer:
     prompt without encoding it (encoding holds the GIL: about 1 s a MB).
     """
     if self._chars_per_token is None:
-      spec = json.loads(self._tok.to_str())
+      spec = self._spec()
       normalizers = _parts(spec.get("normalizer"), "normalizers")
       pre = _parts(spec.get("pre_tokenizer"), "pretokenizers")
       ok = ((spec.get("model") or {}).get("type") == "BPE"
@@ -240,6 +241,23 @@ class Tokenizer:
       self._chars_per_token = (4 * max(map(len, self._tok.get_vocab(with_added_tokens=True)))
                                if ok else 0)
     return tokens * self._chars_per_token if self._chars_per_token else None
+
+  @property
+  def decodes_by_concatenation(self) -> bool:
+    """Whether the text of a token list is the texts of its parts joined, wherever it is
+    cut between characters: a byte-level decoder (Qwen3's, the tiny one) turns tokens
+    into bytes and the bytes into text, so that `decode(a + b) == decode(a) + decode(b)`
+    when `decode(a)` does not end in a cut character (U+FFFD). A stream then decodes
+    only its new tokens (`serve.text.TextStream`)."""
+    decoder = self._spec().get("decoder")
+    return bool(decoder) and all(d.get("type") == "ByteLevel"
+                                 for d in _parts(decoder, "decoders"))
+
+  def _spec(self) -> Mapping[str, Any]:
+    """tokenizer.json as a dict (parsed once; 0.4 s for Qwen3's)."""
+    if self._spec_cache is None:
+      self._spec_cache = json.loads(self._tok.to_str())
+    return self._spec_cache
 
   def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
     """Text of `ids` (a list, numpy or jax array of ints)."""

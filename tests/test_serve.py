@@ -354,12 +354,52 @@ def test_text_stream_holds_back_partial_stops_and_characters():
   assert ts.update([1]) == "ab" and ts.update([1, 2], final=True) == "\xe9"
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_text_stream_decoding_only_new_tokens_sends_the_same(seed):
+  # The tiny tokenizer is byte-level: accented letters, CJK and emoji take several
+  # tokens, so updates cut characters; stop strings span updates.
+  tok = Tokenizer.tiny()
+  assert tok.decodes_by_concatenation
+  rng = np.random.default_rng(seed)
+  words = ["caf\xe9", "\u4e2d\u6587", "\U0001f600", "STOP", "ST", "OP", "a", " ", "\n", "12"]
+  text = "".join(words[i] for i in rng.integers(len(words), size=300))
+  ids = tok.encode(text)
+  ids[5:5] = [tok.eos_id, tok.pad_id]  # special tokens, skipped when decoded
+  decoded = [0, 0]  # tokens decoded by each stream
+
+  def counting(k):
+    def decode(t):
+      decoded[k] += len(t)
+      return tok.decode(t, skip_special_tokens=True)
+    return decode
+  for stops in ([], ["STOP"], ["\u6587\U0001f600", "x"]):
+    decoded[:] = [0, 0]
+    full = text_lib.TextStream(counting(0), stops)
+    fast = text_lib.TextStream(counting(1), stops, concatenates=True)
+    n = 0
+    while n < len(ids):
+      n = min(len(ids), n + int(rng.integers(1, 4)))
+      final = n == len(ids)
+      assert fast.update(ids[:n], final) == full.update(ids[:n], final), (stops, n)
+      assert (fast.stopped, fast.tokens) == (full.stopped, full.tokens)
+      if full.stopped:
+        break
+    assert fast.sent == full.sent and fast.sent == tok.decode(full.tokens,
+                                                              skip_special_tokens=True)[
+        :len(fast.sent)]
+    assert full.stopped or stops != ["STOP"]
+    if not stops:
+      assert fast.sent == tok.decode(ids, skip_special_tokens=True)
+      assert decoded[1] < 3 * len(ids) < decoded[0] / 10, decoded  # O(n), not O(n^2)
+
+
 def _reply(timeout=60.0, **body):
   """A `_Reply` over a stand-in server (letters for tokens), and its cancelled jobs."""
   from refusion_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
   cancelled = []
   server = types.SimpleNamespace(
       _decode=lambda ids: "".join(chr(ord("a") + i) for i in ids), timeout=timeout,
+      decode_concatenates=True,
       scheduler=types.SimpleNamespace(cancel=cancelled.append, delivers_in_loop=True),
       metrics=app_lib.Metrics(), model_name="m", eos_id=99)
   req = protocol.parse({"model": "m", "prompt": "x", "stream": True, **body}, chat=False)

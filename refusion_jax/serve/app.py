@@ -87,6 +87,8 @@ class Server:
     self.eos_id = scheduler.model_config.eos_token_id
     # No text longer than this fits the prompt width: refused without encoding it.
     self.text_limit = None if tokenizer is None else tokenizer.longest_text(scheduler.width)
+    # A stream's update decodes only its new tokens (see TextStream).
+    self.decode_concatenates = tokenizer is not None and tokenizer.decodes_by_concatenation
     self.created = int(time.time())
 
   # --- helpers --------------------------------------------------------------------------
@@ -289,7 +291,8 @@ class _Reply:
     self.loop = asyncio.get_running_loop()
     self.mail = _Mailbox(self.loop)
     self.job: Job | None = None
-    self.text = TextStream(server._decode, req.stops)  # pylint: disable=protected-access
+    self.text = TextStream(server._decode, req.stops,  # pylint: disable=protected-access
+                           concatenates=server.decode_concatenates)
     self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
     self.forward_passes = 0
