@@ -291,6 +291,7 @@ class _Reply:
     self.loop = asyncio.get_running_loop()
     self.mail = _Mailbox(self.loop)
     self.job: Job | None = None
+    self.committed: list[int] = []  # the committed prefix, from the progress reports
     self.text = TextStream(server._decode, req.stops,  # pylint: disable=protected-access
                            concatenates=server.decode_concatenates)
     self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
@@ -327,11 +328,12 @@ class _Reply:
 
   async def _next(self):
     """The next engine event, as (kind, payload). Progress reports already waiting
-    behind it are merged into the last (each holds the whole committed prefix)."""
+    behind it are merged into one (their new tokens joined, the last pass count)."""
     kind, payload = await self.mail.get()
     items = self.mail.items
     while kind == "progress" and items and items[0][0] == "progress":
-      kind, payload = items.popleft()
+      more, passes = items.popleft()[1]
+      payload = (payload[0] + more, passes)
     return kind, payload
 
   def _close(self, outcome: str, tokens=None) -> None:
@@ -363,8 +365,9 @@ class _Reply:
       kind, payload = await self._next()
       out: list = []
       if kind == "progress":
-        tokens, self.forward_passes = payload
-        delta = self.text.update(tokens)
+        more, self.forward_passes = payload
+        self.committed.extend(more)
+        delta = self.text.update(self.committed)
         if delta:
           out.append(("text", delta))
         if self.text.stopped:

@@ -168,9 +168,10 @@ class Job:
   #   ignore_eos
   rng2: np.ndarray  # uint32[2], the request's key (prompt id 0 within it)
   max_tokens: int  # keep at most this many tokens
-  watch: bool  # deliver the committed prefix as it grows
+  watch: bool  # deliver the committed prefix as it grows (each "progress" its new tokens)
   slots: bool  # also deliver each newly committed run of positions
-  deliver: Callable[[str, Any], None]  # ("progress" | "done" | "error", payload)
+  # ("progress", (tokens committed since the last, passes)) | ("done", Done) | ("error", msg)
+  deliver: Callable[[str, Any], None]
   cancelled: bool = False
   # Engine-thread bookkeeping.
   row: int = -1
@@ -474,8 +475,9 @@ class Scheduler:
       elif (job.watch and n > job.sent
             and (job.sent == 0 or snap.passes - job.sent_pass >= self.chunk_passes)):
         # The first text at once, then at most every chunk_passes passes: also while a
-        # row is free and the lane returns after every pass (for admissions).
-        out.append((self._send, (job, "progress", (snap.tokens_bg[r, :n].tolist(),
+        # row is free and the lane returns after every pass (for admissions). Only the
+        # tokens committed since the last report: a committed token never changes.
+        out.append((self._send, (job, "progress", (snap.tokens_bg[r, job.sent:n].tolist(),
                                                    int(nfe_b[r])))))
         job.sent, job.sent_pass = n, snap.passes
     lane.batch.free(finished)
