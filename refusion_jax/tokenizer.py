@@ -65,8 +65,8 @@ def _to_json(value: Any, indent: int | None = None) -> str:
 
 
 def _parts(spec: Mapping[str, Any] | None, key: str) -> list[Mapping[str, Any]]:
-  """A tokenizer.json normalizer or pre-tokenizer as its list of steps (a Sequence's
-  `key`, one step, or none)."""
+  """A tokenizer.json normalizer, pre-tokenizer or decoder as its list of steps (a
+  Sequence's `key`, one step, or none)."""
   if not spec:
     return []
   if spec.get("type") == "Sequence":
