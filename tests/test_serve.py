@@ -715,6 +715,22 @@ def test_models_health_metrics(served):
   assert _metric(served, "refusion_forward_passes_total") > passes
 
 
+@pytest.mark.parametrize("raw, param", [
+    (b'{"prompt": "x\\ud800"}', "prompt"),  # an escape
+    (b'{"m": [{"c": ["a", "\\uDFFF"]}]}', "m[0].c[1]"),
+    ('{"prompt": "\ud800"}'.encode("utf-8", "surrogatepass"), "prompt"),  # UTF-8 bytes
+    ('{"prompt": "\ud800"}'.encode("utf-16", "surrogatepass"), "prompt"),  # a UTF-16 body
+    (b'{"prompt": "\\ud83d\\ude00 \\u00e9 \xed\x9f\xbf"}', None),  # a pair, U+D7FF: fine
+])
+def test_protocol_loads_names_a_lone_surrogate_wherever_the_bytes_put_it(raw, param):
+  if param is None:
+    assert protocol.loads(raw) == {"prompt": "\U0001f600 \xe9 \ud7ff"}
+    return
+  with pytest.raises(protocol.ApiError, match="not valid Unicode: a lone surrogate") as e:
+    protocol.loads(raw)
+  assert e.value.status == 400 and e.value.param == param
+
+
 def test_protocol_refuses_stream_options_without_stream():
   with pytest.raises(protocol.ApiError, match="stream_options"):
     protocol.parse({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},

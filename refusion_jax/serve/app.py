@@ -219,11 +219,7 @@ class Server:
         raise ApiError(408, f"the request body did not arrive within {self.timeout} s "
                        "(--config.request_timeout_s)", type_="timeout",
                        code="request_timeout") from None
-      try:
-        body = json.loads(raw)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
-      req = protocol.parse(body, chat)
+      req = protocol.parse(protocol.loads(raw), chat)
       if req.model != self.model_name:
         raise ApiError(404, f"model: {req.model!r} does not exist; this server serves "
                        f"{self.model_name!r}", param="model", code="model_not_found")
