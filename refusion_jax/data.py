@@ -114,6 +114,9 @@ def _iter_json_list(text: str) -> Iterator[_Item]:
     except json.JSONDecodeError as e:
       yield _Item(e.lineno, problem=f"malformed JSON ({e.msg}, column {e.colno})")
       return
+    except RecursionError:
+      yield _Item(_line_of(text, i), problem="malformed JSON (nested too deeply)")
+      return
     yield _Item(_line_of(text, i), value)
     i, first, expect_value = end, False, False
   if text[i:].strip():
@@ -156,9 +159,14 @@ def _iter_file(path: str) -> Iterator[_Item]:
       if not line.strip():
         continue
       try:
-        yield _Item(line_no, json.loads(line))
+        value = json.loads(line)
       except json.JSONDecodeError as e:
         yield _Item(line_no, problem=f"malformed JSON ({e.msg}, column {e.colno})")
+        continue
+      except RecursionError:
+        yield _Item(line_no, problem="malformed JSON (nested too deeply)")
+        continue
+      yield _Item(line_no, value)
 
 
 def _problem(value: Any) -> str | None:

@@ -51,24 +51,23 @@ def read_json_or_none(path: str) -> Any:
 
 def not_unicode(x, path: str = ""):
   """(field path, character index) of the first string in a decoded JSON value that
-  UTF-8 cannot encode (a lone surrogate such as "\\ud800", which JSON lets through), or None."""
-  if isinstance(x, str):
-    try:
-      x.encode("utf-8")
-    except UnicodeEncodeError as e:
-      return path, e.start
-  elif isinstance(x, dict):
-    for k, v in x.items():
-      name = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # printable as is
-      where = f"{path}.{name}" if path else name
-      found = not_unicode(k, where) or not_unicode(v, where)
-      if found:
-        return found
-  elif isinstance(x, list):
-    for i, v in enumerate(x):
-      found = not_unicode(v, f"{path}[{i}]")
-      if found:
-        return found
+  UTF-8 cannot encode (a lone surrogate such as "\\ud800", which JSON lets through), or
+  None. Walks with a stack of its own, so any depth JSON decodes is fine."""
+  stack = [(x, path)]
+  while stack:
+    value, where = stack.pop()
+    if isinstance(value, str):
+      try:
+        value.encode("utf-8")
+      except UnicodeEncodeError as e:
+        return where, e.start
+    elif isinstance(value, dict):
+      for k, v in reversed(list(value.items())):  # popped in order: each key, its value
+        name = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # printable
+        inner = f"{where}.{name}" if where else name
+        stack += [(v, inner), (k, inner)]
+    elif isinstance(value, list):
+      stack += [(v, f"{where}[{i}]") for i, v in reversed(list(enumerate(value)))]
   return None
 
 
@@ -88,6 +87,8 @@ def jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
         value = json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e})") from None
+      except RecursionError:
+        raise ValueError(f"{where}: not valid JSON here (nested too deeply)") from None
       found = not_unicode(value)
       if found:
         raise ValueError(f"{where}: {found[0] or 'the line'} is not valid Unicode: a lone "

@@ -128,6 +128,8 @@ BAD_JSONL = [
     ('{"query": "a"}', "missing field 'response'"),
     ('{"response": "b"}', "missing field 'query'"),
     ('{"query": 3, "response": "b"}', "field 'query' must be a string, got int"),
+    ('{"query": ' + "[" * 100_000 + "]" * 100_000 + ', "response": "b"}',
+     "malformed JSON (nested too deeply)"),
     ('{"query": "a", "response": "b\\udc00"}',
      "field 'response' is not valid Unicode: a lone surrogate at character 1"),
     ('{"query": "a", "response": "  "}', "empty response"),
@@ -158,6 +160,8 @@ def test_every_bad_line_reported_with_file_and_line(tmp_path):
     ('[\n{"query": "a",\n "response": ""}\n]', 2, "empty response"),
     ('[\n{"query": "a", "response": "b"}\n', 3, "not closed"),
     ('[]', 1, "no examples"),
+    ('[\n{"query": "a", "response": "b"},\n' + "[" * 100_000 + "]" * 100_000 + "\n]", 3,
+     "nested too deeply"),
 ])
 def test_json_list_errors_name_the_line(tmp_path, text, line, reason):
   path = tmp_path / "bad.json"

@@ -599,6 +599,9 @@ BAD = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ["a", "\\ud83d"]}', 400,
      "stop[1]"),
     ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),  # nested too deeply
+    ("/v1/completions", b'{"model": "tiny", "prompt": ' + b"[" * 500 + b'"\\ud800"'
+     + b"]" * 500 + b"}", 400, "prompt" + "[0]" * 500),  # deep, walked without recursion
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": "hot"}, 400,

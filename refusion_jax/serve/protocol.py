@@ -140,6 +140,8 @@ def loads(raw: bytes) -> Any:
     body = json.loads(raw)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+  except RecursionError:
+    raise ApiError(400, "the request body is nested too deeply to decode") from None
   if json.detect_encoding(raw) != "utf-8" or (
       (b"\\u" in raw or b"\xed" in raw) and _SURROGATE.search(raw)):
     found = fileio.not_unicode(body)
