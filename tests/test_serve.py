@@ -625,6 +625,7 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "ignore_eos": "yes"}, 400,
      "ignore_eos"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": [1]}, 400, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["x" * 257]}, 400, "stop"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]},
      400, "messages[0].role"),
@@ -732,6 +733,14 @@ def test_protocol_loads_names_a_lone_surrogate_wherever_the_bytes_put_it(raw, pa
   with pytest.raises(protocol.ApiError, match="not valid Unicode: a lone surrogate") as e:
     protocol.loads(raw)
   assert e.value.status == 400 and e.value.param == param
+
+
+def test_protocol_bounds_stop_strings():
+  body = {"model": "m", "prompt": "x", "stop": ["a", "b" * protocol.MAX_STOP_CHARS]}
+  assert protocol.parse(body, chat=False).stops == body["stop"]
+  body["stop"][1] += "b"
+  with pytest.raises(protocol.ApiError, match=f"at most {protocol.MAX_STOP_CHARS} characters"):
+    protocol.parse(body, chat=False)
 
 
 def test_protocol_refuses_stream_options_without_stream():

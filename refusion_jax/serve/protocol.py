@@ -127,6 +127,8 @@ def _content(message, i) -> str:
             f"{content!r}")
 
 
+MAX_STOP_CHARS = 256
+
 # Where a decoded body can hold a lone surrogate: a \uD800-\uDFFF escape, or one encoded
 # as UTF-8 bytes (json.loads decodes bytes with "surrogatepass").
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
@@ -208,6 +210,11 @@ def parse(body: Any, chat: bool) -> Request:
     raise bad("stop", f"must be a string or a list of at most 4 strings, got {stop!r}")
   if any(not s for s in stops):
     raise bad("stop", "stop strings must not be empty")
+  if any(len(s) > MAX_STOP_CHARS for s in stops):
+    # A stream holds back a suffix that may begin a stop string, found in time that
+    # grows with the square of its length, at every report.
+    raise bad("stop", f"a stop string has at most {MAX_STOP_CHARS} characters, got one of "
+              f"{max(map(len, stops))}")
   seed = body.get("seed")
   if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**32):
     raise bad("seed", f"must be an integer in [0, 2**32), got {seed!r}")
