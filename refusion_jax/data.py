@@ -117,6 +117,9 @@ def _iter_json_list(text: str) -> Iterator[_Item]:
     except RecursionError:
       yield _Item(_line_of(text, i), problem="malformed JSON (nested too deeply)")
       return
+    except ValueError as e:  # a number too long to convert (> 4,300 digits)
+      yield _Item(_line_of(text, i), problem=f"malformed JSON ({e})")
+      return
     yield _Item(_line_of(text, i), value)
     i, first, expect_value = end, False, False
   if text[i:].strip():
@@ -162,6 +165,9 @@ def _iter_file(path: str) -> Iterator[_Item]:
         value = json.loads(line)
       except json.JSONDecodeError as e:
         yield _Item(line_no, problem=f"malformed JSON ({e.msg}, column {e.colno})")
+        continue
+      except ValueError as e:  # a number too long to convert (> 4,300 digits)
+        yield _Item(line_no, problem=f"malformed JSON ({e})")
         continue
       except RecursionError:
         yield _Item(line_no, problem="malformed JSON (nested too deeply)")

@@ -85,7 +85,7 @@ def jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
       where = f"{path}:{number}"
       try:
         value = json.loads(line)
-      except json.JSONDecodeError as e:
+      except ValueError as e:  # also a number too long to convert (> 4,300 digits)
         raise ValueError(f"{where}: not valid JSON ({e})") from None
       except RecursionError:
         raise ValueError(f"{where}: not valid JSON here (nested too deeply)") from None

@@ -130,6 +130,7 @@ BAD_JSONL = [
     ('{"query": 3, "response": "b"}', "field 'query' must be a string, got int"),
     ('{"query": ' + "[" * 100_000 + "]" * 100_000 + ', "response": "b"}',
      "malformed JSON (nested too deeply)"),
+    ('{"query": ' + "1" * 5000 + ', "response": "b"}', "malformed JSON (Exceeds the limit"),
     ('{"query": "a", "response": "b\\udc00"}',
      "field 'response' is not valid Unicode: a lone surrogate at character 1"),
     ('{"query": "a", "response": "  "}', "empty response"),

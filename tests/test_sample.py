@@ -166,6 +166,9 @@ def test_bad_prompts_file_line(models, tmp_path):
   path.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n" + "[" * 100_000 + "]" * 100_000)
   with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON here \(nested too deeply\)"):
     sample.run(_config(models["causal"][0], prompts_file=str(path)))
+  path.write_text('{"prompt_ids": [' + "1" * 5000 + "]}\n")
+  with pytest.raises(ValueError, match=r"bad.jsonl:1: not valid JSON \(Exceeds the limit"):
+    sample.run(_config(models["causal"][0], prompts_file=str(path)))
   with pytest.raises(ValueError, match="--config.prompt: the query is not valid Unicode"):
     sample.run(_config(models["causal"][0], prompt="x\udc80"))
 

@@ -600,6 +600,7 @@ BAD = [
      "stop[1]"),
     ("/v1/completions", b"[1, 2]", 400, None),
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),  # nested too deeply
+    ("/v1/completions", b'{"model": "tiny", "prompt": [' + b"1" * 5000 + b"]}", 400, None),
     ("/v1/completions", b'{"model": "tiny", "prompt": ' + b"[" * 500 + b'"\\ud800"'
      + b"]" * 500 + b"}", 400, "prompt" + "[0]" * 500),  # deep, walked without recursion
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
