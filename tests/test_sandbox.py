@@ -627,3 +627,20 @@ def test_configure_sets_the_settings_filters_read():
     sandbox.configure(before.limits, allow_network=before.allow_network,
                       workers=before.workers, progress=before.progress,
                       allow_no_namespaces=before.allow_no_namespaces)
+
+
+def test_unreadable_launcher_reports_become_errors():
+  # What the launcher's pipe carries is parsed line by line; no line may raise.
+  read_fd, write_fd = os.pipe()
+  lines = [b'{"index": 0, "passed": true}', b"[" * 5000 + b"]" * 5000,  # < a pipe's buffer
+           b"1" * 5000, b"not json", b"[1, 2]"]
+  os.write(write_fd, b"\n".join(lines) + b"\n")
+  os.close(write_fd)
+  try:
+    reports = sandbox._read_reports(read_fd)  # pylint: disable=protected-access
+  finally:
+    os.close(read_fd)
+  assert reports[0] == {"index": 0, "passed": True}
+  assert len(reports) == 5 and all("unreadable launcher report" in r["error"]
+                                   for r in reports[1:])
+

@@ -740,9 +740,11 @@ def _read_reports(fd: int) -> list[dict[str, Any]]:
   reports = []
   for line in b"".join(chunks).decode(errors="replace").splitlines():
     try:
-      reports.append(json.loads(line))
-    except json.JSONDecodeError:
-      reports.append({"error": f"unreadable launcher report {line!r}"})
+      report = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, a number too long, nested too deep
+      report = None
+    reports.append(report if isinstance(report, dict)
+                   else {"error": f"unreadable launcher report {line[:200]!r}"})
   return reports
 
 
