@@ -233,8 +233,10 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
     with open(where) as f:
       try:
         hf = json.load(f)
-      except json.JSONDecodeError as e:
+      except (ValueError, RecursionError) as e:
         raise ValueError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+      raise ValueError(f"{where}: expected a JSON object, got {type(hf).__name__}")
   model_type = hf.get("model_type")
   if model_type not in (None, "qwen3"):
     raise ValueError(f"{where}: model_type={model_type!r}; only 'qwen3' is supported")

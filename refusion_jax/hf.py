@@ -212,13 +212,21 @@ def _read_header(path: str) -> dict[str, _Tensor]:
                        f"the file size {size})")
     try:
       header = json.loads(f.read(header_len))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # not JSON or UTF-8, too long a number, too deep
       raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+  if not isinstance(header, dict):
+    raise ValueError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, "
+                     "not an object of tensors)")
   base = 8 + header_len
   tensors = {}
   for name, info in header.items():
     if name == "__metadata__":
       continue
+    if not (isinstance(info, dict) and isinstance(info.get("shape"), list)
+            and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+            and all(isinstance(x, int) and x >= 0 for x in info["shape"] + info["data_offsets"])):
+      raise ValueError(f"{path}: tensor {name!r} has a corrupt header entry {str(info)[:200]} "
+                       "(expected dtype, shape and two data_offsets)")
     code = info.get("dtype")
     if code not in _ST_TO_NP:
       raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {code!r}")
@@ -238,9 +246,9 @@ def _tensor_files(directory: str) -> list[str]:
     with open(index_path) as f:
       try:
         index = json.load(f)
-      except json.JSONDecodeError as e:
+      except (ValueError, RecursionError) as e:
         raise ValueError(f"{index_path}: not valid JSON ({e})") from None
-    weight_map = index.get("weight_map")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
       raise ValueError(f"{index_path}: no 'weight_map' of tensor name -> file")
     files = sorted(set(weight_map.values()))

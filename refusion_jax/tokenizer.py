@@ -40,7 +40,7 @@ def _read_json(path: str) -> Any:
   with open(path, encoding="utf-8") as f:
     try:
       return json.load(f)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:
       raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 

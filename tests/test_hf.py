@@ -7,6 +7,7 @@ the committed fixture tests/fixtures/hf_tiny.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -328,6 +329,35 @@ def test_error_truncated_file(tmp_path):
   data = path.read_bytes()
   path.write_bytes(data[:-100])
   with pytest.raises(ValueError, match="truncated"):
+    hf.load(folder)
+
+
+@pytest.mark.parametrize("header, needle", [
+    (b"[" * 5000 + b"]" * 5000, "corrupt safetensors header (maximum recursion depth"),
+    (b'{"a": ' + b"1" * 5000 + b"}", "corrupt safetensors header (Exceeds the limit"),
+    (b"[1, 2]", "corrupt safetensors header (a JSON list, not an object of tensors)"),
+    (b'{"w": 3}', "tensor 'w' has a corrupt header entry 3"),
+    (b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0]}}',
+     "tensor 'w' has a corrupt header entry"),
+    (b'{"w": {"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}}',
+     "tensor 'w' has a corrupt header entry"),
+])
+def test_error_corrupt_safetensors_header(tmp_path, header, needle):
+  # Whatever a damaged (or hostile) header holds, the error names the file.
+  folder = _copy_fixture(tmp_path)
+  path = folder / "model.safetensors"
+  path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 64)
+  with pytest.raises(ValueError, match=re.escape(f"{path}: {needle}")):
+    hf.load(folder)
+
+
+def test_error_config_json_that_is_not_an_object(tmp_path):
+  folder = _copy_fixture(tmp_path)
+  (folder / "config.json").write_text("[" * 5000 + "]" * 5000)
+  with pytest.raises(ValueError, match="config.json: not valid JSON"):
+    hf.load(folder)
+  (folder / "config.json").write_text("[1, 2]")
+  with pytest.raises(ValueError, match="config.json: expected a JSON object, got list"):
     hf.load(folder)
 
 
