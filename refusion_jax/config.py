@@ -160,7 +160,20 @@ def read_model_config(directory: str) -> ModelConfig:
   if not os.path.exists(path):
     raise FileNotFoundError(f"no {MODEL_CONFIG_FILE} in {directory}: not a refusion_jax model folder")
   with open(path) as f:
-    return ModelConfig(**json.load(f))
+    try:
+      fields = json.load(f)
+    except (ValueError, RecursionError) as e:
+      raise ValueError(f"{path}: not valid JSON ({e})") from None
+  if not isinstance(fields, dict):
+    raise ValueError(f"{path}: expected a JSON object of ModelConfig fields, got "
+                     f"{type(fields).__name__}")
+  unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ModelConfig)})
+  if unknown:
+    raise ValueError(f"{path}: unknown ModelConfig field(s) {unknown}")
+  try:
+    return ModelConfig(**fields)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{path}: {e}") from None
 
 
 def is_model_dir(directory: str) -> bool:

@@ -80,6 +80,20 @@ def test_from_hf_config_errors(tmp_path):
                                "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}})
 
 
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "model_config.json: not valid JSON"),
+    ("[" * 5000 + "]" * 5000, "model_config.json: not valid JSON"),
+    ("[1, 2]", "model_config.json: expected a JSON object of ModelConfig fields, got list"),
+    ('{"vocab_size": 8, "hidden_sise": 4}', r"unknown ModelConfig field\(s\) \['hidden_sise'\]"),
+    ('{"vocab_size": 8}', "model_config.json: .*missing"),
+    (json.dumps({**config_lib.tiny().__dict__, "head_dim": 33}), "head_dim must be even"),
+])
+def test_read_model_config_names_its_file(tmp_path, text, message):
+  (tmp_path / config_lib.MODEL_CONFIG_FILE).write_text(text)
+  with pytest.raises(ValueError, match=message):
+    config_lib.read_model_config(str(tmp_path))
+
+
 @pytest.mark.parametrize("changes,message", [
     ({"block_size": 12}, "block_size=12 must be a multiple of decode.slot_size=8"),
     ({"gen_length": 100}, "gen_length=100 must be a multiple of decode.block_size=32"),
