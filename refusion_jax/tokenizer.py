@@ -154,7 +154,7 @@ class Tokenizer:
     except Exception as e:  # tokenizers raises a bare Exception for any bad file.
       try:
         json.loads(tok_text)
-      except json.JSONDecodeError as json_error:
+      except (ValueError, RecursionError) as json_error:
         raise ValueError(f"{tok_path}: not valid JSON ({json_error})") from None
       raise ValueError(f"{tok_path}: not a valid `tokenizers` file ({e})") from None
     cfg = _read_json(cfg_path)

@@ -347,6 +347,12 @@ def test_invalid_json(tmp_path):
   (path / "tokenizer_config.json").write_text("{oops}")
   with pytest.raises(ValueError, match="tokenizer_config.json: not valid JSON"):
     Tokenizer.from_dir(path)
+  # Nested past what the decoder takes: named the same way.
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    path = _tiny_copy(tmp_path / name)
+    (path / name).write_text("[" * 5000 + "]" * 5000)
+    with pytest.raises(ValueError, match=f"{name}: not valid JSON"):
+      Tokenizer.from_dir(path)
 
 
 def test_bad_config_entries(tmp_path):
