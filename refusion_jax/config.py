@@ -7,9 +7,10 @@ argument of `jax.jit`. Dtypes are stored by name for the same reason.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Mapping
+
+from refusion_jax import fileio
 
 ATTENTION_KINDS = ("causal", "bidirectional")
 # What a layer keeps for the backward pass (jax.checkpoint policies, see model.py):
@@ -159,11 +160,7 @@ def read_model_config(directory: str) -> ModelConfig:
   path = os.path.join(directory, MODEL_CONFIG_FILE)
   if not os.path.exists(path):
     raise FileNotFoundError(f"no {MODEL_CONFIG_FILE} in {directory}: not a refusion_jax model folder")
-  with open(path) as f:
-    try:
-      fields = json.load(f)
-    except (ValueError, RecursionError) as e:
-      raise ValueError(f"{path}: not valid JSON ({e})") from None
+  fields = fileio.read_json(path)
   if not isinstance(fields, dict):
     raise ValueError(f"{path}: expected a JSON object of ModelConfig fields, got "
                      f"{type(fields).__name__}")
@@ -243,11 +240,7 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
       where = os.path.join(where, "config.json")
     if not os.path.exists(where):
       raise FileNotFoundError(f"no config.json at {where}")
-    with open(where) as f:
-      try:
-        hf = json.load(f)
-      except (ValueError, RecursionError) as e:
-        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    hf = fileio.read_json(where)
     if not isinstance(hf, dict):
       raise ValueError(f"{where}: expected a JSON object, got {type(hf).__name__}")
   model_type = hf.get("model_type")

@@ -81,6 +81,16 @@ def _line_of(text: str, index: int) -> int:
   return text.count("\n", 0, index) + 1
 
 
+def _malformed(e: Exception) -> str:
+  """The problem of a JSON value the decoder refused: a syntax error, a number too long
+  to convert (over 4,300 digits) or nesting too deep."""
+  if isinstance(e, json.JSONDecodeError):
+    return f"malformed JSON ({e.msg}, column {e.colno})"
+  if isinstance(e, RecursionError):
+    return "malformed JSON (nested too deeply)"
+  return f"malformed JSON ({e})"
+
+
 def _iter_json_list(text: str) -> Iterator[_Item]:
   """Elements of a JSON list with the line each starts on.
 
@@ -111,14 +121,9 @@ def _iter_json_list(text: str) -> Iterator[_Item]:
       continue
     try:
       value, end = decoder.raw_decode(text, i)
-    except json.JSONDecodeError as e:
-      yield _Item(e.lineno, problem=f"malformed JSON ({e.msg}, column {e.colno})")
-      return
-    except RecursionError:
-      yield _Item(_line_of(text, i), problem="malformed JSON (nested too deeply)")
-      return
-    except ValueError as e:  # a number too long to convert (> 4,300 digits)
-      yield _Item(_line_of(text, i), problem=f"malformed JSON ({e})")
+    except (ValueError, RecursionError) as e:
+      line = e.lineno if isinstance(e, json.JSONDecodeError) else _line_of(text, i)
+      yield _Item(line, problem=_malformed(e))
       return
     yield _Item(_line_of(text, i), value)
     i, first, expect_value = end, False, False
@@ -163,14 +168,8 @@ def _iter_file(path: str) -> Iterator[_Item]:
         continue
       try:
         value = json.loads(line)
-      except json.JSONDecodeError as e:
-        yield _Item(line_no, problem=f"malformed JSON ({e.msg}, column {e.colno})")
-        continue
-      except ValueError as e:  # a number too long to convert (> 4,300 digits)
-        yield _Item(line_no, problem=f"malformed JSON ({e})")
-        continue
-      except RecursionError:
-        yield _Item(line_no, problem="malformed JSON (nested too deeply)")
+      except (ValueError, RecursionError) as e:
+        yield _Item(line_no, problem=_malformed(e))
         continue
       yield _Item(line_no, value)
 

@@ -29,7 +29,6 @@ the exit status is then 2.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -127,11 +126,7 @@ def load_results(paths: Iterable[str]) -> list[dict]:
     if os.path.realpath(file) in (os.path.realpath(f) for f in files):
       raise ValueError(f"{file} is given more than once")
     files.append(file)
-    with open(file, encoding="utf-8") as f:
-      try:
-        result = json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    result = fileio.read_json(file)
     check_result(result, file)
     results.append({**result, "source": file})
   if not results:

@@ -37,6 +37,20 @@ def write_json_atomic(path: str, value: Any) -> None:
   write_text_atomic(path, json.dumps(value, indent=1, ensure_ascii=False) + "\n", make_dirs=True)
 
 
+def read_json(path: str) -> Any:
+  """The JSON value in `path` (UTF-8).
+
+  Raises:
+    ValueError: `path: not valid JSON (...)`, also for a number too long to convert
+      (over 4,300 digits) or nesting too deep to decode.
+  """
+  with open(path, encoding="utf-8") as f:
+    try:
+      return json.load(f)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
+      raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
 def read_json_or_none(path: str) -> Any:
   """The JSON value in `path`, or None when it is missing or not valid JSON.
 

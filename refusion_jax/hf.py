@@ -35,6 +35,7 @@ import ml_dtypes
 import numpy as np
 
 from refusion_jax import config as config_lib
+from refusion_jax import fileio
 from refusion_jax.config import ModelConfig
 
 # JAX, Flax and the sharding rules are imported where they are used: reading a folder's
@@ -243,11 +244,7 @@ def _tensor_files(directory: str) -> list[str]:
   """The safetensors files of a checkpoint folder (index first, then the single file)."""
   index_path = os.path.join(directory, INDEX_FILE)
   if os.path.exists(index_path):
-    with open(index_path) as f:
-      try:
-        index = json.load(f)
-      except (ValueError, RecursionError) as e:
-        raise ValueError(f"{index_path}: not valid JSON ({e})") from None
+    index = fileio.read_json(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
       raise ValueError(f"{index_path}: no 'weight_map' of tensor name -> file")

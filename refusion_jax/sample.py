@@ -109,7 +109,7 @@ def _model_dirs_below(folder: str, depth: int = 3, most: int = 5) -> list[str]:
     if seen == 2000:  # an error message's search, not a crawl
       break
     dirs.sort()
-    if "model_config.json" in files or "config.json" in files:
+    if config_lib.MODEL_CONFIG_FILE in files or "config.json" in files:
       found.append(path)
       dirs.clear()  # a model folder's own subfolders are its weights
     if path.count(os.sep) - root >= depth:

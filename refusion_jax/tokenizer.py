@@ -36,14 +36,6 @@ TINY_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "a
                                   "tiny_tokenizer")
 
 
-def _read_json(path: str) -> Any:
-  with open(path, encoding="utf-8") as f:
-    try:
-      return json.load(f)
-    except (ValueError, RecursionError) as e:
-      raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
 def _token_name(value: Any, field: str, where: str) -> str | None:
   # transformers writes special tokens either as a string or as a serialized AddedToken dict.
   if value is None:
@@ -157,7 +149,7 @@ class Tokenizer:
       except (ValueError, RecursionError) as json_error:
         raise ValueError(f"{tok_path}: not valid JSON ({json_error})") from None
       raise ValueError(f"{tok_path}: not a valid `tokenizers` file ({e})") from None
-    cfg = _read_json(cfg_path)
+    cfg = fileio.read_json(cfg_path)
     if not isinstance(cfg, Mapping):
       raise ValueError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
 

@@ -38,6 +38,7 @@ class TextStream:
                concatenates: bool = False):
     self.decode = decode
     self.stops = [s for s in stops if s]
+    self._longest_stop = max(map(len, self.stops), default=1)
     self.concatenates = concatenates
     self.sent = ""
     self.tokens: list[int] = []
@@ -64,8 +65,7 @@ class TextStream:
     self.tokens = list(tokens)
     text = self._text()
     # What was sent holds no stop string, so one can only begin in its last characters.
-    longest = max(map(len, self.stops), default=1)
-    cut = self._stop_at(text, max(0, len(self.sent) - longest + 1))
+    cut = self._stop_at(text, max(0, len(self.sent) - self._longest_stop + 1))
     if cut >= 0:
       self.stopped = True
       self.tokens = self.tokens[:self._fewest_holding_a_stop()]
