@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Iterable, Mapping, Sequence
 
 import jinja2
@@ -34,6 +35,12 @@ BOS_TOKEN = "<|beginoftext|>"
 MASK_TOKEN = "<|mask|>"
 TINY_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets",
                                   "tiny_tokenizer")
+
+
+# Decoder steps a stream may run over a window of its tokens (Tokenizer.decodes_incrementally).
+_WINDOWED_DECODERS = frozenset({"ByteLevel", "ByteFallback", "Metaspace", "WordPiece",
+                                "BPEDecoder", "Replace", "Fuse", "Strip"})
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token's vocabulary entry
 
 
 def _token_name(value: Any, field: str, where: str) -> str | None:
@@ -112,6 +119,7 @@ class Tokenizer:
     # Ids need not be contiguous, so the model needs max id + 1 embedding rows.
     self.id_limit = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
     self._chars_per_token: int | None = None  # longest_text's bound, worked out on first use
+    self._unsettled: frozenset[int] | None = None  # unsettled_ids, worked out on first use
     self._spec_cache: Mapping[str, Any] | None = None
 
   def _require_id(self, name: str, field: str) -> int:
@@ -235,15 +243,30 @@ class Tokenizer:
     return tokens * self._chars_per_token if self._chars_per_token else None
 
   @property
-  def decodes_by_concatenation(self) -> bool:
-    """Whether the text of a token list is the texts of its parts joined, wherever it is
-    cut between characters: a byte-level decoder (Qwen3's, the tiny one) turns tokens
-    into bytes and the bytes into text, so that `decode(a + b) == decode(a) + decode(b)`
-    when `decode(a)` does not end in a cut character (U+FFFD). A stream then decodes
-    only its new tokens (`serve.text.TextStream`)."""
+  def decodes_incrementally(self) -> bool:
+    """Whether a stream may decode a window of its tokens instead of the whole prefix
+    (`serve.text.TextStream`): every step of the decoder maps each token to its text,
+    with effects only at the first token it decodes (a SentencePiece piece's leading
+    space, a WordPiece word's) or where bytes are joined into characters (byte-level
+    BPE: Qwen3's and the tiny one; byte fallback, whose tokens `unsettled_ids` names).
+    A decoder of another kind (CTC's merging of repeats, a custom one) is decoded
+    whole at every update."""
     decoder = self._spec().get("decoder")
-    return bool(decoder) and all(d.get("type") == "ByteLevel"
-                                 for d in _parts(decoder, "decoders"))
+    return all(d.get("type") in _WINDOWED_DECODERS for d in _parts(decoder, "decoders"))
+
+  @property
+  def unsettled_ids(self) -> frozenset[int]:
+    """Tokens whose text may change with the tokens after them: with a ByteFallback
+    decoder, a run of byte tokens (`<0xE4>`) becomes characters when it is valid UTF-8
+    and one U+FFFD per token otherwise, so a byte token's text is known only once a
+    token of another kind follows it. A stream holds their text back until then."""
+    if self._unsettled is None:
+      decoder = self._spec().get("decoder")
+      byte_fallback = any(d.get("type") == "ByteFallback" for d in _parts(decoder, "decoders"))
+      self._unsettled = frozenset(
+          i for t, i in self._tok.get_vocab(with_added_tokens=False).items()
+          if _BYTE_TOKEN.fullmatch(t)) if byte_fallback else frozenset()
+    return self._unsettled
 
   def _spec(self) -> Mapping[str, Any]:
     """tokenizer.json as a dict (parsed once; 0.4 s for Qwen3's)."""

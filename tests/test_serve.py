@@ -354,17 +354,10 @@ def test_text_stream_holds_back_partial_stops_and_characters():
   assert ts.update([1]) == "ab" and ts.update([1, 2], final=True) == "\xe9"
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_text_stream_decoding_only_new_tokens_sends_the_same(seed):
-  # The tiny tokenizer is byte-level: accented letters, CJK and emoji take several
-  # tokens, so updates cut characters; stop strings span updates.
-  tok = Tokenizer.tiny()
-  assert tok.decodes_by_concatenation
-  rng = np.random.default_rng(seed)
-  words = ["caf\xe9", "\u4e2d\u6587", "\U0001f600", "STOP", "ST", "OP", "a", " ", "\n", "12"]
-  text = "".join(words[i] for i in rng.integers(len(words), size=300))
-  ids = tok.encode(text)
-  ids[5:5] = [tok.eos_id, tok.pad_id]  # special tokens, skipped when decoded
+def _stream_alike(tok, ids, stops, rng):
+  """Streams `ids` through a windowed TextStream and one that decodes the whole prefix
+  at every update (same random update sizes): same deltas, stops and tokens at every
+  update, and the windowed one decodes O(n) tokens. Returns the windowed stream."""
   decoded = [0, 0]  # tokens decoded by each stream
 
   def counting(k):
@@ -372,25 +365,115 @@ def test_text_stream_decoding_only_new_tokens_sends_the_same(seed):
       decoded[k] += len(t)
       return tok.decode(t, skip_special_tokens=True)
     return decode
+  full = text_lib.TextStream(counting(0), stops, unsettled=tok.unsettled_ids)
+  fast = text_lib.TextStream(counting(1), stops, incremental=True, unsettled=tok.unsettled_ids)
+  sent = ""
+  n = 0
+  while n < len(ids):
+    n = min(len(ids), n + int(rng.integers(1, 4)))
+    final = n == len(ids)
+    delta = fast.update(ids[:n], final)
+    assert delta == full.update(ids[:n], final), (stops, n)
+    assert (fast.stopped, fast.tokens) == (full.stopped, full.tokens)
+    sent += delta
+    if full.stopped:
+      break
+  assert sent == fast.sent == full.sent
+  assert fast.sent == tok.decode(fast.tokens, skip_special_tokens=True)[:len(fast.sent)]
+  if not stops:
+    assert fast.sent == tok.decode(ids, skip_special_tokens=True)  # never revised
+    assert decoded[1] <= 6 * len(ids) < len(ids) ** 2 / 8 < decoded[0], decoded  # O(n), not O(n^2)
+  return fast
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_text_stream_decoding_a_window_sends_the_same(seed):
+  # The tiny tokenizer is byte-level: accented letters, CJK and emoji take several
+  # tokens, so updates cut characters; stop strings span updates.
+  tok = Tokenizer.tiny()
+  assert tok.decodes_incrementally and not tok.unsettled_ids
+  rng = np.random.default_rng(seed)
+  words = ["caf\xe9", "\u4e2d\u6587", "\U0001f600", "STOP", "ST", "OP", "a", " ", "\n", "12"]
+  text = "".join(words[i] for i in rng.integers(len(words), size=300))
+  ids = tok.encode(text)
+  ids[5:5] = [tok.eos_id, tok.pad_id]  # special tokens, skipped when decoded
   for stops in ([], ["STOP"], ["\u6587\U0001f600", "x"]):
-    decoded[:] = [0, 0]
-    full = text_lib.TextStream(counting(0), stops)
-    fast = text_lib.TextStream(counting(1), stops, concatenates=True)
-    n = 0
-    while n < len(ids):
-      n = min(len(ids), n + int(rng.integers(1, 4)))
-      final = n == len(ids)
-      assert fast.update(ids[:n], final) == full.update(ids[:n], final), (stops, n)
-      assert (fast.stopped, fast.tokens) == (full.stopped, full.tokens)
-      if full.stopped:
-        break
-    assert fast.sent == full.sent and fast.sent == tok.decode(full.tokens,
-                                                              skip_special_tokens=True)[
-        :len(fast.sent)]
-    assert full.stopped or stops != ["STOP"]
-    if not stops:
-      assert fast.sent == tok.decode(ids, skip_special_tokens=True)
-      assert decoded[1] < 3 * len(ids) < decoded[0] / 10, decoded  # O(n), not O(n^2)
+    stream = _stream_alike(tok, ids, stops, rng)
+    assert stream.stopped or stops != ["STOP"]
+
+
+# Pieces for tokenizers of other families: SentencePiece pieces (leading "\u2581"),
+# WordPiece continuations, BPE end-of-word suffixes, byte tokens (valid and invalid
+# UTF-8 runs), byte-level letters, punctuation that WordPiece's cleanup joins.
+_PIECES = (["\u2581the", "\u2581", "\u2581\u2581", "a", "b", "\u2581c", "##ing", "##s", "x", ".",
+            ",", "\u2581.", "'s", "e</w>", "ab</w>", "\u0120hi", "\u010a", "\xe9", "STOP", "ST",
+            "OP"] + [f"<0x{b:02X}>" for b in range(256)])
+
+
+def _other_tokenizer(decoder):
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  vocab = {p: i for i, p in enumerate(_PIECES + ["<eos>", "<pad>"])}
+  raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="a"))
+  raw.add_special_tokens(["<eos>", "<pad>"])
+  if decoder is not None:
+    raw.decoder = decoder
+  return Tokenizer(raw, eos_token="<eos>", pad_token="<pad>", chat_template=None, source="test")
+
+
+def _other_decoders():
+  from tokenizers import decoders  # pylint: disable=import-outside-toplevel
+  return {
+      # Llama 2 / Mistral / Gemma: SentencePiece with byte fallback.
+      "sentencepiece_byte_fallback": decoders.Sequence([
+          decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+          decoders.Strip(" ", 1, 0)]),
+      "metaspace": decoders.Metaspace(),
+      "metaspace_never": decoders.Metaspace(prepend_scheme="never"),
+      "wordpiece": decoders.WordPiece(),
+      "bpe_suffix": decoders.BPEDecoder(),
+      "byte_level": decoders.ByteLevel(),
+      "none": None,  # tokens joined with spaces
+  }
+
+
+@pytest.mark.parametrize("family", sorted(_other_decoders()))
+def test_text_stream_window_equals_whole_prefix_for_other_tokenizer_families(family):
+  tok = _other_tokenizer(_other_decoders()[family])
+  assert tok.decodes_incrementally
+  assert bool(tok.unsettled_ids) == (family == "sentencepiece_byte_fallback")
+  rng = np.random.default_rng(0)
+  for trial in range(40):
+    # Byte tokens in runs: UTF-8 of accented, CJK and emoji characters, and stray bytes.
+    ids = []
+    while len(ids) < 120:
+      if rng.random() < 0.25:
+        ids += [tok.token_to_id(f"<0x{b:02X}>")
+                for b in rng.choice(["\xe9", "\u4e2d", "\U0001f600", " "]).encode()]
+      elif rng.random() < 0.05:
+        ids.append(tok.token_to_id(f"<0x{int(rng.integers(128, 256)):02X}>"))
+      else:
+        ids.append(int(rng.integers(len(_PIECES) - 256)))
+    ids[3:3] = [tok.eos_id]
+    _stream_alike(tok, ids, [] if trial % 2 else ["STOP", "\u4e2d"], rng)
+
+
+def test_text_stream_holds_back_byte_tokens_until_their_run_ends():
+  # With byte fallback a byte run's text depends on the bytes after it: " " alone,
+  # but one U+FFFD per token once an invalid byte follows.
+  tok = _other_tokenizer(_other_decoders()["sentencepiece_byte_fallback"])
+  a, space, bad = (tok.token_to_id(t) for t in ("\u2581the", "<0x20>", "<0xA9>"))
+  assert tok.decode([a, space]) == "the " and tok.decode([a, space, bad]) == "the\ufffd\ufffd"
+  for incremental in (False, True):
+    ts = text_lib.TextStream(tok.decode, incremental=incremental, unsettled=tok.unsettled_ids)
+    assert ts.update([a, space]) == "the"
+    assert ts.update([a, space, bad], final=True) == "\ufffd\ufffd"
+    assert ts.sent == tok.decode([a, space, bad])
+
+
+def test_decoders_of_other_kinds_are_decoded_whole():
+  from tokenizers import decoders  # pylint: disable=import-outside-toplevel
+  tok = _other_tokenizer(decoders.CTC())  # merges repeats across the window's edge
+  assert not tok.decodes_incrementally and not tok.unsettled_ids
 
 
 def _reply(timeout=60.0, **body):
@@ -399,7 +482,7 @@ def _reply(timeout=60.0, **body):
   cancelled = []
   server = types.SimpleNamespace(
       _decode=lambda ids: "".join(chr(ord("a") + i) for i in ids), timeout=timeout,
-      decode_concatenates=True,
+      decode_incrementally=True, unsettled_ids=frozenset(),
       scheduler=types.SimpleNamespace(cancel=cancelled.append, delivers_in_loop=True),
       metrics=app_lib.Metrics(), model_name="m", eos_id=99)
   req = protocol.parse({"model": "m", "prompt": "x", "stream": True, **body}, chat=False)

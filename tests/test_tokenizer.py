@@ -282,6 +282,12 @@ def test_longest_text_bounds_the_characters_of_any_text_that_fits(which, request
     assert len(text) <= tok.longest_text(n), (text[:40], n)
 
 
+@pytest.mark.parametrize("which", ["tiny", "qwen"])
+def test_byte_level_tokenizers_stream_by_windows_with_no_unsettled_tokens(which, request):
+  tok = request.getfixturevalue(which)
+  assert tok.decodes_incrementally and tok.unsettled_ids == frozenset()
+
+
 def test_longest_text_is_none_where_the_pipeline_gives_no_bound(tiny):
   import tokenizers  # pylint: disable=import-outside-toplevel
   raw = tokenizers.Tokenizer.from_str(tiny._tok.to_str())  # pylint: disable=protected-access

@@ -87,8 +87,9 @@ class Server:
     self.eos_id = scheduler.model_config.eos_token_id
     # No text longer than this fits the prompt width: refused without encoding it.
     self.text_limit = None if tokenizer is None else tokenizer.longest_text(scheduler.width)
-    # A stream's update decodes only its new tokens (see TextStream).
-    self.decode_concatenates = tokenizer is not None and tokenizer.decodes_by_concatenation
+    # A stream's update decodes a window of its tokens, not the whole prefix (TextStream).
+    self.decode_incrementally = tokenizer is not None and tokenizer.decodes_incrementally
+    self.unsettled_ids = frozenset() if tokenizer is None else tokenizer.unsettled_ids
     self.created = int(time.time())
 
   # --- helpers --------------------------------------------------------------------------
@@ -289,7 +290,8 @@ class _Reply:
     self.job: Job | None = None
     self.committed: list[int] = []  # the committed prefix, from the progress reports
     self.text = TextStream(server._decode, req.stops,  # pylint: disable=protected-access
-                           concatenates=server.decode_concatenates)
+                           incremental=server.decode_incrementally,
+                           unsettled=server.unsettled_ids)
     self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
     self.forward_passes = 0
