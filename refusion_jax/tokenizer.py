@@ -208,11 +208,18 @@ class Tokenizer:
 
   # -------------------------------------------------------- encode / decode
 
-  def encode(self, text: str) -> list[int]:
-    """Token ids of `text`; no special tokens are added (special names in the text match)."""
+  def encode(self, text: str, *, release_gil: bool = False) -> list[int]:
+    """Token ids of `text`; no special tokens are added (special names in the text match).
+
+    With `release_gil`, through the batch encoder, which lets go of Python's lock while
+    it works (the single-text one holds it: about 1 s a MB), so that other threads run
+    meanwhile (a server's event loop, with the encoding on a worker thread). Same ids.
+    """
     if not isinstance(text, str):
       raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
     try:
+      if release_gil:
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
       return list(self._tok.encode(text, add_special_tokens=False).ids)
     except TypeError:
       found = fileio.not_unicode(text)

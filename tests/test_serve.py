@@ -5,6 +5,7 @@ SIGTERM one (a subprocess). The oracle is `refusion_jax.sample` run on the
 same prompts with the same settings: greedy text and tokens must be equal.
 """
 
+import asyncio
 import collections
 import concurrent.futures
 import json
@@ -753,6 +754,30 @@ def test_bad_input_gets_its_4xx_and_the_server_keeps_serving(served):
   assert httpx.get(served["url"] + "/health").json()["status"] == "ok"
   assert _complete(_client(served), 1, "refusion", False)[1] == (
       served["completion"]["refusion"][1]["tokens"])
+
+
+def test_a_long_prompt_text_is_encoded_off_the_event_loop(served, monkeypatch):
+  # Encoding holds the GIL (about 1 s a MB); a long text is encoded on a worker thread
+  # by the encoder that lets it go, so streams and /health go on meanwhile.
+  from refusion_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
+  server, tok = served["server"], served["server"].tokenizer
+  calls = []
+  def encode(text, release_gil=False):
+    try:
+      on_loop = asyncio.get_running_loop() is not None
+    except RuntimeError:  # a worker thread runs no event loop
+      on_loop = False
+    calls.append((len(text), release_gil, on_loop))
+    return Tokenizer.encode(tok, text, release_gil=release_gil)
+  monkeypatch.setattr(tok, "encode", encode)
+  monkeypatch.setattr(server, "text_limit", None)  # as for a tokenizer with no bound
+  url = served["url"] + "/v1/completions"
+  long_text = "ab " * app_lib.ENCODE_ON_LOOP_CHARS
+  r = httpx.post(url, json={"model": "tiny", "prompt": long_text}, timeout=60)
+  assert r.status_code == 400 and "tokens; this server takes at most" in r.text, r.text
+  r = httpx.post(url, json={"model": "tiny", "prompt": TEXTS[0], "max_tokens": 4}, timeout=60)
+  assert r.status_code == 200, r.text
+  assert calls == [(len(long_text), True, False), (len(TEXTS[0]), False, True)]
 
 
 def test_a_body_over_max_request_bytes_gets_413_and_the_server_keeps_serving(served):

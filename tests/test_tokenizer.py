@@ -288,6 +288,15 @@ def test_byte_level_tokenizers_stream_by_windows_with_no_unsettled_tokens(which,
   assert tok.decodes_incrementally and tok.unsettled_ids == frozenset()
 
 
+@pytest.mark.parametrize("which", ["tiny", "qwen"])
+def test_encoding_without_the_gil_gives_the_same_ids(which, request):
+  tok = request.getfixturevalue(which)
+  for text in ROUNDTRIP_TEXTS + _texts_that_pack_tokens(tok)[-3:] + ["<|im_end|> x" * 3]:
+    assert tok.encode(text, release_gil=True) == tok.encode(text), text[:40]
+  with pytest.raises(ValueError, match="lone surrogate at character 2"):
+    tok.encode("ab\ud800", release_gil=True)
+
+
 def test_longest_text_is_none_where_the_pipeline_gives_no_bound(tiny):
   import tokenizers  # pylint: disable=import-outside-toplevel
   raw = tokenizers.Tokenizer.from_str(tiny._tok.to_str())  # pylint: disable=protected-access

@@ -34,6 +34,10 @@ from refusion_jax.serve.scheduler import (Bucket, Done, EngineDown, Job, QueueFu
                                           bucket_of)
 from refusion_jax.serve.text import TextStream
 
+# A prompt text longer than this is encoded on a worker thread, off the event loop
+# (shorter ones take at most about 2 ms where they are).
+ENCODE_ON_LOOP_CHARS = 2048
+
 
 class Metrics:
   """Prometheus metrics of one server (its own registry)."""
@@ -99,7 +103,7 @@ class Server:
       return ""
     return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-  def _encode(self, req: protocol.Request) -> list[int]:
+  async def _encode(self, req: protocol.Request) -> list[int]:
     if isinstance(req.prompt, list) and not req.chat:
       # Too many ids: refused for their number (by the caller) before each is looked at.
       bad = ([t for t in req.prompt if not 0 <= t < self.vocab_size]
@@ -123,7 +127,11 @@ class Server:
       raise protocol.bad("messages" if req.chat else "prompt",
                          f"the prompt has {len(text)} characters, more than "
                          f"{self.scheduler.width} tokens can hold (--config.max_prompt_len)")
-    return self.tokenizer.encode(text)
+    if len(text) <= ENCODE_ON_LOOP_CHARS:
+      return self.tokenizer.encode(text)
+    # A long text is encoded on a worker thread, by the encoder that lets go of the GIL,
+    # so that every stream and /health go on meanwhile (about 1 s a MB).
+    return await asyncio.to_thread(self.tokenizer.encode, text, release_gil=True)
 
   def _bucket(self, req: protocol.Request) -> Bucket:
     default = bucket_of(self.scheduler.default_config)
@@ -224,7 +232,7 @@ class Server:
       if req.model != self.model_name:
         raise ApiError(404, f"model: {req.model!r} does not exist; this server serves "
                        f"{self.model_name!r}", param="model", code="model_not_found")
-      ids = self._encode(req)
+      ids = await self._encode(req)
       if len(ids) > self.scheduler.width:
         raise protocol.bad("prompt" if not chat else "messages",
                            f"the prompt has {len(ids)} tokens; this server takes at most "
