@@ -254,8 +254,9 @@ class Tokenizer:
     """Whether a stream may decode a window of its tokens instead of the whole prefix
     (`serve.text.TextStream`): every step of the decoder maps each token to its text,
     with effects only at the first token it decodes (a SentencePiece piece's leading
-    space, a WordPiece word's) or where bytes are joined into characters (byte-level
-    BPE: Qwen3's and the tiny one; byte fallback, whose tokens `unsettled_ids` names).
+    space, a WordPiece word's), at the last (a BPE end-of-word suffix) or where bytes
+    are joined into characters (byte-level BPE: Qwen3's and the tiny one; byte
+    fallback, whose tokens `unsettled_ids` names).
     A decoder of another kind (CTC's merging of repeats, a custom one) is decoded
     whole at every update."""
     decoder = self._spec().get("decoder")
