@@ -259,8 +259,7 @@ class Tokenizer:
     fallback, whose tokens `unsettled_ids` names).
     A decoder of another kind (CTC's merging of repeats, a custom one) is decoded
     whole at every update."""
-    decoder = self._spec().get("decoder")
-    return all(d.get("type") in _WINDOWED_DECODERS for d in _parts(decoder, "decoders"))
+    return self._decoder_types() <= _WINDOWED_DECODERS
 
   @property
   def unsettled_ids(self) -> frozenset[int]:
@@ -269,12 +268,14 @@ class Tokenizer:
     and one U+FFFD per token otherwise, so a byte token's text is known only once a
     token of another kind follows it. A stream holds their text back until then."""
     if self._unsettled is None:
-      decoder = self._spec().get("decoder")
-      byte_fallback = any(d.get("type") == "ByteFallback" for d in _parts(decoder, "decoders"))
       self._unsettled = frozenset(
           i for t, i in self._tok.get_vocab(with_added_tokens=False).items()
-          if _BYTE_TOKEN.fullmatch(t)) if byte_fallback else frozenset()
+          if _BYTE_TOKEN.fullmatch(t)) if "ByteFallback" in self._decoder_types() else frozenset()
     return self._unsettled
+
+  def _decoder_types(self) -> set[str | None]:
+    """The types of tokenizer.json's decoder steps (none: no decoder)."""
+    return {d.get("type") for d in _parts(self._spec().get("decoder"), "decoders")}
 
   def _spec(self) -> Mapping[str, Any]:
     """tokenizer.json as a dict (parsed once; 0.4 s for Qwen3's)."""

@@ -31,8 +31,8 @@ class TextStream:
   stop string.
 
   With `incremental` (`Tokenizer.decodes_incrementally`: a decoder whose steps
-  map each token to its text, with effects only at the first token of what it
-  decodes), an update decodes a window instead of the whole prefix, as an
+  map each token to its text, with effects only at the first or last token of what
+  it decodes), an update decodes a window instead of the whole prefix, as an
   incremental detokenizer does: the tokens since the last anchor, where the text
   ended in a whole character, and those before it since the anchor before (so the
   first-token effects cancel: a SentencePiece piece's leading space, a WordPiece
