@@ -28,6 +28,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.slot_sizes = (4, 8, 16, 32)  # ReFusion draws each example's slot size from these
   c.eps = 1e-3  # mask probability floor: p = (1 - eps) * t + eps
   c.loss_chunk = 0  # cross-entropy over this many tokens of a row at a time (0 = full logits)
+  c.mdm_response_len = 0  # MDM baseline: EOS-pad each response to this many tokens (the
+  #                         decoder's gen_length, LLaDA's SFT); 0 = to the end of its row
 
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"  # refusion_jax.config preset; model.* fields not None override it
@@ -53,12 +55,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.train_files = (TINY_TRAIN,)  # JSON / JSONL files of {"query", "response"}
   c.data.eval_files = (TINY_TEST,)  # held-out files for the periodic eval loss
-  c.data.seq_len = 128  # tokens per row (prompt + response + EOS, right-padded)
+  c.data.seq_len = 128  # tokens per row (each sample: prompt + response + EOS)
+  c.data.packing = "none"  # "none" (a sample per row, right-padded), "first_fit", "best_fit"
+  c.data.packing_bins = 0  # rows packed at once (0 = max(rows per process, 64))
   c.data.tfds_dir = ""  # where the TFDS build goes ("" = <workdir>/tfds)
   c.data.drop_overlong = True  # drop (and count) rows longer than seq_len instead of failing
   c.data.shuffle_seed = 0  # data order; the same seed gives the same batches
 
-  c.global_batch_size = 16  # rows per step over all devices and processes
+  c.global_batch_size = 16  # rows per step over all devices and processes (packed: several
+  #                           samples each; metrics log samples and real tokens per step)
   c.num_train_steps = 600  # optimizer steps; <= 0 derives them from num_epochs
   c.num_epochs = 0  # used only when num_train_steps <= 0: epochs over train_files
 

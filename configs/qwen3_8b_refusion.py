@@ -1,14 +1,24 @@
 """ReFusion's paper recipe: Qwen3-8B + two special tokens, hybrid slot objective.
 
 Paper (ALGORITHM.md "Training"): 3.7M query/response samples, sequence 4096,
-4 epochs, lr 2e-5 cosine, no warmup, weight decay 0, bf16, global batch 512.
-With `num_train_steps = 0` the step count is num_epochs * samples // 512,
-i.e. 4 * 3.7M // 512 ~= 28,900 steps for the paper's data.
+4 epochs, lr 2e-5 cosine, no warmup, weight decay 0, bf16, global batch 512
+samples.
+
+Packed rows: the samples are short (the paper's ~330 tokens each; chat-templated
+SFT data ~460), so each 4096-token row holds several whole samples (best-fit
+packing, each sample attending only to itself; the loss is the unpacked one,
+ALGORITHM.md "Packed rows"). benchmarks/packing.py measures 99% of row tokens
+real on such data (one sample per row: 11%). 64 packed rows hold ~560 samples
+at a mean of 460 tokens (~790 at 330): the nearest to the paper's 512 samples
+per step that a 64-chip slice's batch allows (rows must split evenly over the
+fsdp axis: 58 rows would be 512). With `num_train_steps = 0` the step count is
+derived from samples, not rows: the trainer measures the samples per row on
+the shuffled data first, then steps = 4 epochs x samples / samples per step.
 
 Mesh: parameters, gradients and AdamW moments are sharded over every chip
-(`fsdp=-1`), e.g. a TPU v5p-256 / v4-256 slice (128 chips, 4 rows per chip as
-in the paper's 128 GPUs); use `--config.mesh.tensor=4` to also split heads /
-MLP over 4 chips when per-chip activations do not fit.
+(`fsdp=-1`), one packed row per chip on a TPU v5p-128 slice (64 chips). A slice
+of more chips keeps 64 rows with `--config.mesh.tensor=2` (v4-256, 128 chips)
+or `=4` (v5litepod-256), which splits heads / MLP / vocabulary over those chips.
 
   python -m refusion_jax.train --config=configs/qwen3_8b_refusion.py --workdir=W \
       --config.init_from_hf=/path/to/Qwen3-8B \
@@ -28,7 +38,7 @@ def get_config():
   c.model.remat = "full"  # 4096-token rows: keep only layer inputs for the backward pass
   c.model.scan_layers = True  # one scanned layer body: TPU compiles in minutes, not tens
   c.model.attention_impl = "splash"  # Pallas TPU kernel: no [rows, heads, 4096, 4096] scores (GPU: cudnn)
-  c.loss_chunk = 512  # 4 rows/chip: [4, 512, 151936] f32 logits = 1.2 GB, not 10 GB per pass
+  c.loss_chunk = 512  # 1 row/chip: [1, 512, 151936] f32 logits = 0.3 GB, not 2.5 GB per pass
   c.init_from_hf = "Qwen3-8B"  # HF Qwen3-8B folder (weights + tokenizer); override per machine
   c.tokenizer_dir = ""  # "" = the tokenizer of init_from_hf (+ <|beginoftext|>, <|mask|>)
 
@@ -37,9 +47,11 @@ def get_config():
   c.data.seq_len = 4096  # the paper's sequence length
   c.data.tfds_dir = ""  # "" = <workdir>/tfds
   c.data.drop_overlong = True  # longer samples are dropped and counted
+  c.data.packing = "best_fit"  # several whole samples per row (see the module doc)
+  c.data.packing_bins = 0  # rows packed at once (0 = max(rows per host, 64))
 
-  c.global_batch_size = 512  # the paper's global batch
-  c.num_train_steps = 0  # 0: derived from num_epochs (see the module doc)
+  c.global_batch_size = 64  # packed rows: ~560 samples per step (the paper: 512 samples)
+  c.num_train_steps = 0  # 0: derived from num_epochs over samples (see the module doc)
   c.num_epochs = 4  # the paper's epochs
 
   c.optimizer.learning_rate = 2e-5  # peak = initial rate (no warmup)
@@ -51,10 +63,10 @@ def get_config():
   c.optimizer.grad_clip_norm = 1.0  # HF Trainer's max_grad_norm
 
   c.mesh.data = 1  # no pure replicas: everything is fully sharded
-  c.mesh.fsdp = -1  # every chip shards parameters and batch
-  c.mesh.tensor = 1  # 4 splits heads / MLP / vocab over 4 chips when memory needs it
+  c.mesh.fsdp = -1  # every chip shards parameters and batch (64 rows: at most 64 chips)
+  c.mesh.tensor = 1  # 2 / 4 split heads / MLP / vocab on 128 / 256 chips (64 rows)
 
-  c.checkpoint.every_steps = 1000  # ~35 checkpoints over the run
+  c.checkpoint.every_steps = 1000  # ~25 checkpoints over the run (and one on preemption)
   c.checkpoint.max_to_keep = 3  # 8B f32 params + AdamW: ~130 GB each
   c.log_every_steps = 10  # metrics.jsonl / TensorBoard interval
   c.eval_every_steps = 0  # no periodic eval

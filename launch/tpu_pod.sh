@@ -24,6 +24,12 @@
 #           v5p-128) and stops unless it fits in HBM (needs this tree's .venv with libtpu:
 #           launch/setup_env.sh --accelerator=tpu); --skip-fit-check skips it. Then
 #           python -m refusion_jax.train --config=C --workdir=W --config.distributed=true
+#           A spot / preemptible slice that is preempted: every worker gets SIGTERM, JAX's
+#           preemption service agrees on one step, training saves a checkpoint of it in W
+#           and exits with status 75. Resume by recreating the slice and rerunning the same
+#           three commands (create, setup, and train with the same --workdir and config):
+#           the run continues from that checkpoint, bit-identically (a workdir on gs:// or
+#           another disk that outlives the slice).
 #   eval    --benchmark=B --model-dir=DIR --output-dir=OUT [--detach]
 #           python -m refusion_jax.evaluate --config=configs/eval/B.py
 #             --config.model_dir=DIR --config.output_dir=OUT --config.distributed=true

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -71,6 +72,12 @@ if TYPE_CHECKING:
   from refusion_jax.kv_cache import KVCache
 
 GIB = 2**30
+# The paper's run (ALGORITHM.md "Training in the paper"): 4 epochs over 3.7M samples of
+# ~1.22B tokens, ~330 tokens each.
+PAPER_SAMPLES, PAPER_EPOCHS, PAPER_SAMPLE_TOKENS = 3_700_000, 4, 330
+# Shape of the synthetic length distribution behind a mean (benchmarks/packing.py's): a
+# log-normal with this sigma, like chat-templated SFT data (median ~0.8 x mean, p90 ~1.9 x).
+LENGTH_SIGMA, LENGTH_DRAWS = 0.68, 20_000
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
 EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 2, 3
 
@@ -300,6 +307,61 @@ def check_train(config, tpu_slice: tpu.Slice) -> dict:
       "estimated_tokens_per_s_per_chip": rows * seq_len / chips / estimated,
       "estimated_mfu": model_flops / chips / estimated / (chip.bf16_tflops * 1e12),
   }
+
+
+def sample_lengths(config, sample_tokens: int, sample_data: str | None) -> tuple[list[int], str]:
+  """Token lengths of the samples a train step packs, and where they come from: a data file
+  (tokenized with the config's tokenizer, as the trainer does) or a log-normal of mean
+  `sample_tokens` (`LENGTH_SIGMA`), capped at seq_len."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  seq_len = int(config.data.seq_len)
+  if sample_data:
+    from refusion_jax import data  # pylint: disable=import-outside-toplevel
+    from refusion_jax.training import settings  # pylint: disable=import-outside-toplevel
+    data.validate_files([sample_data])
+    tokenizer = settings.load_tokenizer(config)
+    examples = list(itertools.islice(data.iter_examples([sample_data]), LENGTH_DRAWS))
+    layout = data.make_loader(examples, tokenizer, seq_len=seq_len, batch_size=1, seed=0,
+                              num_epochs=1, eos_pad_response_to=settings.eos_pad_response_to(
+                                  config))
+    lengths = [int(np.sum(b["segment_ids"] > 0)) for b in layout]
+    if not lengths:
+      raise ValueError(f"--sample_data={sample_data!r}: no sample fits in config.data.seq_len="
+                       f"{seq_len}")
+    return lengths, f"{sample_data} ({len(lengths)} samples, mean {np.mean(lengths):.0f} tokens)"
+  median = sample_tokens * math.exp(-LENGTH_SIGMA ** 2 / 2)
+  draws = np.random.default_rng(0).lognormal(math.log(median), LENGTH_SIGMA, LENGTH_DRAWS)
+  lengths = np.clip(np.round(draws), 1, seq_len).astype(int).tolist()
+  return lengths, (f"log-normal lengths of mean {sample_tokens} tokens (sigma {LENGTH_SIGMA}, "
+                   f"{LENGTH_DRAWS} draws)")
+
+
+def paper_run(config, report: dict, sample_tokens: int, sample_data: str | None) -> dict:
+  """Samples and real tokens per step of the config's layout, and the paper's 4 epochs over
+  3.7M samples on the slice at the estimated step time, packed and one sample per row."""
+  from refusion_jax import data  # pylint: disable=import-outside-toplevel
+  from refusion_jax.training import settings  # pylint: disable=import-outside-toplevel
+  rows, seq_len = report["global_batch"], report["seq_len"]
+  lengths, source = sample_lengths(config, sample_tokens, sample_data)
+  packing = settings.packing(config)
+  # Each host packs its own rows; Cloud TPU VMs hold 4 chips each (this sets only how many
+  # rows are packed at once by default).
+  hosts = max(1, report["chips"] // 4)
+  layout = data.pack_lengths(lengths, seq_len=seq_len, packing=packing,
+                             packing_bins=int(config.data.get("packing_bins", 0)),
+                             batch_size=max(1, rows // hosts))
+  samples_per_step = rows * layout.samples_per_row
+  passes = PAPER_SAMPLES * PAPER_EPOCHS
+  seconds = report["estimated_s"]
+  hours = math.ceil(passes / samples_per_step) * seconds / 3600
+  hours_padded = math.ceil(passes / rows) * seconds / 3600
+  return {"packing": packing, "lengths_from": source,
+          "samples_per_step": samples_per_step, "real_token_fraction": layout.real_token_fraction,
+          "real_tokens_per_step": rows * seq_len * layout.real_token_fraction,
+          "paper_run_steps": math.ceil(passes / samples_per_step),
+          "paper_run_hours": hours, "paper_run_chip_hours": hours * report["chips"],
+          "paper_run_hours_padded": hours_padded,
+          "paper_run_chip_hours_padded": hours_padded * report["chips"]}
 
 
 # --- decode --------------------------------------------------------------------------------
@@ -555,6 +617,17 @@ def render(r: dict) -> str:
                  f"estimated MFU {100 * r['estimated_mfu']:.1f}% (roofline: "
                  "max(flops / peak, bytes / bandwidth), a bound: collectives, overlap and "
                  "kernel efficiency are not modelled)")
+    if "samples_per_step" in r:
+      lines.append(
+          f"rows: data.packing={r['packing']!r}, {r['samples_per_step']:,.0f} samples and "
+          f"{r['real_tokens_per_step']:,.0f} real tokens per step ({100 * r['real_token_fraction']:.1f}% "
+          f"of row tokens), for {r['lengths_from']}")
+      lines.append(
+          f"the paper's run, {PAPER_EPOCHS} epochs over {PAPER_SAMPLES / 1e6:g}M samples "
+          f"(estimates at the step time above): {r['paper_run_steps']:,} steps, "
+          f"{r['paper_run_hours']:.1f} hours, {r['paper_run_chip_hours']:,.0f} chip-hours; one "
+          f"sample per row: {r['paper_run_hours_padded']:.1f} hours, "
+          f"{r['paper_run_chip_hours_padded']:,.0f} chip-hours")
   else:
     # (MDM's spec holds kv_chunk 0: its passes have no cache.)
     chunked = (f"; the cache read {r['kv_chunk']} entries at a time, counted over a full "
@@ -610,6 +683,12 @@ def define_flags():
                                       "method's widest pass)."),
       decode_programs=flags.DEFINE_string("decode_programs", ",".join(DECODE_PROGRAMS),
                                           "decode: which programs to compile."),
+      sample_tokens=flags.DEFINE_integer(
+          "sample_tokens", PAPER_SAMPLE_TOKENS, "train: mean tokens per sample (the paper's "
+          "1.22B / 3.7M) for samples per step and the paper's run, packed as the config packs."),
+      sample_data=flags.DEFINE_string("sample_data", "", "train: a JSON/JSONL data file whose "
+                                      "samples (tokenized with the config's tokenizer) replace "
+                                      "--sample_tokens' distribution."),
   )
 
 
@@ -633,6 +712,10 @@ def run(f: dict) -> tuple[dict, int]:
                      "for decode)")
   tpu_slice = tpu.parse_slice(f["topology"].value, f["num_slices"].value)
   kind = f["program"].value
+  if kind == "train" and (f["sample_tokens"].value < 1 or f["sample_tokens"].value >
+                          config.data.seq_len):
+    raise ValueError(f"--sample_tokens must be in [1, config.data.seq_len="
+                     f"{config.data.seq_len}], got {f['sample_tokens'].value}")
   try:
     if kind == "train":
       report = check_train(config, tpu_slice)
@@ -643,6 +726,9 @@ def run(f: dict) -> tuple[dict, int]:
                "estimated_mfu": None} if kind == "train" else {"per_pass": []}
     return not_fitting_report(kind, tpu_slice, e, partial), EXIT_DOES_NOT_FIT
   report = finish(dict(report, kind=kind), tpu_slice)
+  if kind == "train":
+    report.update(paper_run(config, report, f["sample_tokens"].value,
+                            f["sample_data"].value or None))
   return report, 0 if report["fits"] else EXIT_DOES_NOT_FIT
 
 

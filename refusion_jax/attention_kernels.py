@@ -19,13 +19,14 @@ than a tile of them:
 * "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's
   fused attention on NVIDIA GPUs, for bfloat16 / float16 compute only.
 
-Right padding (`length_b`: keys at or past it are hidden) gives the rows of
-real tokens exactly as `masks.prefix_causal_btt` does; a padding token's own
-row differs (splash puts each padding token in its own segment, so it sees
-only itself). The training forward does not need it: its padding sits at the
-end of each row, where causal attention already keeps every real token from
-seeing it, and the loss ignores the padding's outputs (the MDM baseline fills
-the row with EOS), so there the kernels equal the einsum path on every row.
+Packed rows (`segment_ids_bt`: each row's samples numbered from 1, 0 for
+padding) give every token attention within its own sample only, exactly as
+`masks.segment_btt` does for the einsum path: splash takes them as its
+`SegmentIds`, each padding token alone in a segment of its own (so it sees only
+itself, as in `segment_btt`). cuDNN's fused attention here has no segment ids:
+it takes rows of one sample followed by padding only (`length_b`, the sample's
+length: keys at or past it are hidden), and the trainer refuses packed rows
+with it before anything compiles.
 
 Under `sharding.use_mesh` the kernel runs inside `shard_map`, split over the
 batch axes and, where the sharding rules split them, the heads (key/value heads
@@ -43,12 +44,23 @@ from __future__ import annotations
 
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from refusion_jax import sharding
 from refusion_jax.config import ATTENTION_IMPLS
+
+@flax.struct.dataclass
+class RowSegments:
+  """The mask of a kernel call: the whole row under the model's own attention (causal
+  or bidirectional), within each segment of `segment_ids_bt` (int32 `[B, T]`, 0 =
+  padding). `model.Attention` runs `attend_full` when given one instead of a dense mask.
+  """
+
+  segment_ids_bt: jax.Array
+
 
 SPLASH_BLOCK = 128  # splash attention's query / key tile (its default BlockSizes)
 _CUDNN_DTYPES = ("bfloat16", "float16")
@@ -83,17 +95,20 @@ def current_platform() -> str:
   return jax.default_backend()
 
 
-def attend_full(q_btnh, k_btkh, v_btkh, *, impl: str, causal: bool = True, length_b=None):
-  """Attention of every token over the whole row with one of the kernels.
+def attend_full(q_btnh, k_btkh, v_btkh, *, impl: str, causal: bool = True,
+                segment_ids_bt=None, length_b=None):
+  """Attention of every token over its row (or its segment of the row) with a kernel.
 
   q `[B, T, N, H]`, k and v `[B, T, K, H]` (N a multiple of K, query head n
   reads key/value head n // (N / K), as in `model.attend`), all of one dtype.
-  `causal`: query i sees keys 0..i (else every key). `length_b` (optional,
-  int `[B]`): keys at or past it are hidden, so queries before it attend as
-  under `masks.prefix_causal_btt`; the rows of padding queries are not the
-  reference's (splash: each sees only itself; cudnn: cuDNN's). Returns `[B, T, N, H]`
-  in the input dtype; softmax runs in float32 and q is scaled by H^-1/2 in its
-  own dtype first, as the reference does.
+  `causal`: query i sees keys 0..i (else every key). At most one of:
+  `segment_ids_bt` (int `[B, T]`, packed rows: a token sees only tokens of its
+  own segment, 0 = padding, as `masks.segment_btt`; splash only) and `length_b`
+  (int `[B]`: keys at or past it are hidden, so queries before it attend as
+  under `masks.prefix_causal_btt`). The rows of padding queries are not the
+  reference's (splash: each sees only itself; cudnn: cuDNN's). Returns
+  `[B, T, N, H]` in the input dtype; softmax runs in float32 and q is scaled
+  by H^-1/2 in its own dtype first, as the reference does.
   """
   if impl not in ("splash", "cudnn"):
     raise ValueError(f"attend_full runs the 'splash' and 'cudnn' kernels, got impl={impl!r} "
@@ -103,17 +118,28 @@ def attend_full(q_btnh, k_btkh, v_btkh, *, impl: str, causal: bool = True, lengt
   if k_btkh.shape != (b, t, kv, h) or v_btkh.shape != k_btkh.shape or n % kv:
     raise ValueError(f"attend_full: q {q_btnh.shape}, k {k_btkh.shape}, v {v_btkh.shape} must "
                      "be [B, T, N, H], [B, T, K, H], [B, T, K, H] with N a multiple of K")
+  if segment_ids_bt is not None and length_b is not None:
+    raise ValueError("attend_full takes segment_ids_bt or length_b, not both")
   where = current_platform()
   check_supported(impl, seq_len=t, dtype=jnp.dtype(q_btnh.dtype).name, platform=where,
                   field="attention_impl")
-  if impl == "splash":
-    fn = functools.partial(_splash, causal=causal, interpret=where != "tpu")
-  else:
-    fn = functools.partial(_cudnn, causal=causal, padded=length_b is not None)
   q_btnh = q_btnh * (h ** -0.5)  # the reference's scaling, in q's dtype
-  if length_b is None:
-    length_b = jnp.full((b,), t, jnp.int32)
-  return _sharded(fn, q_btnh, k_btkh, v_btkh, jnp.asarray(length_b, jnp.int32))
+  if impl == "cudnn":
+    if segment_ids_bt is not None:
+      raise ValueError("attention_impl='cudnn' cannot keep packed samples apart (no segment "
+                       "ids); give rows of one sample with length_b, or use 'xla'")
+    fn = functools.partial(_cudnn, causal=causal, padded=length_b is not None)
+    lengths = jnp.full((b,), t, jnp.int32) if length_b is None else length_b
+    return _sharded(fn, q_btnh, k_btkh, v_btkh, jnp.asarray(lengths, jnp.int32))
+  index_1t = jnp.arange(t, dtype=jnp.int32)[None]
+  if segment_ids_bt is None:
+    lengths = jnp.full((b,), t, jnp.int32) if length_b is None else length_b
+    segment_ids_bt = (index_1t < jnp.asarray(lengths, jnp.int32)[:, None]).astype(jnp.int32)
+  # Padding token i is alone in segment T + 1 + i, past every sample's id.
+  segment_ids_bt = jnp.asarray(segment_ids_bt, jnp.int32)
+  segment_ids_bt = jnp.where(segment_ids_bt > 0, segment_ids_bt, t + 1 + index_1t)
+  fn = functools.partial(_splash, causal=causal, interpret=where != "tpu")
+  return _sharded(fn, q_btnh, k_btkh, v_btkh, segment_ids_bt)
 
 
 @functools.lru_cache(maxsize=32)
@@ -133,20 +159,17 @@ def _splash_kernel(t: int, n: int, causal: bool, interpret: bool):
         head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def _splash(q_btnh, k_btkh, v_btkh, length_b, *, causal: bool, interpret: bool):
+def _splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, causal: bool, interpret: bool):
   # Imported here: the Pallas TPU modules are needed only by this path.
   from jax.experimental.pallas.ops.tpu import splash_attention  # pylint: disable=C0415
   _, t, n, _ = q_btnh.shape
   kernel = _splash_kernel(t, n, causal, interpret)
-  # Valid tokens share segment 0; padding token i is alone in segment i + 1.
-  index_t = jnp.arange(t, dtype=jnp.int32)
-  segments_bt = jnp.where(index_t[None] < length_b[:, None], 0, index_t[None] + 1)
 
   def row(q_nth, k_kth, v_kth, segments_t):
     return kernel(q_nth, k_kth, v_kth, splash_attention.SegmentIds(q=segments_t, kv=segments_t))
 
   out_bnth = jax.vmap(row)(q_btnh.transpose(0, 2, 1, 3), k_btkh.transpose(0, 2, 1, 3),
-                           v_btkh.transpose(0, 2, 1, 3), segments_bt)
+                           v_btkh.transpose(0, 2, 1, 3), segment_ids_bt)
   return out_bnth.transpose(0, 2, 1, 3)
 
 
@@ -157,11 +180,12 @@ def _cudnn(q_btnh, k_btkh, v_btkh, length_b, *, causal: bool, padded: bool):
                                       implementation="cudnn")
 
 
-def _sharded(fn, q_btnh, k_btkh, v_btkh, length_b):
-  """`fn(q, k, v, length_b)` per device under the active mesh (plain call without one)."""
+def _sharded(fn, q_btnh, k_btkh, v_btkh, rows):
+  """`fn(q, k, v, rows)` per device under the active mesh (plain call without one); `rows`
+  is per-row data (`[B]` lengths or `[B, T]` segment ids), split like the batch."""
   active = sharding.active()
   if active is None:
-    return fn(q_btnh, k_btkh, v_btkh, length_b)
+    return fn(q_btnh, k_btkh, v_btkh, rows)
   mesh, rules = active
   n = q_btnh.shape[2]
   q_spec = sharding.logical_to_physical(("batch", None, "q_heads", None), rules, q_btnh.shape,
@@ -176,7 +200,7 @@ def _sharded(fn, q_btnh, k_btkh, v_btkh, length_b):
     v_btkh = jnp.repeat(v_btkh, groups, axis=2)
     k_spec = q_spec
   kv_spec = PartitionSpec(q_spec[0], None, k_spec[2], None)
-  length_spec = PartitionSpec(q_spec[0])
-  return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, length_spec),
-                       out_specs=q_spec, check_vma=False)(q_btnh, k_btkh, v_btkh, length_b)
+  rows_spec = PartitionSpec(q_spec[0], *([None] * (rows.ndim - 1)))
+  return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, rows_spec),
+                       out_specs=q_spec, check_vma=False)(q_btnh, k_btkh, v_btkh, rows)
 

@@ -6,20 +6,26 @@ Other fields are ignored.
 
   builder = prepare(["train.jsonl"], data_dir)      # validates, then builds once
   source = source_of(builder, "train")              # random access, no TensorFlow
-  loader = make_loader(source, tokenizer, seq_len=256, batch_size=32, seed=0)
+  loader = make_loader(source, tokenizer, seq_len=256, batch_size=32, seed=0,
+                       packing="first_fit")
   it = iter(loader)
-  batch = next(it)   # {"tokens": [b, seq_len], "prompt_len": [b], "response_len": [b]}
+  batch = next(it)   # {"tokens", "segment_ids", "positions", "segment_prompt_len",
+                     #  "segment_response_len"}: int32 [b, seq_len] each
 
-Every row of `tokens` is `encode_prompt(query) + encode(response) + [eos]`
-right-padded with `pad_id`; `response_len` counts the EOS.
+Each sample is `encode_prompt(query) + encode(response) + [eos]`. With
+`packing="none"` every row holds one sample, right-padded with `pad_id`;
+with "first_fit" / "best_fit" (grain's `FirstFitPackIterDataset` /
+`BestFitPackIterDataset`) samples share rows, each whole and in its own
+segment, padding after the last. Either way a batch is in the packed format
+that `objective.loss_fn` reads (`objective.PACKED_KEYS`).
 
 Checkpointing the data position: `it.get_state()` / `it.set_state(state)` on
-the grain `DataLoaderIterator`; resuming continues with exactly the batch
-that would have come next. For orbax, grain 0.2.18 ships the handler
-`grain.checkpoint.CheckpointHandler` (also exported as
-`grain.python.PyGrainCheckpointHandler`) with the args classes
-`grain.checkpoint.CheckpointSave` / `CheckpointRestore`; this module exposes
-them as `ITERATOR_HANDLER`, `IteratorSave` and `IteratorRestore`:
+the `BatchIterator`; resuming continues with exactly the batch that would have
+come next, and a position saved for other data or settings is refused. For
+orbax, grain 0.2.18 ships the handler `grain.checkpoint.CheckpointHandler`
+with the args classes `grain.checkpoint.CheckpointSave` / `CheckpointRestore`;
+this module exposes them as `ITERATOR_HANDLER`, `IteratorSave` and
+`IteratorRestore`:
 
   manager = ocp.CheckpointManager(dir, item_handlers={
       "params": ocp.StandardCheckpointHandler(),
@@ -53,13 +59,17 @@ import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
-from refusion_jax import fileio
+from refusion_jax import fileio, objective
 
 ITERATOR_HANDLER = grain.checkpoint.CheckpointHandler
 IteratorSave = grain.checkpoint.CheckpointSave
 IteratorRestore = grain.checkpoint.CheckpointRestore
 
 FIELDS = ("query", "response")
+PACKINGS = objective.PACKINGS
+# Rows packed at once by default (at least a batch): grain emits them together when a
+# sample fits in none, so more of them leave less padding (benchmarks/packing.py).
+DEFAULT_PACKING_BINS = 64
 # Bump when the stored layout changes, so old builds are not reused.
 _LAYOUT_VERSION = "2"  # 2: record keys independent of file paths
 # Enough lines to fix a file in one go without flooding the terminal.
@@ -527,42 +537,128 @@ class _KeepFitting(grain.transforms.Filter):
     return False
 
 
-class _Pad(grain.transforms.Map):
-  """Concatenates prompt + response and right-pads to seq_len."""
+class _PadResponse(grain.transforms.Map):
+  """EOS-pads the response to at least `min_len` tokens (0: to the end of the row), never
+  past the row: the MDM baseline's layout (LLaDA's SFT)."""
+
+  def __init__(self, seq_len: int, eos_id: int, min_len: int):
+    self._seq_len = seq_len
+    self._eos_id = eos_id
+    self._min_len = min_len
+
+  def map(self, element):
+    prompt, response = element["prompt"], element["response"]
+    room = self._seq_len - len(prompt)
+    want = room if self._min_len == 0 else min(max(len(response), self._min_len), room)
+    if want > len(response):
+      response = np.concatenate(
+          [response, np.full((want - len(response),), self._eos_id, np.int32)])
+    return dict(element, response=response)
+
+
+class _Row(grain.transforms.Map):
+  """One sample right-padded to seq_len, in the packed format (one segment)."""
 
   def __init__(self, seq_len: int, pad_id: int):
     self._seq_len = seq_len
     self._pad_id = pad_id
 
   def map(self, element):
-    prompt, response = element["prompt"], element["response"]
-    tokens = np.full((self._seq_len,), self._pad_id, np.int32)
-    tokens[:len(prompt)] = prompt
-    tokens[len(prompt):len(prompt) + len(response)] = response
-    return {"tokens": tokens, "prompt_len": np.int32(len(prompt)),
-            "response_len": np.int32(len(response))}
+    p, r = len(element["prompt"]), len(element["response"])
+    n, l = p + r, self._seq_len
+    tokens = np.full((l,), self._pad_id, np.int32)
+    tokens[:p] = element["prompt"]
+    tokens[p:n] = element["response"]
+    real = np.arange(l) < n
+    return {"tokens": tokens, "segment_ids": real.astype(np.int32),
+            "positions": np.where(real, np.arange(l), 0).astype(np.int32),
+            "segment_prompt_len": np.where(real, p, 0).astype(np.int32),
+            "segment_response_len": np.where(real, r, 0).astype(np.int32)}
+
+
+class _Sequence(grain.transforms.Map):
+  """A sample as per-token features for grain's packers (each one sample long)."""
+
+  def map(self, element):
+    p, r = len(element["prompt"]), len(element["response"])
+    return {"tokens": np.concatenate([element["prompt"], element["response"]]).astype(np.int32),
+            "segment_prompt_len": np.full((p + r,), p, np.int32),
+            "segment_response_len": np.full((p + r,), r, np.int32)}
+
+
+class _FromPacked(grain.transforms.Map):
+  """grain's packed row -> the packed format (`tokens`' segment ids and positions)."""
+
+  def map(self, element):
+    return {"tokens": element["tokens"], "segment_ids": element["tokens_segment_ids"],
+            "positions": element["tokens_positions"],
+            "segment_prompt_len": element["segment_prompt_len"],
+            "segment_response_len": element["segment_response_len"]}
+
+
+class BatchIterator:
+  """The loader's iterator: numpy batches in the packed format, and its position.
+
+  `get_state()` / `set_state(state)` (bytes, what grain's orbax handler stores)
+  record the position together with what the position means: the source (its
+  build hash and split), seq_len, packing, seed and shard. Restoring a position
+  saved for other data or other settings is an error naming the difference.
+  """
+
+  def __init__(self, iterator, identity: dict):
+    self._iterator = iterator
+    self._identity = identity
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._iterator)
+
+  def get_state(self) -> bytes:
+    return json.dumps({"identity": self._identity,
+                       "position": self._iterator.get_state()}).encode()
+
+  def set_state(self, state: bytes) -> None:
+    try:
+      saved = json.loads(state)
+      identity, position = saved["identity"], saved["position"]
+    except (ValueError, TypeError, KeyError):
+      raise ValueError("the saved data position is not one this loader wrote (an older "
+                       "version of refusion_jax?); start a new workdir") from None
+    if identity != self._identity:
+      changed = [f"{k}: saved {identity.get(k)!r}, now {v!r}" for k, v in self._identity.items()
+                 if identity.get(k) != v]
+      raise ValueError("the saved data position belongs to other data or loader settings ("
+                       + "; ".join(changed) + "); restore them or start a new workdir")
+    self._iterator.set_state(position)
+
+  def start_prefetch(self) -> None:
+    """Called by grain's orbax handler after a restore; batches are read on demand."""
 
 
 @dataclasses.dataclass
 class Loader:
-  """A grain DataLoader plus the count of over-long examples it dropped.
+  """A seeded, sharded grain pipeline plus the count of over-long examples it dropped.
 
   Attributes:
-    data_loader: iterate it (`iter(loader)` gives a checkpointable
-      `grain.DataLoaderIterator`).
+    dataset: the grain `IterDataset` of numpy batches (`iter(loader)` wraps its
+      iterator in a checkpointable `BatchIterator`).
     dropped: over-long examples dropped so far by this process; with
       worker_count > 0 the drops happen (and are logged) in the workers.
     num_records: examples in the source (before sharding and dropping).
     per_process_batch: rows of each batch this process yields.
+    identity: what a saved position of this loader means (`BatchIterator`).
   """
 
-  data_loader: grain.DataLoader
+  dataset: Any
   dropped: DropCounter
   num_records: int
   per_process_batch: int
+  identity: dict
 
-  def __iter__(self) -> grain.DataLoaderIterator:
-    return iter(self.data_loader)
+  def __iter__(self) -> BatchIterator:
+    return BatchIterator(iter(self.dataset), self.identity)
 
 
 def _check_int(name: str, value: Any, minimum: int):
@@ -570,11 +666,55 @@ def _check_int(name: str, value: Any, minimum: int):
     raise ValueError(f"make_loader: {name} must be an int >= {minimum}, got {value!r}")
 
 
+def check_packing(packing: str, packing_bins: int, field: str = "packing") -> None:
+  """Raises ValueError naming `field` for an unknown packing or a bin count < 1."""
+  if packing not in PACKINGS:
+    raise ValueError(f"{field} must be one of {PACKINGS}, got {packing!r}")
+  if isinstance(packing_bins, bool) or not isinstance(packing_bins, (int, np.integer)) \
+      or packing_bins < 0:
+    raise ValueError(f"{field}_bins must be an int >= 0 (0 = the default), got {packing_bins!r}")
+
+
+def packing_bins_for(per_process_batch: int, packing_bins: int) -> int:
+  """Rows grain packs at once: `packing_bins`, or by default the larger of the batch and
+  DEFAULT_PACKING_BINS (more rows give a sample more places to fit, less padding)."""
+  return int(packing_bins) if packing_bins else max(per_process_batch, DEFAULT_PACKING_BINS)
+
+
+def _packed(sequences, packing: str, *, seq_len: int, bins: int, seed: int, shuffle: bool,
+            padding: dict):
+  """grain's first-fit or best-fit packer over samples of per-token features (`padding`
+  names them, with the value each pads with)."""
+  packer = (grain.experimental.FirstFitPackIterDataset if packing == "first_fit"
+            else grain.experimental.BestFitPackIterDataset)
+  return packer(sequences, length_struct={k: seq_len for k in padding}, num_packing_bins=bins,
+                seed=seed, shuffle_bins=shuffle, padding_struct=padding)
+
+
+def pack_lengths(lengths: Sequence[int], *, seq_len: int, packing: str,
+                 packing_bins: int = 0, batch_size: int = 1) -> "Layout":
+  """The rows grain's packer (as `make_loader` runs it) makes of samples of these token
+  lengths, in this order: a layout estimate from lengths alone, without text."""
+  check_packing(packing, packing_bins)
+  if packing == "none":
+    return Layout(rows=len(lengths), samples=len(lengths), real_tokens=int(sum(lengths)),
+                  seq_len=seq_len)
+  sequences = grain.MapDataset.source([int(n) for n in lengths]).map(
+      lambda n: {"tokens": np.ones((n,), np.int32)}).to_iter_dataset(
+          grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  rows = _packed(sequences, packing, seq_len=seq_len, bins=packing_bins_for(batch_size,
+                                                                            packing_bins),
+                 seed=0, shuffle=False, padding={"tokens": 0})
+  return layout_of(({"segment_ids": row["tokens_segment_ids"][None],
+                     "positions": row["tokens_positions"][None]} for row in rows), seq_len)
+
+
 def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int | None,
                 shuffle: bool = True, num_epochs: int | None = None,
                 drop_overlong: bool = True, process_index: int = 0, process_count: int = 1,
-                worker_count: int = 0, drop_remainder: bool = True) -> Loader:
-  """A seeded, sharded, checkpointable grain loader of padded token batches.
+                worker_count: int = 0, drop_remainder: bool = True, packing: str = "none",
+                packing_bins: int = 0, eos_pad_response_to: int | None = None) -> Loader:
+  """A seeded, sharded, checkpointable grain loader of token rows.
 
   Args:
     source: random-access source of {"query", "response"[, "source"]}
@@ -582,7 +722,7 @@ def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int |
     tokenizer: `refusion_jax.tokenizer.Tokenizer` (encode_prompt, encode,
       eos_id, pad_id).
     seq_len: length of every row; longer examples are dropped or rejected.
-    batch_size: global batch size; each process yields
+    batch_size: global batch size in rows; each process yields
       batch_size // process_count rows.
     seed: shuffle seed (a non-negative 32-bit int; required when shuffling).
       The same seed gives the same batches, drops included, since dropping
@@ -592,20 +732,30 @@ def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int |
     drop_overlong: drop (and count, and log) examples longer than seq_len;
       False raises ValueError naming the example instead.
     process_index, process_count: this process's shard (defaults: one
-      process). Each process reads a disjoint interleaved share of every
-      epoch's order.
+      process). Each process reads a disjoint interleaved share of the
+      examples in their shuffled order.
     worker_count: grain worker processes (0: read in this process). Workers
       need absl flags parsed (run under `absl.app.run`).
     drop_remainder: drop a last partial batch (keeps shapes static).
+    packing: "none" (one sample per row, right-padded), "first_fit" or
+      "best_fit" (grain's packers: samples share rows, each whole, in order of
+      arrival into the first / the tightest row with room).
+    packing_bins: rows packed at once (0: `packing_bins_for`'s default).
+    eos_pad_response_to: None, or EOS-pad every response to at least this many
+      tokens (0: to the end of its row), never past the row (the MDM baseline).
 
   Returns:
-    A `Loader`; its iterator yields {"tokens": int32 [b, seq_len],
-    "prompt_len": int32 [b], "response_len": int32 [b]} numpy batches.
+    A `Loader`; its iterator yields numpy batches in the packed format of
+    `objective.PACKED_KEYS`: int32 `[b, seq_len]` arrays "tokens",
+    "segment_ids" (1, 2, ... for the samples of a row, 0 = padding),
+    "positions" (within the sample), "segment_prompt_len" and
+    "segment_response_len" (its sample's lengths, EOS included).
   """
   _check_int("seq_len", seq_len, 2)
   _check_int("batch_size", batch_size, 1)
   _check_int("process_count", process_count, 1)
   _check_int("worker_count", worker_count, 0)
+  check_packing(packing, packing_bins, "make_loader: packing")
   if isinstance(process_index, bool) or not isinstance(process_index, (int, np.integer)) \
       or not 0 <= process_index < process_count:
     raise ValueError(f"make_loader: process_index must be in [0, {process_count}), "
@@ -615,6 +765,8 @@ def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int |
                      f"process_count={process_count}")
   if num_epochs is not None:
     _check_int("num_epochs", num_epochs, 1)
+  if eos_pad_response_to is not None:
+    _check_int("eos_pad_response_to", eos_pad_response_to, 0)
   if shuffle:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
         or not 0 <= seed < 2**32:
@@ -628,24 +780,98 @@ def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int |
   if num_records == 0:
     raise ValueError("make_loader: the data source is empty")
   per_process = batch_size // process_count
-  shard = grain.sharding.ShardOptions(shard_index=int(process_index),
-                                      shard_count=int(process_count), drop_remainder=True)
-  sampler = grain.samplers.IndexSampler(
-      num_records=num_records, shard_options=grain.sharding.NoSharding(), shuffle=shuffle,
-      num_epochs=num_epochs, seed=int(seed) if seed is not None else None)
+  seq_len = int(seq_len)
   counter = DropCounter()
   tokenize = _Tokenize(tokenizer)
   if worker_count:
     tokenize.__getstate__()  # fail here, not inside a worker, when it cannot be shipped
-  operations = [
-      tokenize,
-      _KeepFitting(int(seq_len), bool(drop_overlong), counter),
-      _Pad(int(seq_len), int(tokenizer.pad_id)),
-      grain.transforms.Batch(batch_size=per_process, drop_remainder=drop_remainder),
-  ]
-  data_loader = grain.DataLoader(data_source=source, sampler=sampler, operations=operations,
-                                 shard_options=shard, worker_count=int(worker_count))
-  return Loader(data_loader, counter, num_records, per_process)
+
+  ds = grain.MapDataset.source(source)
+  if shuffle:
+    ds = ds.shuffle(seed=int(seed))
+  # Each epoch is shuffled anew (repeat reseeds the shuffle); every process takes every
+  # process_count-th example of that stream.
+  ds = ds.repeat(num_epochs)[int(process_index)::int(process_count)]
+  ds = ds.map(tokenize).filter(_KeepFitting(seq_len, bool(drop_overlong), counter))
+  if eos_pad_response_to is not None:
+    ds = ds.map(_PadResponse(seq_len, int(tokenizer.eos_id), int(eos_pad_response_to)))
+  # Samples are read and tokenized in the thread that packs them (a tokenizer call is
+  # ~0.1 ms; grain's read-ahead threads cost more than that to check on); the finished
+  # batches are made ahead in one background thread (or worker processes) while the
+  # accelerator runs a step.
+  rows = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  if packing == "none":
+    rows = rows.map(_Row(seq_len, int(tokenizer.pad_id)))
+  else:
+    rows = _packed(rows.map(_Sequence()), packing, seq_len=seq_len,
+                   bins=packing_bins_for(per_process, packing_bins), seed=int(seed or 0),
+                   shuffle=shuffle, padding={"tokens": int(tokenizer.pad_id),
+                                             "segment_prompt_len": 0, "segment_response_len": 0})
+    rows = rows.map(_FromPacked())
+  batches = rows.batch(per_process, drop_remainder=drop_remainder)
+  if worker_count:
+    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(worker_count)))
+  else:
+    batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=2)
+  identity = {"source": repr(source), "seq_len": seq_len, "batch": per_process,
+              "shuffle": bool(shuffle), "seed": None if seed is None else int(seed),
+              "num_epochs": num_epochs, "drop_overlong": bool(drop_overlong),
+              "shard": [int(process_index), int(process_count)], "packing": packing,
+              "packing_bins": packing_bins_for(per_process, packing_bins),
+              "eos_pad_response_to": eos_pad_response_to}
+  return Loader(batches, counter, num_records, per_process, identity)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """What rows a loader made: counts over the batches it yielded."""
+
+  rows: int
+  samples: int
+  real_tokens: int
+  seq_len: int
+
+  @property
+  def real_token_fraction(self) -> float:
+    """Share of row tokens that belong to a sample (the rest is padding)."""
+    return self.real_tokens / max(self.rows * self.seq_len, 1)
+
+  @property
+  def samples_per_row(self) -> float:
+    return self.samples / max(self.rows, 1)
+
+
+def layout_of(batches: Iterable[Mapping[str, np.ndarray]], seq_len: int,
+              max_samples: int | None = None) -> Layout:
+  """Counts rows, samples and real tokens of packed-format `batches` (all of them, or
+  until at least `max_samples` samples)."""
+  rows = samples = real = 0
+  for batch in batches:
+    segment_ids = np.asarray(batch["segment_ids"])
+    rows += segment_ids.shape[0]
+    samples += int(np.sum((segment_ids > 0) & (np.asarray(batch["positions"]) == 0)))
+    real += int(np.sum(segment_ids > 0))
+    if max_samples is not None and samples >= max_samples:
+      break
+  return Layout(rows=rows, samples=samples, real_tokens=real, seq_len=seq_len)
+
+
+def measure_layout(source, tokenizer, *, seq_len: int, packing: str, packing_bins: int = 0,
+                   batch_size: int, seed: int, drop_overlong: bool = True,
+                   eos_pad_response_to: int | None = None,
+                   max_samples: int | None = None) -> Layout:
+  """The rows `make_loader` makes of `source` with these settings, counted over one
+  shuffled epoch (or its first `max_samples` samples), read as one process.
+
+  Every argument means what it does in `make_loader`; `batch_size` is the rows of
+  one batch (it sets the default number of packing bins). The last partial batch
+  is counted.
+  """
+  loader = make_loader(source, tokenizer, seq_len=seq_len, batch_size=batch_size, seed=seed,
+                       shuffle=True, num_epochs=1, drop_overlong=drop_overlong,
+                       drop_remainder=False, packing=packing, packing_bins=packing_bins,
+                       eos_pad_response_to=eos_pad_response_to)
+  return layout_of(iter(loader), seq_len, max_samples)
 
 
 def check_lengths(examples: Iterable[Mapping[str, Any]], tokenizer, seq_len: int, *,
@@ -721,14 +947,17 @@ def split_source(data_config, split: str) -> IdentifiedSource:
 
 def loader_from_config(data_config, tokenizer, batch_size: int, split: str = "train",
                        process_index: int = 0, process_count: int = 1,
-                       num_epochs: int | None = None, worker_count: int = 0) -> Loader:
+                       num_epochs: int | None = None, worker_count: int = 0,
+                       eos_pad_response_to: int | None = None) -> Loader:
   """Builds (or reuses) the TFDS build of a split's files and returns its loader.
 
   Args:
     data_config: `config.data` with `train_files`, `eval_files` (lists of
-      paths), `seq_len`, `tfds_dir`, `drop_overlong`, `shuffle_seed`.
+      paths), `seq_len`, `tfds_dir`, `drop_overlong`, `shuffle_seed`, and
+      optionally `packing` and `packing_bins` (default: no packing).
     split: "train" (shuffled, repeated unless num_epochs is set) or "eval"
       (file order, one pass, partial last batch kept).
+    eos_pad_response_to: see `make_loader` (the MDM baseline's EOS padding).
   """
   files_field = {"train": "train_files", "eval": "eval_files"}.get(split)
   if files_field is None:
@@ -742,6 +971,9 @@ def loader_from_config(data_config, tokenizer, batch_size: int, split: str = "tr
   if not data_config["tfds_dir"]:
     raise ValueError("loader_from_config: config.data.tfds_dir is empty; give a folder for "
                      "the TFDS build")
+  packing = data_config.get("packing", "none")
+  packing_bins = data_config.get("packing_bins", 0)
+  check_packing(packing, packing_bins, "config.data.packing")
   source = split_source(data_config, split)
   training = split == "train"
   return make_loader(
@@ -749,4 +981,5 @@ def loader_from_config(data_config, tokenizer, batch_size: int, split: str = "tr
       seed=data_config["shuffle_seed"], shuffle=training,
       num_epochs=num_epochs if (training or num_epochs is not None) else 1,
       drop_overlong=data_config["drop_overlong"], process_index=process_index,
-      process_count=process_count, worker_count=worker_count, drop_remainder=training)
+      process_count=process_count, worker_count=worker_count, drop_remainder=training,
+      packing=packing, packing_bins=packing_bins, eos_pad_response_to=eos_pad_response_to)

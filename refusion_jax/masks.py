@@ -23,6 +23,23 @@ def full_tt(t: int) -> jax.Array:
   return jnp.ones((t, t), bool)
 
 
+def segment_btt(segment_ids_bt: jax.Array, causal: bool) -> jax.Array:
+  """`[B, T, T]` attention of packed rows: a token sees the tokens of its own segment
+  (those before it in row order when `causal`, every one otherwise).
+
+  `segment_ids_bt` numbers each row's samples (any distinct positive ids); 0 is
+  padding, which sees only itself and is seen by nobody. A row of one sample and
+  right padding under `causal` is `prefix_causal_btt`.
+  """
+  segment_ids_bt = jnp.asarray(segment_ids_bt)
+  t = segment_ids_bt.shape[1]
+  same_btt = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+  mask = same_btt & (segment_ids_bt > 0)[:, None, :]
+  if causal:
+    mask = mask & causal_tt(t)[None]
+  return _with_diagonal(mask)
+
+
 def cache_valid_bs(length_b: jax.Array, max_len: int) -> jax.Array:
   """`[B, S]`: entry s of row b is live when s < length_b[b]."""
   return jnp.arange(max_len)[None, :] < jnp.asarray(length_b)[:, None]

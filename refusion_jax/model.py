@@ -9,10 +9,10 @@ ReFusion changes no layer of Qwen3; what matters here is that
   attends to a static KV buffer (per-row valid length) and to itself under a
   given chunk mask, and the chunk's own K/V are *returned, not written*: the
   decoder decides what to commit;
-* the full-sequence training call (`__call__` / `hidden` without a mask) may
-  run a memory-efficient kernel instead of the einsum reference `attend`
-  (`ModelConfig.attention_impl`, attention_kernels.py); decoding passes always
-  use `attend`.
+* the full-sequence training call (`__call__` / `hidden` without a mask,
+  optionally over packed rows: `segment_ids_bt`) may run a memory-efficient
+  kernel instead of the einsum reference `attend` (`ModelConfig.attention_impl`,
+  attention_kernels.py); decoding passes always use `attend`.
 
 Einsum letters: B batch, T chunk length, S cache length, N query heads,
 K kv heads, G query heads per kv head, H head dim, D model, F mlp, V vocab.
@@ -225,6 +225,18 @@ def attend_live(q_btnh, k_btkh, v_btkh, chunk_mask_btt, cache_k_bksh, cache_v_bk
   return out.astype(v_btkh.dtype).reshape(b, t, n, h)
 
 
+def _attend_kernel(q_btnh, k_btkh, v_btkh, segment_ids_bt, config: ModelConfig):
+  causal = config.attention == "causal"
+  if config.attention_impl == "cudnn":
+    # cuDNN here takes no segment ids: a row is one sample then padding (the trainer
+    # refuses packed rows with it), so its length is its count of real tokens.
+    length_b = jnp.sum(segment_ids_bt > 0, axis=1, dtype=jnp.int32)
+    return attention_kernels.attend_full(q_btnh, k_btkh, v_btkh, impl="cudnn", causal=causal,
+                                         length_b=length_b)
+  return attention_kernels.attend_full(q_btnh, k_btkh, v_btkh, impl=config.attention_impl,
+                                       causal=causal, segment_ids_bt=segment_ids_bt)
+
+
 class Attention(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -248,11 +260,11 @@ class Attention(nnx.Module):
     q = sharding.constrain(q, ("batch", "seq", "q_heads", "head_dim"))
     k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-    if chunk_mask_btt is None:  # the whole row under the config's own mask: a kernel
+    if isinstance(chunk_mask_btt, attention_kernels.RowSegments):
+      # The whole row (each of its segments) under the config's own mask: a kernel.
       if cache_k_bksh is not None:
-        raise ValueError("a kernel attention call (chunk_mask_btt=None) takes no KV cache")
-      out = attention_kernels.attend_full(q, k, v, impl=self.config.attention_impl,
-                                          causal=self.config.attention == "causal")
+        raise ValueError("a kernel attention call (RowSegments) takes no KV cache")
+      out = _attend_kernel(q, k, v, chunk_mask_btt.segment_ids_bt, self.config)
     else:
       out = attend(q, k, v, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_len_b, kv_chunk)
     y = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dtype))
@@ -466,7 +478,7 @@ class Qwen3(nnx.Module):
       return x, None, None
     return x, ys[0], ys[1]
 
-  def hidden(self, input_ids_bt, positions_bt, attention_mask_btt=None):
+  def hidden(self, input_ids_bt, positions_bt, attention_mask_btt=None, segment_ids_bt=None):
     """Hidden states `[B, T, D]` after the final norm: `__call__` without the projection.
 
     With `unembed()`, a loss can project them a chunk of the sequence at a time
@@ -476,28 +488,39 @@ class Qwen3(nnx.Module):
     positions_bt = jnp.asarray(positions_bt)
     self._check_inputs(input_ids_bt, positions_bt)
     b, t = input_ids_bt.shape
-    if attention_mask_btt is None and self.config.attention_impl != "xla":
-      # None tells every layer to run ModelConfig.attention_impl's kernel over the row.
-      attention_kernels.check_supported(
-          self.config.attention_impl, seq_len=t, dtype=self.config.dtype,
-          platform=attention_kernels.current_platform())
-    elif attention_mask_btt is None:
-      causal = self.config.attention == "causal"
-      attention_tt = masks.causal_tt(t) if causal else masks.full_tt(t)
-      attention_mask_btt = jnp.broadcast_to(attention_tt[None], (b, t, t))
-    x, _, _ = self._run_layers(input_ids_bt, positions_bt, attention_mask_btt, None,
-                               return_kv=False)
+    if attention_mask_btt is not None:
+      if segment_ids_bt is not None:
+        raise ValueError("give attention_mask_btt or segment_ids_bt, not both")
+      mask = attention_mask_btt
+    else:
+      if segment_ids_bt is None:  # the whole row is one sample
+        segment_ids_bt = jnp.ones((b, t), jnp.int32)
+      segment_ids_bt = jnp.asarray(segment_ids_bt, jnp.int32)
+      if segment_ids_bt.shape != (b, t):
+        raise ValueError(f"segment_ids {segment_ids_bt.shape} must match input_ids {(b, t)}")
+      if self.config.attention_impl != "xla":
+        attention_kernels.check_supported(
+            self.config.attention_impl, seq_len=t, dtype=self.config.dtype,
+            platform=attention_kernels.current_platform())
+        # Every layer runs ModelConfig.attention_impl's kernel over each segment.
+        mask = attention_kernels.RowSegments(segment_ids_bt)
+      else:
+        mask = masks.segment_btt(segment_ids_bt, causal=self.config.attention == "causal")
+    x, _, _ = self._run_layers(input_ids_bt, positions_bt, mask, None, return_kv=False)
     return self.final_norm(x)
 
-  def __call__(self, input_ids_bt, positions_bt, attention_mask_btt=None):
+  def __call__(self, input_ids_bt, positions_bt, attention_mask_btt=None, segment_ids_bt=None):
     """Logits `[B, T, V]`.
 
     Attention is causal in *input order* (bidirectional for an MDM config)
-    unless `attention_mask_btt` (True = may attend) is given. Without a mask,
-    `ModelConfig.attention_impl` picks how it is computed ("splash" / "cudnn":
-    attention_kernels.py; an explicit mask always takes the einsum path).
+    unless `attention_mask_btt` (True = may attend) is given; with
+    `segment_ids_bt` (int `[B, T]`, packed rows: each sample's tokens share an
+    id, 0 = padding) a token attends only within its own segment. Without an
+    explicit mask, `ModelConfig.attention_impl` picks how it is computed
+    ("splash" / "cudnn": attention_kernels.py; an explicit mask always takes the
+    einsum path).
     """
-    h = self.hidden(input_ids_bt, positions_bt, attention_mask_btt)
+    h = self.hidden(input_ids_bt, positions_bt, attention_mask_btt, segment_ids_bt)
     return sharding.constrain(self.unembed().project(h), ("batch", "seq", "vocab"))
 
   def forward_chunk(self, input_ids_bt, positions_bt, cache: KVCache, chunk_mask_btt):

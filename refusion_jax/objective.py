@@ -1,38 +1,48 @@
-"""Training objectives: ReFusion's hybrid slot loss and the ARM / MDM baselines.
+"""Training objectives: ReFusion's hybrid slot loss and the ARM / MDM baselines, on packed rows.
 
-ALGORITHM.md "Training objective". For one example with prompt length P and
-response length R (answer + EOS):
+ALGORITHM.md "Training objective" and "Packed rows". A row of `seq_len`
+tokens holds one or more samples one after another, then padding. For each
+sample (prompt length P, response length R: answer + EOS) of ReFusion:
 
 * a slot size k is drawn from `slot_sizes`; the response is cut into
   consecutive slots of k tokens (the last may be shorter);
 * p = (1 - eps) * t + eps with t ~ U(0, 1); each slot is masked with prob p;
-* the input is the prompt, the clean slots in a random order, then the masked
-  slots in their original order (all their tokens = mask id), then padding;
-  every token keeps its original position id;
+* the sample's tokens become its prompt, its clean slots in a random order,
+  then its masked slots in their original order (all their tokens = mask id),
+  in the row range the sample occupies; every token keeps its position within
+  its sample (0 at the sample's first token);
 * clean-slot tokens learn the next token of their own slot (AR), masked tokens
   learn their own token (MDM).
 
-Everything is vectorised over the batch: the permutation is built with an
-argsort over per-slot random keys and cumulative sums of slot lengths, then
-applied with one scatter (to get each output slot's source index) and gathers.
-No Python loop runs over examples or slots, so the whole thing jits into a
-few small ops next to the model.
+The ARM learns each response token from the token before it; the MDM baseline
+masks each response token (its EOS padding included, which the data pipeline
+adds) with its sample's p. Attention never crosses samples (`segment_ids`).
 
-The random draw is split from the layout (`draw_refusion` then
-`refusion_corrupt_from_draws`) so a test can rebuild the expected layout from
-the very same draw with a plain-Python oracle.
+Everything is vectorised over the whole batch, with no loop over rows, samples
+or slots: every random choice is a uniform laid out like the tokens
+(`Draws`), read at the sample's first token (slot size, t) or at the slot's
+first token (mask bit, order key), so each sample draws for itself wherever it
+sits; the permutation is one sort of each row on (sample, region, order key,
+slot, offset). The draw is split from the layout so a test can rebuild the
+expected layout from the very same draw with a plain-Python oracle.
 
-Each loss is a function of the per-token cross-entropy (`*_loss_from_ce`).
-That CE comes either from full `[B, T, V]` logits or, for long rows and large
-vocabularies, from the hidden states a chunk of the sequence at a time
-(`chunked_token_cross_entropy`, `loss_fn(..., loss_chunk=N)`).
+The loss is defined over samples, not rows, so packing does not change it:
+AR = mean cross-entropy over every AR-labelled token of the batch; MDM = sum
+over samples of (sum of CE / p over the sample's masked tokens) / R, divided
+by the number of samples in the batch (`loss_from_ce`).
 
-Batch format (from the data pipeline): `tokens` int32 [B, L] = prompt tokens
-then response tokens, right-padded; `prompt_len` int32 [B]; `response_len`
-int32 [B] (EOS included). `prompt_len + response_len <= L` is required; it is
-checked by `check_batch` whenever the values are concrete. Inside a jitted
-program (where it cannot be checked) out-of-range lengths are clipped to the
-row so the layout stays a permutation.
+Batch formats (from the data pipeline; `packed_rows` reads both):
+
+* packed: int32 `[B, L]` arrays `tokens`, `segment_ids` (each row's samples
+  numbered from 1, 0 = padding), `positions` (within the sample),
+  `segment_prompt_len` and `segment_response_len` (the token's sample's P and
+  R, EOS and any EOS padding included);
+* one sample per row: `tokens` int32 `[B, L]` = prompt then response,
+  right-padded, with `prompt_len` and `response_len` int32 `[B]`.
+
+Concrete batches are checked by `check_batch`; inside a jitted program (where
+they cannot be) inconsistent lengths still give a permutation of each sample's
+range, never one that crosses samples.
 """
 
 from __future__ import annotations
@@ -53,60 +63,91 @@ KIND_AR = 1
 KIND_MDM = 2
 
 # Each objective and the attention its model trains with (ALGORITHM.md "Baselines"):
-# the MDM baseline sees the whole row, ReFusion and the ARM are causal.
+# the MDM baseline sees its whole sample, ReFusion and the ARM are causal.
 OBJECTIVE_ATTENTION = {"refusion": "causal", "arm": "causal", "mdm": "bidirectional"}
 OBJECTIVES = tuple(OBJECTIVE_ATTENTION)
 DEFAULT_SLOT_SIZES = (4, 8, 16, 32)
 DEFAULT_EPS = 1e-3
 
+# How the data pipeline lays samples into rows (data.make_loader): one per row, or
+# packed by grain's first-fit / best-fit packers.
+PACKINGS = ("none", "first_fit", "best_fit")
+# The packed batch format: every field int32 [B, L].
+PACKED_KEYS = ("tokens", "segment_ids", "positions", "segment_prompt_len",
+               "segment_response_len")
+# One sample per row: tokens [B, L], lengths [B].
+ROW_KEYS = ("tokens", "prompt_len", "response_len")
+
+
+@struct.dataclass
+class PackedRows:
+  """A batch of rows, each holding samples one after another (int32 `[B, L]` fields).
+
+  Attributes:
+    tokens_bt: prompt then response of each sample; padding holds any id.
+    segment_ids_bt: the sample a token belongs to (distinct positive ids within a
+      row, in row order), 0 for padding.
+    positions_bt: the token's position within its sample (0 at its first token).
+    prompt_len_bt: its sample's prompt length P.
+    response_len_bt: its sample's response length R (answer + EOS, and for the MDM
+      baseline the EOS padding after it).
+  """
+
+  tokens_bt: jax.Array
+  segment_ids_bt: jax.Array
+  positions_bt: jax.Array
+  prompt_len_bt: jax.Array
+  response_len_bt: jax.Array
+
 
 @struct.dataclass
 class Corrupted:
-  """A model-ready training input plus what the loss needs.
+  """A model-ready training input plus what the loss needs (every field `[B, L]`).
 
   Attributes:
-    input_ids_bt: int32 [B, L] tokens fed to the model (permuted, masked).
-    positions_bt: int32 [B, L] true position of each input token. Padding
-      keeps its own index as position (padding never moves, so this is also
-      its original position).
-    labels_bt: int32 [B, L] target token per input token; `pad_id` where
-      `kind_bt` is KIND_IGNORE (a valid id, so the gather in the loss is safe).
-    kind_bt: int8 [B, L] KIND_IGNORE (0), KIND_AR (1) or KIND_MDM (2).
-    p_b: float32 [B] masking probability of the example (the MDM weight 1/p).
-    response_len_b: int32 [B] response length (the MDM normaliser; for the MDM
-      baseline the EOS-padded length L - prompt_len, see `mdm_corrupt`).
-    slot_size_b: int32 [B] slot size k of the example (1 for the MDM baseline,
-      whose token-level masking is masking slots of one token).
+    input_ids_bt: int32 tokens fed to the model (permuted, masked).
+    positions_bt: int32 position of each input token within its sample.
+    segment_ids_bt: int32 sample of each input token (0 = padding): attention
+      stays within a sample.
+    labels_bt: int32 target token per input token; `pad_id` where `kind_bt` is
+      KIND_IGNORE (a valid id, so the gather in the loss is safe).
+    kind_bt: int8 KIND_IGNORE (0), KIND_AR (1) or KIND_MDM (2).
+    mdm_weight_bt: float32 1 / (p * R) of the token's sample on KIND_MDM tokens,
+      0 elsewhere (the MDM term's weight).
   """
 
   input_ids_bt: jax.Array
   positions_bt: jax.Array
+  segment_ids_bt: jax.Array
   labels_bt: jax.Array
   kind_bt: jax.Array
-  p_b: jax.Array
-  response_len_b: jax.Array
-  slot_size_b: jax.Array
+  mdm_weight_bt: jax.Array
 
 
 @struct.dataclass
-class RefusionDraws:
-  """Every random choice of `refusion_corrupt`, explicit.
+class Draws:
+  """Every random choice of the corruptions: float32 uniforms in [0, 1) laid out like
+  the tokens (`[B, L]`), so that each sample draws for itself wherever it is packed.
 
   Attributes:
-    slot_size_b: int32 [B] slot size k.
-    t_b: float32 [B] t ~ U(0, 1).
-    p_b: float32 [B] (1 - eps) * t + eps.
-    slot_masked_bs: bool [B, S] whether slot s is masked (bits of slots past
-      the end of the response are drawn but unused).
-    slot_order_key_bs: float32 [B, S] random keys; clean slots are placed in
+    size_bt: at a sample's first token, its slot size: `slot_sizes[floor(u * n)]`.
+    t_bt: at a sample's first token, its t; p = (1 - eps) * t + eps.
+    mask_bt: ReFusion: at a slot's first token, the slot is masked when u < p;
+      MDM: each response token is masked when u < p.
+    order_bt: ReFusion: at a slot's first token, its key; clean slots are placed in
       increasing key order (ties by slot index).
   """
 
-  slot_size_b: jax.Array
-  t_b: jax.Array
-  p_b: jax.Array
-  slot_masked_bs: jax.Array
-  slot_order_key_bs: jax.Array
+  size_bt: jax.Array
+  t_bt: jax.Array
+  mask_bt: jax.Array
+  order_bt: jax.Array
+
+
+def draw(rng, shape: tuple[int, int]) -> Draws:
+  """Independent uniforms for every token of a `[B, L]` batch."""
+  keys = jax.random.split(rng, 4)
+  return Draws(*(jax.random.uniform(k, shape, jnp.float32) for k in keys))
 
 
 # --------------------------------------------------------------------------
@@ -156,31 +197,88 @@ def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def check_batch(batch: Mapping[str, Any]) -> None:
-  """Validates a batch's fields and shapes; also its lengths when they are concrete.
+def is_packed(batch: Mapping[str, Any]) -> bool:
+  """Whether `batch` is in the packed format (else one sample per row)."""
+  return "segment_ids" in batch
 
-  Raises ValueError naming the field. Lengths held by tracers (inside jit)
-  cannot be inspected and are only shape-checked.
-  """
-  if not isinstance(batch, Mapping):
-    raise ValueError(f"batch must be a mapping with tokens/prompt_len/response_len, got "
-                     f"{type(batch).__name__}")
-  missing = [k for k in ("tokens", "prompt_len", "response_len") if k not in batch]
+
+def _check_fields(batch: Mapping[str, Any], keys: Sequence[str]) -> tuple[int, int]:
+  missing = [k for k in keys if k not in batch]
   if missing:
     raise ValueError(f"batch is missing field(s) {missing}; it has {sorted(batch)}")
-  tokens, prompt_len, response_len = batch["tokens"], batch["prompt_len"], batch["response_len"]
+  tokens = batch["tokens"]
   if getattr(tokens, "ndim", None) != 2:
     raise ValueError(f"batch['tokens'] must be [batch, length], got shape "
                      f"{getattr(tokens, 'shape', None)}")
   b, l = tokens.shape
-  for name, value in (("prompt_len", prompt_len), ("response_len", response_len)):
-    if getattr(value, "shape", None) != (b,):
-      raise ValueError(f"batch['{name}'] must have shape ({b},) to match tokens {tokens.shape}, "
+  packed = keys is PACKED_KEYS
+  for name in keys:
+    value = batch[name]
+    want = (b, l) if packed or name == "tokens" else (b,)
+    if getattr(value, "shape", None) != want:
+      raise ValueError(f"batch['{name}'] must have shape {want} to match tokens {tokens.shape}, "
                        f"got {getattr(value, 'shape', None)}")
-  for name, value in (("tokens", tokens), ("prompt_len", prompt_len),
-                      ("response_len", response_len)):
     if not jnp.issubdtype(value.dtype, jnp.integer):
       raise ValueError(f"batch['{name}'] must be an integer array, got dtype {value.dtype}")
+  return b, l
+
+
+def _check_packed_values(batch: Mapping[str, Any]) -> None:
+  """A packed batch's samples are whole: positions 0, 1, ... within a segment, one
+  (P, R) per segment with R >= 1, and P + R tokens in it."""
+  seg = np.asarray(batch["segment_ids"])
+  pos = np.asarray(batch["positions"])
+  p = np.asarray(batch["segment_prompt_len"])
+  r = np.asarray(batch["segment_response_len"])
+  if (seg < 0).any():
+    raise ValueError("batch['segment_ids'] must be >= 0 (0 = padding)")
+  real = seg > 0
+  b = seg.shape[0]
+  pad = np.zeros((b, 1), seg.dtype)
+  prev_seg = np.concatenate([pad, seg[:, :-1]], axis=1)
+  next_seg = np.concatenate([seg[:, 1:], pad], axis=1)
+  starts = real & (seg != prev_seg)
+  ends = real & (seg != next_seg)
+  problems = []
+  if (pos[starts] != 0).any():
+    problems.append("a sample's first token must have position 0")
+  cont = real & ~starts
+  prev = lambda x: np.concatenate([np.zeros((b, 1), x.dtype), x[:, :-1]], axis=1)  # noqa: E731
+  if (pos[cont] != prev(pos)[cont] + 1).any():
+    problems.append("positions must count up by 1 within a sample")
+  if (p[cont] != prev(p)[cont]).any() or (r[cont] != prev(r)[cont]).any():
+    problems.append("segment_prompt_len / segment_response_len must be constant within a sample")
+  if (p[real] < 0).any() or (r[real] < 1).any():
+    problems.append("each sample needs segment_prompt_len >= 0 and segment_response_len >= 1 "
+                    "(EOS included)")
+  if (pos[ends] != (p + r - 1)[ends]).any():
+    problems.append("each sample must hold exactly segment_prompt_len + segment_response_len "
+                    "tokens")
+  seen = {}
+  for row, segment in zip(*np.nonzero(starts)):
+    if seen.setdefault((int(row), int(seg[row, segment])), segment) != segment:
+      problems.append(f"row {row}: segment id {seg[row, segment]} is used by two samples")
+      break
+  if problems:
+    raise ValueError("packed batch: " + "; ".join(problems))
+
+
+def check_batch(batch: Mapping[str, Any]) -> None:
+  """Validates a batch's fields and shapes; also its lengths when they are concrete.
+
+  Either format (module doc). Raises ValueError naming the field. Values held by
+  tracers (inside jit) cannot be inspected and are only shape-checked.
+  """
+  if not isinstance(batch, Mapping):
+    raise ValueError(f"batch must be a mapping with {ROW_KEYS} or {PACKED_KEYS}, got "
+                     f"{type(batch).__name__}")
+  if is_packed(batch):
+    _check_fields(batch, PACKED_KEYS)
+    if all(_is_concrete(batch[k]) for k in PACKED_KEYS):
+      _check_packed_values(batch)
+    return
+  _, l = _check_fields(batch, ROW_KEYS)
+  prompt_len, response_len = batch["prompt_len"], batch["response_len"]
   if _is_concrete(prompt_len) and _is_concrete(response_len):
     p = np.asarray(prompt_len)
     r = np.asarray(response_len)
@@ -196,118 +294,176 @@ def check_batch(batch: Mapping[str, Any]) -> None:
                        f"exceeds the token length {l}")
 
 
-def _clip_lengths(prompt_len_b, response_len_b, seq_len: int):
-  # Keeps the layout a permutation even for bad lengths that slipped into jit.
-  prompt_len_b = jnp.clip(jnp.asarray(prompt_len_b, jnp.int32), 0, seq_len)
-  response_len_b = jnp.clip(jnp.asarray(response_len_b, jnp.int32), 0, seq_len - prompt_len_b)
-  return prompt_len_b, response_len_b
+def packed_rows(batch: Mapping[str, Any], *, eos_fill_id: int | None = None) -> PackedRows:
+  """`batch` (either format) as `PackedRows` (jittable).
+
+  A one-sample-per-row batch becomes rows of one segment each. With
+  `eos_fill_id` its responses run to the row's end, the padding replaced by that
+  token (the MDM baseline's layout when rows are not packed: LLaDA's SFT pads
+  every answer with EOS, and the model learns to fill a canvas after its answer).
+  Packed batches carry any EOS padding in their samples already.
+  """
+  tokens_bt = jnp.asarray(batch["tokens"], jnp.int32)
+  if is_packed(batch):
+    return PackedRows(*(jnp.asarray(batch[k], jnp.int32) for k in PACKED_KEYS))
+  b, l = tokens_bt.shape
+  index_1t = jnp.arange(l, dtype=jnp.int32)[None]
+  # Lengths out of range (only possible inside jit, where check_batch cannot look) are
+  # clipped to the row.
+  prompt_b = jnp.clip(jnp.asarray(batch["prompt_len"], jnp.int32), 0, l)
+  response_b = jnp.clip(jnp.asarray(batch["response_len"], jnp.int32), 0, l - prompt_b)
+  if eos_fill_id is not None:
+    tokens_bt = jnp.where(index_1t >= (prompt_b + response_b)[:, None], eos_fill_id, tokens_bt)
+    response_b = l - prompt_b
+  real_bt = index_1t < (prompt_b + response_b)[:, None]
+  zero_bt = jnp.zeros((b, l), jnp.int32)
+  return PackedRows(
+      tokens_bt=tokens_bt, segment_ids_bt=real_bt.astype(jnp.int32),
+      positions_bt=jnp.where(real_bt, index_1t, 0),
+      prompt_len_bt=jnp.where(real_bt, prompt_b[:, None], zero_bt),
+      response_len_bt=jnp.where(real_bt, response_b[:, None], zero_bt))
+
+
+def packed_batch(batch: Mapping[str, Any], *, eos_fill_id: int | None = None) -> dict:
+  """`batch` (either format) as a packed-format dict of numpy arrays (`PACKED_KEYS`)."""
+  rows = jax.device_get(packed_rows(batch, eos_fill_id=eos_fill_id))
+  return {k: np.asarray(getattr(rows, f), np.int32)
+          for k, f in zip(PACKED_KEYS, ("tokens_bt", "segment_ids_bt", "positions_bt",
+                                        "prompt_len_bt", "response_len_bt"))}
+
+
+def num_samples(rows: PackedRows) -> jax.Array:
+  """Samples in the batch (each has one token at position 0)."""
+  return jnp.sum((rows.segment_ids_bt > 0) & (rows.positions_bt == 0))
+
+
+def real_tokens(rows: PackedRows) -> jax.Array:
+  """Tokens of the batch that belong to a sample (not padding)."""
+  return jnp.sum(rows.segment_ids_bt > 0)
 
 
 # --------------------------------------------------------------------------
-# ReFusion corruption.
+# Layouts.
 
 
-def max_slots(seq_len: int, slot_sizes: Sequence[int]) -> int:
-  """Slots the draw must cover: a response of at most `seq_len` tokens at the smallest k."""
-  return -(-seq_len // min(slot_sizes))
+class _Tokens:
+  """Per-token facts of packed rows that every layout reads (original order)."""
+
+  def __init__(self, rows: PackedRows, pad_id: int):
+    b, l = rows.tokens_bt.shape
+    self.shape = (b, l)
+    self.index_1t = jnp.arange(l, dtype=jnp.int32)[None]
+    self.real_bt = rows.segment_ids_bt > 0
+    self.pos_bt = jnp.where(self.real_bt, rows.positions_bt, 0)
+    # Row index of the sample's first token (a padding token: its own index), clipped so
+    # that positions inconsistent with the row (only possible inside jit) stay in range.
+    self.start_bt = jnp.clip(self.index_1t - self.pos_bt, 0, l - 1)
+    self.prompt_bt = rows.prompt_len_bt
+    self.response_bt = rows.response_len_bt
+    self.offset_bt = self.pos_bt - self.prompt_bt  # offset in the response (< 0: prompt)
+    self.in_prompt_bt = self.real_bt & (self.offset_bt < 0)
+    self.in_resp_bt = self.real_bt & (self.offset_bt >= 0) & (self.offset_bt < self.response_bt)
+    self.ids_bt = jnp.where(self.real_bt, rows.tokens_bt, pad_id)
+    self.segment_ids_bt = jnp.where(self.real_bt, rows.segment_ids_bt, 0)
+
+  def of_sample(self, x_bt):
+    """`x_bt` read at each token's sample's first token."""
+    return jnp.take_along_axis(x_bt, self.start_bt, axis=1)
+
+  def shifted(self, x_bt, fill):
+    """`x_bt[:, i + 1]` at i (`fill` at the last index)."""
+    b = self.shape[0]
+    return jnp.concatenate([x_bt[:, 1:], jnp.full((b, 1), fill, x_bt.dtype)], axis=1)
+
+  def p_bt(self, draws: Draws, eps: float):
+    return (1.0 - eps) * self.of_sample(draws.t_bt) + eps
+
+  def mdm_weight(self, masked_bt, p_bt):
+    return jnp.where(masked_bt, 1.0 / (p_bt * jnp.maximum(self.response_bt, 1)), 0.0)
 
 
-def draw_refusion(rng, batch_size: int, seq_len: int, *, slot_sizes=DEFAULT_SLOT_SIZES,
-                  eps: float = DEFAULT_EPS) -> RefusionDraws:
-  """Draws slot sizes, t, per-slot mask bits and per-slot order keys."""
+def refusion_corrupt(rows: PackedRows, draws: Draws, *, mask_id: int, pad_id: int,
+                     slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS) -> Corrupted:
+  """ReFusion's layout of every sample of `rows` for explicit draws (module doc)."""
   slot_sizes = check_slot_sizes(slot_sizes)
   eps = _check_eps(eps)
-  s = max_slots(seq_len, slot_sizes)
-  k_rng, t_rng, m_rng, o_rng = jax.random.split(rng, 4)
-  choice_b = jax.random.randint(k_rng, (batch_size,), 0, len(slot_sizes))
-  slot_size_b = jnp.asarray(slot_sizes, jnp.int32)[choice_b]
-  t_b = jax.random.uniform(t_rng, (batch_size,), jnp.float32)
-  p_b = (1.0 - eps) * t_b + eps
-  # uniform in [0, 1) < p: p = 1 masks every slot, p = eps almost none.
-  slot_masked_bs = jax.random.uniform(m_rng, (batch_size, s), jnp.float32) < p_b[:, None]
-  slot_order_key_bs = jax.random.uniform(o_rng, (batch_size, s), jnp.float32)
-  return RefusionDraws(slot_size_b=slot_size_b, t_b=t_b, p_b=p_b,
-                       slot_masked_bs=slot_masked_bs, slot_order_key_bs=slot_order_key_bs)
+  x = _Tokens(rows, pad_id)
+  n = len(slot_sizes)
+  choice_bt = jnp.clip(jnp.floor(x.of_sample(draws.size_bt) * n).astype(jnp.int32), 0, n - 1)
+  k_bt = jnp.asarray(slot_sizes, jnp.int32)[choice_bt]
+  p_bt = x.p_bt(draws, eps)
 
+  # Slot index, offset inside the slot and the slot's first token, for response tokens.
+  slot_bt = jnp.where(x.in_resp_bt, x.offset_bt // k_bt, 0)
+  in_slot_bt = jnp.where(x.in_resp_bt, x.offset_bt - slot_bt * k_bt, 0)
+  first_bt = x.index_1t - in_slot_bt
+  slot_len_bt = jnp.minimum(k_bt, x.response_bt - slot_bt * k_bt)
+  masked_bt = x.in_resp_bt & (jnp.take_along_axis(draws.mask_bt, first_bt, axis=1) < p_bt)
+  clean_bt = x.in_resp_bt & ~masked_bt
+  has_next_bt = clean_bt & (in_slot_bt < slot_len_bt - 1)
 
-def refusion_corrupt_from_draws(tokens_bt, prompt_len_b, response_len_b, draws: RefusionDraws,
-                                *, mask_id: int, pad_id: int) -> Corrupted:
-  """The ReFusion input layout for explicit draws (see the module docstring)."""
-  tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
-  b, l = tokens_bt.shape
-  s = draws.slot_masked_bs.shape[1]
-  prompt_len_b, response_len_b = _clip_lengths(prompt_len_b, response_len_b, l)
-  p_1 = prompt_len_b[:, None]
-  r_1 = response_len_b[:, None]
-  k_1 = draws.slot_size_b.astype(jnp.int32)[:, None]
+  ids_bt = jnp.where(masked_bt, mask_id, x.ids_bt)
+  labels_bt = jnp.where(masked_bt, x.ids_bt,
+                        jnp.where(has_next_bt, x.shifted(x.ids_bt, pad_id), pad_id))
+  kind_bt = jnp.where(masked_bt, KIND_MDM, jnp.where(has_next_bt, KIND_AR, KIND_IGNORE))
 
-  # Per original token: region, slot index and offset inside the slot.
-  index_1t = jnp.arange(l, dtype=jnp.int32)[None]
-  in_prompt_bt = index_1t < p_1
-  offset_bt = index_1t - p_1  # offset in the response (negative in the prompt)
-  in_resp_bt = (offset_bt >= 0) & (offset_bt < r_1)
-  slot_bt = jnp.clip(offset_bt // k_1, 0, s - 1)
-  in_slot_bt = offset_bt - slot_bt * k_1
+  # One sort of each row gives, for every output place, the original index it takes:
+  # samples stay in their ranges; inside one, the prompt, the clean slots by key (ties
+  # by slot index), the masked slots in order, then any token past the response (none
+  # in a well-formed batch); a slot's tokens keep their order. Padding is its own group.
+  region_bt = jnp.where(x.in_prompt_bt | ~x.real_bt, 0,
+                        jnp.where(clean_bt, 1, jnp.where(masked_bt, 2, 3)))
+  order_bt = jnp.where(clean_bt, jnp.take_along_axis(draws.order_bt, first_bt, axis=1), 0.0)
+  last_bt = jnp.where(x.in_resp_bt, in_slot_bt, x.pos_bt)
+  index_bt = jnp.broadcast_to(x.index_1t, x.shape)
+  src_bt = jax.lax.sort((x.start_bt, region_bt, order_bt, slot_bt, last_bt, index_bt),
+                        dimension=1, num_keys=5)[-1]
 
-  # Per slot: length, masked / clean, and start offset in the permuted response.
-  slot_1s = jnp.arange(s, dtype=jnp.int32)[None]
-  slot_len_bs = jnp.clip(r_1 - slot_1s * k_1, 0, k_1)
-  exists_bs = slot_len_bs > 0
-  masked_bs = draws.slot_masked_bs & exists_bs
-  clean_bs = exists_bs & ~masked_bs
-  # Clean slots sorted by their random key come first; the rest sort after them.
-  clean_order_bs = jnp.argsort(jnp.where(clean_bs, draws.slot_order_key_bs, jnp.inf), axis=1,
-                               stable=True)
-  clean_len_bs = jnp.where(clean_bs, slot_len_bs, 0)
-  len_by_rank_bs = jnp.take_along_axis(clean_len_bs, clean_order_bs, axis=1)
-  start_by_rank_bs = jnp.cumsum(len_by_rank_bs, axis=1) - len_by_rank_bs
-  rank_bs = jnp.argsort(clean_order_bs, axis=1)  # inverse permutation
-  clean_start_bs = jnp.take_along_axis(start_by_rank_bs, rank_bs, axis=1)
-  num_clean_b1 = jnp.sum(clean_len_bs, axis=1, keepdims=True)
-  masked_len_bs = jnp.where(masked_bs, slot_len_bs, 0)
-  masked_start_bs = num_clean_b1 + jnp.cumsum(masked_len_bs, axis=1) - masked_len_bs
-  slot_start_bs = jnp.where(masked_bs, masked_start_bs, clean_start_bs)
-
-  # Destination of every original token: prompt and padding stay where they are.
-  token_start_bt = jnp.take_along_axis(slot_start_bs, slot_bt, axis=1)
-  dest_bt = jnp.where(in_resp_bt, p_1 + token_start_bt + in_slot_bt, index_1t)
-
-  # Inputs, labels and kinds in the original order.
-  masked_tok_bt = in_resp_bt & jnp.take_along_axis(masked_bs, slot_bt, axis=1)
-  token_slot_len_bt = jnp.take_along_axis(slot_len_bs, slot_bt, axis=1)
-  has_next_bt = in_resp_bt & ~masked_tok_bt & (in_slot_bt < token_slot_len_bt - 1)
-  next_bt = jnp.concatenate([tokens_bt[:, 1:], jnp.full((b, 1), pad_id, jnp.int32)], axis=1)
-  ids_bt = jnp.where(in_prompt_bt | in_resp_bt, tokens_bt, pad_id)
-  ids_bt = jnp.where(masked_tok_bt, mask_id, ids_bt)
-  labels_bt = jnp.where(masked_tok_bt, tokens_bt, jnp.where(has_next_bt, next_bt, pad_id))
-  kind_bt = jnp.where(masked_tok_bt, KIND_MDM, jnp.where(has_next_bt, KIND_AR, KIND_IGNORE))
-
-  # One scatter gives, for each output slot, the original index it comes from.
-  rows_b1 = jnp.arange(b, dtype=jnp.int32)[:, None]
-  src_bt = jnp.zeros((b, l), jnp.int32).at[rows_b1, dest_bt].set(
-      jnp.broadcast_to(index_1t, (b, l)), unique_indices=True)
-
-  def take(x_bt):
-    return jnp.take_along_axis(x_bt, src_bt, axis=1)
+  def take(v_bt):
+    return jnp.take_along_axis(v_bt, src_bt, axis=1)
 
   return Corrupted(
-      input_ids_bt=take(ids_bt),
-      positions_bt=src_bt,  # the source index is the original position
-      labels_bt=take(labels_bt),
-      kind_bt=take(kind_bt).astype(jnp.int8),
-      p_b=draws.p_b.astype(jnp.float32),
-      response_len_b=response_len_b,
-      slot_size_b=draws.slot_size_b.astype(jnp.int32))
+      input_ids_bt=take(ids_bt), positions_bt=take(x.pos_bt),
+      segment_ids_bt=x.segment_ids_bt,  # samples keep their ranges
+      labels_bt=take(labels_bt), kind_bt=take(kind_bt).astype(jnp.int8),
+      mdm_weight_bt=take(x.mdm_weight(masked_bt, p_bt)))
 
 
-def refusion_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, *, mask_id: int, pad_id: int,
-                     slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS) -> Corrupted:
-  """Draws and applies ReFusion's slot corruption (jittable; ids/sizes static)."""
-  slot_sizes = check_slot_sizes(slot_sizes)
-  b, l = jnp.shape(tokens_bt)
-  draws = draw_refusion(rng, b, l, slot_sizes=slot_sizes, eps=eps)
-  return refusion_corrupt_from_draws(tokens_bt, prompt_len_b, response_len_b, draws,
-                                     mask_id=mask_id, pad_id=pad_id)
+def arm_corrupt(rows: PackedRows, *, pad_id: int) -> Corrupted:
+  """The ARM's unchanged input: token i learns token i + 1 where that is a response
+  token of the same sample (the first response token from the last prompt token; a
+  sample without a prompt has no predictor for its first token)."""
+  x = _Tokens(rows, pad_id)
+  next_same_bt = x.real_bt & (x.shifted(x.segment_ids_bt, 0) == x.segment_ids_bt)
+  valid_bt = next_same_bt & x.shifted(x.in_resp_bt, False)
+  return Corrupted(
+      input_ids_bt=x.ids_bt, positions_bt=x.pos_bt, segment_ids_bt=x.segment_ids_bt,
+      labels_bt=jnp.where(valid_bt, x.shifted(x.ids_bt, pad_id), pad_id),
+      kind_bt=jnp.where(valid_bt, KIND_AR, KIND_IGNORE).astype(jnp.int8),
+      mdm_weight_bt=jnp.zeros(x.shape, jnp.float32))
+
+
+def mdm_corrupt(rows: PackedRows, draws: Draws, *, mask_id: int, pad_id: int,
+                eps: float = DEFAULT_EPS) -> Corrupted:
+  """LLaDA corruption: each response token (EOS padding included) masked with its
+  sample's p = (1 - eps) t + eps, learning its own token; nothing moves.
+
+  As in LLaDA's SFT the response carries EOS padding after the answer (the data
+  pipeline adds it, or `packed_rows(..., eos_fill_id=...)` to the row's end), masked,
+  labelled and counted in the normaliser R like any answer token: a model that only
+  ever saw exactly its answer's masks could not tell where its answer ends on a
+  longer canvas.
+  """
+  eps = _check_eps(eps)
+  x = _Tokens(rows, pad_id)
+  p_bt = x.p_bt(draws, eps)
+  masked_bt = x.in_resp_bt & (draws.mask_bt < p_bt)
+  return Corrupted(
+      input_ids_bt=jnp.where(masked_bt, mask_id, x.ids_bt), positions_bt=x.pos_bt,
+      segment_ids_bt=x.segment_ids_bt,
+      labels_bt=jnp.where(masked_bt, x.ids_bt, pad_id),
+      kind_bt=jnp.where(masked_bt, KIND_MDM, KIND_IGNORE).astype(jnp.int8),
+      mdm_weight_bt=x.mdm_weight(masked_bt, p_bt))
 
 
 # --------------------------------------------------------------------------
@@ -376,122 +532,38 @@ def chunked_token_cross_entropy(h_btd, unembed, labels_bt, chunk_len: int):
   return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
 
 
-def _mdm_term(ce_bt, mdm_bt, p_b, response_len_b):
-  # Sum over masked tokens of CE / p / len(response), averaged over the batch.
-  weight_b = 1.0 / (p_b.astype(jnp.float32) * jnp.maximum(response_len_b, 1).astype(jnp.float32))
-  per_example_b = jnp.sum(jnp.where(mdm_bt, ce_bt, 0.0), axis=1) * weight_b
-  return jnp.sum(per_example_b) / ce_bt.shape[0]
+def loss_from_ce(ce_bt, corrupted: Corrupted, samples):
+  """The batch's loss from the per-token CE of `corrupted.labels_bt`, and its metrics.
 
-
-def _metrics(loss, ar_loss, mdm_loss, ar_tokens, mdm_tokens):
-  return {"loss": loss, "ar_loss": ar_loss, "mdm_loss": mdm_loss,
-          "ar_tokens": ar_tokens.astype(jnp.float32),
-          "mdm_tokens": mdm_tokens.astype(jnp.float32)}
-
-
-def refusion_loss_from_ce(ce_bt, corrupted: Corrupted):
-  """`refusion_loss` from the per-token CE of `corrupted.labels_bt`."""
+  AR = CE averaged over every KIND_AR token of the batch (0 when there is none);
+  MDM = sum over KIND_MDM tokens of CE / (p R), divided by `samples`, the number of
+  samples in the batch; loss = AR + MDM (the ARM has no MDM tokens, the MDM baseline
+  no AR tokens). Defined per sample, so packing does not change it.
+  """
+  ce_bt = ce_bt.astype(jnp.float32)
   ar_bt = corrupted.kind_bt == KIND_AR
   mdm_bt = corrupted.kind_bt == KIND_MDM
   ar_tokens = jnp.sum(ar_bt)
   ar_loss = jnp.sum(jnp.where(ar_bt, ce_bt, 0.0)) / jnp.maximum(ar_tokens, 1).astype(jnp.float32)
-  mdm_loss = _mdm_term(ce_bt, mdm_bt, corrupted.p_b, corrupted.response_len_b)
+  mdm_sum = jnp.sum(jnp.where(mdm_bt, ce_bt * corrupted.mdm_weight_bt, 0.0))
+  mdm_loss = mdm_sum / jnp.maximum(samples, 1).astype(jnp.float32)
   loss = ar_loss + mdm_loss
-  return loss, _metrics(loss, ar_loss, mdm_loss, ar_tokens, jnp.sum(mdm_bt))
+  return loss, {"loss": loss, "ar_loss": ar_loss, "mdm_loss": mdm_loss,
+                "ar_tokens": ar_tokens.astype(jnp.float32),
+                "mdm_tokens": jnp.sum(mdm_bt).astype(jnp.float32)}
 
 
-def refusion_loss(logits_btv, corrupted: Corrupted):
-  """AR (token mean, 0 when there is none) + MDM (CE / p / len summed, batch mean)."""
-  return refusion_loss_from_ce(token_cross_entropy(logits_btv, corrupted.labels_bt), corrupted)
-
-
-def arm_targets(tokens_bt, prompt_len_b, response_len_b):
-  """`(labels_bt, valid_bt)` of the next-token loss: label i is token i+1, valid on the response."""
-  tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
-  b, l = tokens_bt.shape
-  prompt_len_b, response_len_b = _clip_lengths(prompt_len_b, response_len_b, l)
-  labels_bt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-  target_1t = jnp.arange(l, dtype=jnp.int32)[None] + 1  # index of the predicted token
-  valid_bt = (target_1t >= prompt_len_b[:, None]) & (
-      target_1t < (prompt_len_b + response_len_b)[:, None]) & (target_1t < l)
-  return labels_bt, valid_bt
-
-
-def arm_loss_from_ce(ce_bt, valid_bt):
-  """`arm_loss` from the per-token CE of `arm_targets`' labels."""
-  count = jnp.sum(valid_bt)
-  loss = jnp.sum(jnp.where(valid_bt, ce_bt, 0.0)) / jnp.maximum(count, 1).astype(jnp.float32)
-  return loss, _metrics(loss, loss, jnp.zeros((), jnp.float32), count, jnp.zeros((), jnp.int32))
-
-
-def arm_loss(logits_btv, tokens_bt, prompt_len_b, response_len_b):
-  """Next-token loss on the response tokens (token mean over the batch).
-
-  `logits_btv` come from the unchanged causal input with positions 0..L-1.
-  Logit i predicts token i+1; the targets are the response tokens, so the
-  first is predicted from the last prompt token (a response at position 0,
-  with no prompt, has no predictor and is skipped).
-  """
-  labels_bt, valid_bt = arm_targets(tokens_bt, prompt_len_b, response_len_b)
-  return arm_loss_from_ce(token_cross_entropy(logits_btv, labels_bt), valid_bt)
-
-
-def mdm_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, *, mask_id: int, eos_id: int,
-                pad_id: int, eps: float = DEFAULT_EPS) -> Corrupted:
-  """LLaDA corruption: the response, EOS-padded to the row's end, masked token by token.
-
-  As in LLaDA's SFT, every position after the response's EOS is filled with
-  further EOS tokens and belongs to the response: it is masked, labelled and
-  counted in the normaliser like any answer token. The model thus learns to
-  fill the positions after the answer with EOS. The decoder's canvas is the
-  prompt followed by `gen_length` masks, longer than most answers; a model
-  that only ever saw exactly `response_len` masks (the padding hidden) has no
-  way to tell where its answer should end and fills the whole canvas with
-  text, which breaks every exact answer.
-
-  Each response position (EOS padding included) is masked with probability
-  p = (1 - eps) t + eps. Nothing moves; positions are 0..L-1. Masked tokens
-  are labelled with their own token (KIND_MDM); everything else is ignored.
-  `response_len_b` of the result is the padded length L - prompt_len, the
-  loss's normaliser. `pad_id` labels the ignored positions.
-  """
-  eps = _check_eps(eps)
-  tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
-  b, l = tokens_bt.shape
-  prompt_len_b, response_len_b = _clip_lengths(prompt_len_b, response_len_b, l)
-  t_rng, m_rng = jax.random.split(rng)
-  t_b = jax.random.uniform(t_rng, (b,), jnp.float32)
-  p_b = (1.0 - eps) * t_b + eps
-  index_1t = jnp.arange(l, dtype=jnp.int32)[None]
-  in_resp_bt = index_1t >= prompt_len_b[:, None]  # the answer and its EOS padding
-  tail_bt = index_1t >= (prompt_len_b + response_len_b)[:, None]
-  clean_bt = jnp.where(tail_bt, eos_id, tokens_bt)
-  masked_bt = in_resp_bt & (jax.random.uniform(m_rng, (b, l), jnp.float32) < p_b[:, None])
-  return Corrupted(
-      input_ids_bt=jnp.where(masked_bt, mask_id, clean_bt),
-      positions_bt=jnp.broadcast_to(index_1t, (b, l)),
-      labels_bt=jnp.where(masked_bt, clean_bt, pad_id),
-      kind_bt=jnp.where(masked_bt, KIND_MDM, KIND_IGNORE).astype(jnp.int8),
-      p_b=p_b,
-      response_len_b=l - prompt_len_b,
-      slot_size_b=jnp.ones((b,), jnp.int32))
-
-
-def mdm_loss_from_ce(ce_bt, corrupted: Corrupted):
-  """`mdm_loss` from the per-token CE of `corrupted.labels_bt`."""
-  mdm_bt = corrupted.kind_bt == KIND_MDM
-  loss = _mdm_term(ce_bt, mdm_bt, corrupted.p_b, corrupted.response_len_b)
-  return loss, _metrics(loss, jnp.zeros((), jnp.float32), loss, jnp.zeros((), jnp.int32),
-                        jnp.sum(mdm_bt))
-
-
-def mdm_loss(logits_btv, corrupted: Corrupted):
-  """LLaDA loss: sum over masked tokens of CE / p / len(padded response), batch mean."""
-  return mdm_loss_from_ce(token_cross_entropy(logits_btv, corrupted.labels_bt), corrupted)
-
-
-# --------------------------------------------------------------------------
-# The trainer's entry point.
+def corrupt(objective: str, rows: PackedRows, rng, *, mask_id: int, pad_id: int,
+            slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS) -> Corrupted:
+  """`objective`'s training input for `rows`, its draws taken from `rng` (jittable)."""
+  _check_objective(objective)
+  if objective == "arm":
+    return arm_corrupt(rows, pad_id=pad_id)
+  draws = draw(rng, rows.tokens_bt.shape)
+  if objective == "refusion":
+    return refusion_corrupt(rows, draws, mask_id=mask_id, pad_id=pad_id, slot_sizes=slot_sizes,
+                            eps=eps)
+  return mdm_corrupt(rows, draws, mask_id=mask_id, pad_id=pad_id, eps=eps)
 
 
 def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: int, pad_id: int,
@@ -499,11 +571,15 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
             loss_chunk: int = 0):
   """Loss and metrics of `objective` ("refusion", "arm" or "mdm") on one batch.
 
-  `eos_id` (MDM only: the token that pads the response to the row's end)
-  defaults to the model config's `eos_token_id`. `loss_chunk` > 0 computes the
-  cross-entropy from the model's hidden states `loss_chunk` tokens of the
-  sequence at a time (`chunked_token_cross_entropy`: the same loss and
-  gradients without `[B, T, V]` logits); 0 projects the whole sequence at once.
+  `batch` is packed or one sample per row (module doc). `eos_id` (MDM on a
+  one-sample-per-row batch only: the token that pads each response to the row's
+  end) defaults to the model config's `eos_token_id`. `loss_chunk` > 0 computes
+  the cross-entropy from the model's hidden states `loss_chunk` tokens of the
+  sequence at a time (`chunked_token_cross_entropy`: the same loss and gradients
+  without `[B, T, V]` logits); 0 projects the whole sequence at once.
+
+  Metrics: the loss and its AR / MDM terms, the AR and MDM token counts, and the
+  batch's `samples` and `real_tokens` (tokens that are not padding).
 
   Meant to run inside `nnx.value_and_grad` / `jax.jit`; all checks of
   arguments, shapes and the model's attention kind happen at trace time, in
@@ -517,41 +593,38 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
   vocab = getattr(config, "vocab_size", None)
   mask_id = _check_token_id("mask_id", mask_id, vocab)
   pad_id = _check_token_id("pad_id", pad_id, vocab)
-  if objective == "mdm":
+  check_batch(batch)
+  eos_fill_id = None
+  if objective == "mdm" and not is_packed(batch):
     if eos_id is None:
       eos_id = getattr(config, "eos_token_id", None)
     if eos_id is None:
       raise ValueError("objective='mdm' pads responses with EOS: pass eos_id or use a model "
                        "whose ModelConfig.eos_token_id is set")
-    eos_id = _check_token_id("eos_id", eos_id, vocab)
+    eos_fill_id = _check_token_id("eos_id", eos_id, vocab)
   want = attention_for(objective)
   attention = getattr(config, "attention", want)
   if attention != want:
     raise ValueError(f"objective={objective!r} needs a model with attention={want!r}, "
                      f"got ModelConfig.attention={attention!r}")
-  check_batch(batch)
-  tokens_bt = jnp.asarray(batch["tokens"], jnp.int32)
-  prompt_len_b = jnp.asarray(batch["prompt_len"], jnp.int32)
-  response_len_b = jnp.asarray(batch["response_len"], jnp.int32)
-  b, l = tokens_bt.shape
+  rows = packed_rows(batch, eos_fill_id=eos_fill_id)
+  corrupted = corrupt(objective, rows, rng, mask_id=mask_id, pad_id=pad_id,
+                      slot_sizes=slot_sizes, eps=eps)
+  samples = num_samples(rows)
+  loss, metrics = model_loss(model, corrupted, samples, loss_chunk=loss_chunk)
+  metrics.update(samples=samples.astype(jnp.float32),
+                 real_tokens=real_tokens(rows).astype(jnp.float32))
+  return loss, metrics
 
-  def model_ce(input_ids_bt, positions_bt, labels_bt):
-    if loss_chunk:
-      return chunked_token_cross_entropy(model.hidden(input_ids_bt, positions_bt),
-                                         model.unembed(), labels_bt, loss_chunk)
-    return token_cross_entropy(model(input_ids_bt, positions_bt), labels_bt)
 
-  if objective == "refusion":
-    corrupted = refusion_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, mask_id=mask_id,
-                                 pad_id=pad_id, slot_sizes=slot_sizes, eps=eps)
-    ce_bt = model_ce(corrupted.input_ids_bt, corrupted.positions_bt, corrupted.labels_bt)
-    return refusion_loss_from_ce(ce_bt, corrupted)
-  if objective == "arm":
-    positions_bt = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
-    labels_bt, valid_bt = arm_targets(tokens_bt, prompt_len_b, response_len_b)
-    return arm_loss_from_ce(model_ce(tokens_bt, positions_bt, labels_bt), valid_bt)
-  corrupted = mdm_corrupt(tokens_bt, prompt_len_b, response_len_b, rng, mask_id=mask_id,
-                          eos_id=eos_id, pad_id=pad_id, eps=eps)
-  # Every position is live (the response runs to the row's end): full bidirectional attention.
-  ce_bt = model_ce(corrupted.input_ids_bt, corrupted.positions_bt, corrupted.labels_bt)
-  return mdm_loss_from_ce(ce_bt, corrupted)
+def model_loss(model, corrupted: Corrupted, samples, *, loss_chunk: int = 0):
+  """`loss_from_ce` of the model's cross-entropy on `corrupted` (its attention kept
+  within each segment), from full logits or `loss_chunk` tokens at a time."""
+  args = (corrupted.input_ids_bt, corrupted.positions_bt)
+  if check_loss_chunk(loss_chunk):
+    h_btd = model.hidden(*args, segment_ids_bt=corrupted.segment_ids_bt)
+    ce_bt = chunked_token_cross_entropy(h_btd, model.unembed(), corrupted.labels_bt, loss_chunk)
+  else:
+    ce_bt = token_cross_entropy(model(*args, segment_ids_bt=corrupted.segment_ids_bt),
+                                corrupted.labels_bt)
+  return loss_from_ce(ce_bt, corrupted, samples)

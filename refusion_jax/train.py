@@ -10,7 +10,13 @@ as one `refusion_jax.train: error: ...` line, exit status 2.
 Joins the multi-process runtime when `config.distributed` is set, then runs
 `training.loop.train_and_evaluate(config, W)`: checkpoints in `W/checkpoints`
 (a rerun resumes bit-identically), metrics in `W/metrics.jsonl` and
-`W/tensorboard`, the trained model in `W/final_model`. The package
+`W/tensorboard`, the trained model in `W/final_model`.
+
+Preemption: on SIGTERM (a spot / preemptible VM's notice; on a multi-process
+run JAX's preemption service passes it to every process) training finishes
+the step it is running, saves a checkpoint of it, waits until that is on disk
+and exits with status 75 (`loop.EXIT_PREEMPTED`). Run the same command again
+(on a new machine, with the same workdir) to resume, bit-identically. The package
 `refusion_jax.training` holds the rest: `settings` (config checks),
 `trainer` (optimizer and the jitted steps), `loop` (the loop around them).
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import logging as std_logging
 import os
+import sys
 
 from absl import app, logging
 
@@ -50,6 +57,11 @@ def main(argv, config_flag, workdir_flag):
   logging.get_absl_handler().addFilter(_QuietOrbax())
   try:
     loop.train_and_evaluate(config_flag.value, workdir_flag.value)
+  except loop.Preempted as e:
+    # A clean stop: the checkpoint is on disk and the same command resumes from it.
+    logging.warning("%s", e)
+    print(f"refusion_jax.train: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(loop.EXIT_PREEMPTED) from None
   except loop.NonFiniteLossError as e:
     # Not a bug in the code: say what happened and exit non-zero, without a traceback.
     logging.error("%s", e)

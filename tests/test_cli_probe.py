@@ -79,6 +79,10 @@ CASES = [
          "config.mesh.num_devices=99"),
     Case("no steps", "train", _train("--config.num_train_steps=0", "--config.num_epochs=0"),
          "set one of them to a positive value"),
+    Case("unknown packing", "train", _train("--config.data.packing=greedy"),
+         "config.data.packing must be one of ('none', 'first_fit', 'best_fit'), got 'greedy'"),
+    Case("negative packing bins", "train", _train("--config.data.packing_bins=-4"),
+         "config.data.packing_bins must be an int >= 0"),
     # --- train: paths.
     Case("workdir is a file", "train", _train("--workdir={inputs}/a_file"),
          "exists and is not a folder"),

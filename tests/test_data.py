@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 import tensorflow_datasets as tfds
 
-from refusion_jax import data
+from refusion_jax import data, objective
 from refusion_jax.tokenizer import Tokenizer
 
 EXAMPLES = [
@@ -53,6 +53,22 @@ def _expected_row(tok, example, seq_len):
   response = tok.encode(example["response"]) + [tok.eos_id]
   tokens = prompt + response + [tok.pad_id] * (seq_len - len(prompt) - len(response))
   return tokens, len(prompt), len(response)
+
+
+def _samples(batch):
+  """(prompt, response) token tuples of every sample of a packed-format batch, in order."""
+  out = []
+  for r in range(batch["tokens"].shape[0]):
+    seg, tokens = batch["segment_ids"][r], batch["tokens"][r]
+    for s in sorted(set(seg[seg > 0].tolist()), key=lambda s: np.argmax(seg == s)):
+      where = np.nonzero(seg == s)[0]
+      p = int(batch["segment_prompt_len"][r, where[0]])
+      out.append((tuple(tokens[where[:p]].tolist()), tuple(tokens[where[p:]].tolist())))
+  return out
+
+
+def _prompts(batch):
+  return [prompt for prompt, _ in _samples(batch)]
 
 
 def _length(tok, example):
@@ -212,15 +228,20 @@ def test_batches_hold_prompt_response_eos_and_padding(tmp_path, tok):
   by_query = {e["query"]: e for e in EXAMPLES}
   # Without shuffling the rows follow the source's order.
   for b, batch in enumerate(batches):
-    assert batch["tokens"].shape == (4, seq_len) and batch["tokens"].dtype == np.int32
-    assert batch["prompt_len"].dtype == np.int32 and batch["response_len"].dtype == np.int32
+    assert sorted(batch) == sorted(objective.PACKED_KEYS)
+    for value in batch.values():
+      assert value.shape == (4, seq_len) and value.dtype == np.int32
+    objective.check_batch(batch)
     for r in range(4):
       example = by_query[source[4 * b + r]["query"].decode()]
       tokens, prompt_len, response_len = _expected_row(tok, example, seq_len)
+      n = prompt_len + response_len
       assert batch["tokens"][r].tolist() == tokens
-      assert batch["prompt_len"][r] == prompt_len
-      assert batch["response_len"][r] == response_len
-      assert batch["tokens"][r, prompt_len + response_len - 1] == tok.eos_id
+      assert batch["segment_ids"][r].tolist() == [1] * n + [0] * (seq_len - n)
+      assert batch["positions"][r].tolist() == list(range(n)) + [0] * (seq_len - n)
+      assert (batch["segment_prompt_len"][r, :n] == prompt_len).all()
+      assert (batch["segment_response_len"][r, :n] == response_len).all()
+      assert batch["tokens"][r, n - 1] == tok.eos_id
 
 
 def test_overlong_examples_are_dropped_and_counted(tok):
@@ -231,7 +252,7 @@ def test_overlong_examples_are_dropped_and_counted(tok):
   assert overlong == 2  # the responses of 10 and 12 numbers
   loader = data.make_loader(examples, tok, seq_len=seq_len, batch_size=1, seed=None,
                             shuffle=False, num_epochs=1)
-  rows = [batch["response_len"][0] for batch in loader]
+  rows = [batch["segment_response_len"][0, 0] for batch in loader]
   kept = [e for e in examples if _length(tok, e) <= seq_len]
   assert rows == [len(tok.encode(e["response"])) + 1 for e in kept]
   assert len(kept) == 5
@@ -259,8 +280,7 @@ def test_same_seed_same_batches_and_each_epoch_a_permutation(tok):
   assert _same_batches(a, b)
   assert not _same_batches(a, c)
   one_epoch = list(data.make_loader(examples, tok, seed=5, num_epochs=1, **kwargs))
-  prompts = [tuple(row[:p]) for batch in one_epoch
-             for row, p in zip(batch["tokens"].tolist(), batch["prompt_len"])]
+  prompts = [p for batch in one_epoch for p in _prompts(batch)]
   want = sorted(tuple(tok.encode_prompt(e["query"])) for e in examples[:12])
   assert sorted(prompts) == want
   assert prompts != [tuple(tok.encode_prompt(e["query"])) for e in examples[:12]]
@@ -298,7 +318,8 @@ def test_resume_refuses_changed_data(tmp_path, tok):
   resumed.set_state(state)  # unchanged files: accepted
   _write_jsonl(tmp_path / "a.jsonl", EXAMPLES[::-1])
   changed = data.source_of(data.prepare([path], str(tmp_path / "tfds")), "train")
-  with pytest.raises(ValueError, match="DataSource in checkpoint does not match"):
+  with pytest.raises(ValueError, match=r"saved data position belongs to other data .*source: "
+                                       r"saved .*files_.*now .*files_"):
     iter(data.make_loader(changed, tok, **kwargs)).set_state(state)
   with pytest.raises(ValueError, match="split 'eval' is not in the build"):
     data.source_of(data.prepare([path], str(tmp_path / "tfds")), "eval")
@@ -313,8 +334,7 @@ def test_two_processes_read_disjoint_halves(tok):
                               process_index=process_index, process_count=2)
     batches = list(loader)
     assert all(batch["tokens"].shape == (2, 24) for batch in batches)
-    seen.append({by_prompt[tuple(row[:p])] for batch in batches
-                 for row, p in zip(batch["tokens"].tolist(), batch["prompt_len"])})
+    seen.append({by_prompt[p] for batch in batches for p in _prompts(batch)})
     assert len(seen[-1]) == 8
   assert not seen[0] & seen[1]
   assert seen[0] | seen[1] == {e["query"] for e in examples}
@@ -347,8 +367,7 @@ def test_loader_from_config(tmp_path, tok):
   batches = list(evaluation)
   # One pass over every eval example, the last batch partial.
   assert [b["tokens"].shape[0] for b in batches] == [2, 2, 1]
-  prompts = sorted(tuple(row[:p]) for b in batches
-                   for row, p in zip(b["tokens"].tolist(), b["prompt_len"]))
+  prompts = sorted(p for b in batches for p in _prompts(b))
   assert prompts == sorted(tuple(tok.encode_prompt(e["query"])) for e in EXAMPLES[:5])
   del config.eval_files
   with pytest.raises(ValueError, match="config.data.eval_files"):
@@ -366,3 +385,125 @@ def test_worker_process_gives_the_same_batches(tok):
   got = _take(with_worker, 6)
   del with_worker  # stops the worker process
   assert _same_batches(got, _take(iter(data.make_loader(examples, tok, **kwargs)), 6))
+
+
+# -------------------------------------------------------------------- packing
+
+
+def _tiny_examples(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"query": f"copy {i} " + " ".join("1" * int(rng.integers(0, 6))),
+           "response": " ".join("2" * int(rng.integers(1, 12)))} for i in range(n)]
+
+
+def _expected_samples(tok, examples):
+  return sorted((tuple(tok.encode_prompt(e["query"])),
+                 tuple(tok.encode(e["response"]) + [tok.eos_id])) for e in examples)
+
+
+@pytest.mark.parametrize("packing", ["first_fit", "best_fit"])
+def test_packed_rows_hold_every_sample_once_whole_and_in_its_own_segment(tok, packing):
+  examples = _tiny_examples(60)  # 14 to 42 tokens, 29 on average
+  seq_len = 96
+  loader = data.make_loader(examples, tok, seq_len=seq_len, batch_size=4, seed=3, num_epochs=1,
+                            packing=packing, packing_bins=8, drop_remainder=False)
+  batches = list(loader)
+  got = []
+  for batch in batches:
+    objective.check_batch(batch)  # positions 0.. per sample, one (P, R) each, P + R tokens
+    seg = batch["segment_ids"]
+    # Padding only after a row's last sample; segment ids 1, 2, ... in row order.
+    for row in seg:
+      live = row[row > 0]
+      assert (row[:len(live)] > 0).all()
+      assert sorted(set(live.tolist())) == list(range(1, live.max() + 1))
+      assert (np.diff(live) >= 0).all()
+    assert ((batch["tokens"] == tok.pad_id) | (seg > 0)).all()
+    got += _samples(batch)
+  assert sorted(got) == _expected_samples(tok, examples)
+  padded = sum(len(b["tokens"]) for b in data.make_loader(
+      examples, tok, seq_len=seq_len, batch_size=4, seed=3, num_epochs=1, drop_remainder=False))
+  rows = sum(len(b["tokens"]) for b in batches)
+  assert padded == 60 and rows * 2 < padded  # samples share rows
+
+
+def test_packed_loader_resumes_at_the_next_batch_across_epochs(tmp_path, tok):
+  examples = _tiny_examples(30, seed=1)
+  kwargs = dict(seq_len=64, batch_size=3, seed=4, packing="first_fit", packing_bins=4)
+  reference = iter(data.make_loader(examples, tok, **kwargs))
+  _take(reference, 2)
+  state = reference.get_state()
+  want = _take(reference, 16)  # several epochs of 30 samples in rows of ~2
+  assert sum(len(_samples(b)) for b in want) > 60
+  resumed = iter(data.make_loader(examples, tok, **kwargs))
+  resumed.set_state(state)
+  assert _same_batches(_take(resumed, 16), want)
+  # Every epoch is each sample once, in a new order.
+  one = list(data.make_loader(examples, tok, num_epochs=1, drop_remainder=False, **kwargs))
+  two = list(data.make_loader(examples, tok, num_epochs=2, drop_remainder=False, **kwargs))
+  first = [s for b in one for s in _samples(b)]
+  both = [s for b in two for s in _samples(b)]
+  assert sorted(first) == _expected_samples(tok, examples)
+  assert sorted(both) == sorted(first + first)
+  assert [s for s in both[:len(first)] if s not in first] == []  # no epoch leaks ahead
+  # A position saved with other packing settings is refused, naming the setting.
+  with pytest.raises(ValueError, match="packing: saved 'first_fit', now 'best_fit'"):
+    iter(data.make_loader(examples, tok, **dict(kwargs, packing="best_fit"))).set_state(state)
+  with pytest.raises(ValueError, match="not one this loader wrote"):
+    iter(data.make_loader(examples, tok, **kwargs)).set_state(b'{"sampler": 3}')
+
+
+def test_packed_loader_shards_over_processes(tok):
+  examples = _tiny_examples(40, seed=2)
+  seen = []
+  for process_index in range(2):
+    batches = list(data.make_loader(examples, tok, seq_len=64, batch_size=4, seed=1,
+                                    num_epochs=1, process_index=process_index, process_count=2,
+                                    packing="best_fit", drop_remainder=False))
+    assert all(b["tokens"].shape[1] == 64 and b["tokens"].shape[0] <= 2 for b in batches)
+    seen.append([s for b in batches for s in _samples(b)])
+  assert len(seen[0]) == len(seen[1]) == 20
+  assert sorted(seen[0] + seen[1]) == _expected_samples(tok, examples)
+
+
+def test_eos_padding_of_responses(tok):
+  examples = [{"query": "q", "response": "1 2"}, {"query": "q", "response": " ".join("3" * 12)}]
+  p = len(tok.encode_prompt("q"))
+  lengths = [len(tok.encode(e["response"])) + 1 for e in examples]
+  seq_len = p + lengths[1] + 2
+  for pad_to, want in ((6, [6, lengths[1]]), (0, [seq_len - p] * 2),
+                       (40, [seq_len - p] * 2), (None, lengths)):
+    batches = list(data.make_loader(examples, tok, seq_len=seq_len, batch_size=1, seed=None,
+                                    shuffle=False, num_epochs=1, eos_pad_response_to=pad_to))
+    for batch, n, answer in zip(batches, want, lengths):
+      r = batch["segment_response_len"][0, 0]
+      assert r == n
+      response = batch["tokens"][0, p:p + r]
+      assert (response[answer:] == tok.eos_id).all() and response[answer - 1] == tok.eos_id
+
+
+def test_layout_counts(tok):
+  examples = _tiny_examples(50, seed=5)
+  lengths = [len(tok.encode_prompt(e["query"])) + len(tok.encode(e["response"])) + 1
+             for e in examples]
+  padded = data.measure_layout(examples, tok, seq_len=96, packing="none", batch_size=4, seed=0)
+  assert (padded.rows, padded.samples, padded.real_tokens) == (50, 50, sum(lengths))
+  assert padded.real_token_fraction == pytest.approx(sum(lengths) / (50 * 96))
+  packed = data.measure_layout(examples, tok, seq_len=96, packing="first_fit", batch_size=4,
+                               seed=0)
+  assert (packed.samples, packed.real_tokens) == (50, sum(lengths))
+  assert packed.rows <= 25 and packed.real_token_fraction > 2 * padded.real_token_fraction
+  assert packed.samples_per_row == pytest.approx(50 / packed.rows)
+  first = data.measure_layout(examples, tok, seq_len=96, packing="first_fit", batch_size=4,
+                              seed=0, max_samples=10)
+  assert 10 <= first.samples < 50
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(packing="greedy"), "packing must be one of"),
+    (dict(packing="first_fit", packing_bins=-1), "packing_bins must be an int >= 0"),
+    (dict(eos_pad_response_to=-2), "eos_pad_response_to"),
+])
+def test_bad_packing_arguments(tok, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    data.make_loader(EXAMPLES, tok, seq_len=24, batch_size=4, seed=0, **kwargs)

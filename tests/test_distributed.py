@@ -13,9 +13,11 @@ steps 3 and 4 bit for bit.
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 from flax import nnx
@@ -32,8 +34,8 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run_two_processes(tmp_path, workdir, tag: str, extra_flags: list[str]) -> None:
-  """Runs the trainer as JAX processes 0 and 1 of one job; fails with a log tail."""
+def _start_two_processes(tmp_path, workdir, tag: str, extra_flags: list[str]):
+  """Starts the trainer as JAX processes 0 and 1 of one job; returns (processes, logs)."""
   port = _free_port()
   command = [
       sys.executable, "-m", "refusion_jax.train",
@@ -54,14 +56,23 @@ def _run_two_processes(tmp_path, workdir, tag: str, extra_flags: list[str]) -> N
     logs.append(log)
     procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
                                   stderr=subprocess.STDOUT))
+  return procs, logs
+
+
+def _wait(procs, logs, timeout: float = 300) -> list[int]:
   try:
-    codes = [p.wait(timeout=300) for p in procs]
+    return [p.wait(timeout=timeout) for p in procs]
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
     for log in logs:
       log.close()
+
+
+def _run_two_processes(tmp_path, workdir, tag: str, extra_flags: list[str]) -> None:
+  """Runs the trainer as JAX processes 0 and 1 of one job; fails with a log tail."""
+  codes = _wait(*_start_two_processes(tmp_path, workdir, tag, extra_flags))
   for i, code in enumerate(codes):
     assert code == 0, (tmp_path / f"{tag}_process{i}.log").read_text()[-3000:]
 
@@ -111,10 +122,38 @@ def test_two_processes_train_one_model(tmp_path):
   assert [r["step"] for r in again] == [1, 2, 3, 4]
   for first, second in zip(train_rows, again):
     # Throughput is wall-clock; everything else is a function of (seed, step, data).
-    first.pop("tokens_per_sec")
-    second.pop("tokens_per_sec")
+    for record in (first, second):
+      for key in ("tokens_per_sec", "samples_per_sec", "real_tokens_per_sec"):
+        record.pop(key)
     assert first == second
   params_again = _params(resumed / loop.FINAL_MODEL_DIR)
   assert params_again.keys() == params.keys()
   for path, value in params.items():
     np.testing.assert_array_equal(params_again[path], value, err_msg=str(path))
+
+
+def test_a_preemption_notice_to_one_process_stops_both_at_one_checkpoint(tmp_path):
+  # SIGTERM reaches process 1 only; JAX's preemption service passes the notice on and
+  # both processes agree on one step, save it together and exit with EXIT_PREEMPTED.
+  workdir = tmp_path / "run"
+  flags = ["--config.num_train_steps=200", "--config.checkpoint.every_steps=1000",
+           "--config.data.packing=first_fit"]
+  procs, logs = _start_two_processes(tmp_path, workdir, "preempt", flags)
+  metrics = workdir / loop.METRICS_FILE
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+    if metrics.exists() and metrics.read_text().count("\n") >= 5:
+      break
+    time.sleep(0.02)
+  assert all(p.poll() is None for p in procs), (tmp_path / "preempt_process0.log").read_text()
+  os.kill(procs[1].pid, signal.SIGTERM)
+  codes = _wait(procs, logs, timeout=120)
+  assert codes == [loop.EXIT_PREEMPTED] * 2, (tmp_path / "preempt_process0.log").read_text()
+  last = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
+  assert 5 <= last < 200
+  saved = sorted(int(n) for n in os.listdir(workdir / loop.CHECKPOINT_DIR) if n.isdigit())
+  assert saved == [last]
+  # Each process saved its own data position in that checkpoint.
+  data_files = os.listdir(workdir / loop.CHECKPOINT_DIR / str(last) / "data")
+  assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data_files)
+  assert not (workdir / loop.FINAL_MODEL_DIR).exists()

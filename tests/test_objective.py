@@ -1,4 +1,11 @@
-"""Tests for refusion_jax/objective.py against plain-Python / numpy oracles."""
+"""Tests for refusion_jax/objective.py against plain-Python / numpy oracles.
+
+The layouts of packed rows are checked against a plain-Python oracle that
+lays out each sample on its own (dynamic shapes, explicit loops) from the very
+draws the jitted layout reads; the losses against numpy; and packing itself
+against not packing: the same samples with the same draws give the same loss
+and gradients however they share rows.
+"""
 
 import functools
 import math
@@ -12,41 +19,61 @@ from jax.extend import core as jax_core
 
 from refusion_jax import config as config_lib
 from refusion_jax import objective as obj
+from refusion_jax import sharding
 from refusion_jax.model import Qwen3, Unembed
 
 MASK = 3
 PAD = 0
 EOS = 1
+EPS = 1e-3
 
 
 # ---------------------------------------------------------------- oracles
 
 
-def oracle_layout(tokens, p, r, k, masked_bits, order_keys, seq_len):
-  """Plain-Python ReFusion layout of one example from explicit draws."""
-  n_slots = math.ceil(r / k)
-  slots = [(p + s * k, min(k, r - s * k)) for s in range(n_slots)]
-  clean = [s for s in range(n_slots) if not masked_bits[s]]
-  masked = [s for s in range(n_slots) if masked_bits[s]]
-  clean.sort(key=lambda s: (order_keys[s], s))
-  ids, pos, labels, kinds = [], [], [], []
-  for i in range(p):
-    ids.append(tokens[i]); pos.append(i); labels.append(PAD); kinds.append(0)
+def p_of(t):
+  """p = (1 - eps) t + eps, rounded as float32 like the jitted layout."""
+  return np.float32(1.0 - EPS) * np.float32(t) + np.float32(EPS)
+
+
+def oracle_sample(tokens, p_len, r_len, draws, slot_sizes):
+  """Plain-Python ReFusion layout of one sample, from the draws at its own tokens.
+
+  `draws` = (size, t, mask, order) lists over the sample's tokens. Returns the
+  sample's tokens in input order as (id, position, label, kind, mdm weight).
+  """
+  size, t, mask, order = draws
+  k = slot_sizes[min(int(math.floor(np.float32(size[0]) * len(slot_sizes))),
+                     len(slot_sizes) - 1)]
+  p = p_of(t[0])
+  n_slots = math.ceil(r_len / k)
+  slots = [(p_len + s * k, min(k, r_len - s * k)) for s in range(n_slots)]
+  masked = [np.float32(mask[start]) < p for start, _ in slots]
+  clean = sorted((s for s in range(n_slots) if not masked[s]),
+                 key=lambda s: (np.float32(order[slots[s][0]]), s))
+  out = [(tokens[i], i, PAD, 0, 0.0) for i in range(p_len)]
   for s in clean:
     start, length = slots[s]
     for j in range(length):
-      ids.append(tokens[start + j]); pos.append(start + j)
-      if j < length - 1:
-        labels.append(tokens[start + j + 1]); kinds.append(1)
-      else:
-        labels.append(PAD); kinds.append(0)
-  for s in masked:
-    start, length = slots[s]
-    for j in range(length):
-      ids.append(MASK); pos.append(start + j); labels.append(tokens[start + j]); kinds.append(2)
-  for i in range(p + r, seq_len):
-    ids.append(PAD); pos.append(i); labels.append(PAD); kinds.append(0)
-  return ids, pos, labels, kinds
+      last = j == length - 1
+      out.append((tokens[start + j], start + j, PAD if last else tokens[start + j + 1],
+                  0 if last else 1, 0.0))
+  for s in range(n_slots):
+    if masked[s]:
+      start, length = slots[s]
+      for j in range(length):
+        out.append((MASK, start + j, tokens[start + j], 2, 1.0 / (float(p) * r_len)))
+  return out
+
+
+def oracle_row(samples, draws_row, slot_sizes, seq_len):
+  """A packed row: each sample (start, tokens, P, R) laid out in its own range."""
+  row = [(PAD, 0, PAD, 0, 0.0)] * seq_len
+  for start, tokens, p_len, r_len in samples:
+    n = p_len + r_len
+    own = [list(np.asarray(d)[start:start + n]) for d in draws_row]
+    row[start:start + n] = oracle_sample(tokens, p_len, r_len, own, slot_sizes)
+  return [list(c) for c in zip(*row)]  # ids, positions, labels, kinds, weights
 
 
 def np_ce(logits_v, label):
@@ -55,160 +82,229 @@ def np_ce(logits_v, label):
   return float(m + np.log(np.exp(x - m).sum()) - x[label])
 
 
-def random_batch(rng, batch, seq_len, vocab=50, min_resp=1):
-  """Random right-padded batch with prompt + response <= seq_len."""
-  tokens = np.full((batch, seq_len), PAD, np.int32)
-  p = np.zeros(batch, np.int32)
-  r = np.zeros(batch, np.int32)
-  for b in range(batch):
-    p[b] = rng.integers(0, seq_len - min_resp + 1)
-    r[b] = rng.integers(min_resp, seq_len - p[b] + 1)
-    tokens[b, :p[b] + r[b]] = rng.integers(4, vocab, p[b] + r[b])
-  return tokens, p, r
+def np_loss(logits, c, samples):
+  """AR token mean + sum of MDM CE / (p R) over the batch's samples, by hand."""
+  labels, kind = np.asarray(c.labels_bt), np.asarray(c.kind_bt)
+  weight = np.asarray(c.mdm_weight_bt)
+  ar_sum, ar_n, mdm = 0.0, 0, 0.0
+  for b in range(labels.shape[0]):
+    for i in range(labels.shape[1]):
+      if kind[b, i] == 1:
+        ar_sum += np_ce(logits[b, i], labels[b, i])
+        ar_n += 1
+      elif kind[b, i] == 2:
+        mdm += np_ce(logits[b, i], labels[b, i]) * float(weight[b, i])
+  ar = ar_sum / ar_n if ar_n else 0.0
+  return ar + mdm / samples, ar, mdm / samples
+
+
+# ------------------------------------------------------------ test data
+
+
+def random_samples(rng, n, max_len, vocab=50, min_resp=1):
+  """`n` samples (tokens, P, R) with P + R <= max_len and R >= min_resp."""
+  samples = []
+  for _ in range(n):
+    total = int(rng.integers(min_resp, max_len + 1))
+    p_len = int(rng.integers(0, total - min_resp + 1))
+    samples.append((rng.integers(4, vocab, total).tolist(), p_len, total - p_len))
+  return samples
+
+
+def first_fit(samples, seq_len):
+  """The test's own packer: each sample into the first row with room."""
+  rows = []
+  for i, (tokens, _, _) in enumerate(samples):
+    for row in rows:
+      if row[1] + len(tokens) <= seq_len:
+        row[0].append((i, row[1]))
+        row[1] += len(tokens)
+        break
+    else:
+      rows.append([[(i, 0)], len(tokens)])
+  return [row[0] for row in rows]
+
+
+def layout(samples, placements, seq_len, rows=None):
+  """Packed-format numpy batch of `samples` placed as `placements` [[(index, start)]]."""
+  b = rows or len(placements)
+  batch = {k: np.zeros((b, seq_len), np.int32) for k in obj.PACKED_KEYS}
+  for r, row in enumerate(placements):
+    for segment, (i, start) in enumerate(row, start=1):
+      tokens, p_len, r_len = samples[i]
+      span = slice(start, start + len(tokens))
+      batch["tokens"][r, span] = tokens
+      batch["segment_ids"][r, span] = segment
+      batch["positions"][r, span] = np.arange(len(tokens))
+      batch["segment_prompt_len"][r, span] = p_len
+      batch["segment_response_len"][r, span] = r_len
+  return batch
+
+
+def one_per_row(samples, seq_len):
+  return layout(samples, [[(i, 0)] for i in range(len(samples))], seq_len)
+
+
+def sample_draws(rng, samples, t_low=0.0):
+  """Per-sample draws (size, t, mask, order), each as long as the sample."""
+  out = []
+  for tokens, _, _ in samples:
+    n = len(tokens)
+    t = rng.uniform(t_low, 1.0, n)
+    out.append(tuple(np.asarray(x, np.float32) for x in
+                     (rng.uniform(size=n), t, rng.uniform(size=n), rng.uniform(size=n))))
+  return out
+
+
+def placed_draws(per_sample, placements, shape, rng):
+  """`Draws` with each sample's draws at its place (padding: any values)."""
+  arrays = [rng.uniform(size=shape).astype(np.float32) for _ in range(4)]
+  for r, row in enumerate(placements):
+    for i, start in row:
+      for a, d in zip(arrays, per_sample[i]):
+        a[r, start:start + len(d)] = d
+  return obj.Draws(*(jnp.asarray(a) for a in arrays))
+
+
+def rows_of(batch):
+  return obj.packed_rows({k: jnp.asarray(v) for k, v in batch.items()})
+
+
+def samples_in(batch):
+  return int(np.sum((batch["segment_ids"] > 0) & (batch["positions"] == 0)))
 
 
 @functools.cache
-def corrupt_jit(slot_sizes):
+def refusion_jit(slot_sizes):
   return jax.jit(functools.partial(obj.refusion_corrupt, mask_id=MASK, pad_id=PAD,
                                    slot_sizes=slot_sizes))
 
 
-from_draws_jit = jax.jit(functools.partial(obj.refusion_corrupt_from_draws, mask_id=MASK,
-                                           pad_id=PAD))
-mdm_corrupt_jit = jax.jit(functools.partial(obj.mdm_corrupt, mask_id=MASK, eos_id=EOS,
-                                            pad_id=PAD))
+mdm_jit = jax.jit(functools.partial(obj.mdm_corrupt, mask_id=MASK, pad_id=PAD))
+arm_jit = jax.jit(functools.partial(obj.arm_corrupt, pad_id=PAD))
 
 
 # ------------------------------------------------------- hand-worked cases
 
 
-def make_draws(k, masked, keys, p=0.5):
-  return obj.RefusionDraws(
-      slot_size_b=jnp.array([k], jnp.int32), t_b=jnp.array([p], jnp.float32),
-      p_b=jnp.array([p], jnp.float32), slot_masked_bs=jnp.array([masked], bool),
-      slot_order_key_bs=jnp.array([keys], jnp.float32))
+def slot_draws(seq_len, k_index, n_sizes, masked, keys, start=0, p_target=0.5):
+  """Draws for one sample at `start`: slot size slot_sizes[k_index], p ~ p_target, and
+  per-slot mask bits / order keys given at the slots' first tokens (`masked`, `keys`
+  indexed by token offset from the sample's start)."""
+  size = np.zeros(seq_len, np.float32)
+  size[start] = (k_index + 0.5) / n_sizes
+  t = np.full(seq_len, p_target, np.float32)
+  mask = np.full(seq_len, 0.99, np.float32)
+  order = np.zeros(seq_len, np.float32)
+  for offset, m in masked.items():
+    mask[start + offset] = 0.0 if m else 0.99
+  for offset, key in keys.items():
+    order[start + offset] = key
+  return size, t, mask, order
+
+
+def as_draws(*rows):
+  return obj.Draws(*(jnp.asarray(np.stack(x)) for x in zip(*rows)))
 
 
 @pytest.mark.parametrize(
     "resp,masked,keys,want_ids,want_pos,want_labels,want_kind",
     [
         # Prompt [10, 11], response [20 21 | 22 23], k=2, slot 0 masked.
-        ([20, 21, 22, 23], [True, False, False, False], [.1, .2, .3, .4],
-         [10, 11, 22, 23, MASK, MASK, PAD, PAD], [0, 1, 4, 5, 2, 3, 6, 7],
+        ([20, 21, 22, 23], {2: True}, {2: .1, 4: .3},
+         [10, 11, 22, 23, MASK, MASK, PAD, PAD], [0, 1, 4, 5, 2, 3, 0, 0],
          [PAD, PAD, 23, PAD, 20, 21, PAD, PAD], [0, 0, 1, 0, 2, 2, 0, 0]),
         # Both slots clean, keys put slot 1 first.
-        ([20, 21, 22, 23], [False, False, False, False], [.9, .2, .3, .4],
-         [10, 11, 22, 23, 20, 21, PAD, PAD], [0, 1, 4, 5, 2, 3, 6, 7],
+        ([20, 21, 22, 23], {}, {2: .9, 4: .3},
+         [10, 11, 22, 23, 20, 21, PAD, PAD], [0, 1, 4, 5, 2, 3, 0, 0],
          [PAD, PAD, 23, PAD, 21, PAD, PAD, PAD], [0, 0, 1, 0, 1, 0, 0, 0]),
         # Response of 5: slots [20 21][22 23][24]; the short last slot is clean
         # and comes first, slot 1 clean, slot 0 masked.
-        ([20, 21, 22, 23, 24], [True, False, False, True], [.5, .6, .1, .0],
-         [10, 11, 24, 22, 23, MASK, MASK, PAD], [0, 1, 6, 4, 5, 2, 3, 7],
+        ([20, 21, 22, 23, 24], {2: True}, {2: .5, 4: .1, 6: .0},
+         [10, 11, 24, 22, 23, MASK, MASK, PAD], [0, 1, 6, 4, 5, 2, 3, 0],
          [PAD, PAD, PAD, 23, PAD, 20, 21, PAD], [0, 0, 0, 1, 0, 2, 2, 0]),
         # Everything masked: masked slots in original order.
-        ([20, 21, 22, 23, 24], [True, True, True, False], [.5, .6, .1, .0],
-         [10, 11, MASK, MASK, MASK, MASK, MASK, PAD], [0, 1, 2, 3, 4, 5, 6, 7],
+        ([20, 21, 22, 23, 24], {2: True, 4: True, 6: True}, {},
+         [10, 11, MASK, MASK, MASK, MASK, MASK, PAD], [0, 1, 2, 3, 4, 5, 6, 0],
          [PAD, PAD, 20, 21, 22, 23, 24, PAD], [0, 0, 2, 2, 2, 2, 2, 0]),
     ])
 def test_hand_worked_layout(resp, masked, keys, want_ids, want_pos, want_labels, want_kind):
   tokens = np.full((1, 8), PAD, np.int32)
   tokens[0, :2 + len(resp)] = [10, 11] + resp
-  c = from_draws_jit(tokens, np.array([2]), np.array([len(resp)]), make_draws(2, masked, keys))
+  rows = obj.packed_rows({"tokens": tokens, "prompt_len": np.array([2]),
+                          "response_len": np.array([len(resp)])})
+  c = refusion_jit((2,))(rows, as_draws(slot_draws(8, 0, 1, masked, keys)))
   assert c.input_ids_bt[0].tolist() == want_ids
   assert c.positions_bt[0].tolist() == want_pos
   assert c.labels_bt[0].tolist() == want_labels
   assert c.kind_bt[0].tolist() == want_kind
-  assert c.response_len_b.tolist() == [len(resp)]
-  assert c.slot_size_b.tolist() == [2]
+  assert c.segment_ids_bt[0].tolist() == [1] * (2 + len(resp)) + [0] * (6 - len(resp))
+  weight = 1.0 / (float(p_of(0.5)) * len(resp))
+  np.testing.assert_allclose(c.mdm_weight_bt[0], np.where(np.array(want_kind) == 2, weight, 0),
+                             rtol=1e-6)
+
+
+def test_hand_worked_packed_row():
+  # Sample 1 at 0: prompt [10 11], response [20 21 | 22 23 | 24] with k=2, slot 1
+  # masked, slots 0 and 2 clean with keys putting slot 2 first. Sample 2 at 7: prompt
+  # [12], response [30 31 32] with k=4 (one short clean slot). Then padding.
+  seq_len = 13
+  batch = layout([([10, 11, 20, 21, 22, 23, 24], 2, 5), ([12, 30, 31, 32], 1, 3)],
+                 [[(0, 0), (1, 7)]], seq_len)
+  first = slot_draws(seq_len, 0, 2, {4: True}, {2: .8, 6: .2})
+  second = slot_draws(seq_len, 1, 2, {}, {}, start=7)
+  draws = [np.where(np.arange(seq_len) < 7, a, b) for a, b in zip(first, second)]
+  c = jax.device_get(refusion_jit((2, 4))(rows_of(batch), as_draws(draws)))
+  assert c.input_ids_bt[0].tolist() == [10, 11, 24, 20, 21, MASK, MASK, 12, 30, 31, 32, PAD,
+                                        PAD]
+  assert c.positions_bt[0].tolist() == [0, 1, 6, 2, 3, 4, 5, 0, 1, 2, 3, 0, 0]
+  assert c.labels_bt[0].tolist() == [PAD, PAD, PAD, 21, PAD, 22, 23, PAD, 31, 32, PAD, PAD,
+                                     PAD]
+  assert c.kind_bt[0].tolist() == [0, 0, 0, 1, 0, 2, 2, 0, 1, 1, 0, 0, 0]
+  assert c.segment_ids_bt[0].tolist() == [1] * 7 + [2] * 4 + [0, 0]
 
 
 # --------------------------------------------- random draws vs the oracle
 
 
 @pytest.mark.parametrize("slot_sizes,seq_len", [((1, 2, 3, 5), 20), ((4, 8, 16, 32), 48)])
-def test_layout_matches_python_oracle(slot_sizes, seq_len):
-  np_rng = np.random.default_rng(0)
-  fn = corrupt_jit(slot_sizes)
-  draw = jax.jit(functools.partial(obj.draw_refusion, batch_size=48, seq_len=seq_len,
-                                   slot_sizes=slot_sizes))
-  for seed in range(3):
-    tokens, p, r = random_batch(np_rng, 48, seq_len)
-    rng = jax.random.key(seed)
-    c = jax.device_get(fn(tokens, p, r, rng))
-    # Drawn under jit like the corruption, so p (hence the mask bits) rounds alike.
-    d = jax.device_get(draw(rng))
-    for b in range(48):
-      ids, pos, labels, kinds = oracle_layout(
-          tokens[b].tolist(), int(p[b]), int(r[b]), int(d.slot_size_b[b]),
-          d.slot_masked_bs[b].tolist(), d.slot_order_key_bs[b].tolist(), seq_len)
-      assert c.input_ids_bt[b].tolist() == ids, b
-      assert c.positions_bt[b].tolist() == pos, b
-      assert c.labels_bt[b].tolist() == labels, b
-      assert c.kind_bt[b].tolist() == kinds, b
-    np.testing.assert_array_equal(c.slot_size_b, d.slot_size_b)
-    np.testing.assert_allclose(c.p_b, d.p_b)
-    np.testing.assert_array_equal(c.response_len_b, r)
-
-
-def test_structural_invariants_over_many_draws():
-  """Checks the layout's properties from the output alone (no draw needed)."""
-  seq_len, batch = 40, 64
-  np_rng = np.random.default_rng(1)
-  fn = corrupt_jit((2, 3, 4, 8))
-  seen_masked = seen_clean = 0
-  for seed in range(4):
-    tokens, p, r = random_batch(np_rng, batch, seq_len)
-    c = jax.device_get(fn(tokens, p, r, jax.random.key(100 + seed)))
-    for b in range(batch):
-      pb, rb, k = int(p[b]), int(r[b]), int(c.slot_size_b[b])
-      ids, pos = c.input_ids_bt[b], c.positions_bt[b]
-      labels, kind = c.labels_bt[b], c.kind_bt[b]
-      live = pb + rb
-      assert sorted(pos.tolist()) == list(range(seq_len))
-      # Prompt and padding untouched, in place.
-      assert pos[:pb].tolist() == list(range(pb)) and ids[:pb].tolist() == tokens[b, :pb].tolist()
-      assert pos[live:].tolist() == list(range(live, seq_len))
-      assert (ids[live:] == PAD).all() and (kind[:pb] == 0).all() and (kind[live:] == 0).all()
-      # Multiset of (token, position) over non-pad input = the original's
-      # (a masked token's identity is its label).
-      restored = np.where(ids == MASK, labels, ids)
-      got = sorted(zip(restored[:live].tolist(), pos[:live].tolist()))
-      want = sorted(zip(tokens[b, :live].tolist(), range(live)))
-      assert got == want
-      # Response part: clean slots (contiguous, ordered), then masked slots.
-      resp_ids, resp_pos = ids[pb:live], pos[pb:live]
-      is_mask = resp_ids == MASK
-      n_clean = int((~is_mask).sum())
-      assert not is_mask[:n_clean].any() and is_mask[n_clean:].all()
-      seen_masked += int(is_mask.sum())
-      seen_clean += n_clean
-      slot_of = (resp_pos - pb) // k
-      i = 0
-      while i < n_clean:  # walk the clean slots one by one
-        s = int(slot_of[i])
-        length = min(k, rb - s * k)
-        assert resp_pos[i:i + length].tolist() == list(range(pb + s * k, pb + s * k + length))
-        assert (slot_of[i:i + length] == s).all()
-        assert kind[pb + i:pb + i + length].tolist() == [1] * (length - 1) + [0]
-        i += length
-      assert i == n_clean
-      # Masked slots keep their original order and cover whole slots.
-      masked_pos = resp_pos[n_clean:]
-      assert (np.diff(masked_pos) > 0).all()
-      for s in set(((masked_pos - pb) // k).tolist()):
-        assert ((masked_pos - pb) // k == s).sum() == min(k, rb - s * k)
-      assert (kind[pb + n_clean:live] == 2).all()
-  assert seen_masked > 100 and seen_clean > 100
+@pytest.mark.parametrize("packed", [False, True])
+def test_layout_matches_python_oracle(slot_sizes, seq_len, packed):
+  rng = np.random.default_rng(seq_len + packed)
+  fn = refusion_jit(slot_sizes)
+  for _ in range(3):
+    samples = random_samples(rng, 40, seq_len if not packed else seq_len // 2)
+    placements = (first_fit(samples, seq_len) if packed else
+                  [[(i, 0)] for i in range(len(samples))])
+    batch = layout(samples, placements, seq_len)
+    per_sample = sample_draws(rng, samples)
+    draws = placed_draws(per_sample, placements, batch["tokens"].shape, rng)
+    c = jax.device_get(fn(rows_of(batch), draws))
+    for r, row in enumerate(placements):
+      if packed:
+        assert len(row) > 1 or r == len(placements) - 1  # rows really are shared
+      placed = [(start,) + samples[i] for i, start in row]
+      ids, pos, labels, kinds, weights = oracle_row(
+          placed, [np.asarray(getattr(draws, f))[r] for f in ("size_bt", "t_bt", "mask_bt",
+                                                               "order_bt")],
+          slot_sizes, seq_len)
+      assert c.input_ids_bt[r].tolist() == ids, r
+      assert c.positions_bt[r].tolist() == pos, r
+      assert c.labels_bt[r].tolist() == labels, r
+      assert c.kind_bt[r].tolist() == kinds, r
+      np.testing.assert_allclose(c.mdm_weight_bt[r], weights, rtol=1e-6)
+      np.testing.assert_array_equal(c.segment_ids_bt[r], batch["segment_ids"][r])
 
 
 def test_masked_fraction_tracks_p_and_slot_size_is_uniform():
   batch, seq_len = 4096, 64
-  tokens = np.full((batch, seq_len), 7, np.int32)
-  p = np.zeros(batch, np.int32)
-  r = np.full(batch, seq_len, np.int32)
-  c = jax.device_get(corrupt_jit((4,))(tokens, p, r, jax.random.key(7)))
+  rows = obj.packed_rows({"tokens": np.full((batch, seq_len), 7, np.int32),
+                          "prompt_len": np.zeros(batch, np.int32),
+                          "response_len": np.full(batch, seq_len, np.int32)})
+  draws = jax.jit(obj.draw, static_argnums=1)(jax.random.key(7), (batch, seq_len))
+  c = jax.device_get(refusion_jit((4,))(rows, draws))
   frac = (c.kind_bt == 2).mean(axis=1)  # 16 slots of 4 per example
-  pb = c.p_b
+  pb = np.asarray(p_of(np.asarray(draws.t_bt)[:, 0]))
   assert pb.min() >= 1e-3 and pb.max() <= 1.0
   assert abs(float(np.mean(frac - pb))) < 0.01
   for lo in np.arange(0.0, 1.0, 0.2):
@@ -216,40 +312,41 @@ def test_masked_fraction_tracks_p_and_slot_size_is_uniform():
     assert sel.sum() > 500
     assert abs(frac[sel].mean() - pb[sel].mean()) < 0.03
   assert np.corrcoef(frac, pb)[0, 1] > 0.9
-  # p itself is uniform on [eps, 1].
-  assert abs(pb.mean() - 0.5) < 0.02
+  assert abs(pb.mean() - 0.5) < 0.02  # p itself is uniform on [eps, 1]
 
   sizes = (4, 8, 16, 32)
-  c = jax.device_get(corrupt_jit(sizes)(tokens, p, r, jax.random.key(8)))
-  counts = [int((c.slot_size_b == k).sum()) for k in sizes]
-  assert sum(counts) == batch  # nothing outside the set
+  c = jax.device_get(refusion_jit(sizes)(rows, draws))
+  # The slot size shows in the first clean run of each row: a clean slot of k tokens has
+  # k - 1 AR labels; rows with a clean first slot give its size exactly.
+  k_of_row = np.floor(np.asarray(draws.size_bt)[:, 0] * 4).astype(int)
+  counts = np.bincount(k_of_row, minlength=4)
+  assert counts.sum() == batch
   for n in counts:  # expected 1024 each, std ~28
     assert abs(n - batch / 4) < 150, counts
+  for r in range(64):
+    kinds = c.kind_bt[r].tolist()
+    if kinds[0] == 1:  # a clean slot leads the row: its run of AR labels is k - 1
+      run = kinds.index(0)
+      assert run == sizes[k_of_row[r]] - 1
 
 
 # ----------------------------------------------------------------- losses
 
 
-def np_refusion_loss(logits, c):
-  logits, labels, kind = np.asarray(logits), np.asarray(c.labels_bt), np.asarray(c.kind_bt)
-  ar_sum, ar_n, mdm = 0.0, 0, 0.0
-  for b in range(labels.shape[0]):
-    for i in range(labels.shape[1]):
-      if kind[b, i] == 1:
-        ar_sum += np_ce(logits[b, i], labels[b, i]); ar_n += 1
-      elif kind[b, i] == 2:
-        mdm += np_ce(logits[b, i], labels[b, i]) / float(c.p_b[b]) / int(c.response_len_b[b])
-  ar = ar_sum / ar_n if ar_n else 0.0
-  return ar + mdm / labels.shape[0], ar, mdm / labels.shape[0]
-
-
-def test_refusion_loss_matches_numpy():
-  np_rng = np.random.default_rng(3)
-  tokens, p, r = random_batch(np_rng, 6, 24, vocab=11)
-  c = corrupt_jit((2, 4))(tokens, p, r, jax.random.key(3))
-  logits = np_rng.normal(size=(6, 24, 11)).astype(np.float32) * 3
-  loss, m = jax.jit(obj.refusion_loss)(logits, c)
-  want, ar, mdm = np_refusion_loss(logits, jax.device_get(c))
+def test_loss_from_ce_matches_numpy_on_packed_rows():
+  rng = np.random.default_rng(3)
+  samples = random_samples(rng, 12, 12, vocab=11)
+  placements = first_fit(samples, 24)
+  batch = layout(samples, placements, 24)
+  draws = placed_draws(sample_draws(rng, samples, t_low=0.2), placements,
+                       batch["tokens"].shape, rng)
+  c = refusion_jit((2, 4))(rows_of(batch), draws)
+  logits = rng.normal(size=batch["tokens"].shape + (11,)).astype(np.float32) * 3
+  ce = obj.token_cross_entropy(logits, c.labels_bt)
+  n = samples_in(batch)
+  assert n == 12 and len(placements) < 12
+  loss, m = jax.jit(obj.loss_from_ce)(ce, c, n)
+  want, ar, mdm = np_loss(logits, jax.device_get(c), n)
   np.testing.assert_allclose(float(loss), want, rtol=1e-5)
   np.testing.assert_allclose(float(m["ar_loss"]), ar, rtol=1e-5)
   np.testing.assert_allclose(float(m["mdm_loss"]), mdm, rtol=1e-5)
@@ -258,13 +355,14 @@ def test_refusion_loss_matches_numpy():
 
 
 def test_bfloat16_logits_give_float32_loss():
-  np_rng = np.random.default_rng(4)
-  tokens, p, r = random_batch(np_rng, 3, 16, vocab=9)
-  c = corrupt_jit((2,))(tokens, p, r, jax.random.key(4))
-  logits = jnp.asarray(np_rng.normal(size=(3, 16, 9)), jnp.bfloat16)
-  loss, _ = jax.jit(obj.refusion_loss)(logits, c)
+  rng = np.random.default_rng(4)
+  samples = random_samples(rng, 3, 16, vocab=9)
+  batch = one_per_row(samples, 16)
+  c = refusion_jit((2,))(rows_of(batch), obj.draw(jax.random.key(4), (3, 16)))
+  logits = jnp.asarray(rng.normal(size=(3, 16, 9)), jnp.bfloat16)
+  loss, _ = obj.loss_from_ce(obj.token_cross_entropy(logits, c.labels_bt), c, 3)
   assert loss.dtype == jnp.float32
-  want, _, _ = np_refusion_loss(np.asarray(logits.astype(jnp.float32)), jax.device_get(c))
+  want, _, _ = np_loss(np.asarray(logits.astype(jnp.float32)), jax.device_get(c), 3)
   np.testing.assert_allclose(float(loss), want, rtol=1e-5)
 
 
@@ -272,87 +370,98 @@ def test_all_masked_batch_gives_zero_ar_not_nan():
   tokens = np.arange(4 * 12, dtype=np.int32).reshape(4, 12) % 20 + 4
   p = np.array([2, 0, 5, 3], np.int32)
   r = np.array([10, 12, 7, 1], np.int32)
-  s = obj.max_slots(12, (2,))
-  draws = obj.RefusionDraws(
-      slot_size_b=jnp.full((4,), 2, jnp.int32), t_b=jnp.ones((4,)), p_b=jnp.ones((4,)),
-      slot_masked_bs=jnp.ones((4, s), bool), slot_order_key_bs=jnp.zeros((4, s)))
-  c = from_draws_jit(tokens, p, r, draws)
+  rows = obj.packed_rows({"tokens": tokens, "prompt_len": p, "response_len": r})
+  ones = jnp.ones((4, 12))
+  draws = obj.Draws(size_bt=0 * ones, t_bt=ones, mask_bt=0 * ones, order_bt=0 * ones)
+  c = refusion_jit((2,))(rows, draws)
   logits = jnp.asarray(np.random.default_rng(5).normal(size=(4, 12, 30)), jnp.float32)
-  (loss, m), grad = jax.jit(jax.value_and_grad(obj.refusion_loss, has_aux=True))(logits, c)
+
+  def loss(logits):
+    return obj.loss_from_ce(obj.token_cross_entropy(logits, c.labels_bt), c, 4)
+
+  (value, m), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(logits)
   assert float(m["ar_loss"]) == 0.0 and float(m["ar_tokens"]) == 0.0
   assert float(m["mdm_tokens"]) == r.sum()
-  assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grad)).all()
-  want, _, _ = np_refusion_loss(logits, jax.device_get(c))
-  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  assert np.isfinite(float(value)) and np.isfinite(np.asarray(grad)).all()
+  want, _, _ = np_loss(logits, jax.device_get(c), 4)
+  np.testing.assert_allclose(float(value), want, rtol=1e-5)
 
 
-def test_arm_loss_matches_numpy():
-  np_rng = np.random.default_rng(6)
-  tokens, p, r = random_batch(np_rng, 5, 16, vocab=13)
-  p[0], r[0] = 0, 16  # no prompt: the first token has no predictor
-  tokens[0] = np_rng.integers(4, 13, 16)
-  logits = np_rng.normal(size=(5, 16, 13)).astype(np.float32)
-  loss, m = jax.jit(obj.arm_loss)(logits, tokens, p, r)
+def test_arm_layout_matches_numpy_on_packed_rows():
+  rng = np.random.default_rng(6)
+  samples = random_samples(rng, 10, 10, vocab=13)
+  samples[0] = (rng.integers(4, 13, 7).tolist(), 0, 7)  # no prompt: no predictor of token 0
+  placements = first_fit(samples, 16)
+  batch = layout(samples, placements, 16)
+  c = jax.device_get(arm_jit(rows_of(batch)))
+  logits = rng.normal(size=batch["tokens"].shape + (13,)).astype(np.float32)
+  loss, m = obj.loss_from_ce(obj.token_cross_entropy(logits, c.labels_bt), c,
+                             samples_in(batch))
   total, n = 0.0, 0
-  for b in range(5):
-    for j in range(max(int(p[b]), 1), int(p[b] + r[b])):  # response token j, predicted at j-1
-      total += np_ce(logits[b, j - 1], tokens[b, j]); n += 1
+  for r, row in enumerate(placements):
+    for i, start in row:
+      tokens, p_len, r_len = samples[i]
+      for j in range(max(p_len, 1), p_len + r_len):  # response token j, predicted at j-1
+        total += np_ce(logits[r, start + j - 1], tokens[j])
+        n += 1
   np.testing.assert_allclose(float(loss), total / n, rtol=1e-5)
   assert float(m["ar_tokens"]) == n and float(m["mdm_loss"]) == 0.0
+  np.testing.assert_array_equal(c.positions_bt, batch["positions"])
 
 
-def test_mdm_corrupt_and_loss_match_numpy():
-  np_rng = np.random.default_rng(7)
-  tokens, p, r = random_batch(np_rng, 8, 20, vocab=17)
-  c = jax.device_get(mdm_corrupt_jit(tokens, p, r, jax.random.key(9)))
-  np.testing.assert_array_equal(c.positions_bt, np.broadcast_to(np.arange(20), (8, 20)))
-  np.testing.assert_array_equal(c.response_len_b, 20 - p)  # the EOS-padded length
-  for b in range(8):
-    live = p[b] + r[b]
-    assert c.input_ids_bt[b, :p[b]].tolist() == tokens[b, :p[b]].tolist()  # prompt untouched
-    assert (c.kind_bt[b, :p[b]] == 0).all()
-    # The response runs to the row's end: the answer, then EOS in place of the padding.
-    clean = np.concatenate([tokens[b, p[b]:live], np.full(20 - live, EOS)])
-    resp = slice(p[b], 20)
-    m = c.input_ids_bt[b, resp] == MASK
-    assert (c.kind_bt[b, resp] == np.where(m, 2, 0)).all()
-    assert (np.where(m, c.labels_bt[b, resp], c.input_ids_bt[b, resp]) == clean).all()
-  logits = np_rng.normal(size=(8, 20, 17)).astype(np.float32)
-  loss, _ = jax.jit(obj.mdm_loss)(logits, c)
-  want = 0.0
-  for b in range(8):
-    for i in range(20):
-      if c.kind_bt[b, i] == 2:
-        want += np_ce(logits[b, i], c.labels_bt[b, i]) / float(c.p_b[b]) / int(20 - p[b])
-  np.testing.assert_allclose(float(loss), want / 8, rtol=1e-5)
+def test_mdm_layout_and_loss_match_numpy_on_packed_rows():
+  rng = np.random.default_rng(7)
+  samples = random_samples(rng, 10, 10, vocab=17)
+  placements = first_fit(samples, 20)
+  batch = layout(samples, placements, 20)
+  per_sample = sample_draws(rng, samples, t_low=0.2)
+  draws = placed_draws(per_sample, placements, batch["tokens"].shape, rng)
+  c = jax.device_get(mdm_jit(rows_of(batch), draws))
+  logits = rng.normal(size=batch["tokens"].shape + (17,)).astype(np.float32)
+  want, seen = 0.0, 0
+  for r, row in enumerate(placements):
+    for i, start in row:
+      tokens, p_len, r_len = samples[i]
+      _, t, mask, _ = per_sample[i]
+      p = p_of(t[0])
+      for j in range(p_len + r_len):
+        masked = j >= p_len and mask[j] < p
+        assert c.input_ids_bt[r, start + j] == (MASK if masked else tokens[j])
+        assert c.kind_bt[r, start + j] == (2 if masked else 0)
+        if masked:
+          assert c.labels_bt[r, start + j] == tokens[j]
+          want += np_ce(logits[r, start + j], tokens[j]) / float(p) / r_len
+          seen += 1
+  assert seen > 10
+  loss, _ = obj.loss_from_ce(obj.token_cross_entropy(logits, c.labels_bt), c,
+                             samples_in(batch))
+  np.testing.assert_allclose(float(loss), want / len(samples), rtol=1e-5)
 
 
-def test_mdm_masks_the_eos_padding_like_the_answer():
-  # LLaDA's SFT: the positions after the answer are EOS tokens the model must learn to
-  # produce, masked at the same rate as the answer. Without them the model never sees a
-  # canvas longer than its answer and cannot tell where the answer ends.
+def test_mdm_rows_fill_the_eos_tail_and_mask_it_like_the_answer():
+  # LLaDA's SFT, unpacked: the positions after the answer are EOS tokens the model must
+  # learn to produce, masked at the same rate as the answer, counted in R. Without them
+  # the model never sees a canvas longer than its answer and cannot tell where it ends.
   batch, seq_len, p, r = 2048, 64, 8, 6
   tokens = np.full((batch, seq_len), PAD, np.int32)
   tokens[:, :p + r] = 9
-  c = jax.device_get(mdm_corrupt_jit(tokens, np.full(batch, p, np.int32),
-                                     np.full(batch, r, np.int32), jax.random.key(11)))
+  rows = obj.packed_rows({"tokens": tokens, "prompt_len": np.full(batch, p, np.int32),
+                          "response_len": np.full(batch, r, np.int32)}, eos_fill_id=EOS)
+  assert (np.asarray(rows.response_len_bt) == seq_len - p).all()
+  assert (np.asarray(rows.segment_ids_bt) == 1).all()
+  draws = obj.draw(jax.random.key(11), (batch, seq_len))
+  c = jax.device_get(mdm_jit(rows, draws))
   tail = slice(p + r, seq_len)
   assert ((c.kind_bt[:, tail] == 2) == (c.input_ids_bt[:, tail] == MASK)).all()
   assert (np.where(c.kind_bt[:, tail] == 2, c.labels_bt[:, tail], c.input_ids_bt[:, tail])
           == EOS).all()
+  pb = np.asarray(p_of(np.asarray(draws.t_bt)[:, 0]))
   frac = (c.kind_bt[:, tail] == 2).mean(axis=1)
-  assert abs(float(np.mean(frac - c.p_b))) < 0.01
-  assert np.corrcoef(frac, c.p_b)[0, 1] > 0.9
-
-
-def test_mdm_masked_fraction_tracks_t():
-  batch, seq_len = 2048, 64
-  tokens = np.full((batch, seq_len), 9, np.int32)
-  c = jax.device_get(mdm_corrupt_jit(tokens, np.full(batch, 8, np.int32),
-                                     np.full(batch, 56, np.int32), jax.random.key(11)))
-  frac = (c.kind_bt == 2).sum(axis=1) / 56
-  assert abs(float(np.mean(frac - c.p_b))) < 0.01
-  assert np.corrcoef(frac, c.p_b)[0, 1] > 0.95
+  assert abs(float(np.mean(frac - pb))) < 0.01
+  assert np.corrcoef(frac, pb)[0, 1] > 0.9
+  np.testing.assert_allclose(c.mdm_weight_bt[:, tail].max(axis=1),
+                             np.where((c.kind_bt[:, tail] == 2).any(axis=1),
+                                      1 / (pb * (seq_len - p)), 0), rtol=1e-6)
 
 
 # ------------------------------------------------------ loss_fn with a model
@@ -366,7 +475,7 @@ def tiny_model(attention="causal", seed=0):
 
 
 @nnx.jit
-def forward(model, ids_bt, positions_bt, mask_btt=None):
+def forward(model, ids_bt, positions_bt, mask_btt):
   return model(ids_bt, positions_bt, mask_btt)
 
 
@@ -377,28 +486,47 @@ def jit_loss_fn(model, batch, rng, objective, slot_sizes=(4, 8, 16, 32)):
 
 
 def small_batch(seed=12, batch=3, seq_len=16):
-  tokens, p, r = random_batch(np.random.default_rng(seed), batch, seq_len, vocab=64)
-  return {"tokens": tokens, "prompt_len": p, "response_len": r}
+  """One sample per row, in the row format."""
+  rng = np.random.default_rng(seed)
+  samples = random_samples(rng, batch, seq_len, vocab=64)
+  tokens = np.full((batch, seq_len), PAD, np.int32)
+  for b, (t, _, _) in enumerate(samples):
+    tokens[b, :len(t)] = t
+  return {"tokens": tokens, "prompt_len": np.array([s[1] for s in samples], np.int32),
+          "response_len": np.array([s[2] for s in samples], np.int32)}
 
 
-def test_loss_fn_refusion_and_arm_match_numpy_on_model_logits():
-  model = tiny_model()
-  batch = small_batch()
+def segment_mask(segment_ids, causal):
+  """The test's own attention mask: same sample (and causal); padding sees itself."""
+  seg = np.asarray(segment_ids)
+  b, t = seg.shape
+  mask = np.zeros((b, t, t), bool)
+  for r in range(b):
+    for i in range(t):
+      for j in range(t):
+        same = seg[r, i] == seg[r, j] and seg[r, i] > 0 and (j <= i or not causal)
+        mask[r, i, j] = same or i == j
+  return mask
+
+
+def test_loss_fn_on_packed_rows_matches_numpy_on_model_logits():
+  rng_np = np.random.default_rng(12)
+  samples = random_samples(rng_np, 8, 8, vocab=64)
+  placements = first_fit(samples, 16)
+  batch = layout(samples, placements, 16)
   rng = jax.random.key(21)
-  loss, m = jit_loss_fn(model, batch, rng, "refusion", (2, 4))
-  c = jax.device_get(corrupt_jit((2, 4))(batch["tokens"], batch["prompt_len"],
-                                         batch["response_len"], rng))
-  logits = np.asarray(forward(model, c.input_ids_bt, c.positions_bt))
-  want, _, _ = np_refusion_loss(logits, c)
-  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-  assert set(m) == {"loss", "ar_loss", "mdm_loss", "ar_tokens", "mdm_tokens"}
-
-  loss, _ = jit_loss_fn(model, batch, rng, "arm")
-  tokens, p, r = batch["tokens"], batch["prompt_len"], batch["response_len"]
-  logits = np.asarray(forward(model, tokens, np.broadcast_to(np.arange(16), tokens.shape)))
-  terms = [np_ce(logits[b, j - 1], tokens[b, j])
-           for b in range(3) for j in range(max(int(p[b]), 1), int(p[b] + r[b]))]
-  np.testing.assert_allclose(float(loss), np.mean(terms), rtol=1e-5)
+  for objective in ("refusion", "arm"):
+    loss, m = jit_loss_fn(tiny_model(), batch, rng, objective, (2, 4))
+    c = jax.device_get(obj.corrupt(objective, rows_of(batch), rng, mask_id=MASK, pad_id=PAD,
+                                   slot_sizes=(2, 4)))
+    logits = np.asarray(forward(tiny_model(), c.input_ids_bt, c.positions_bt,
+                                segment_mask(c.segment_ids_bt, causal=True)))
+    want, _, _ = np_loss(logits, c, 8)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    assert set(m) == {"loss", "ar_loss", "mdm_loss", "ar_tokens", "mdm_tokens", "samples",
+                      "real_tokens"}
+    assert float(m["samples"]) == 8
+    assert float(m["real_tokens"]) == sum(len(s[0]) for s in samples)
 
 
 def test_loss_fn_mdm_trains_the_eos_tail_with_full_attention():
@@ -406,19 +534,14 @@ def test_loss_fn_mdm_trains_the_eos_tail_with_full_attention():
   batch = small_batch(seed=14, batch=4)
   key = jax.random.key(5)
   loss, m = jit_loss_fn(model, batch, key, "mdm")
-  c = jax.device_get(mdm_corrupt_jit(batch["tokens"], batch["prompt_len"],
-                                     batch["response_len"], key))
+  rows = obj.packed_rows(batch, eos_fill_id=EOS)
+  c = jax.device_get(mdm_jit(rows, obj.draw(key, (4, 16))))
   # Oracle: every position attends to every other one (no key hidden) and the masked
   # positions of the EOS tail count like the answer's.
   logits = np.asarray(forward(model, c.input_ids_bt, c.positions_bt,
                               np.ones((4, 16, 16), bool)))
-  want = 0.0
-  for b in range(4):
-    for i in range(16):
-      if c.kind_bt[b, i] == 2:
-        want += np_ce(logits[b, i], c.labels_bt[b, i]) / float(c.p_b[b]) / int(
-            16 - batch["prompt_len"][b])
-  np.testing.assert_allclose(float(loss), want / 4, rtol=1e-5)
+  want, _, _ = np_loss(logits, c, 4)
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
   tail = np.arange(16)[None] >= (batch["prompt_len"] + batch["response_len"])[:, None]
   assert (c.kind_bt[tail] == 2).any()  # the draw does mask some EOS padding
   assert float(m["mdm_tokens"]) == int((c.kind_bt == 2).sum())
@@ -440,12 +563,116 @@ def test_loss_fn_grad_jits_once_per_shape():
         nnx.merge(graphdef, s), batch, rng, objective="refusion", mask_id=MASK, pad_id=PAD,
         slot_sizes=(2, 4))[0])(state)
 
+  rng_np = np.random.default_rng(0)
   for seed in range(3):
-    loss, grads = step(state, small_batch(seed), jax.random.key(seed))
+    samples = random_samples(rng_np, 6, 8, vocab=64)
+    batch = layout(samples, first_fit(samples, 16), 16, rows=4)
+    loss, grads = step(state, batch, jax.random.key(seed))
     assert np.isfinite(float(loss)) and float(loss) > 0
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
     assert any(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(grads))
   assert len(traces) == 1
+
+
+# -------------------------------------------- packed = unpacked, every path
+
+
+def _model(attention, impl="xla", scan=False, remat="none", seed=0):
+  cfg = config_lib.tiny(num_layers=2, vocab_size=64, hidden_size=32, num_heads=2,
+                        num_kv_heads=1, head_dim=16, mlp_dim=64, attention=attention,
+                        attention_impl=impl, scan_layers=scan, remat=remat)
+  return Qwen3(cfg, rngs=nnx.Rngs(seed))
+
+
+def _loss_and_grads(model, batch, draws, objective, loss_chunk, mesh):
+  graphdef, state = nnx.split(model)
+  rules = sharding.ShardingRules()
+
+  @jax.jit
+  def run(state, batch, draws):
+    with sharding.use_mesh(mesh, rules):
+      rows = obj.packed_rows(batch)
+      if objective == "refusion":
+        c = obj.refusion_corrupt(rows, draws, mask_id=MASK, pad_id=PAD, slot_sizes=(2, 4, 8))
+      elif objective == "mdm":
+        c = obj.mdm_corrupt(rows, draws, mask_id=MASK, pad_id=PAD)
+      else:
+        c = obj.arm_corrupt(rows, pad_id=PAD)
+
+      def loss(s):
+        return obj.model_loss(nnx.merge(graphdef, s), c, obj.num_samples(rows),
+                              loss_chunk=loss_chunk)
+
+      return jax.value_and_grad(loss, has_aux=True)(state)
+
+  (value, metrics), grads = run(state, batch, draws)
+  return float(value), jax.device_get(metrics), jax.device_get(nnx.to_pure_dict(grads))
+
+
+# Every attention path and layout, each objective at least once, 8 devices twice.
+PACKED_CASES = [
+    ("refusion", "xla", False, "none", 0, False),
+    ("arm", "xla", False, "none", 0, False),
+    ("mdm", "xla", False, "none", 0, False),
+    ("refusion", "xla", True, "full", 24, True),
+    ("mdm", "xla", True, "save_dots", 0, True),
+    ("refusion", "splash", False, "none", 0, False),
+    ("arm", "splash", True, "full", 48, False),
+    ("mdm", "splash", False, "save_dots", 48, True),
+]
+
+
+@pytest.mark.parametrize("objective,impl,scan,remat,loss_chunk,eight", PACKED_CASES)
+def test_packed_rows_give_the_unpacked_loss_and_gradients(objective, impl, scan, remat,
+                                                          loss_chunk, eight):
+  seq_len = 128  # splash's tile
+  rng = np.random.default_rng(hash((objective, impl, scan, loss_chunk)) % 2**32)
+  samples = random_samples(rng, 8, 60, vocab=64, min_resp=4)
+  per_sample = sample_draws(rng, samples, t_low=0.3)
+  packed_rows_ = first_fit(samples, seq_len)
+  assert len(packed_rows_) < 8  # samples do share rows
+  unpacked_rows = [[(i, 0)] for i in range(8)]
+  batches = {}
+  for name, placements in (("packed", packed_rows_), ("unpacked", unpacked_rows)):
+    batch = layout(samples, placements, seq_len, rows=8 if name == "unpacked" else 4)
+    draws = placed_draws(per_sample, placements, batch["tokens"].shape, rng)
+    batches[name] = (batch, draws)
+  mesh = sharding.make_mesh(1, 4, 2) if eight else None
+  model = _model(obj.attention_for(objective), impl, scan, remat)
+  got = {name: _loss_and_grads(model, batch, draws, objective, loss_chunk, mesh)
+         for name, (batch, draws) in batches.items()}
+  (loss_p, m_p, g_p), (loss_u, m_u, g_u) = got["packed"], got["unpacked"]
+  assert loss_u > 0.5
+  assert abs(loss_p - loss_u) <= 1e-5 * max(1.0, loss_u), (loss_p, loss_u)
+  for k in ("ar_loss", "mdm_loss", "ar_tokens", "mdm_tokens"):
+    assert abs(m_p[k] - m_u[k]) <= 1e-5 * max(1.0, abs(m_u[k])), (k, m_p[k], m_u[k])
+  leaves_u = jax.tree_util.tree_leaves_with_path(g_u)
+  for (path, a), b in zip(leaves_u, jax.tree.leaves(g_p)):
+    np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+  assert max(np.abs(a).max() for _, a in leaves_u) > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+@pytest.mark.parametrize("attention", ["causal", "bidirectional"])
+def test_no_attention_across_segments(impl, attention):
+  # Changing one sample's tokens changes no logit of another sample of the row.
+  rng = np.random.default_rng(1)
+  samples = random_samples(rng, 6, 50, vocab=64)
+  placements = first_fit(samples, 128)
+  batch = layout(samples, placements, 128)
+  model = _model(attention, impl)
+  graphdef, state = nnx.split(model)
+  run = jax.jit(lambda s, ids, pos, seg: nnx.merge(graphdef, s)(ids, pos, segment_ids_bt=seg))
+  before = np.asarray(run(state, batch["tokens"], batch["positions"], batch["segment_ids"]))
+  changed = dict(batch, tokens=batch["tokens"].copy())
+  row = next(r for r, p in enumerate(placements) if len(p) > 1)
+  seg = batch["segment_ids"][row]
+  changed["tokens"][row, seg == 1] = rng.integers(4, 64, int((seg == 1).sum()))
+  after = np.asarray(run(state, changed["tokens"], batch["positions"], batch["segment_ids"]))
+  assert not np.allclose(after[row, seg == 1], before[row, seg == 1])
+  np.testing.assert_array_equal(after[row, seg > 1], before[row, seg > 1])
+  others = np.arange(len(placements)) != row
+  np.testing.assert_array_equal(after[others], before[others])
 
 
 # ------------------------------------------- chunked cross-entropy (loss_chunk)
@@ -576,9 +803,9 @@ def test_loss_chunk_never_builds_full_logits():
   cfg = config_lib.tiny(num_layers=1, vocab_size=vocab, hidden_size=32, num_heads=2,
                         num_kv_heads=1, head_dim=16, mlp_dim=64)
   graphdef, state = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(0)))
-  tokens, p, r = random_batch(np.random.default_rng(2), batch_size, seq_len, vocab=vocab,
-                              min_resp=seq_len // 2)
-  batch = {"tokens": tokens, "prompt_len": p, "response_len": r}
+  samples = random_samples(np.random.default_rng(2), batch_size, seq_len, vocab=vocab,
+                           min_resp=seq_len // 2)
+  batch = one_per_row(samples, seq_len)
   largest, temp_bytes = {}, {}
   for loss_chunk in (0, chunk):
     grad_fn = jax.value_and_grad(lambda s, c=loss_chunk: obj.loss_fn(
@@ -604,9 +831,10 @@ def test_invalid_slot_sizes_raise(bad):
   with pytest.raises(ValueError, match="slot_sizes"):
     obj.loss_fn(tiny_model(), small_batch(), jax.random.key(0), objective="refusion",
                 mask_id=MASK, pad_id=PAD, slot_sizes=bad)
+  rows = obj.packed_rows(small_batch())
   with pytest.raises(ValueError, match="slot_sizes"):
-    obj.refusion_corrupt(np.zeros((1, 8), np.int32), np.array([0]), np.array([8]),
-                         jax.random.key(0), mask_id=MASK, pad_id=PAD, slot_sizes=bad)
+    obj.refusion_corrupt(rows, obj.draw(jax.random.key(0), (3, 16)), mask_id=MASK, pad_id=PAD,
+                         slot_sizes=bad)
 
 
 def test_bad_arguments_raise_before_compiling():
@@ -642,3 +870,29 @@ def test_bad_arguments_raise_before_compiling():
   with pytest.raises(ValueError, match="prompt_len"):
     obj.loss_fn(model, dict(batch, prompt_len=np.zeros(2, np.int32)), key,
                 objective="arm", **kw)
+
+
+def _packed_example():
+  samples = [([5, 6, 7, 8], 1, 3), ([9, 10, 11], 2, 1)]
+  return layout(samples, [[(0, 0), (1, 4)]], 10)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda b: b["positions"].__setitem__((0, 4), 1), "position 0"),
+    (lambda b: b["positions"].__setitem__((0, 2), 5), "count up by 1"),
+    (lambda b: b["segment_response_len"].__setitem__((0, 5), 2), "constant within a sample"),
+    (lambda b: (b["segment_response_len"].__setitem__((0, slice(4, 7)), 0),
+                b["segment_prompt_len"].__setitem__((0, slice(4, 7)), 3)), "response_len >= 1"),
+    (lambda b: (b["segment_prompt_len"].__setitem__((0, slice(0, 4)), 2)), "exactly"),
+    (lambda b: b["segment_ids"].__setitem__((0, slice(4, 7)), 1), "count up by 1"),
+    (lambda b: b["segment_ids"].__setitem__((0, 0), -1), ">= 0"),
+    (lambda b: b.pop("positions"), "missing"),
+    (lambda b: b.__setitem__("positions", b["positions"][:, :5]), "shape"),
+])
+def test_bad_packed_batches_are_named(change, message):
+  batch = _packed_example()
+  obj.check_batch(batch)  # the example itself is well formed
+  change(batch)
+  with pytest.raises(ValueError, match=message):
+    obj.loss_fn(tiny_model(), batch, jax.random.key(0), objective="arm", mask_id=MASK,
+                pad_id=PAD)

@@ -22,6 +22,15 @@ from refusion_jax.repro import settings
 REFERENCE_ROW = "ARM-AR"  # the row every speed is compared with
 
 
+def _packing_note(budget: dict, trained: dict) -> str:
+  """How the rows were filled: packed (samples per step of each model) or one per row."""
+  if budget.get("packing", "none") == "none":
+    return ", one sample per row"
+  per_step = ", ".join(f"{n} {m['samples_per_step']:.1f}" for n, m in trained.items()
+                       if m.get("samples_per_step"))
+  return f", samples packed {budget['packing']} ({per_step} samples per step)"
+
+
 def _fmt(value, digits: int = 1) -> str:
   return "n/a" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
@@ -158,8 +167,8 @@ def _preamble(config, results: Mapping[str, dict], trained: Mapping[str, dict], 
       *start,
       f"- Training (each of {names}, {how}): {budget['steps']} steps x "
       f"{budget['global_batch_size']} rows x {budget['seq_len']} tokens = "
-      f"{budget['tokens']:,} tokens; {params:,} parameters; wall "
-      + ", ".join(f"{n} {m['seconds']:.0f}s" for n, m in trained.items()),
+      f"{budget['tokens']:,} row tokens{_packing_note(budget, trained)}; {params:,} "
+      "parameters; wall " + ", ".join(f"{n} {m['seconds']:.0f}s" for n, m in trained.items()),
       "- Held-out problems per task (accuracy, batched decode): "
       + ", ".join(f"{t} {n}" for t, n in n_acc.items()),
       f"- Noise: [lo, hi] after each average accuracy is a bootstrap "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import os
 import shutil
 import time
@@ -94,7 +95,9 @@ def train_config(config, model_name: str, workdir: str) -> ml_collections.Config
 def _budget(t, steps: int, learning_rate: float) -> dict:
   return {"steps": steps, "global_batch_size": int(t.global_batch_size),
           "seq_len": int(t.data.seq_len), "tokens": steps * int(t.global_batch_size)
-          * int(t.data.seq_len), "seed": int(t.seed), "learning_rate": float(learning_rate),
+          * int(t.data.seq_len), "packing": t.data.get("packing", "none"),
+          "mdm_response_len": int(t.get("mdm_response_len", 0)), "seed": int(t.seed),
+          "learning_rate": float(learning_rate),
           "model": {k: v for k, v in t.model.to_dict().items() if v is not None}}
 
 
@@ -140,13 +143,16 @@ def train_stage(name: str, train_cfg, budget: dict, workdir: str, log,
     log(f"[reproduce] {name}: discarding {workdir} (another budget or an older base)")
     shutil.rmtree(workdir)
   start = "fine-tuning from the base" if train_cfg.init_from_hf else "training"
+  packed = "" if budget.get("packing", "none") == "none" else f" ({budget['packing']} packed)"
   log(f"[reproduce] {start} {name}: {budget['steps']} steps x {budget['global_batch_size']} "
-      f"rows x {budget['seq_len']} tokens")
+      f"rows x {budget['seq_len']} tokens{packed}")
   t0 = time.perf_counter()
   result = loop.train_and_evaluate(train_cfg, workdir)
   seconds = time.perf_counter() - t0
   marker = {"budget": budget, "step": int(result.step), "seconds": seconds,
             "final_loss": result.last_metrics.get("loss"),
+            "samples_per_step": (None if math.isnan(result.samples_per_step)
+                                 else result.samples_per_step),
             "num_params": result.model_config.num_params(),
             "finished": datetime.datetime.now().isoformat(timespec="seconds")}
   fileio.write_json_atomic(marker_path, marker)

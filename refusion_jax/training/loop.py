@@ -29,6 +29,8 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any, Mapping
 
@@ -48,6 +50,55 @@ from refusion_jax.training.outputs import (CHECKPOINT_DIR, FINAL_MODEL_DIR, METR
 
 class NonFiniteLossError(FloatingPointError):
   """Training produced a NaN/inf loss or gradient; nothing of that step was saved."""
+
+
+# The exit status of a run stopped by a preemption notice after its checkpoint is on disk
+# (EX_TEMPFAIL: run the same command again to resume).
+EXIT_PREEMPTED = 75
+
+
+class Preempted(Exception):
+  """A preemption notice stopped training at a step boundary; its checkpoint is complete."""
+
+  def __init__(self, step: int, directory: str):
+    super().__init__(f"preempted: checkpoint of step {step} saved in {directory}; run the same "
+                     "command again to resume from it")
+    self.step = step
+
+
+class PreemptionNotice:
+  """Whether training should stop at this step boundary for a preemption.
+
+  One process: SIGTERM (what a spot / preemptible VM receives first) sets a flag
+  that the loop reads after each step, so the checkpoint is of the step running
+  when the signal came. Several processes: JAX's preemption service (set up by
+  `jax.distributed.initialize`) catches the signal on any process, and
+  `multihost_utils.reached_preemption_sync_point` agrees on one step at which
+  every process stops together.
+  """
+
+  def __init__(self):
+    self._signalled = False
+    self._previous = None
+    self._multi = jax.process_count() > 1
+    if not self._multi and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+  def _on_signal(self, signum, frame):  # pylint: disable=unused-argument
+    if not self._signalled:
+      logging.warning("SIGTERM: saving a checkpoint after this step, then stopping")
+    self._signalled = True
+
+  def reached(self, step: int) -> bool:
+    if self._multi:
+      from jax.experimental import multihost_utils  # only multi-process runs need it
+      return bool(multihost_utils.reached_preemption_sync_point(step))
+    return self._signalled
+
+  def close(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
 
 
 class MetricsLog:
@@ -110,13 +161,14 @@ class TrainResult:
   params: dict  # final parameters (pure dict of arrays)
   last_metrics: dict  # host metrics of the last step run in this call ({} if none)
   eval_metrics: dict  # last eval ({} if none)
+  samples_per_step: float = math.nan  # mean over the steps run in this call (nan if none)
 
 
 def _resume_meta(config, model_config: ModelConfig, total_steps: int) -> dict:
   return {"seed": int(config.seed), "objective": config.objective,
           "global_batch_size": int(config.global_batch_size),
-          "seq_len": int(config.data.seq_len), "total_steps": int(total_steps),
-          "model_config": dataclasses.asdict(model_config)}
+          "seq_len": int(config.data.seq_len), "packing": settings.packing(config),
+          "total_steps": int(total_steps), "model_config": dataclasses.asdict(model_config)}
 
 
 # Model fields a resumed run may change: how the same parameters are computed, not what
@@ -159,7 +211,8 @@ def _evaluate(trainer: trainer_lib.Trainer, params, data_config, tokenizer) -> d
 
   config = trainer.config
   loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "eval",
-                                   jax.process_index(), jax.process_count())
+                                   jax.process_index(), jax.process_count(),
+                                   eos_pad_response_to=settings.eos_pad_response_to(config))
   totals: dict[str, float] = {}
   count = 0
   batches = iter(loader)
@@ -308,12 +361,29 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
       raise ValueError(f"config.data.tfds_dir={config.data.tfds_dir!r} exists and is not a "
                        "folder")
     num_examples = _check_data(config, data_config, tokenizer)
-    total_steps = settings.total_train_steps(config, num_examples)
+    if config.num_train_steps > 0 or settings.packing(config) == "none":
+      total_steps = settings.total_train_steps(config, num_examples)
   # Nothing was written before this point: a run refused above leaves no trace.
   os.makedirs(workdir, exist_ok=True)
+  eos_pad = settings.eos_pad_response_to(config)
   loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "train",
-                                   jax.process_index(), jax.process_count())
+                                   jax.process_index(), jax.process_count(),
+                                   eos_pad_response_to=eos_pad)
   assert loader.num_records == num_examples, (loader.num_records, num_examples)
+  if not (config.num_train_steps > 0 or settings.packing(config) == "none"):
+    # Epochs count samples: how many share a row is measured on the shuffled data, the
+    # same on every process (one shard of everything), so every process derives one count.
+    layout = data.measure_layout(
+        data.split_source(data_config, "train"), tokenizer, seq_len=int(config.data.seq_len),
+        packing=settings.packing(config), packing_bins=int(config.data.get("packing_bins", 0)),
+        batch_size=loader.per_process_batch, seed=int(config.data.shuffle_seed),
+        drop_overlong=bool(config.data.drop_overlong), eos_pad_response_to=eos_pad,
+        max_samples=settings.SAMPLES_MEASURED)
+    logging.info("packing: %.2f samples per row, %.1f%% of row tokens real (measured on %d "
+                 "samples)", layout.samples_per_row, 100 * layout.real_token_fraction,
+                 layout.samples)
+    with _as_input_errors():
+      total_steps = settings.total_train_steps(config, num_examples, layout.samples_per_row)
   mesh = sharding.make_mesh(devices=resolved.devices, **resolved.mesh_shape)
   trainer = trainer_lib.Trainer(config, model_config, mesh=mesh, pad_id=tokenizer.pad_id,
                                 total_steps=total_steps)
@@ -323,7 +393,7 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
   ckpt = checkpoint.TrainCheckpointer(os.path.join(workdir, CHECKPOINT_DIR),
                                       max_to_keep=config.checkpoint.max_to_keep,
                                       async_save=config.checkpoint.async_save)
-  log = None
+  log = preemption = None
   try:
     data_iter = iter(loader)
     resumed = _restore_newest_intact(ckpt, trainer, meta, data_iter, is_chief)
@@ -346,6 +416,8 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     if config.progress_bar and is_chief:
       import tqdm  # local: only the bar needs it
       progress = tqdm.tqdm(total=total_steps, initial=start, desc="train", unit="step")
+    preemption = PreemptionNotice()
+    samples_seen = 0.0
     tick = time.perf_counter()
     for step in range(start, total_steps):
       batch = trainer.shard_batch(next(data_iter))
@@ -360,16 +432,29 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
             f"{metrics['loss']}, grad_norm={metrics['grad_norm']}; training stopped, the "
             f"last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
       now = time.perf_counter()
-      metrics["tokens_per_sec"] = tokens_per_step / max(now - tick, 1e-9)
+      seconds = max(now - tick, 1e-9)
+      # Row tokens (padding included), samples and real tokens per second.
+      metrics.update(tokens_per_sec=tokens_per_step / seconds,
+                     samples_per_sec=metrics["samples"] / seconds,
+                     real_tokens_per_sec=metrics["real_tokens"] / seconds)
       tick = now
       last_metrics = metrics
+      samples_seen += metrics["samples"]
       if done % config.log_every_steps == 0 or done == total_steps:
         log.write(done, metrics)
       if progress is not None:
         progress.update(1)
-        progress.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
-      if done % config.checkpoint.every_steps == 0 or done == total_steps:
+        progress.set_postfix(loss=f"{metrics['loss']:.4f}", samples=int(metrics["samples"]),
+                             real=f"{metrics['real_tokens'] / tokens_per_step:.0%}",
+                             refresh=False)
+      preempted = preemption.reached(done)
+      if done % config.checkpoint.every_steps == 0 or done == total_steps or preempted:
         ckpt.save(done, {"params": params, "opt_state": opt_state}, data_iter, meta)
+      if preempted and done < total_steps:
+        ckpt.wait()  # the checkpoint is complete on disk before the process goes away
+        if progress is not None:
+          progress.close()
+        raise Preempted(done, ckpt.directory)
       if config.eval_every_steps and (done % config.eval_every_steps == 0
                                       or done == total_steps):
         eval_metrics = _evaluate(trainer, params, data_config, tokenizer)
@@ -388,9 +473,13 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
       outputs.check_export_dir(config.export_hf_dir, workdir, config.data.tfds_dir)
       hf.save(model_config, model, config.export_hf_dir, overwrite=True,
               extra_files=outputs.export_marker(workdir))
+    steps_run = max(0, total_steps - start)
     return TrainResult(step=max(start, total_steps), model_config=model_config, params=params,
-                       last_metrics=last_metrics, eval_metrics=eval_metrics)
+                       last_metrics=last_metrics, eval_metrics=eval_metrics,
+                       samples_per_step=samples_seen / steps_run if steps_run else math.nan)
   finally:
+    if preemption is not None:
+      preemption.close()
     ckpt.close()
     if log is not None:
       log.close()

@@ -17,10 +17,14 @@ import jax
 from absl import logging
 
 from refusion_jax import attention_kernels, objective, sharding
+
 from refusion_jax import config as config_lib
 from refusion_jax.checks import is_int, is_real, require
 from refusion_jax.config import ModelConfig
 from refusion_jax.tokenizer import Tokenizer
+
+# Samples read to measure how many share a row, for a step count derived from epochs.
+SAMPLES_MEASURED = 4096
 
 # ModelConfig fields that fix parameter shapes: an HF init defines them itself.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -141,6 +145,15 @@ def validate_config(config, *, num_devices: int, process_count: int = 1,
 
   require(is_int(config.data.seq_len) and config.data.seq_len >= 2, "data.seq_len",
           config.data.seq_len, "an int >= 2")
+  packing_mode = packing(config)
+  require(packing_mode in objective.PACKINGS, "data.packing", packing_mode,
+          f"one of {objective.PACKINGS}")
+  bins = config.data.get("packing_bins", 0)
+  require(is_int(bins) and bins >= 0, "data.packing_bins", bins,
+          "an int >= 0 (0 = the default: at least a batch)")
+  mdm_len = config.get("mdm_response_len", 0)
+  require(is_int(mdm_len) and mdm_len >= 0, "mdm_response_len", mdm_len,
+          "an int >= 0 (0 = to the end of the row)")
   require(len(config.data.train_files) > 0, "data.train_files", config.data.train_files,
           "a non-empty list of JSON/JSONL files")
   for field in ("train_files", "eval_files") if check_files else ():
@@ -261,6 +274,10 @@ def validate_model_config(config, model_config: ModelConfig, tokenizer: Tokenize
 def validate_attention_impl(config, model_config: ModelConfig, platform: str) -> None:
   """config.model.attention_impl can run the training forward: rows of data.seq_len
   tokens, the model's compute dtype, on `platform` ("tpu", "gpu" or "cpu")."""
+  if model_config.attention_impl == "cudnn" and packing(config) != "none":
+    raise ValueError(f"config.model.attention_impl='cudnn' cannot keep packed samples apart "
+                     f"(cuDNN's attention here takes no segment ids), but config.data.packing="
+                     f"{packing(config)!r}; use data.packing='none' or attention_impl='xla'")
   try:
     attention_kernels.check_supported(model_config.attention_impl, seq_len=config.data.seq_len,
                                       dtype=model_config.dtype, platform=platform,
@@ -273,16 +290,28 @@ def validate_attention_impl(config, model_config: ModelConfig, platform: str) ->
                     platform)
 
 
-def total_train_steps(config, num_records: int) -> int:
-  """config.num_train_steps, or num_epochs * records // global batch.
+def packing(config) -> str:
+  """config.data.packing ("none" when a config predates the field)."""
+  return config.data.get("packing", "none")
 
-  Over-long examples dropped by the loader are not subtracted (counting them
-  needs a full tokenising pass), so an epoch-derived run may start the next
-  epoch for a few steps.
+
+def eos_pad_response_to(config) -> int | None:
+  """The loader's EOS padding of responses: the MDM baseline's `mdm_response_len`."""
+  return int(config.get("mdm_response_len", 0)) if config.objective == "mdm" else None
+
+
+def total_train_steps(config, num_records: int, samples_per_row: float = 1.0) -> int:
+  """config.num_train_steps, or num_epochs * records // samples per step.
+
+  A step holds global_batch_size rows of `samples_per_row` samples each (1
+  without packing; packed, it is measured on the data by the trainer). Over-long
+  examples dropped by the loader are not subtracted (counting them needs a full
+  tokenising pass), so an epoch-derived run may start the next epoch for a few
+  steps.
   """
   if config.num_train_steps > 0:
     return int(config.num_train_steps)
-  steps = config.num_epochs * num_records // config.global_batch_size
+  steps = int(config.num_epochs * num_records // (config.global_batch_size * samples_per_row))
   if steps < 1:
     raise ValueError(f"config.num_epochs={config.num_epochs} over {num_records} examples at "
                      f"config.global_batch_size={config.global_batch_size} gives no step")

@@ -20,7 +20,7 @@ from refusion_jax.config import ModelConfig
 from refusion_jax.model import Qwen3
 from refusion_jax.tokenizer import Tokenizer
 
-BATCH_KEYS = ("tokens", "prompt_len", "response_len")
+BATCH_KEYS = objective.PACKED_KEYS  # every field [rows, seq_len]
 # Independent rng streams under one seed.
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1
 
@@ -114,6 +114,7 @@ class Trainer:
         objective=config.objective,
         mask_id=model_config.mask_token_id if model_config.mask_token_id is not None else 0,
         pad_id=int(pad_id), slot_sizes=tuple(config.slot_sizes), eps=float(config.eps),
+        eos_id=model_config.eos_token_id if config.objective == "mdm" else None,
         loss_chunk=objective.check_loss_chunk(config.loss_chunk))
 
     abstract_model = nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0)))
@@ -133,11 +134,7 @@ class Trainer:
     self.abstract_opt_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_opt,
         self.opt_shardings)
-    self.batch_shardings = {
-        "tokens": sharding.data_sharding(mesh, self.rules, 2),
-        "prompt_len": sharding.data_sharding(mesh, self.rules, 1),
-        "response_len": sharding.data_sharding(mesh, self.rules, 1),
-    }
+    self.batch_shardings = {k: sharding.data_sharding(mesh, self.rules, 2) for k in BATCH_KEYS}
     self._train_step = jax.jit(
         self._step,
         in_shardings=(self.param_shardings, self.opt_shardings, self.batch_shardings,
@@ -196,7 +193,19 @@ class Trainer:
                    out_shardings=self.opt_shardings)(params)
 
   def shard_batch(self, batch: Mapping[str, np.ndarray]) -> dict:
-    """This process's rows -> global arrays sharded over the batch mesh axes."""
+    """This process's rows -> global arrays sharded over the batch mesh axes.
+
+    `batch` is in the packed format (what the loader yields), or one sample per
+    row (`objective.ROW_KEYS`), converted first (the MDM baseline's responses
+    then run to the row's end in EOS, as `objective.loss_fn` does).
+    """
+    if not objective.is_packed(batch):
+      missing = [k for k in objective.ROW_KEYS if k not in batch]
+      if missing:
+        raise ValueError(f"batch is missing {missing}")
+      eos = self.loss_kwargs["eos_id"]
+      batch = objective.packed_batch({k: np.asarray(batch[k]) for k in objective.ROW_KEYS},
+                                     eos_fill_id=eos)
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
       raise ValueError(f"batch is missing {missing}")
@@ -205,8 +214,8 @@ class Trainer:
 
   def abstract_batch(self, rows: int, seq_len: int) -> dict:
     """Shapes of a global batch of `rows` x `seq_len`, sharded as `shard_batch` places it."""
-    return {k: jax.ShapeDtypeStruct((rows, seq_len) if k == "tokens" else (rows,), jnp.int32,
-                                    sharding=self.batch_shardings[k]) for k in BATCH_KEYS}
+    return {k: jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=self.batch_shardings[k])
+            for k in BATCH_KEYS}
 
   def lower_train_step(self, rows: int, seq_len: int) -> jax.stages.Lowered:
     """The train step lowered from shapes alone (no parameters or data exist): compile
