@@ -1,16 +1,17 @@
 """The paper's tables in miniature: `python -m refusion_jax.reproduce --config=configs/repro_tiny.py`.
 
 As in the paper (every model fine-tuned from a pretrained AR model,
-Qwen3-8B), ARM, MDM and ReFusion are each fine-tuned from the shipped
-pretrained base (refusion_jax/assets/base_tiny, configs/base_tiny.py) for the
-same number of tokens (train.* is shared; the objective and, for MDM,
-bidirectional attention are set per model by refusion_jax/repro/stages.py);
+Qwen3-8B, on the same samples), ARM, MDM and ReFusion are each fine-tuned from
+the shipped pretrained base (refusion_jax/assets/base_tiny, configs/base_tiny.py)
+on the same samples, one epoch of the training split in packed rows (train.* is
+shared; the objective and, for MDM, bidirectional attention are set per model
+by refusion_jax/repro/stages.py);
 ReFusion's decode settings are chosen per task on the validation split; then
 every decoder is scored on the held-out test split. `--config.base.pretrained=''
 --config.base.num_train_steps=2000` trains a base here first instead.
-Sized for ~15 minutes on 2 CPU cores, set-up included: 3 x 1560 fine-tune
-steps of 9 packed rows (about 15 samples each step) of a 4-layer d=128 model,
-the validation search and the evaluation.
+Sized for ~15 minutes on 2 CPU cores, set-up included: three fine-tunes of a
+4-layer d=128 model over the 20,000 training samples (9 packed rows of 64
+tokens per step), the validation search and the evaluation.
 """
 
 import ml_collections
@@ -39,9 +40,10 @@ def get_config():
   c.train.data.packing = "best_fit"  # whole samples share rows (87% of row tokens real, not 51%)
   c.train.mdm_response_len = 24  # MDM's answers EOS-padded to decode.gen_length, not the row
   c.train.slot_sizes = (2, 4, 8)  # the paper's 4..32 for 512-token answers, scaled to <= 17
-  c.train.global_batch_size = 9  # packed rows per step: ~15.4 samples (ARM, ReFusion)
-  c.train.num_train_steps = 1560  # fine-tune: 1560 x 9 x 64 = 0.90M row tokens per model,
-  #                                 ~24,000 samples: the 1500 x 16 of one sample per row
+  c.train.global_batch_size = 9  # packed rows per step: ~15 samples (ARM, ReFusion; MDM ~9)
+  c.train.num_train_steps = 0  # 0: steps from num_epochs, each model's own (MDM's samples,
+  #                              EOS-padded to 24 answer tokens, fill more rows)
+  c.train.num_epochs = 1  # fine-tune: every model sees the 20,000 training samples once
   c.train.optimizer.learning_rate = 3e-3  # fine-tune peak AdamW rate, the base's own
   c.train.eval_every_steps = 0  # no periodic eval loss: the table is the evaluation
   c.train.checkpoint.every_steps = 100  # resume points if the run is interrupted

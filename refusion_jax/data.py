@@ -859,16 +859,16 @@ def layout_of(batches: Iterable[Mapping[str, np.ndarray]], seq_len: int,
 def measure_layout(source, tokenizer, *, seq_len: int, packing: str, packing_bins: int = 0,
                    batch_size: int, seed: int, drop_overlong: bool = True,
                    eos_pad_response_to: int | None = None,
-                   max_samples: int | None = None) -> Layout:
+                   max_samples: int | None = None, shuffle: bool = True) -> Layout:
   """The rows `make_loader` makes of `source` with these settings, counted over one
-  shuffled epoch (or its first `max_samples` samples), read as one process.
+  (shuffled) epoch (or its first `max_samples` samples), read as one process.
 
   Every argument means what it does in `make_loader`; `batch_size` is the rows of
   one batch (it sets the default number of packing bins). The last partial batch
   is counted.
   """
   loader = make_loader(source, tokenizer, seq_len=seq_len, batch_size=batch_size, seed=seed,
-                       shuffle=True, num_epochs=1, drop_overlong=drop_overlong,
+                       shuffle=shuffle, num_epochs=1, drop_overlong=drop_overlong,
                        drop_remainder=False, packing=packing, packing_bins=packing_bins,
                        eos_pad_response_to=eos_pad_response_to)
   return layout_of(iter(loader), seq_len, max_samples)

@@ -254,11 +254,11 @@ def _check_packed_values(batch: Mapping[str, Any]) -> None:
   if (pos[ends] != (p + r - 1)[ends]).any():
     problems.append("each sample must hold exactly segment_prompt_len + segment_response_len "
                     "tokens")
-  seen = {}
-  for row, segment in zip(*np.nonzero(starts)):
-    if seen.setdefault((int(row), int(seg[row, segment])), segment) != segment:
-      problems.append(f"row {row}: segment id {seg[row, segment]} is used by two samples")
-      break
+  first_ids = np.sort(np.where(starts, seg, 0), axis=1)  # each sample's id once, per row
+  reused = (first_ids[:, 1:] == first_ids[:, :-1]) & (first_ids[:, 1:] > 0)
+  if reused.any():
+    row = int(np.nonzero(reused.any(axis=1))[0][0])
+    problems.append(f"row {row}: a segment id is used by two samples")
   if problems:
     raise ValueError("packed batch: " + "; ".join(problems))
 

@@ -54,7 +54,8 @@ def small_model(tmp_path_factory):
 def train_run():
   return _aot("--program=train", f"--topology={TOPOLOGY}", "--config=configs/tiny_refusion.py",
               "--config.model.num_layers=2", "--config.data.seq_len=64",
-              "--config.global_batch_size=8")
+              "--config.global_batch_size=8", "--config.data.packing=best_fit",
+              "--sample_tokens=20")
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +156,20 @@ def test_tiny_train_step_compiles_and_fits(train_run):
       r["model_flops"] / r["estimated_s"] / (chip.bf16_tflops * 1e12))
   assert 0 < r["estimated_mfu"] <= 1
   assert "estimated step time" in done.stdout and "estimated MFU" in done.stdout
+  # Packed rows of samples averaging 20 tokens: ~3 per 64-token row; the paper's run is
+  # 4 epochs over 3.7M samples at the estimated step time, packed and one per row.
+  assert r["packing"] == "best_fit" and "mean 20 tokens" in r["lengths_from"]
+  assert 8 * 2.5 < r["samples_per_step"] < 8 * 3.2
+  assert 0.8 < r["real_token_fraction"] <= 1
+  assert r["real_tokens_per_step"] == pytest.approx(8 * 64 * r["real_token_fraction"])
+  passes = 4 * 3_700_000
+  assert r["paper_run_steps"] == math.ceil(passes / r["samples_per_step"])
+  assert r["paper_run_hours"] == pytest.approx(r["paper_run_steps"] * r["estimated_s"] / 3600)
+  assert r["paper_run_hours_padded"] == pytest.approx(
+      math.ceil(passes / 8) * r["estimated_s"] / 3600)
+  assert r["paper_run_chip_hours"] == pytest.approx(4 * r["paper_run_hours"])
+  assert r["paper_run_hours_padded"] > 2.5 * r["paper_run_hours"]
+  assert "the paper's run, 4 epochs over 3.7M samples" in done.stdout
 
 
 def test_train_flops_count_recomputation():
@@ -289,6 +304,8 @@ def test_out_of_memory_messages_are_read():
      "error: --model is required"),
     (["--program=train", "--topology=v5e-4", "--config=configs/tiny_refusion.py",
       "--config.global_batch_size=6"], "error: config.global_batch_size=6 is not divisible"),
+    (["--program=train", "--topology=v5e-4", "--config=configs/tiny_refusion.py",
+      "--sample_tokens=0"], "error: --sample_tokens must be in [1, config.data.seq_len=128]"),
 ])
 def test_bad_flags_exit_2_on_one_line(args, message):
   done, report = _aot(*args)

@@ -507,3 +507,35 @@ def test_layout_counts(tok):
 def test_bad_packing_arguments(tok, kwargs, match):
   with pytest.raises(ValueError, match=match):
     data.make_loader(EXAMPLES, tok, seq_len=24, batch_size=4, seed=0, **kwargs)
+
+
+def _first_fit_by_hand(lengths, seq_len, bins):
+  """grain's online first fit, by hand: up to `bins` open rows; a sample goes to the first
+  with room; when none has room every open row is emitted and the sample opens a new set."""
+  rows, open_rows = 0, []
+  for n in lengths:
+    for i, used in enumerate(open_rows):
+      if used + n <= seq_len:
+        open_rows[i] += n
+        break
+    else:
+      if len(open_rows) < bins:
+        open_rows.append(n)
+      else:
+        rows += len(open_rows)
+        open_rows = [n]
+  return rows + len(open_rows)
+
+
+def test_pack_lengths_matches_first_fit_by_hand():
+  rng = np.random.default_rng(3)
+  lengths = np.clip(np.round(rng.lognormal(np.log(40), 0.7, 3000)), 1, 128).astype(int)
+  for bins in (1, 4, 16):
+    layout = data.pack_lengths(lengths.tolist(), seq_len=128, packing="first_fit",
+                               packing_bins=bins)
+    assert layout.rows == _first_fit_by_hand(lengths.tolist(), 128, bins)
+    assert (layout.samples, layout.real_tokens) == (3000, int(lengths.sum()))
+  best = data.pack_lengths(lengths.tolist(), seq_len=128, packing="best_fit", packing_bins=16)
+  assert best.samples == 3000 and best.rows <= _first_fit_by_hand(lengths.tolist(), 128, 16)
+  none = data.pack_lengths(lengths.tolist(), seq_len=128, packing="none")
+  assert (none.rows, none.real_token_fraction) == (3000, lengths.sum() / (3000 * 128))

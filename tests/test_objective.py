@@ -873,8 +873,8 @@ def test_bad_arguments_raise_before_compiling():
 
 
 def _packed_example():
-  samples = [([5, 6, 7, 8], 1, 3), ([9, 10, 11], 2, 1)]
-  return layout(samples, [[(0, 0), (1, 4)]], 10)
+  samples = [([5, 6, 7, 8], 1, 3), ([9, 10, 11], 2, 1), ([12, 13], 1, 1)]
+  return layout(samples, [[(0, 0), (1, 4), (2, 7)]], 10)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -886,6 +886,7 @@ def _packed_example():
     (lambda b: (b["segment_prompt_len"].__setitem__((0, slice(0, 4)), 2)), "exactly"),
     (lambda b: b["segment_ids"].__setitem__((0, slice(4, 7)), 1), "count up by 1"),
     (lambda b: b["segment_ids"].__setitem__((0, 0), -1), ">= 0"),
+    (lambda b: b["segment_ids"].__setitem__((0, slice(7, 9)), 1), "used by two samples"),
     (lambda b: b.pop("positions"), "missing"),
     (lambda b: b.__setitem__("positions", b["positions"][:, :5]), "shape"),
 ])

@@ -221,7 +221,7 @@ def test_stale_model_state_is_discarded_not_resumed(tmp_path, monkeypatch):
     num_params = staticmethod(lambda: 7)
 
   class _Result:
-    step, last_metrics, model_config = 3, {"loss": 1.0}, _Config()
+    step, last_metrics, model_config, samples_per_step = 3, {"loss": 1.0}, _Config(), 8.0
 
   def fake_train(cfg, model_dir):
     seen.append(sorted(os.listdir(model_dir)) if os.path.isdir(model_dir) else None)
@@ -301,7 +301,23 @@ def test_bad_settings_fail_before_training(tmp_path):
     _run(tmp_path, **{"base.learning_rate": 0.0})
   with pytest.raises(ValueError, match="config.eval.speed_repeats must be a positive int"):
     _run(tmp_path, **{"eval.speed_repeats": 0})
+  with pytest.raises(ValueError, match=r"config.train.num_train_steps must be a positive int "
+                                       r".*or 0 with train.num_epochs > 0"):
+    _run(tmp_path, **{"train.num_train_steps": 0, "train.num_epochs": 0})
   assert os.listdir(tmp_path) == []  # nothing was trained or written
+
+
+def test_the_training_line_says_steps_or_epochs_and_how_rows_were_filled():
+  budget = {"steps": 0, "num_epochs": 1, "global_batch_size": 9, "seq_len": 64,
+            "tokens": 0, "packing": "best_fit"}
+  trained = {"arm": {"step": 1300, "samples_per_step": 15.4},
+             "mdm": {"step": 2222, "samples_per_step": 9.0}}
+  assert report._training_size(budget, trained) == (
+      "1 epoch of the training samples each (arm 1300 steps, mdm 2222 steps) x 9 rows x 64 "
+      "tokens, samples packed best_fit (arm 15.4, mdm 9.0 samples per step)")
+  budget.update(steps=100, num_epochs=0, tokens=100 * 9 * 64, packing="none")
+  assert report._training_size(budget, trained) == (
+      "100 steps x 9 rows x 64 tokens = 57,600 row tokens, one sample per row")
 
 
 def test_command_line_names_a_bad_setting_and_exits_2(tmp_path):

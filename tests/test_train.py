@@ -650,6 +650,9 @@ SHORT = {"query": "sort 321", "response": "123"}
     ("eval smaller than a batch", r"config\.data\.eval_files: only 2 of 2 example\(s\) fit .*"
                                   r"8 needed"),
     ("eval over-long kept", r"config\.data\.eval_files: example .*eval\.jsonl:1 has"),
+    ("packed eval smaller than a batch", r"config\.data\.eval_files: packed \(first_fit\), "
+                                         r"their 8 samples fill [1-7] rows, fewer than one batch "
+                                         r"of config\.global_batch_size=8"),
     ("epochs give no step", r"config\.num_epochs=1 over 3 examples at "
                             r"config\.global_batch_size=8 gives no step"),
     ("workdir is a file", r"--workdir=.* exists and is not a folder"),
@@ -675,6 +678,10 @@ def test_bad_data_and_paths_fail_before_compiling(tmp_path, tfds_dir, monkeypatc
   elif case == "eval smaller than a batch":
     changes["data.eval_files"] = (_jsonl(tmp_path / "eval.jsonl", [SHORT] * 2),)
     changes["eval_every_steps"] = 10
+  elif case == "packed eval smaller than a batch":
+    changes["data.eval_files"] = (_jsonl(tmp_path / "eval.jsonl", [SHORT] * 8),)
+    changes["eval_every_steps"] = 10
+    changes["data.packing"] = "first_fit"
   elif case == "eval over-long kept":
     changes["data.eval_files"] = (_jsonl(tmp_path / "eval.jsonl", [LONG] + [SHORT] * 8),)
     changes["eval_every_steps"] = 10

@@ -22,13 +22,20 @@ from refusion_jax.repro import settings
 REFERENCE_ROW = "ARM-AR"  # the row every speed is compared with
 
 
-def _packing_note(budget: dict, trained: dict) -> str:
-  """How the rows were filled: packed (samples per step of each model) or one per row."""
+def _training_size(budget: dict, trained: Mapping[str, dict]) -> str:
+  """Each model's training: steps (or epochs of samples) x rows, and how rows were filled."""
+  rows = f"{budget['global_batch_size']} rows x {budget['seq_len']} tokens"
+  if budget["steps"] > 0:
+    size = f"{budget['steps']} steps x {rows} = {budget['tokens']:,} row tokens"
+  else:
+    epochs = budget.get("num_epochs", 0)
+    size = (f"{epochs} epoch{'s' if epochs != 1 else ''} of the training samples each ("
+            + ", ".join(f"{n} {m['step']} steps" for n, m in trained.items()) + f") x {rows}")
   if budget.get("packing", "none") == "none":
-    return ", one sample per row"
+    return size + ", one sample per row"
   per_step = ", ".join(f"{n} {m['samples_per_step']:.1f}" for n, m in trained.items()
                        if m.get("samples_per_step"))
-  return f", samples packed {budget['packing']} ({per_step} samples per step)"
+  return f"{size}, samples packed {budget['packing']} ({per_step} samples per step)"
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -165,9 +172,7 @@ def _preamble(config, results: Mapping[str, dict], trained: Mapping[str, dict], 
                            if measured else ""),
       f"- Machine: {machine_line(here)}",
       *start,
-      f"- Training (each of {names}, {how}): {budget['steps']} steps x "
-      f"{budget['global_batch_size']} rows x {budget['seq_len']} tokens = "
-      f"{budget['tokens']:,} row tokens{_packing_note(budget, trained)}; {params:,} "
+      f"- Training (each of {names}, {how}): {_training_size(budget, trained)}; {params:,} "
       "parameters; wall " + ", ".join(f"{n} {m['seconds']:.0f}s" for n, m in trained.items()),
       "- Held-out problems per task (accuracy, batched decode): "
       + ", ".join(f"{t} {n}" for t, n in n_acc.items()),

@@ -168,9 +168,10 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
   if not models or unknown:
     raise ValueError(f"config.models={models!r}: each must be one of "
                      f"{sorted(objective.OBJECTIVES)}")
-  steps = config.train.num_train_steps
-  require(is_int(steps) and steps > 0, "train.num_train_steps", steps,
-          "a positive int (the models train for the same number of steps)")
+  steps, epochs = config.train.num_train_steps, config.train.num_epochs
+  require(is_int(steps) and (steps > 0 or (steps == 0 and is_int(epochs) and epochs > 0)),
+          "train.num_train_steps", steps, "a positive int (the models train for the same "
+          "number of steps), or 0 with train.num_epochs > 0 (the same samples)")
   pretrained = config.base.get("pretrained", "")
   if pretrained:
     check_pretrained_base(pretrained)

@@ -93,7 +93,8 @@ def train_config(config, model_name: str, workdir: str) -> ml_collections.Config
 
 
 def _budget(t, steps: int, learning_rate: float) -> dict:
-  return {"steps": steps, "global_batch_size": int(t.global_batch_size),
+  return {"steps": steps, "num_epochs": 0 if steps > 0 else int(t.num_epochs),
+          "global_batch_size": int(t.global_batch_size),
           "seq_len": int(t.data.seq_len), "tokens": steps * int(t.global_batch_size)
           * int(t.data.seq_len), "packing": t.data.get("packing", "none"),
           "mdm_response_len": int(t.get("mdm_response_len", 0)), "seed": int(t.seed),
@@ -144,8 +145,10 @@ def train_stage(name: str, train_cfg, budget: dict, workdir: str, log,
     shutil.rmtree(workdir)
   start = "fine-tuning from the base" if train_cfg.init_from_hf else "training"
   packed = "" if budget.get("packing", "none") == "none" else f" ({budget['packing']} packed)"
-  log(f"[reproduce] {start} {name}: {budget['steps']} steps x {budget['global_batch_size']} "
-      f"rows x {budget['seq_len']} tokens{packed}")
+  size = (f"{budget['steps']} steps" if budget["steps"] > 0 else
+          f"{budget['num_epochs']} epoch(s) of samples")
+  log(f"[reproduce] {start} {name}: {size} x {budget['global_batch_size']} rows x "
+      f"{budget['seq_len']} tokens{packed}")
   t0 = time.perf_counter()
   result = loop.train_and_evaluate(train_cfg, workdir)
   seconds = time.perf_counter() - t0

@@ -273,6 +273,18 @@ def _check_data(config, data_config: dict, tokenizer) -> int:
     data.check_lengths(data.iter_examples(data_config["eval_files"]), tokenizer, seq_len,
                        drop_overlong=drop, what="config.data.eval_files", full=True,
                        min_fitting=int(config.global_batch_size))
+    if settings.packing(config) != "none":
+      # Packed, the samples that fill a batch one per row may fill only part of one.
+      layout = data.measure_layout(
+          list(data.iter_examples(data_config["eval_files"])), tokenizer, seq_len=seq_len,
+          packing=settings.packing(config), packing_bins=int(config.data.packing_bins),
+          batch_size=int(config.global_batch_size), seed=0, drop_overlong=drop,
+          eos_pad_response_to=settings.eos_pad_response_to(config), shuffle=False)
+      if layout.rows < config.global_batch_size:
+        raise ValueError(f"config.data.eval_files: packed ({settings.packing(config)}), their "
+                         f"{layout.samples} samples fill {layout.rows} rows, fewer than one "
+                         f"batch of config.global_batch_size={config.global_batch_size}; add "
+                         "eval data or set config.eval_every_steps=0")
   return num_examples
 
 
