@@ -12,8 +12,10 @@ command that produced it.
   python benchmarks/aot_fit.py --list
 
 The Qwen3-8B rows compile the paper's recipe (configs/qwen3_8b_refusion.py,
-global batch 512 x 4096 tokens) as the config says; where a slice's chips
-are smaller, a row states the mesh/batch overrides it uses.
+64 packed rows x 4096 tokens) as the config says; where a slice has more
+chips than rows, a row states the mesh override it uses. Each row also gives
+the samples per step and the estimated hours of the paper's 4 epochs over
+3.7M samples, packed and one sample per row (aot's estimate).
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ _8B = ["--program=train", "--config=configs/qwen3_8b_refusion.py"]
 # name -> aot arguments
 ROWS = {
     "8b-v5p-128": [*_8B, "--topology=v5p-128"],
-    "8b-v4-256": [*_8B, "--topology=v4-256"],
-    "8b-v5litepod-256": [*_8B, "--topology=v5litepod-256"],
+    # 64 packed rows split over at most 64 chips of fsdp: the tensor axis takes the rest.
+    "8b-v4-256": [*_8B, "--topology=v4-256", "--config.mesh.tensor=2"],
+    "8b-v5litepod-256": [*_8B, "--topology=v5litepod-256", "--config.mesh.tensor=4"],
+    # The recipe before packing: 512 rows of one sample each.
+    "8b-v5p-128-padded": [*_8B, "--topology=v5p-128", "--config.data.packing=none",
+                          "--config.global_batch_size=512"],
     "0.6b-v5p-32": ["--program=train", "--config=configs/qwen3_0_6b_refusion.py",
                     "--topology=v5p-32"],
     "0.6b-v5litepod-16": ["--program=train", "--config=configs/qwen3_0_6b_refusion.py",
@@ -73,11 +79,12 @@ def _cell(value, fmt: str) -> str:
 
 def table(results: list[dict]) -> str:
   lines = ["| row | slice | per chip GiB | fits | compile s | est. step (pass) s | est. MFU | "
-           "command |", "|---|---|---|---|---|---|---|---|"]
+           "samples / step | est. paper run h (one per row) | command |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     command = f"`{shlex.join(r['command'])}`"
     if "error" in r:
-      lines.append(f"| {r['name']} | - | - | - | - | - | - | {command} ({r['error']}) |")
+      lines.append(f"| {r['name']} | - | - | - | - | - | - | - | - | {command} ({r['error']}) |")
       continue
     p = r["report"]
     gib = p["per_chip_gib"]
@@ -86,9 +93,14 @@ def table(results: list[dict]) -> str:
     step = _cell(p["estimated_s"], ".3g")
     if p["program"] == "decode" and p["estimated_s"] is not None:
       step += f" (pass of {p['pass_width']})"
+    samples = _cell(p.get("samples_per_step"), ",.0f")
+    hours = "-"
+    if p.get("paper_run_hours") is not None:
+      hours = f"{p['paper_run_hours']:.1f} ({p['paper_run_hours_padded']:.1f})"
     lines.append(f"| {r['name']} | {p['topology']} ({p['chips']} chips) | {share} | "
                  f"{'yes' if p['fits'] else 'no'} | {_cell(p['compile_s'], '.0f')} | {step} | "
-                 f"{'-' if mfu is None else f'{100 * mfu:.0f}%'} | {command} |")
+                 f"{'-' if mfu is None else f'{100 * mfu:.0f}%'} | {samples} | {hours} | "
+                 f"{command} |")
   return "\n".join(lines)
 
 

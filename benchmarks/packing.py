@@ -61,8 +61,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config (its 
                                           "tokenizer_dir / init_from_hf).", lock_config=True)
 _SYNTHETIC = flags.DEFINE_integer("synthetic", 0, "Lay out this many samples of the synthetic "
                                   "SFT length distribution instead of config.data.train_files.")
-_MAX_SAMPLES = flags.DEFINE_integer("max_samples", 0, "Stop each layout after this many "
-                                    "samples (0 = one whole epoch).")
+_MAX_SAMPLES = flags.DEFINE_integer("max_samples", 0, "Lay out this many records of the data "
+                                    "drawn at random (0 = all of them).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the synthetic lengths.")
 _TRAIN_STEPS = flags.DEFINE_integer("train_steps", 0, "Also time this many train steps of "
                                     "each layout, alternating (0 = no training).")
@@ -94,15 +94,24 @@ def synthetic_examples(tokenizer, n: int, seq_len: int, seed: int) -> list[dict]
 
 
 def _source(config, tokenizer):
-  """The training source (built as the trainer builds it) or a synthetic one."""
+  """The training source (built as the trainer builds it) or a synthetic one; with
+  --max_samples, a random subset of that many of its records (seeded)."""
   from refusion_jax import data  # pylint: disable=import-outside-toplevel
   seq_len = int(config.data.seq_len)
   if _SYNTHETIC.value:
-    return synthetic_examples(tokenizer, _SYNTHETIC.value, seq_len, _SEED.value), "synthetic"
-  files = list(config.data.train_files)
-  data.validate_files(files)
-  tfds_dir = config.data.tfds_dir or os.path.join(tempfile.gettempdir(), "refusion_jax_tfds")
-  return data.source_of(data.prepare(files, tfds_dir), "train"), ", ".join(files)
+    source = synthetic_examples(tokenizer, _SYNTHETIC.value, seq_len, _SEED.value)
+    what = "synthetic"
+  else:
+    files = list(config.data.train_files)
+    data.validate_files(files)
+    tfds_dir = config.data.tfds_dir or os.path.join(tempfile.gettempdir(), "refusion_jax_tfds")
+    source = data.source_of(data.prepare(files, tfds_dir), "train")
+    what = ", ".join(files)
+  if _MAX_SAMPLES.value and _MAX_SAMPLES.value < len(source):
+    keep = np.random.default_rng(_SEED.value).permutation(len(source))[:_MAX_SAMPLES.value]
+    source = [source[int(i)] for i in sorted(keep)]
+    what += f" ({len(source)} of its records, drawn at random)"
+  return source, what
 
 
 def pad_to_longest(lengths: list[int], micro_batch: int) -> tuple[int, int]:
@@ -123,8 +132,7 @@ def measure(config) -> dict:
   kwargs = dict(seq_len=seq_len, batch_size=max(1, int(config.global_batch_size)),
                 seed=int(config.data.shuffle_seed), drop_overlong=bool(config.data.drop_overlong),
                 packing_bins=int(config.data.get("packing_bins", 0)),
-                eos_pad_response_to=settings.eos_pad_response_to(config),
-                max_samples=_MAX_SAMPLES.value or None)
+                eos_pad_response_to=settings.eos_pad_response_to(config))
   report = {"data": what, "seq_len": seq_len}
   lengths = []
   loader = data.make_loader(source, tokenizer, seq_len=seq_len, batch_size=kwargs["batch_size"],
@@ -133,8 +141,6 @@ def measure(config) -> dict:
                             eos_pad_response_to=kwargs["eos_pad_response_to"])
   for batch in loader:  # one sample per row, in the shuffled order every layout reads
     lengths += np.sum(batch["segment_ids"] > 0, axis=1).tolist()
-    if kwargs["max_samples"] and len(lengths) >= kwargs["max_samples"]:
-      break
   report["samples"] = len(lengths)
   report["length_mean"] = float(np.mean(lengths))
   report["length_median"] = float(np.median(lengths))
@@ -216,7 +222,7 @@ def render_throughput(t: dict) -> str:
     r = t[name]
     lines.append(f"| {name} | {r['samples_per_step']:.1f} | "
                  f"{100 * r['real_token_fraction']:.1f}% | {r['step_ms']:.1f} | "
-                 f"{r['samples_per_s']:.0f} |")
+                 f"{r['samples_per_s']:.3g} |")
   lines.append(f"\npacked / padded samples per second: {t['samples_per_s_ratio']:.2f}x; ratio of "
                f"real-token shares {t['real_share_ratio']:.2f}x; so {t['of_share_ratio']:.2f} of "
                "it (target >= 0.8)")

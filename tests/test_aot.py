@@ -325,4 +325,6 @@ def test_the_fit_table_shows_each_row_with_its_command(train_run):
   tiny, broken = out.splitlines()[2:]
   assert tiny.startswith("| tiny | v5litepod-4 (4 chips) | 0.0 / 16 (0%) | yes | ")
   assert f"{100 * r['estimated_mfu']:.0f}%" in tiny and "`python -m refusion_jax.aot" in tiny
+  assert (f"| {r['samples_per_step']:,.0f} | {r['paper_run_hours']:.1f} "
+          f"({r['paper_run_hours_padded']:.1f}) |") in tiny
   assert broken.startswith("| broken | - |") and "(exit 2: error: x)" in broken
