@@ -134,13 +134,10 @@ def measure(config) -> dict:
                 packing_bins=int(config.data.get("packing_bins", 0)),
                 eos_pad_response_to=settings.eos_pad_response_to(config))
   report = {"data": what, "seq_len": seq_len}
-  lengths = []
-  loader = data.make_loader(source, tokenizer, seq_len=seq_len, batch_size=kwargs["batch_size"],
-                            seed=kwargs["seed"], num_epochs=1, drop_remainder=False,
-                            drop_overlong=kwargs["drop_overlong"],
-                            eos_pad_response_to=kwargs["eos_pad_response_to"])
-  for batch in loader:  # one sample per row, in the shuffled order every layout reads
-    lengths += np.sum(batch["segment_ids"] > 0, axis=1).tolist()
+  # One sample per row, in the shuffled order every layout reads.
+  lengths = data.sample_lengths(source, tokenizer, seq_len=seq_len, seed=kwargs["seed"],
+                                drop_overlong=kwargs["drop_overlong"],
+                                eos_pad_response_to=kwargs["eos_pad_response_to"])
   report["samples"] = len(lengths)
   report["length_mean"] = float(np.mean(lengths))
   report["length_median"] = float(np.median(lengths))

@@ -321,19 +321,23 @@ def sample_lengths(config, sample_tokens: int, sample_data: str | None) -> tuple
     data.validate_files([sample_data])
     tokenizer = settings.load_tokenizer(config)
     examples = list(itertools.islice(data.iter_examples([sample_data]), LENGTH_DRAWS))
-    layout = data.make_loader(examples, tokenizer, seq_len=seq_len, batch_size=1, seed=0,
-                              num_epochs=1, eos_pad_response_to=settings.eos_pad_response_to(
-                                  config))
-    lengths = [int(np.sum(b["segment_ids"] > 0)) for b in layout]
+    lengths = data.sample_lengths(examples, tokenizer, seq_len=seq_len,
+                                  eos_pad_response_to=settings.eos_pad_response_to(config))
     if not lengths:
       raise ValueError(f"--sample_data={sample_data!r}: no sample fits in config.data.seq_len="
                        f"{seq_len}")
     return lengths, f"{sample_data} ({len(lengths)} samples, mean {np.mean(lengths):.0f} tokens)"
   median = sample_tokens * math.exp(-LENGTH_SIGMA ** 2 / 2)
   draws = np.random.default_rng(0).lognormal(math.log(median), LENGTH_SIGMA, LENGTH_DRAWS)
-  lengths = np.clip(np.round(draws), 1, seq_len).astype(int).tolist()
+  draws = np.maximum(np.round(draws), 1).astype(int)
+  lengths = draws[draws <= seq_len].tolist()  # the trainer drops over-long samples
+  if not lengths:
+    raise ValueError(f"--sample_tokens={sample_tokens}: no sample of that length distribution "
+                     f"fits in config.data.seq_len={seq_len}")
+  dropped = f", {len(draws) - len(lengths)} over seq_len dropped" if len(lengths) < len(
+      draws) else ""
   return lengths, (f"log-normal lengths of mean {sample_tokens} tokens (sigma {LENGTH_SIGMA}, "
-                   f"{LENGTH_DRAWS} draws)")
+                   f"{LENGTH_DRAWS} draws{dropped})")
 
 
 def paper_run(config, report: dict, sample_tokens: int, sample_data: str | None) -> dict:
@@ -712,10 +716,8 @@ def run(f: dict) -> tuple[dict, int]:
                      "for decode)")
   tpu_slice = tpu.parse_slice(f["topology"].value, f["num_slices"].value)
   kind = f["program"].value
-  if kind == "train" and (f["sample_tokens"].value < 1 or f["sample_tokens"].value >
-                          config.data.seq_len):
-    raise ValueError(f"--sample_tokens must be in [1, config.data.seq_len="
-                     f"{config.data.seq_len}], got {f['sample_tokens'].value}")
+  if kind == "train" and f["sample_tokens"].value < 1:
+    raise ValueError(f"--sample_tokens must be >= 1, got {f['sample_tokens'].value}")
   try:
     if kind == "train":
       report = check_train(config, tpu_slice)

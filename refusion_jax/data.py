@@ -667,7 +667,7 @@ def _check_int(name: str, value: Any, minimum: int):
 
 
 def check_packing(packing: str, packing_bins: int, field: str = "packing") -> None:
-  """Raises ValueError naming `field` for an unknown packing or a bin count < 1."""
+  """Raises ValueError naming `field` for an unknown packing or a negative bin count."""
   if packing not in PACKINGS:
     raise ValueError(f"{field} must be one of {PACKINGS}, got {packing!r}")
   if isinstance(packing_bins, bool) or not isinstance(packing_bins, (int, np.integer)) \
@@ -692,7 +692,7 @@ def _packed(sequences, packing: str, *, seq_len: int, bins: int, seed: int, shuf
 
 
 def pack_lengths(lengths: Sequence[int], *, seq_len: int, packing: str,
-                 packing_bins: int = 0, batch_size: int = 1) -> "Layout":
+                 packing_bins: int = 0, batch_size: int = 1) -> Layout:
   """The rows grain's packer (as `make_loader` runs it) makes of samples of these token
   lengths, in this order: a layout estimate from lengths alone, without text."""
   check_packing(packing, packing_bins)
@@ -854,6 +854,17 @@ def layout_of(batches: Iterable[Mapping[str, np.ndarray]], seq_len: int,
     if max_samples is not None and samples >= max_samples:
       break
   return Layout(rows=rows, samples=samples, real_tokens=real, seq_len=seq_len)
+
+
+def sample_lengths(source, tokenizer, *, seq_len: int, seed: int = 0, shuffle: bool = True,
+                   drop_overlong: bool = True,
+                   eos_pad_response_to: int | None = None) -> list[int]:
+  """Tokens of each sample of one (shuffled) epoch of `source`, in the loader's order, as
+  `make_loader` lays them out (over-long ones dropped, any EOS padding included)."""
+  loader = make_loader(source, tokenizer, seq_len=seq_len, batch_size=1, seed=seed,
+                       shuffle=shuffle, num_epochs=1, drop_overlong=drop_overlong,
+                       eos_pad_response_to=eos_pad_response_to)
+  return [int(np.sum(batch["segment_ids"] > 0)) for batch in loader]
 
 
 def measure_layout(source, tokenizer, *, seq_len: int, packing: str, packing_bins: int = 0,

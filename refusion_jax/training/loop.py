@@ -373,7 +373,10 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
       raise ValueError(f"config.data.tfds_dir={config.data.tfds_dir!r} exists and is not a "
                        "folder")
     num_examples = _check_data(config, data_config, tokenizer)
-    if config.num_train_steps > 0 or settings.packing(config) == "none":
+    # Epochs of packed rows count samples: how many share a row is measured on the built
+    # data below; every other step count is known now.
+    measure_rows = config.num_train_steps <= 0 and settings.packing(config) != "none"
+    if not measure_rows:
       total_steps = settings.total_train_steps(config, num_examples)
   # Nothing was written before this point: a run refused above leaves no trace.
   os.makedirs(workdir, exist_ok=True)
@@ -382,9 +385,9 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
                                    jax.process_index(), jax.process_count(),
                                    eos_pad_response_to=eos_pad)
   assert loader.num_records == num_examples, (loader.num_records, num_examples)
-  if not (config.num_train_steps > 0 or settings.packing(config) == "none"):
-    # Epochs count samples: how many share a row is measured on the shuffled data, the
-    # same on every process (one shard of everything), so every process derives one count.
+  if measure_rows:
+    # Measured on the shuffled data as one process would read all of it, so that every
+    # process derives the same count.
     layout = data.measure_layout(
         data.split_source(data_config, "train"), tokenizer, seq_len=int(config.data.seq_len),
         packing=settings.packing(config), packing_bins=int(config.data.get("packing_bins", 0)),

@@ -17,7 +17,6 @@ import jax
 from absl import logging
 
 from refusion_jax import attention_kernels, objective, sharding
-
 from refusion_jax import config as config_lib
 from refusion_jax.checks import is_int, is_real, require
 from refusion_jax.config import ModelConfig
