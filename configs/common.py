@@ -38,6 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.remat = "none"  # backward-pass memory: "none", "full" (layer inputs only), "save_dots"
   c.model.scan_layers = False  # stacked layers run by lax.scan (one layer body: fast compiles)
   c.model.attention_impl = "xla"  # training attention: "xla", "splash" (TPU), "cudnn" (GPU)
+  c.model.model_type = placeholder(str)  # "qwen3" or "qwen2" (Qwen2.5) layers (None = preset's)
   c.model.attention = placeholder(str)  # "causal" or "bidirectional" (None = preset's)
   c.model.num_layers = placeholder(int)  # decoder layers (None = preset's)
   c.model.hidden_size = placeholder(int)  # model width (None = preset's)

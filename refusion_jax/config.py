@@ -23,6 +23,9 @@ ATTENTION_IMPLS = ("xla", "splash", "cudnn")
 # The decode engine's compiled programs (decode/engine.py): a whole decode, an
 # admission into free rows, and a run of passes.
 DECODE_PROGRAMS = ("generate", "admit", "run")
+# Decoder families (HF `model_type`): Qwen3 normalises q and k per head; Qwen2 / Qwen2.5
+# has no q/k norm and biases on the q, k and v projections (ALGORITHM.md "Baselines").
+MODEL_TYPES = ("qwen3", "qwen2")
 # Dtypes by name; jax.numpy's types are looked up when asked for, so that reading and
 # checking a config (the command lines do it first) does not load JAX.
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -30,7 +33,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shapes and constants of a Qwen3 decoder (and ReFusion's special tokens)."""
+  """Shapes and constants of a Qwen3 or Qwen2 decoder (and ReFusion's special tokens)."""
 
   vocab_size: int
   hidden_size: int
@@ -53,6 +56,7 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   pad_token_id: int | None = None
+  model_type: str = "qwen3"  # MODEL_TYPES: "qwen3" (q/k norm) or "qwen2" (q/k/v biases)
 
   def __post_init__(self):
     if isinstance(self.remat, bool):  # model_config.json files written before the policies
@@ -61,6 +65,9 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"ModelConfig.scan_layers must be a bool, got {self.scan_layers!r}")
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f"ModelConfig.model_type must be one of {MODEL_TYPES}, got "
+                       f"{self.model_type!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, got "
                        f"{self.attention_impl!r}")
@@ -105,6 +112,16 @@ class ModelConfig:
     return getattr(jnp, self.param_dtype)
 
   @property
+  def qk_norm(self) -> bool:
+    """Whether q and k are RMS-normalised per head (Qwen3)."""
+    return self.model_type == "qwen3"
+
+  @property
+  def qkv_bias(self) -> bool:
+    """Whether the q, k and v projections carry biases (Qwen2)."""
+    return self.model_type == "qwen2"
+
+  @property
   def num_groups(self) -> int:
     """Query heads per key/value head."""
     return self.num_heads // self.num_kv_heads
@@ -114,13 +131,18 @@ class ModelConfig:
 
   def num_params(self) -> int:
     d, f, v = self.hidden_size, self.mlp_dim, self.vocab_size
-    attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * self.head_dim
+    attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    if self.qk_norm:
+      attn += 2 * self.head_dim
+    if self.qkv_bias:
+      attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
     layer = attn + 3 * d * f + 2 * d
     head = 0 if self.tie_embeddings else v * d
     return v * d + self.num_layers * layer + d + head
 
 
-# Qwen3's tokenizer: 151643 regular tokens + specials; ReFusion appends two.
+# Qwen3's tokenizer (Qwen2.5's has the same ids for these): 151643 regular tokens +
+# specials; ReFusion appends two.
 QWEN3_EOS_ID = 151645  # <|im_end|>
 QWEN3_PAD_ID = 151643  # <|endoftext|>
 REFUSION_BOS_ID = 151669  # <|beginoftext|>
@@ -147,6 +169,18 @@ def qwen3_0_6b(**overrides) -> ModelConfig:
       rms_eps=1e-6, tie_embeddings=True, max_position_embeddings=40960,
       dtype="bfloat16", param_dtype="bfloat16", mask_token_id=None,
       bos_token_id=None, eos_token_id=QWEN3_EOS_ID, pad_token_id=QWEN3_PAD_ID)
+  base.update(overrides)
+  return ModelConfig(**base)
+
+
+def qwen2_5_7b(**overrides) -> ModelConfig:
+  """Qwen2.5-7B's exact shapes (Dream-7B's backbone; the paper's Table 3)."""
+  base = dict(
+      vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+      head_dim=128, mlp_dim=18944, rope_theta=1_000_000.0, rms_eps=1e-6,
+      tie_embeddings=False, max_position_embeddings=131072, dtype="bfloat16",
+      param_dtype="bfloat16", mask_token_id=None, bos_token_id=None,
+      eos_token_id=QWEN3_EOS_ID, pad_token_id=QWEN3_PAD_ID, model_type="qwen2")
   base.update(overrides)
   return ModelConfig(**base)
 
@@ -192,7 +226,8 @@ def tiny(**overrides) -> ModelConfig:
   return ModelConfig(**base)
 
 
-PRESETS = {"qwen3_8b": qwen3_8b, "qwen3_0_6b": qwen3_0_6b, "tiny": tiny}
+PRESETS = {"qwen3_8b": qwen3_8b, "qwen3_0_6b": qwen3_0_6b, "qwen2_5_7b": qwen2_5_7b,
+           "tiny": tiny}
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:
@@ -229,8 +264,10 @@ def _first_id(value):
 def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
   """Builds a ModelConfig from a HF `config.json` (a path, a folder or a dict).
 
-  Reads transformers 4.x (`rope_theta`) and 5.x (`rope_parameters`) layouts,
-  and the `mask_token_id` that ReFusion checkpoints carry.
+  `model_type` "qwen3" or "qwen2" (Qwen2 and Qwen2.5); any other family is one
+  error naming it and the supported ones. Reads transformers 4.x (`rope_theta`)
+  and 5.x (`rope_parameters`) layouts, and the `mask_token_id` that ReFusion
+  checkpoints carry.
   """
   if isinstance(path_or_dict, Mapping):
     hf, where = dict(path_or_dict), "config.json"
@@ -243,9 +280,12 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
     hf = fileio.read_json(where)
     if not isinstance(hf, dict):
       raise ValueError(f"{where}: expected a JSON object, got {type(hf).__name__}")
-  model_type = hf.get("model_type")
-  if model_type not in (None, "qwen3"):
-    raise ValueError(f"{where}: model_type={model_type!r}; only 'qwen3' is supported")
+  model_type = hf.get("model_type") or "qwen3"
+  if model_type not in MODEL_TYPES:
+    raise ValueError(f"{where}: model_type={model_type!r} is not supported; supported: "
+                     f"{', '.join(MODEL_TYPES)}")
+  if hf.get("use_sliding_window"):
+    raise ValueError(f"{where}: use_sliding_window=true is not supported (full attention only)")
   required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "intermediate_size")
   missing = [k for k in required if k not in hf]
@@ -274,8 +314,9 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
       bos_token_id=_first_id(hf.get("bos_token_id")),
       eos_token_id=_first_id(hf.get("eos_token_id")),
       pad_token_id=_first_id(hf.get("pad_token_id")),
+      model_type=model_type,
   )
-  if hf.get("attention_bias"):
+  if model_type == "qwen3" and hf.get("attention_bias"):
     raise ValueError(f"{where}: attention_bias=true is not supported by the Qwen3 backbone")
   kwargs.update(overrides)
   # Ids that fall outside a resized vocabulary are dropped rather than kept wrong.
@@ -285,11 +326,14 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
   return ModelConfig(**kwargs)
 
 
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 def to_hf_config(config: ModelConfig) -> dict:
   """The HF `config.json` dict (transformers 4.x layout, which 5.x also reads)."""
   hf = {
-      "architectures": ["Qwen3ForCausalLM"],
-      "model_type": "qwen3",
+      "architectures": [_ARCHITECTURES[config.model_type]],
+      "model_type": config.model_type,
       "vocab_size": config.vocab_size,
       "hidden_size": config.hidden_size,
       "num_hidden_layers": config.num_layers,
@@ -303,7 +347,7 @@ def to_hf_config(config: ModelConfig) -> dict:
       "rms_norm_eps": config.rms_eps,
       "tie_word_embeddings": config.tie_embeddings,
       "max_position_embeddings": config.max_position_embeddings,
-      "attention_bias": False,
+      "attention_bias": config.qkv_bias,
       "attention_dropout": 0.0,
       "use_sliding_window": False,
       "torch_dtype": config.param_dtype,

@@ -1,6 +1,7 @@
-"""Hugging Face Qwen3 checkpoints (config.json + safetensors) <-> our NNX model.
+"""Hugging Face Qwen3 / Qwen2 checkpoints (config.json + safetensors) <-> our NNX model.
 
-`load` reads a transformers `Qwen3ForCausalLM` folder (one `model.safetensors`
+`load` reads a transformers `Qwen3ForCausalLM` or `Qwen2ForCausalLM` (Qwen2.5)
+folder (one `model.safetensors`
 or shards listed by `model.safetensors.index.json`) straight into the target
 sharding and dtype: the model is built abstractly, each tensor is memory-mapped
 from its file and every device reads only its own slice, so the float32 model
@@ -105,6 +106,13 @@ _KINDS = {
     "mlp_out": _transposed(lambda c: (c.hidden_size, c.mlp_dim)),  # HF [D, F] <-> ours [F, D]
     "norm": _same(lambda c: (c.hidden_size,)),
     "head_norm": _same(lambda c: (c.head_dim,)),
+    # Qwen2's projection biases: HF [heads*H] <-> ours [heads, H].
+    "q_bias": _Kind(hf_shape=lambda c: (c.num_heads * c.head_dim,),
+                    to_ours=lambda w, c: w.reshape(c.num_heads, c.head_dim),
+                    to_hf=lambda x, c: x.reshape(c.num_heads * c.head_dim)),
+    "kv_bias": _Kind(hf_shape=lambda c: (c.num_kv_heads * c.head_dim,),
+                     to_ours=lambda w, c: w.reshape(c.num_kv_heads, c.head_dim),
+                     to_hf=lambda x, c: x.reshape(c.num_kv_heads * c.head_dim)),
     "lm_head": _transposed(lambda c: (c.vocab_size, c.hidden_size)),  # HF [V, D] <-> ours [D, V]
 }
 
@@ -113,8 +121,11 @@ _TABLE = (
     ("model.embed_tokens.weight", ("embed",), "embed"),
     ("model.layers.{i}.input_layernorm.weight", ("layers", "{i}", "input_norm", "scale"), "norm"),
     ("model.layers.{i}.self_attn.q_proj.weight", ("layers", "{i}", "attn", "q_proj"), "q_proj"),
+    ("model.layers.{i}.self_attn.q_proj.bias", ("layers", "{i}", "attn", "q_bias"), "q_bias"),
     ("model.layers.{i}.self_attn.k_proj.weight", ("layers", "{i}", "attn", "k_proj"), "kv_proj"),
+    ("model.layers.{i}.self_attn.k_proj.bias", ("layers", "{i}", "attn", "k_bias"), "kv_bias"),
     ("model.layers.{i}.self_attn.v_proj.weight", ("layers", "{i}", "attn", "v_proj"), "kv_proj"),
+    ("model.layers.{i}.self_attn.v_proj.bias", ("layers", "{i}", "attn", "v_bias"), "kv_bias"),
     ("model.layers.{i}.self_attn.o_proj.weight", ("layers", "{i}", "attn", "o_proj"), "o_proj"),
     ("model.layers.{i}.self_attn.q_norm.weight", ("layers", "{i}", "attn", "q_norm", "scale"),
      "head_norm"),
@@ -158,16 +169,23 @@ def _parse_name(hf_name: str, scanned: bool = False):
   return None
 
 
+def _has(kind: str, config: ModelConfig) -> bool:
+  """Whether a model of `config` has tensors of this kind (its family's, an untied head)."""
+  if kind == "head_norm":
+    return config.qk_norm
+  if kind in ("q_bias", "kv_bias"):
+    return config.qkv_bias
+  if kind == "lm_head":
+    return not config.tie_embeddings
+  return True
+
+
 def _hf_names(config: ModelConfig):
   """`[(hf_name, our_path, kind, stacked_index)]` for every tensor of `config`, in HF
   file order (`stacked_index` is the layer on a scanned model's stacked axis, else None)."""
-  out = []
-  for name, path, kind in _TABLE:
-    if "{i}" not in name:
-      if kind == "lm_head" and config.tie_embeddings:
-        continue
-      out.append((name, path, kind, None))
-  per_layer = [t for t in _TABLE if "{i}" in t[0]]
+  table = [t for t in _TABLE if _has(t[2], config)]
+  out = [(name, path, kind, None) for name, path, kind in table if "{i}" not in name]
+  per_layer = [t for t in table if "{i}" in t[0]]
   layers = []
   for i in range(config.num_layers):
     for name, path, kind in per_layer:
@@ -351,7 +369,7 @@ def read_config(directory: str) -> ModelConfig:
 
 def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = None,
          dtype=None, scan_layers: bool = False):
-  """Loads a HF Qwen3 checkpoint folder. Returns `(config, model)`.
+  """Loads a HF Qwen3 or Qwen2 / Qwen2.5 checkpoint folder. Returns `(config, model)`.
 
   Args:
     directory: folder with `config.json` and `model.safetensors` (or shards
@@ -396,7 +414,8 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
     parsed = _parse_name(name, config.scan_layers)
     if parsed is None:
       if not _IGNORED.fullmatch(name):
-        problems.append(f"unexpected tensor {name!r} (no Qwen3 parameter has this name)")
+        problems.append(f"unexpected tensor {name!r} (no Qwen3 or Qwen2 parameter has this "
+                        "name)")
       continue
     path, kind, index = parsed
     reported.add(name)
@@ -406,6 +425,10 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
             "tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' but config.json "
             "has tie_word_embeddings=true (the head would be silently dropped; set "
             "tie_word_embeddings=false to keep it)")
+      continue
+    if not _has(kind, config) and kind != "lm_head":
+      problems.append(f"unexpected tensor {name!r} (a {config.model_type} model has none: "
+                      f"config.json says model_type={config.model_type!r})")
       continue
     if path not in targets or (index is not None and index >= config.num_layers):
       problems.append(f"unexpected tensor {name!r} (config.json has num_hidden_layers="

@@ -1,6 +1,8 @@
-"""Qwen3 decoder in Flax NNX.
+"""Qwen3 (and Qwen2 / Qwen2.5) decoder in Flax NNX.
 
-ReFusion changes no layer of Qwen3; what matters here is that
+`ModelConfig.model_type` picks the family: Qwen3 normalises q and k per head,
+Qwen2 has no q/k norm and adds biases to the q, k and v projections; all else
+is shared. ReFusion changes no layer of either; what matters here is that
 
 * RoPE is applied from explicit **position ids** (training inputs are
   permuted and the KV cache is kept in commit order, so the array index is not
@@ -87,9 +89,10 @@ class Unembed:
     return logits.astype(jnp.float32)
 
 
-def _param(rngs: nnx.Rngs, shape, axes, config: ModelConfig, std: float | None = 0.02):
-  if std is None:
-    value = jnp.ones(shape, config.weight_dtype)
+def _param(rngs: nnx.Rngs, shape, axes, config: ModelConfig, std: float | None = 0.02,
+           fill: float = 1.0):
+  if std is None:  # a constant: norm scales (1), biases (0)
+    value = jnp.full(shape, fill, config.weight_dtype)
   else:
     value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(
         config.weight_dtype)
@@ -246,8 +249,13 @@ class Attention(nnx.Module):
     self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), config)
     self.v_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), config)
     self.o_proj = _param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), config)
-    self.q_norm = RMSNorm(h, config, rngs=rngs)
-    self.k_norm = RMSNorm(h, config, rngs=rngs)
+    if config.qk_norm:  # Qwen3
+      self.q_norm = RMSNorm(h, config, rngs=rngs)
+      self.k_norm = RMSNorm(h, config, rngs=rngs)
+    if config.qkv_bias:  # Qwen2
+      self.q_bias = _param(rngs, (n, h), ("q_heads", "head_dim"), config, std=None, fill=0.0)
+      self.k_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), config, std=None, fill=0.0)
+      self.v_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), config, std=None, fill=0.0)
 
   def __call__(self, x_btd, positions_bt, chunk_mask_btt, cache_k_bksh=None, cache_v_bksh=None,
                cache_len_b=None, kv_chunk: int = 0):
@@ -255,8 +263,14 @@ class Attention(nnx.Module):
     q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dtype))
     k = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj[...].astype(dtype))
     v = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj[...].astype(dtype))
-    q = rope(self.q_norm(q), positions_bt, self.config.rope_theta)
-    k = rope(self.k_norm(k), positions_bt, self.config.rope_theta)
+    if self.config.qkv_bias:
+      q = q + self.q_bias[...].astype(dtype)
+      k = k + self.k_bias[...].astype(dtype)
+      v = v + self.v_bias[...].astype(dtype)
+    if self.config.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = rope(q, positions_bt, self.config.rope_theta)
+    k = rope(k, positions_bt, self.config.rope_theta)
     q = sharding.constrain(q, ("batch", "seq", "q_heads", "head_dim"))
     k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -350,7 +364,8 @@ def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
 
 
 class Qwen3(nnx.Module):
-  """Qwen3 causal LM. `model(ids, positions)` is the public full-sequence call."""
+  """Qwen3 or Qwen2 causal LM (`ModelConfig.model_type`). `model(ids, positions)` is the
+  public full-sequence call."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config

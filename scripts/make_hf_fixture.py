@@ -1,4 +1,4 @@
-"""Builds the tiny Hugging Face Qwen3 fixture used by tests/test_model.py and tests/test_hf.py.
+"""Builds the tiny Hugging Face Qwen3 / Qwen2 fixture used by tests/test_model.py and tests/test_hf.py.
 
 Needs torch + transformers, which refusion_jax itself does not depend on, so it
 runs in its own environment (no hub access needed):
@@ -11,6 +11,8 @@ writes, under tests/fixtures/hf_tiny/:
 
   gqa/     4 query heads over 2 kv heads, separate lm head, RoPE theta 1e6
   tied/    tied input/output embeddings, 2 heads over 1 kv head, RoPE theta 1e4
+  qwen2_gqa/, qwen2_tied/   the same two shapes as Qwen2ForCausalLM (Qwen2.5's layout:
+           q/k/v biases, no q/k norm)
            each with config.json + model.safetensors (float32) + golden.npz
            (`input_ids`, `positions_seq` / `logits_seq`: ordinary positions,
            `positions_perm` / `logits_perm`: randomly permuted position ids with
@@ -46,7 +48,9 @@ FIXTURE_DIR = os.path.join(REPO, "tests", "fixtures", "hf_tiny")
 SEQ_LEN = 12
 BATCH = 2
 
-# name -> Qwen3Config fields (small: a few hundred KB of float32 weights in all).
+# name -> Qwen3Config / Qwen2Config fields (small: a few hundred KB of float32 weights in
+# all). The Qwen2 ones (Qwen2.5's layout: q/k/v biases, no q/k norm, head_dim = hidden /
+# heads) get random biases like every other weight.
 MODELS = {
     "gqa": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -56,13 +60,34 @@ MODELS = {
                  num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                  rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=256,
                  rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
+    "qwen2_gqa": dict(vocab_size=144, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      max_position_embeddings=256, use_sliding_window=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
+    "qwen2_tied": dict(vocab_size=136, hidden_size=64, intermediate_size=80,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       max_position_embeddings=256, use_sliding_window=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
 }
+# name -> (family, seed); the seeds of the first two predate the Qwen2 models.
+FAMILY = {"gqa": ("qwen3", 100), "tied": ("qwen3", 101), "qwen2_gqa": ("qwen2", 102),
+          "qwen2_tied": ("qwen2", 103)}
 
 
-def build_model(name: str, seed: int) -> transformers.Qwen3ForCausalLM:
+def model_class(name: str):
+  family, _ = FAMILY[name]
+  return (transformers.Qwen3ForCausalLM if family == "qwen3" else
+          transformers.Qwen2ForCausalLM)
+
+
+def build_model(name: str, seed: int):
   torch.manual_seed(seed)
-  cfg = transformers.Qwen3Config(**MODELS[name], dtype="float32")
-  model = transformers.Qwen3ForCausalLM(cfg).eval()
+  family, _ = FAMILY[name]
+  config_class = transformers.Qwen3Config if family == "qwen3" else transformers.Qwen2Config
+  cfg = config_class(**MODELS[name], dtype="float32")
+  model = model_class(name)(cfg).eval()
   with torch.no_grad():
     for pname, p in model.named_parameters():
       if pname.endswith("norm.weight"):
@@ -129,6 +154,16 @@ CONFIG_VARIANTS = {
     },
     # ReFusion release: Qwen3-8B with the vocabulary resized to 151671 rows and
     # the two added specials (<|beginoftext|> 151669, <|mask|> 151670).
+    # Qwen2.5-7B (Dream's backbone): q/k/v biases, no q/k norm, sliding window off.
+    "qwen2_5_7b.json": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064,
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_act": "silu",
+        "max_position_embeddings": 131072, "max_window_layers": 28, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+        "bos_token_id": 151643, "eos_token_id": 151643, "transformers_version": "4.43.1",
+    },
     "refusion.json": {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151671,
         "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
@@ -141,9 +176,12 @@ CONFIG_VARIANTS = {
 }
 
 
-def make_fixture(out_dir: str) -> None:
-  for seed, name in enumerate(sorted(MODELS)):
-    model = build_model(name, seed=100 + seed)
+def make_fixture(out_dir: str, only=None) -> None:
+  for name in sorted(MODELS):
+    if only and name not in only:
+      continue
+    family, seed = FAMILY[name]
+    model = build_model(name, seed=seed)
     folder = os.path.join(out_dir, name)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
@@ -151,7 +189,8 @@ def make_fixture(out_dir: str) -> None:
       path = os.path.join(folder, extra)
       if os.path.exists(path):
         os.remove(path)
-    ids_bt, positions_seq, positions_perm = golden_inputs(MODELS[name]["vocab_size"], seed)
+    ids_bt, positions_seq, positions_perm = golden_inputs(MODELS[name]["vocab_size"],
+                                                         seed - 100)
     logits_seq = logits_of(model, ids_bt, positions_seq)
     # Sanity: explicit sequential position ids == transformers' default ones.
     with torch.no_grad():
@@ -185,7 +224,7 @@ def check_roundtrip(root: str) -> float:
     folder = os.path.join(root, name)
     if not os.path.isdir(folder):
       raise FileNotFoundError(f"--check_roundtrip: no folder {folder}")
-    model = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = model_class(name).from_pretrained(folder, dtype=torch.float32).eval()
     golden = np.load(os.path.join(FIXTURE_DIR, name, "golden.npz"))
     for kind in ("seq", "perm"):
       logits = logits_of(model, golden["input_ids"], golden[f"positions_{kind}"])
@@ -204,9 +243,11 @@ def main():
                       help="interpreter with refusion_jax installed, to export the fixture "
                       "with hf.load -> hf.save first (when --check_roundtrip has no DIR)")
   parser.add_argument("--tolerance", type=float, default=1e-4)
+  parser.add_argument("--only", default="", help="comma-separated model names to (re)write "
+                      "(default: every model; the configs are always written)")
   args = parser.parse_args()
   if args.check_roundtrip is None:
-    make_fixture(args.out_dir)
+    make_fixture(args.out_dir, [n for n in args.only.split(",") if n] or None)
     return
   root = args.check_roundtrip
   with tempfile.TemporaryDirectory() as tmp:

@@ -173,6 +173,18 @@ def test_tiny_train_step_compiles_and_fits(train_run):
   assert "the paper's run, 4 epochs over 3.7M samples" in done.stdout
 
 
+def test_a_qwen2_train_step_compiles_with_its_biases():
+  done, r = _aot("--program=train", f"--topology={TOPOLOGY}", "--config=configs/tiny_refusion.py",
+                 "--config.model.num_layers=2", "--config.data.seq_len=64",
+                 "--config.global_batch_size=8", "--config.model.model_type=qwen2",
+                 "--sample_tokens=20")
+  assert done.returncode == 0 and r["fits"], done.stderr[-2000:]
+  mc = config_lib.tiny(num_layers=2, model_type="qwen2")
+  # The biases (4 + 2 + 2 heads of 32 per layer) in, the q/k norms (2 x 32) out.
+  assert r["params"] == mc.num_params() == config_lib.tiny(num_layers=2).num_params() + 2 * (
+      8 * 32 - 2 * 32)
+
+
 def test_sample_lengths_come_from_a_data_file_or_a_mean():
   from configs import tiny_refusion  # pylint: disable=import-outside-toplevel
   from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel

@@ -109,6 +109,17 @@ def test_matches_full_causal_oracle_with_eos_stop():
   assert autoregressive.compiled_programs() == before
 
 
+def test_a_qwen2_model_decodes_like_its_full_causal_calls():
+  # Qwen2.5's layers (q/k/v biases, no q/k norm) through the cached passes.
+  model = _model(_config(model_type="qwen2"))
+  keys = iter(jax.random.split(jax.random.key(5), 64))
+  nnx.update(model, jax.tree.map(
+      lambda x: jax.random.normal(next(keys), x.shape, x.dtype) * 0.5,
+      nnx.state(model, lambda path, _: path[-1] in ("q_bias", "k_bias", "v_bias"))))
+  assert float(jnp.abs(model.layers[0].attn.k_bias[...]).max()) > 0.1
+  _check_against_oracle(model, PROMPTS, None)
+
+
 def test_live_prefix_attention_matches_the_oracle_and_single_rows():
   # decode.kv_chunk=2: every pass reads the buffer (8 + 8 entries) two entries at a time
   # up to the longest row's live prefix; rows of 3, 5 and 7 prompt tokens stop at

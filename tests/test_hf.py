@@ -24,7 +24,7 @@ from refusion_jax import checkpoint, config as config_lib, hf, sample, sharding
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ("gqa", "tied")
+NAMES = ("gqa", "tied", "qwen2_gqa", "qwen2_tied")  # Qwen3 and Qwen2 (Qwen2.5) layouts
 
 
 def _tensors(folder):
@@ -199,6 +199,46 @@ def test_from_hf_config_variants():
   # The fixtures' own configs (written by transformers 5.x).
   tied = config_lib.from_hf_config(os.path.join(FIXTURES, "tied"))
   assert tied.rope_theta == 10000.0 and tied.rms_eps == 1e-5 and tied.tie_embeddings
+  # Qwen2.5-7B (transformers 4.x layout): biases, no q/k norm, head_dim = hidden / heads.
+  q25 = config_lib.from_hf_config(os.path.join(configs, "qwen2_5_7b.json"))
+  assert (q25.model_type, q25.qkv_bias, q25.qk_norm) == ("qwen2", True, False)
+  assert (q25.vocab_size, q25.hidden_size, q25.num_layers, q25.num_heads, q25.num_kv_heads,
+          q25.head_dim, q25.mlp_dim, q25.rope_theta) == (152064, 3584, 28, 28, 4, 128, 18944,
+                                                         1e6)
+  # 7.62B parameters, as Qwen2.5-7B's model card says (biases included).
+  assert round(q25.num_params() / 1e9, 2) == 7.62
+  assert q25 == config_lib.qwen2_5_7b(bos_token_id=151643, eos_token_id=151643,
+                                      pad_token_id=None)
+  assert config_lib.from_hf_config(config_lib.to_hf_config(q25)) == q25
+  assert config_lib.to_hf_config(q25)["architectures"] == ["Qwen2ForCausalLM"]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_type": "llama"}, r"model_type='llama' is not supported; supported: qwen3, qwen2"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, r"use_sliding_window=true"),
+    ({"model_type": "qwen3", "attention_bias": True}, r"attention_bias=true"),
+])
+def test_other_families_are_named(changes, message):
+  hf_config = config_lib.to_hf_config(config_lib.tiny())
+  hf_config.update(changes)
+  with pytest.raises(ValueError, match=message):
+    config_lib.from_hf_config(hf_config)
+
+
+def test_a_qwen3_folder_read_as_qwen2_names_every_mismatch(tmp_path):
+  folder = _copy_fixture(tmp_path, "gqa")
+  with open(folder / "config.json") as f:
+    cfg = json.load(f)
+  cfg.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+  with open(folder / "config.json", "w") as f:
+    json.dump(cfg, f)
+  with pytest.raises(ValueError) as info:
+    hf.load(folder)
+  message = str(info.value)
+  assert "unexpected tensor 'model.layers.0.self_attn.q_norm.weight' (a qwen2 model has none" \
+      in message
+  assert "missing tensor 'model.layers.1.self_attn.v_proj.bias'" in message
+  assert "(10 problem(s))" in message  # 2 layers x (2 unexpected norms + 3 missing biases)
 
 
 def test_vocab_size_comes_from_embedding(tmp_path):

@@ -19,7 +19,7 @@ from refusion_jax.kv_cache import KVCache
 from refusion_jax.model import Qwen3, attend
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
-NAMES = ("gqa", "tied")
+NAMES = ("gqa", "tied", "qwen2_gqa", "qwen2_tied")  # Qwen3 and Qwen2 (Qwen2.5) layouts
 
 
 @pytest.fixture(scope="module", params=NAMES)

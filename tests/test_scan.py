@@ -62,8 +62,9 @@ def test_same_seed_gives_the_same_values_stacked():
     convert_layer_layout(a, 3, scanned=False)
 
 
-def test_logits_and_cache_pass_equal_the_unrolled_model():
-  unrolled, scanned = _pair()
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
+def test_logits_and_cache_pass_equal_the_unrolled_model(model_type):
+  unrolled, scanned = _pair(model_type=model_type)
   rs = np.random.RandomState(0)
   ids = jnp.asarray(rs.randint(0, 512, (2, 10)))
   pos = jnp.asarray(np.stack([rs.permutation(10) for _ in range(2)]))
@@ -159,7 +160,7 @@ def test_sharded_scanned_model_equals_unsharded():
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["gqa", "tied"])
+@pytest.mark.parametrize("name", ["gqa", "tied", "qwen2_gqa"])
 def test_hf_round_trip_with_scanned_parameters_is_byte_equal(tmp_path, name):
   folder = os.path.join(FIXTURES, name)
   config, scanned = hf.load(folder, scan_layers=True)

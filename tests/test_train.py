@@ -441,13 +441,18 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tfds_dir, monke
     loop.train_and_evaluate(c, workdir)
 
 
-def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir):
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
+def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir, model_type):
   tok = Tokenizer.tiny()
   assert (tok.bos_id, tok.mask_id, tok.id_limit) == (2, 3, 512)
-  # A plain Qwen3 (no ReFusion tokens) with a smaller vocabulary and an untied head.
+  # A plain Qwen3 or Qwen2.5 (no ReFusion tokens) with a smaller vocabulary and an untied
+  # head: ReFusion trained on Qwen2.5 is the paper's Table 3 row.
   hf_config = config_lib.tiny(num_layers=1, vocab_size=500, tie_embeddings=False,
-                              mask_token_id=None, bos_token_id=None)
+                              mask_token_id=None, bos_token_id=None, model_type=model_type)
   source = Qwen3(hf_config, rngs=nnx.Rngs(7))
+  if model_type == "qwen2":  # biases start at 0: make them count
+    attn = source.layers[0].attn
+    attn.q_bias[...] = jax.random.normal(jax.random.key(1), attn.q_bias[...].shape)
   hf_dir = str(tmp_path / "hf")
   hf.save(hf_config, source, hf_dir)
   embed_vd = np.asarray(source.embed[...], np.float64)
@@ -460,6 +465,7 @@ def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir):
   assert (model_config.vocab_size, model_config.mask_token_id, model_config.bos_token_id) == (
       512, 3, 2)
   assert model_config.num_layers == 1 and not model_config.tie_embeddings
+  assert model_config.model_type == model_type
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   trainer = trainer_lib.Trainer(c, model_config, mesh=mesh, pad_id=tok.pad_id, total_steps=1)
   params = host(trainer_lib.init_params_from_hf(trainer, hf_dir, tok))
@@ -475,6 +481,10 @@ def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir):
   np.testing.assert_array_equal(params["lm_head"][:, kept], head_dv[:, kept].astype(np.float32))
   np.testing.assert_array_equal(params["layers"][0]["mlp"]["up_proj"],
                                 np.asarray(source.layers[0].mlp.up_proj[...]))
+  if model_type == "qwen2":
+    np.testing.assert_array_equal(params["layers"][0]["attn"]["q_bias"],
+                                  np.asarray(source.layers[0].attn.q_bias[...]))
+    assert "q_norm" not in params["layers"][0]["attn"]
 
   # The whole loop from the folder: two steps, then the HF export holds the final params.
   export = str(tmp_path / "export")

@@ -27,7 +27,7 @@ SAMPLES_MEASURED = 4096
 
 # ModelConfig fields that fix parameter shapes: an HF init defines them itself.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                "head_dim", "mlp_dim", "tie_embeddings")
+                "head_dim", "mlp_dim", "tie_embeddings", "model_type")
 
 
 @dataclasses.dataclass(frozen=True)
