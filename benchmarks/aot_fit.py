@@ -30,6 +30,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _8B = ["--program=train", "--config=configs/qwen3_8b_refusion.py"]
+_BD3LM = ["--config.objective=bd3lm", "--config.model.attention_impl=xla"]
 # name -> aot arguments
 ROWS = {
     "8b-v5p-128": [*_8B, "--topology=v5p-128"],
@@ -48,6 +49,17 @@ ROWS = {
         "--config=configs/sample.py", "--config.decode.method=refusion",
         "--config.decode.gen_length=512", "--config.decode.slot_size=32",
         "--config.decode.block_size=128", "--batch=16", "--prompt_len=1024", "--scan_layers"],
+    # BD3-LM (the paper's Table 2 baseline) on the same recipe: its two-half rows need the
+    # einsum attention (attention_impl='xla').
+    "8b-bd3lm-v5p-128": [*_8B, "--topology=v5p-128", *_BD3LM],
+    "8b-bd3lm-v4-256": [*_8B, "--topology=v4-256", "--config.mesh.tensor=2", *_BD3LM],
+    "8b-bd3lm-v5litepod-256": [*_8B, "--topology=v5litepod-256", "--config.mesh.tensor=4",
+                               *_BD3LM],
+    "8b-decode-bd3lm-v5litepod-8": [
+        "--program=decode", "--topology=v5litepod-8", "--model=qwen3_8b",
+        "--config=configs/sample.py", "--config.decode.method=bd3lm",
+        "--config.decode.gen_length=512", "--config.decode.block_size=8",
+        "--config.decode.slot_size=8", "--batch=16", "--prompt_len=1024", "--scan_layers"],
     "tiny-v5litepod-4": ["--program=train", "--config=configs/tiny_refusion.py",
                          "--topology=v5litepod-4"],
 }

@@ -1,4 +1,4 @@
-"""Decode speed of ReFusion, AR and MDM side by side, in one process, same model size.
+"""Decode speed of ReFusion, AR, MDM and BD3-LM side by side, in one process, same model size.
 
 Every batch size decodes the same prompts (as many as the largest batch), a
 batch at a time, so the ratios compare identical work. For every method and
@@ -46,7 +46,7 @@ from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402  (registers every decoder)
 from refusion_jax.model import Qwen3  # noqa: E402
 
-METHODS = ("refusion", "ar", "mdm")
+METHODS = ("refusion", "ar", "mdm", "bd3lm")
 # The release's tiny test model (2 layers, d=64, 4 query / 2 KV heads, vocab 256).
 PRESETS = {"release_tiny": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                                 head_dim=16, mlp_dim=128, vocab_size=256, tie_embeddings=False),
@@ -61,10 +61,12 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model_dir", default="",
-                      help="one model folder for refusion and ar (unless set apart below)")
+                      help="one model folder for refusion, ar and bd3lm (unless set apart below)")
   parser.add_argument("--refusion_dir", default="", help="model folder for method refusion")
   parser.add_argument("--ar_dir", default="", help="model folder for method ar")
   parser.add_argument("--mdm_dir", default="", help="bidirectional model folder for mdm")
+  parser.add_argument("--bd3lm_dir", default="",
+                      help="causal BD3-LM model folder for bd3lm (default: --model_dir)")
   parser.add_argument("--methods", default="refusion,ar,mdm", help="comma-separated")
   parser.add_argument("--batch_sizes", default="1,4,16,64", help="comma-separated")
   parser.add_argument("--preset", default="", choices=["", *PRESETS],
@@ -112,7 +114,7 @@ def parse_args(argv=None):
   for name in ("prompt_len", "gen_length", "repeats"):
     if getattr(args, name) <= 0:
       parser.error(f"--{name} must be > 0, got {getattr(args, name)}")
-  for name in ("model_dir", "refusion_dir", "ar_dir", "mdm_dir"):
+  for name in ("model_dir", "refusion_dir", "ar_dir", "mdm_dir", "bd3lm_dir"):
     path = getattr(args, name)
     if path and not os.path.isdir(path):
       parser.error(f"--{name}={path!r} does not exist")

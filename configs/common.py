@@ -24,12 +24,16 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.distributed = False  # jax.distributed.initialize() first (multi-host pods / GPU clusters)
   c.seed = 0  # parameter init and per-step rng: fold_in(key(seed), step)
-  c.objective = "refusion"  # "refusion" (slot AR + MDM), "arm" or "mdm"
+  c.objective = "refusion"  # "refusion" (slot AR + MDM), "arm", "mdm" or "bd3lm"
   c.slot_sizes = (4, 8, 16, 32)  # ReFusion draws each example's slot size from these
   c.eps = 1e-3  # mask probability floor: p = (1 - eps) * t + eps
   c.loss_chunk = 0  # cross-entropy over this many tokens of a row at a time (0 = full logits)
   c.mdm_response_len = 0  # MDM baseline: EOS-pad each response to this many tokens (the
   #                         decoder's gen_length, LLaDA's SFT); 0 = to the end of its row
+  c.bd3lm_block_size = 8  # BD3-LM: response blocks (the paper's Table 2 uses 8); each
+  #                         response is EOS-padded to whole blocks
+  c.bd3lm_eps_min = 1e-3  # BD3-LM: each block's noise level t ~ U(eps_min, eps_max)
+  c.bd3lm_eps_max = 1.0
 
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"  # refusion_jax.config preset; model.* fields not None override it
@@ -38,7 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.remat = "none"  # backward-pass memory: "none", "full" (layer inputs only), "save_dots"
   c.model.scan_layers = False  # stacked layers run by lax.scan (one layer body: fast compiles)
   c.model.attention_impl = "xla"  # training attention: "xla", "splash" (TPU), "cudnn" (GPU)
-  c.model.model_type = placeholder(str)  # "qwen3" or "qwen2" (Qwen2.5) layers (None = preset's)
+  c.model.model_type = placeholder(str)  # "qwen3", "qwen2" (Qwen2.5) layers (None = preset's)
   c.model.attention = placeholder(str)  # "causal" or "bidirectional" (None = preset's)
   c.model.num_layers = placeholder(int)  # decoder layers (None = preset's)
   c.model.hidden_size = placeholder(int)  # model width (None = preset's)

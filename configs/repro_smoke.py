@@ -32,6 +32,7 @@ def get_config():
   for name in tasks.TASKS:
     c.decode.tasks[name].block_size = 16  # one block of gen_length
   c.sweep_grid.slot_size = (4,)  # smallest grid: thresholds are traced, no new compile
+  c.sweep_grid.block_size = (16,)
   c.sweep_grid.slot_threshold = (0.5, 0.9)
   c.sweep_grid.token_threshold = (0.2, 0.4)
   c.sweep_grid.per_task = 1  # problems per task per sweep point

@@ -23,15 +23,21 @@ def get_config():
   c.warmup = False  # compile every engine program first, so "seconds" excludes compilation
 
   c.decode = ml_collections.ConfigDict()
-  c.decode.method = "refusion"  # "refusion", "ar" or "mdm" (MDM needs a bidirectional model)
+  c.decode.method = "refusion"  # "refusion", "ar", "mdm" (a bidirectional model) or "bd3lm"
   c.decode.gen_length = 128  # response tokens to generate at most (EOS stops earlier)
   c.decode.slot_size = 8  # ReFusion: tokens per slot
-  c.decode.block_size = 32  # ReFusion / MDM: tokens per serial block (multiple of slot_size)
+  c.decode.block_size = 32  # tokens per serial block (ReFusion, MDM: a multiple of slot_size)
   c.decode.slot_threshold = 0.9  # ReFusion tau_s: plan picks slots above this first-token prob
   c.decode.token_threshold = 0.4  # ReFusion tau_t: verification accepts tokens above this prob
   c.decode.temperature = 0.0  # 0 = greedy; > 0 samples (Gumbel noise for the diffusion drafts)
-  c.decode.mdm_tokens_per_step = 1  # MDM (LLaDA): tokens unmasked per step
-  c.decode.mdm_threshold = ml_collections.config_dict.placeholder(float)  # MDM (Fast-dLLM): unmask all above it
+  c.decode.mdm_tokens_per_step = 1  # MDM / BD3-LM (LLaDA): tokens unmasked per step
+  c.decode.mdm_threshold = ml_collections.config_dict.placeholder(float)  # MDM / BD3-LM (Fast-dLLM): unmask all above it
+  # MDM: which masked positions a step unmasks: "confidence" (LLaDA) or Dream's samplers
+  # "maskgit_plus", "topk_margin", "entropy", "origin" (random; needs mdm_steps)
+  c.decode.mdm_ranking = "confidence"
+  # MDM: Dream's linear schedule of this many steps in all (a multiple of the blocks;
+  # block_size = gen_length: one canvas, as Dream decodes); unset: mdm_tokens_per_step a step
+  c.decode.mdm_steps = ml_collections.config_dict.placeholder(int)
   c.decode.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   c.decode.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
   c.decode.ignore_eos = False  # EOS ends nothing: every answer is gen_length tokens (load tests)

@@ -22,7 +22,8 @@ program for it (`refusion_jax.tpu`):
   preset name, or a folder whose config.json or model_config.json alone is
   read), its parameters split over `--mesh` (data,fsdp,tensor) as the sharding
   rules say; then one pass of each width of `--pass_widths` over the KV cache
-  (the pass ReFusion and AR decode with; MDM: one denoising pass of the canvas).
+  (the pass ReFusion, AR and BD3-LM decode with; MDM: one denoising pass of the
+  canvas).
 
 Printed per chip: argument, output, aliased and temporary bytes and the
 program code, their total against the chip's HBM ("fits" / "does not fit by
@@ -194,7 +195,8 @@ def attention_flops(mc: ModelConfig, queries: int, keys: int) -> int:
   return 4 * mc.num_layers * mc.num_heads * mc.head_dim * queries * keys
 
 
-def train_flops(mc: ModelConfig, rows: int, seq_len: int, loss_chunk: int) -> tuple[int, int]:
+def train_flops(mc: ModelConfig, rows: int, seq_len: int, loss_chunk: int,
+                two_halves: bool = False) -> tuple[int, int]:
   """`(model flops, executed flops)` of one train step over `rows` x `seq_len` tokens.
 
   Model flops: 6 x matmul parameters (layers + LM head; the embedding lookup is
@@ -202,17 +204,19 @@ def train_flops(mc: ModelConfig, rows: int, seq_len: int, loss_chunk: int) -> tu
   ("xla") computes every score of the square; the kernels ("splash", "cudnn")
   skip the masked half. Executed flops add what the backward pass recomputes:
   the layers' forward (remat "full") or attention (remat "save_dots"), and the
-  logits of each chunk of a chunked loss.
+  logits of each chunk of a chunked loss. `two_halves` (BD3-LM): the layers run
+  2 x seq_len tokens per row (its einsum mask over the square of them), the LM
+  head only the noised half.
   """
   tokens = rows * seq_len
-  attn = rows * attention_flops(mc, seq_len, seq_len)
+  layer_tokens = tokens * (2 if two_halves else 1)
+  attn = rows * attention_flops(mc, layer_tokens // rows, layer_tokens // rows)
   if mc.attention_impl != "xla":
     attn //= 2
-  matmul = layer_matmul_params(mc) + head_params(mc)
-  model = 6 * matmul * tokens + 3 * attn
+  model = 6 * (layer_matmul_params(mc) * layer_tokens + head_params(mc) * tokens) + 3 * attn
   recompute = 0
   if mc.remat == "full":
-    recompute += 2 * layer_matmul_params(mc) * tokens + attn
+    recompute += 2 * layer_matmul_params(mc) * layer_tokens + attn
   elif mc.remat == "save_dots":
     recompute += attn
   if loss_chunk:
@@ -290,7 +294,8 @@ def check_train(config, tpu_slice: tpu.Slice) -> dict:
   compiled, seconds = compile_program(lowered, f"train step for {tpu_slice.name}")
   memory = Memory.of(compiled)
   chips = len(devices)
-  model_flops, executed = train_flops(mc, rows, seq_len, config.loss_chunk)
+  model_flops, executed = train_flops(mc, rows, seq_len, config.loss_chunk,
+                                      two_halves=config.objective == "bd3lm")
   nbytes = hbm_traffic(compiled)
   chip = tpu_slice.chip
   estimated = roofline(executed / chips, nbytes, chip)
@@ -322,7 +327,8 @@ def sample_lengths(config, sample_tokens: int, sample_data: str | None) -> tuple
     tokenizer = settings.load_tokenizer(config)
     examples = list(itertools.islice(data.iter_examples([sample_data]), LENGTH_DRAWS))
     lengths = data.sample_lengths(examples, tokenizer, seq_len=seq_len,
-                                  eos_pad_response_to=settings.eos_pad_response_to(config))
+                                  eos_pad_response_to=settings.eos_pad_response_to(config),
+                                  eos_pad_multiple=settings.eos_pad_multiple(config))
     if not lengths:
       raise ValueError(f"--sample_data={sample_data!r}: no sample fits in config.data.seq_len="
                        f"{seq_len}")
@@ -467,7 +473,7 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
 
   from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
-  from refusion_jax.decode import engine, refusion  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import bd3lm, engine, refusion  # pylint: disable=import-outside-toplevel
   from refusion_jax.training import settings  # pylint: disable=import-outside-toplevel
   pass_jit, step_jit = _jitted()
   mc, source = decode_model_config(model, decode_config.method)
@@ -525,7 +531,12 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
                      "xla_flops": xla_flops(compiled), "compile_s": seconds})
     top = per_pass[0]
   else:
-    widest = 1 if decode_config.method == "ar" else max(refusion.widths(decoder.spec))
+    if decode_config.method == "ar":
+      widest = 1
+    elif decode_config.method == "bd3lm":  # a clean block and the next block's masks
+      widest = max(bd3lm.widths(decoder.spec))
+    else:
+      widest = max(refusion.widths(decoder.spec))
     max_len = prompt_len + decode_config.gen_length
     kv_chunk = decoder.spec.kv_chunk
     cache = _cache_shapes(mc, batch, max_len, mesh, rules, kv_chunk)

@@ -23,9 +23,12 @@ ATTENTION_IMPLS = ("xla", "splash", "cudnn")
 # The decode engine's compiled programs (decode/engine.py): a whole decode, an
 # admission into free rows, and a run of passes.
 DECODE_PROGRAMS = ("generate", "admit", "run")
-# Decoder families (HF `model_type`): Qwen3 normalises q and k per head; Qwen2 / Qwen2.5
-# has no q/k norm and biases on the q, k and v projections (ALGORITHM.md "Baselines").
-MODEL_TYPES = ("qwen3", "qwen2")
+# Decoder families: Qwen3 normalises q and k per head; Qwen2 / Qwen2.5 has no q/k norm
+# and biases on the q, k and v projections; Dream (Dream-7B) is Qwen2.5's layout with
+# bidirectional attention whose logits are shifted by one (ALGORITHM.md "Baselines").
+MODEL_TYPES = ("qwen3", "qwen2", "dream")
+# Each family's `model_type` in a HF config.json (Dream's folders say "Dream").
+HF_MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "dream": "Dream"}
 # Dtypes by name; jax.numpy's types are looked up when asked for, so that reading and
 # checking a config (the command lines do it first) does not load JAX.
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -56,7 +59,9 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   pad_token_id: int | None = None
-  model_type: str = "qwen3"  # MODEL_TYPES: "qwen3" (q/k norm) or "qwen2" (q/k/v biases)
+  # MODEL_TYPES: "qwen3" (q/k norm), "qwen2" (q/k/v biases) or "dream" (Qwen2's layout,
+  # bidirectional, the prediction for token i read from position i-1: `shift_logits`)
+  model_type: str = "qwen3"
 
   def __post_init__(self):
     if isinstance(self.remat, bool):  # model_config.json files written before the policies
@@ -68,6 +73,9 @@ class ModelConfig:
     if self.model_type not in MODEL_TYPES:
       raise ValueError(f"ModelConfig.model_type must be one of {MODEL_TYPES}, got "
                        f"{self.model_type!r}")
+    if self.model_type == "dream" and self.attention != "bidirectional":
+      raise ValueError(f"ModelConfig.model_type='dream' needs attention='bidirectional' "
+                       f"(Dream attends both ways), got attention={self.attention!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, got "
                        f"{self.attention_impl!r}")
@@ -118,8 +126,14 @@ class ModelConfig:
 
   @property
   def qkv_bias(self) -> bool:
-    """Whether the q, k and v projections carry biases (Qwen2)."""
-    return self.model_type == "qwen2"
+    """Whether the q, k and v projections carry biases (Qwen2, Dream)."""
+    return self.model_type in ("qwen2", "dream")
+
+  @property
+  def shift_logits(self) -> bool:
+    """Whether the prediction for token i is the output at position i-1 (Dream; position
+    0 reads its own): a decoder reads the hidden state one column to the left."""
+    return self.model_type == "dream"
 
   @property
   def num_groups(self) -> int:
@@ -185,6 +199,21 @@ def qwen2_5_7b(**overrides) -> ModelConfig:
   return ModelConfig(**base)
 
 
+# Dream-7B's mask token (<|mask|>) and the <|endoftext|> its config.json gives as
+# bos, eos and pad.
+DREAM_MASK_ID = 151666
+DREAM_EOS_ID = 151643
+
+
+def dream_7b(**overrides) -> ModelConfig:
+  """Dream-v0-7B's shapes (Qwen2.5-7B's, bidirectional, logits shifted by one; the
+  paper's Table 3)."""
+  base = dict(model_type="dream", attention="bidirectional", mask_token_id=DREAM_MASK_ID,
+              bos_token_id=DREAM_EOS_ID, eos_token_id=DREAM_EOS_ID, pad_token_id=DREAM_EOS_ID)
+  base.update(overrides)
+  return qwen2_5_7b(**base)
+
+
 # A refusion_jax model folder's config (beside its params/; see checkpoint.py).
 MODEL_CONFIG_FILE = "model_config.json"
 
@@ -227,7 +256,7 @@ def tiny(**overrides) -> ModelConfig:
 
 
 PRESETS = {"qwen3_8b": qwen3_8b, "qwen3_0_6b": qwen3_0_6b, "qwen2_5_7b": qwen2_5_7b,
-           "tiny": tiny}
+           "dream_7b": dream_7b, "tiny": tiny}
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:
@@ -264,10 +293,11 @@ def _first_id(value):
 def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
   """Builds a ModelConfig from a HF `config.json` (a path, a folder or a dict).
 
-  `model_type` "qwen3" or "qwen2" (Qwen2 and Qwen2.5); any other family is one
-  error naming it and the supported ones. Reads transformers 4.x (`rope_theta`)
-  and 5.x (`rope_parameters`) layouts, and the `mask_token_id` that ReFusion
-  checkpoints carry.
+  `model_type` "qwen3", "qwen2" (Qwen2 and Qwen2.5) or "Dream" (Dream-7B: Qwen2.5's
+  layout, bidirectional, logits shifted by one; its `mask_token_id` is required); any
+  other family is one error naming it and the supported ones. Reads transformers
+  4.x (`rope_theta`) and 5.x (`rope_parameters`) layouts, and the `mask_token_id`
+  that ReFusion checkpoints carry. Keys it does not use (`auto_map`, ...) are ignored.
   """
   if isinstance(path_or_dict, Mapping):
     hf, where = dict(path_or_dict), "config.json"
@@ -280,10 +310,12 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
     hf = fileio.read_json(where)
     if not isinstance(hf, dict):
       raise ValueError(f"{where}: expected a JSON object, got {type(hf).__name__}")
-  model_type = hf.get("model_type") or "qwen3"
-  if model_type not in MODEL_TYPES:
-    raise ValueError(f"{where}: model_type={model_type!r} is not supported; supported: "
-                     f"{', '.join(MODEL_TYPES)}")
+  hf_model_type = hf.get("model_type") or "qwen3"
+  ours = {theirs: name for name, theirs in HF_MODEL_TYPES.items()}
+  if hf_model_type not in ours:
+    raise ValueError(f"{where}: model_type={hf_model_type!r} is not supported; supported: "
+                     f"{', '.join(HF_MODEL_TYPES.values())}")
+  model_type = ours[hf_model_type]
   if hf.get("use_sliding_window"):
     raise ValueError(f"{where}: use_sliding_window=true is not supported (full attention only)")
   required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -318,22 +350,40 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
   )
   if model_type == "qwen3" and hf.get("attention_bias"):
     raise ValueError(f"{where}: attention_bias=true is not supported by the Qwen3 backbone")
+  if model_type == "dream":
+    # Dream attends both ways; it decodes by unmasking, so its mask token is required.
+    kwargs["attention"] = "bidirectional"
+    if kwargs["mask_token_id"] is None:
+      raise ValueError(f"{where}: model_type='Dream' needs mask_token_id (151666 in "
+                       "Dream-v0's config.json), found none")
+    if hf.get("attention_bias") is False:
+      raise ValueError(f"{where}: attention_bias=false, but Dream's q, k and v projections "
+                       "carry biases")
   kwargs.update(overrides)
   # Ids that fall outside a resized vocabulary are dropped rather than kept wrong.
   for name in ("mask_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
     if name not in overrides and kwargs[name] is not None and kwargs[name] >= kwargs["vocab_size"]:
+      if model_type == "dream" and name == "mask_token_id":
+        raise ValueError(f"{where}: mask_token_id={kwargs[name]} is outside Dream's "
+                         f"vocabulary of {kwargs['vocab_size']} rows")
       kwargs[name] = None
   return ModelConfig(**kwargs)
 
 
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "dream": "DreamModel"}
 
 
 def to_hf_config(config: ModelConfig) -> dict:
-  """The HF `config.json` dict (transformers 4.x layout, which 5.x also reads)."""
+  """The HF `config.json` dict (transformers 4.x layout, which 5.x also reads).
+
+  A Dream model is written as Dream's folders name it (`model_type` "Dream",
+  `DreamModel`), without `auto_map`: transformers runs such a folder only beside
+  Dream's own configuration_dream.py and modeling_dream.py, which are not written.
+  """
   hf = {
       "architectures": [_ARCHITECTURES[config.model_type]],
-      "model_type": config.model_type,
+      "model_type": HF_MODEL_TYPES[config.model_type],
       "vocab_size": config.vocab_size,
       "hidden_size": config.hidden_size,
       "num_hidden_layers": config.num_layers,
@@ -360,7 +410,7 @@ def to_hf_config(config: ModelConfig) -> dict:
   return hf
 
 
-DECODE_METHODS = ("refusion", "ar", "mdm")
+DECODE_METHODS = ("refusion", "ar", "mdm", "bd3lm")
 
 
 # decode.kv_chunk=None by platform. CPU: a pass at 16 rows took 0.54-0.91x the time
@@ -374,6 +424,10 @@ KV_CHUNK_AUTO = {"cpu": 64, "tpu": 512}
 # it is batched or prefilled with.
 MATMUL_PRECISION_AUTO = {"gpu": "highest"}
 MATMUL_PRECISIONS = ("default", "high", "highest")
+# DecodeConfig.mdm_ranking: LLaDA's, then Dream's samplers (its generation `alg`).
+MDM_RANKINGS = ("confidence", "maskgit_plus", "topk_margin", "entropy", "origin")
+# The smallest timestep of Dream's schedule (its diffusion_generate's `eps` default).
+MDM_SCHEDULE_EPS = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,17 +439,33 @@ class DecodeConfig:
   made of slots of `slot_size` tokens.
   """
 
-  method: str = "refusion"  # "refusion", "ar" or "mdm"
+  method: str = "refusion"  # "refusion", "ar", "mdm" or "bd3lm" (block diffusion)
   gen_length: int = 128  # response tokens to generate (upper bound; EOS stops earlier)
   slot_size: int = 8  # k: tokens per slot
-  block_size: int = 32  # b: tokens per serial block (multiple of slot_size)
+  block_size: int = 32  # b: tokens per serial block (multiple of slot_size; bd3lm: any)
   slot_threshold: float = 0.9  # tau_s: plan picks slots whose first-token prob exceeds it
   token_threshold: float = 0.4  # tau_t: verification accepts tokens whose AR prob exceeds it
   temperature: float = 0.0  # 0 = greedy; > 0 adds Gumbel noise to drafts / samples
   # MDM baseline: fixed tokens unmasked per step (LLaDA) unless mdm_threshold is set,
   # in which case every masked token above it is unmasked (Fast-dLLM, at least one).
+  # BD3-LM decodes each block with the same two rules.
   mdm_tokens_per_step: int = 1
   mdm_threshold: float | None = None
+  # MDM: which masked positions of the block a step unmasks (MDM_RANKINGS). "confidence"
+  # (LLaDA's low-confidence remasking): the drafted token's probability under the plain
+  # softmax. Dream's samplers, scored under the softmax at `temperature`:
+  # "maskgit_plus" the drafted token's probability (greedy: the top-1 probability),
+  # "topk_margin" top-1 minus top-2 probability, "entropy" the negative entropy;
+  # "origin" ranks nothing: each masked position is revealed with probability 1 - s/t
+  # (needs mdm_steps). Static: one program per value.
+  mdm_ranking: str = "confidence"
+  # MDM: None: mdm_tokens_per_step / mdm_threshold per step, as long as the block lasts.
+  # An int: Dream's linear schedule, mdm_steps // (gen_length / block_size) steps per
+  # block (a multiple is required): timesteps linspace(1, MDM_SCHEDULE_EPS, n + 1), and
+  # step i (t, s = ts[i], ts[i+1]) unmasks int(m * (1 - s/t)) of the block's m masked
+  # positions, all that are left at its last step. block_size = gen_length decodes the
+  # whole canvas at once, as Dream's diffusion_generate with steps = mdm_steps. Static.
+  mdm_steps: int | None = None
   # ReFusion ablations (exact definitions in decode/refusion.py). left_to_right:
   # one slot per step in position order, first token from a plan pass, the rest
   # one AR pass per token; no drafting or verification, thresholds unused.
@@ -426,7 +496,7 @@ class DecodeConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"decode.{name} must be a positive int, got {value!r}")
-    if self.block_size % self.slot_size:
+    if self.method != "bd3lm" and self.block_size % self.slot_size:  # bd3lm has no slots
       raise ValueError(
           f"decode.block_size={self.block_size} must be a multiple of "
           f"decode.slot_size={self.slot_size}")
@@ -440,6 +510,7 @@ class DecodeConfig:
         raise ValueError(f"decode.{name} must lie in [0, 1], got {value!r}")
     if self.mdm_threshold is not None and not 0.0 <= self.mdm_threshold <= 1.0:
       raise ValueError(f"decode.mdm_threshold must lie in [0, 1], got {self.mdm_threshold!r}")
+    self._check_mdm_ranking()
     if self.temperature < 0:
       raise ValueError(f"decode.temperature must be >= 0, got {self.temperature!r}")
     if not isinstance(self.ignore_eos, bool):
@@ -463,6 +534,39 @@ class DecodeConfig:
       raise ValueError(
           "decode.left_to_right=True and decode.recompute_kv=True cannot be combined: "
           "left-to-right decoding has no parallel infill, so there is no KV to recompute")
+
+  def _check_mdm_ranking(self) -> None:
+    """`mdm_ranking` and `mdm_steps`, alone and (for method 'mdm') with the other MDM
+    settings."""
+    if self.mdm_ranking not in MDM_RANKINGS:
+      raise ValueError(f"decode.mdm_ranking must be one of {MDM_RANKINGS}, got "
+                       f"{self.mdm_ranking!r}")
+    steps = self.mdm_steps
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)
+                              or steps <= 0):
+      raise ValueError(f"decode.mdm_steps must be a positive int or None (unmask "
+                       f"mdm_tokens_per_step a step), got {steps!r}")
+    if self.method != "mdm":
+      return
+    if steps is not None and steps % self.num_blocks:
+      raise ValueError(
+          f"decode.mdm_steps={steps} must be a multiple of the number of blocks "
+          f"(decode.gen_length / decode.block_size = {self.num_blocks}): each block takes "
+          "mdm_steps / blocks steps")
+    if self.mdm_ranking == "origin" and steps is None:
+      raise ValueError("decode.mdm_ranking='origin' reveals each masked position with "
+                       "probability 1 - s/t of Dream's schedule; it needs decode.mdm_steps")
+    if self.mdm_threshold is not None and steps is not None:
+      raise ValueError(f"decode.mdm_threshold={self.mdm_threshold} and decode.mdm_steps="
+                       f"{steps} are two rules for how many tokens a step unmasks; set one")
+    if self.mdm_threshold is not None and self.mdm_ranking != "confidence":
+      raise ValueError(f"decode.mdm_threshold compares a token's probability; it needs "
+                       f"decode.mdm_ranking='confidence', got {self.mdm_ranking!r}")
+
+  @property
+  def mdm_steps_per_block(self) -> int | None:
+    """Steps of Dream's schedule per block (None: no schedule)."""
+    return None if self.mdm_steps is None else self.mdm_steps // self.num_blocks
 
   def kv_chunk_on(self, platform: str) -> int:
     """`kv_chunk` as a decode on `platform` ("cpu", "gpu", "tpu") uses it."""

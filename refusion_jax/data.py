@@ -538,18 +538,24 @@ class _KeepFitting(grain.transforms.Filter):
 
 
 class _PadResponse(grain.transforms.Map):
-  """EOS-pads the response to at least `min_len` tokens (0: to the end of the row), never
-  past the row: the MDM baseline's layout (LLaDA's SFT)."""
+  """EOS-pads the response to at least `min_len` tokens (0: to the end of the row; None:
+  no minimum), then to a multiple of `multiple` (0: none), never past the row: the MDM
+  baseline's layout (LLaDA's SFT) and BD3-LM's whole blocks."""
 
-  def __init__(self, seq_len: int, eos_id: int, min_len: int):
+  def __init__(self, seq_len: int, eos_id: int, min_len: int | None, multiple: int = 0):
     self._seq_len = seq_len
     self._eos_id = eos_id
     self._min_len = min_len
+    self._multiple = multiple
 
   def map(self, element):
     prompt, response = element["prompt"], element["response"]
     room = self._seq_len - len(prompt)
-    want = room if self._min_len == 0 else min(max(len(response), self._min_len), room)
+    want = len(response) if self._min_len is None else (
+        room if self._min_len == 0 else max(len(response), self._min_len))
+    if self._multiple:
+      want = -(-want // self._multiple) * self._multiple
+    want = min(want, room)
     if want > len(response):
       response = np.concatenate(
           [response, np.full((want - len(response),), self._eos_id, np.int32)])
@@ -713,7 +719,8 @@ def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int |
                 shuffle: bool = True, num_epochs: int | None = None,
                 drop_overlong: bool = True, process_index: int = 0, process_count: int = 1,
                 worker_count: int = 0, drop_remainder: bool = True, packing: str = "none",
-                packing_bins: int = 0, eos_pad_response_to: int | None = None) -> Loader:
+                packing_bins: int = 0, eos_pad_response_to: int | None = None,
+                eos_pad_multiple: int = 0) -> Loader:
   """A seeded, sharded, checkpointable grain loader of token rows.
 
   Args:
@@ -743,6 +750,8 @@ def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int |
     packing_bins: rows packed at once (0: `packing_bins_for`'s default).
     eos_pad_response_to: None, or EOS-pad every response to at least this many
       tokens (0: to the end of its row), never past the row (the MDM baseline).
+    eos_pad_multiple: > 0: then EOS-pad every response to a multiple of this many
+      tokens, never past the row (BD3-LM's whole blocks).
 
   Returns:
     A `Loader`; its iterator yields numpy batches in the packed format of
@@ -767,6 +776,7 @@ def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int |
     _check_int("num_epochs", num_epochs, 1)
   if eos_pad_response_to is not None:
     _check_int("eos_pad_response_to", eos_pad_response_to, 0)
+  _check_int("eos_pad_multiple", eos_pad_multiple, 0)
   if shuffle:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
         or not 0 <= seed < 2**32:
@@ -793,8 +803,11 @@ def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int |
   # process_count-th example of that stream.
   ds = ds.repeat(num_epochs)[int(process_index)::int(process_count)]
   ds = ds.map(tokenize).filter(_KeepFitting(seq_len, bool(drop_overlong), counter))
-  if eos_pad_response_to is not None:
-    ds = ds.map(_PadResponse(seq_len, int(tokenizer.eos_id), int(eos_pad_response_to)))
+  if eos_pad_response_to is not None or eos_pad_multiple:
+    ds = ds.map(_PadResponse(
+        seq_len, int(tokenizer.eos_id),
+        None if eos_pad_response_to is None else int(eos_pad_response_to),
+        int(eos_pad_multiple)))
   # Samples are read and tokenized in the thread that packs them (a tokenizer call is
   # ~0.1 ms; grain's read-ahead threads cost more than that to check on); the finished
   # batches are made ahead in one background thread (or worker processes) while the
@@ -819,6 +832,8 @@ def make_loader(source, tokenizer, *, seq_len: int, batch_size: int, seed: int |
               "shard": [int(process_index), int(process_count)], "packing": packing,
               "packing_bins": packing_bins_for(per_process, packing_bins),
               "eos_pad_response_to": eos_pad_response_to}
+  if eos_pad_multiple:  # (absent otherwise: positions saved before the field still match)
+    identity["eos_pad_multiple"] = int(eos_pad_multiple)
   return Loader(batches, counter, num_records, per_process, identity)
 
 
@@ -858,18 +873,20 @@ def layout_of(batches: Iterable[Mapping[str, np.ndarray]], seq_len: int,
 
 def sample_lengths(source, tokenizer, *, seq_len: int, seed: int = 0, shuffle: bool = True,
                    drop_overlong: bool = True,
-                   eos_pad_response_to: int | None = None) -> list[int]:
+                   eos_pad_response_to: int | None = None,
+                   eos_pad_multiple: int = 0) -> list[int]:
   """Tokens of each sample of one (shuffled) epoch of `source`, in the loader's order, as
   `make_loader` lays them out (over-long ones dropped, any EOS padding included)."""
   loader = make_loader(source, tokenizer, seq_len=seq_len, batch_size=1, seed=seed,
                        shuffle=shuffle, num_epochs=1, drop_overlong=drop_overlong,
-                       eos_pad_response_to=eos_pad_response_to)
+                       eos_pad_response_to=eos_pad_response_to,
+                       eos_pad_multiple=eos_pad_multiple)
   return [int(np.sum(batch["segment_ids"] > 0)) for batch in loader]
 
 
 def measure_layout(source, tokenizer, *, seq_len: int, packing: str, packing_bins: int = 0,
                    batch_size: int, seed: int, drop_overlong: bool = True,
-                   eos_pad_response_to: int | None = None,
+                   eos_pad_response_to: int | None = None, eos_pad_multiple: int = 0,
                    max_samples: int | None = None, shuffle: bool = True) -> Layout:
   """The rows `make_loader` makes of `source` with these settings, counted over one
   (shuffled) epoch (or its first `max_samples` samples), read as one process.
@@ -881,7 +898,8 @@ def measure_layout(source, tokenizer, *, seq_len: int, packing: str, packing_bin
   loader = make_loader(source, tokenizer, seq_len=seq_len, batch_size=batch_size, seed=seed,
                        shuffle=shuffle, num_epochs=1, drop_overlong=drop_overlong,
                        drop_remainder=False, packing=packing, packing_bins=packing_bins,
-                       eos_pad_response_to=eos_pad_response_to)
+                       eos_pad_response_to=eos_pad_response_to,
+                       eos_pad_multiple=eos_pad_multiple)
   return layout_of(iter(loader), seq_len, max_samples)
 
 
@@ -959,7 +977,8 @@ def split_source(data_config, split: str) -> IdentifiedSource:
 def loader_from_config(data_config, tokenizer, batch_size: int, split: str = "train",
                        process_index: int = 0, process_count: int = 1,
                        num_epochs: int | None = None, worker_count: int = 0,
-                       eos_pad_response_to: int | None = None) -> Loader:
+                       eos_pad_response_to: int | None = None,
+                       eos_pad_multiple: int = 0) -> Loader:
   """Builds (or reuses) the TFDS build of a split's files and returns its loader.
 
   Args:
@@ -968,7 +987,8 @@ def loader_from_config(data_config, tokenizer, batch_size: int, split: str = "tr
       optionally `packing` and `packing_bins` (default: no packing).
     split: "train" (shuffled, repeated unless num_epochs is set) or "eval"
       (file order, one pass, partial last batch kept).
-    eos_pad_response_to: see `make_loader` (the MDM baseline's EOS padding).
+    eos_pad_response_to, eos_pad_multiple: see `make_loader` (the MDM baseline's and
+      BD3-LM's EOS padding).
   """
   files_field = {"train": "train_files", "eval": "eval_files"}.get(split)
   if files_field is None:
@@ -993,4 +1013,5 @@ def loader_from_config(data_config, tokenizer, batch_size: int, split: str = "tr
       num_epochs=num_epochs if (training or num_epochs is not None) else 1,
       drop_overlong=data_config["drop_overlong"], process_index=process_index,
       process_count=process_count, worker_count=worker_count, drop_remainder=training,
-      packing=packing, packing_bins=packing_bins, eos_pad_response_to=eos_pad_response_to)
+      packing=packing, packing_bins=packing_bins, eos_pad_response_to=eos_pad_response_to,
+      eos_pad_multiple=eos_pad_multiple)

@@ -1,13 +1,24 @@
-"""The paper's Table 1 from evaluation results files.
+"""The paper's Tables 1, 2 and 3 from evaluation results files.
 
   python -m refusion_jax.evaluate_table OUT_DIR_OR_results.json ... \\
-      [--output=table.md] [--baseline=LABEL] [--notpf]
+      [--table=1|2|3] [--output=table.md] [--baseline=LABEL] [--notpf]
+
+`--table=1` (the default) tabulates whatever the files hold, as below.
+`--table=2` and `--table=3` lay the files out as the paper's comparisons, every
+row of the paper in its order whether a file fills it or not (an empty one
+reads "missing" with what would fill it): Table 2, the controlled comparison
+(each model retrained from one base on the same samples), rows by method: ar
+(the retrained Qwen3-8B), mdm (LLaDA), bd3lm (BD3-LMs), refusion; Table 3, the
+Qwen2.5 backbone, rows by method and the results' `model_type` (written by
+`lmeval`): refusion on a "qwen2" model (ReFusion trained on Qwen2.5-7B) and mdm
+on a "dream" model (Dream-7B-Instruct). Two different models filling one row
+are an error naming both. Speed-up is over the table's first row.
 
 Each input is a `results.json` written by `python -m refusion_jax.evaluate` (or
 the folder holding one: its `--config.output_dir`). One row per (model, method)
 pair, labelled with the model's name, or "NAME (method)" when that name has
-rows for several methods; rows are ordered ar, mdm, refusion (the paper's
-order), then by first appearance. Columns are the paper's seven benchmarks in
+rows for several methods; rows are ordered ar, mdm, bd3lm, refusion (the
+paper's order, BD3-LM from its Table 2), then by first appearance. Columns are the paper's seven benchmarks in
 its order, each cell "accuracy (%) / tokens per second" with two decimals;
 a benchmark a row lacks is "–". Avg is the mean over the benchmarks the row has
 and is marked "(k/7)" when it covers k < 7 of them. A run made with `limit` is
@@ -41,7 +52,7 @@ from refusion_jax import fileio
 BENCHMARKS = ("mmlu_pro", "arc_c", "gsm8k", "math", "gpqa", "humaneval", "mbpp")
 TITLES = {"mmlu_pro": "MMLU-Pro", "arc_c": "ARC-C", "gsm8k": "GSM8K", "math": "MATH",
           "gpqa": "GPQA", "humaneval": "HumanEval", "mbpp": "MBPP"}
-METHODS = ("ar", "mdm", "refusion")  # also the row order
+METHODS = ("ar", "mdm", "bd3lm", "refusion")  # also the row order
 RESULTS_FILE = "results.json"
 MISSING = "–"
 LIMITED = "†"
@@ -209,9 +220,12 @@ def _table(rows: Mapping[str, Mapping[str, Mapping[str, Any]]], fields: tuple[st
         mark = LIMITED if r.get("limit") is not None else ""
         out.append(f"{r[fields[0]]:.2f} / {r[fields[1]]:.2f}{mark}")
     present = [cells[b] for b in BENCHMARKS if b in cells]
-    avg = (f"{_mean([r[fields[0]] for r in present]):.2f} / "
-           f"{_mean([r[fields[1]] for r in present]):.2f}")
-    if len(present) < len(BENCHMARKS):
+    if not present:  # a paper table's row no file fills
+      avg = MISSING
+    else:
+      avg = (f"{_mean([r[fields[0]] for r in present]):.2f} / "
+             f"{_mean([r[fields[1]] for r in present]):.2f}")
+    if present and len(present) < len(BENCHMARKS):
       avg += f" ({len(present)}/{len(BENCHMARKS)})"
     out.append(avg)
     out.extend((extra_cells or {}).get(name, ()))
@@ -264,23 +278,88 @@ def table_markdown(results: Sequence[Mapping[str, Any]], baseline: str | None = 
   return "\n".join(lines) + "\n"
 
 
-def define_flags() -> tuple[flags.FlagHolder, flags.FlagHolder, flags.FlagHolder]:
-  """--output, --baseline, --tpf; defined only when run as a program, so this module
-  can be imported beside the other entry points without clashing flags."""
+# The paper's comparison tables: (row label, method, model_type or None = any).
+PAPER_TABLES = {
+    2: ("Table 2: the controlled comparison (every model retrained from one base on the "
+        "same samples)",
+        (("Qwen3-8B retrained (AR)", "ar", None), ("LLaDA retrained (MDM)", "mdm", None),
+         ("BD3-LMs retrained (block diffusion)", "bd3lm", None), ("ReFusion", "refusion", None))),
+    3: ("Table 3: the Qwen2.5 backbone",
+        (("ReFusion (Qwen2.5-7B)", "refusion", "qwen2"),
+         ("Dream-7B-Instruct", "mdm", "dream"))),
+}
+
+
+def paper_table_markdown(results: Sequence[Mapping[str, Any]], table: int,
+                         tpf: bool = True) -> str:
+  """The paper's Table 2 or 3 (`PAPER_TABLES`): every row, filled from `results` or
+  marked missing; the speed-up is over the table's first row when it is filled."""
+  if table not in PAPER_TABLES:
+    raise ValueError(f"--table must be 1, 2 or 3, got {table!r}")
+  for i, r in enumerate(results):
+    check_result(r, _where(r, i) if isinstance(r, dict) else f"result #{i}")
+  _check_unique(results)
+  title, layout = PAPER_TABLES[table]
+  rows: dict[str, dict[str, Mapping[str, Any]]] = {}
+  missing = []
+  for label, method, model_type in layout:
+    fits = [r for r in results if r["method"] == method
+            and (model_type is None or r.get("model_type") == model_type)]
+    models = sorted({r["model"] for r in fits})
+    if len(models) > 1:
+      raise ValueError(f"table {table}, row {label!r}: results of {len(models)} models fill it "
+                       f"({', '.join(models)}); give the files of one")
+    rows[label] = {r["benchmark"]: r for r in fits}
+    if not fits:
+      need = f"method {method}" + (f", model_type {model_type}" if model_type else "")
+      missing.append(f"{label}: missing (no results file with {need})")
+  first = layout[0][0]
+  base = first if rows[first] else None
+  extra_header, extra_cells = [], None
+  if base is not None:
+    extra_header = [f"Speed-up vs {_md(base)}"]
+    extra_cells = {name: [_speed_up(cells, rows[base]) if cells else MISSING]
+                   for name, cells in rows.items()}
+  lines = [f"## {title}: accuracy (%) / tokens per second", ""]
+  lines += _table(rows, ("accuracy", "tokens_per_second"), extra_header, extra_cells)
+  notes = missing + [f"{LIMITED} {name} {TITLES[b]}: limit {r['limit']}, {r['samples']} samples"
+                     for name, cells in rows.items() for b in BENCHMARKS
+                     if b in cells and (r := cells[b]).get("limit") is not None]
+  if notes:
+    lines += [""] + [f"- {n}" for n in notes]
+  if tpf:
+    lines += ["", "## Tokens per forward pass (every pass counted) / the paper's TPF", ""]
+    lines += _table(rows, ("tokens_per_forward", "tpf_paper"))
+  return "\n".join(lines) + "\n"
+
+
+def define_flags() -> tuple[flags.FlagHolder, ...]:
+  """--output, --baseline, --tpf, --table; defined only when run as a program, so this
+  module can be imported beside the other entry points without clashing flags."""
   return (
       flags.DEFINE_string("output", None, "Also write the markdown to this file (atomically)."),
       flags.DEFINE_string("baseline", None, "Label of the speed-up baseline row (default: the "
                           "one row whose method is ar)."),
       flags.DEFINE_bool("tpf", True, "Add the tokens-per-forward / paper TPF table."),
+      flags.DEFINE_integer("table", 1, "1: every (model, method) the files hold; 2 / 3: the "
+                           "paper's Table 2 / Table 3 rows, a missing one named."),
   )
 
 
 def main(argv: Sequence[str], output: flags.FlagHolder, baseline: flags.FlagHolder,
-         tpf: flags.FlagHolder) -> None:
+         tpf: flags.FlagHolder, table: flags.FlagHolder | None = None) -> None:
   if len(argv) < 2:
     raise app.UsageError("give one or more results.json files or evaluation output folders")
+  which = 1 if table is None else table.value
   try:
-    text = table_markdown(load_results(argv[1:]), baseline=baseline.value, tpf=tpf.value)
+    results = load_results(argv[1:])
+    if which == 1:
+      text = table_markdown(results, baseline=baseline.value, tpf=tpf.value)
+    else:
+      if baseline.value is not None:
+        raise ValueError("--baseline applies to --table=1 (Tables 2 and 3 compare with their "
+                         "first row)")
+      text = paper_table_markdown(results, which, tpf=tpf.value)
     if output.value:
       fileio.write_text_atomic(output.value, text)
   except (ValueError, FileNotFoundError) as e:

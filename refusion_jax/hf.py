@@ -1,7 +1,10 @@
-"""Hugging Face Qwen3 / Qwen2 checkpoints (config.json + safetensors) <-> our NNX model.
+"""Hugging Face Qwen3 / Qwen2 / Dream checkpoints (config.json + safetensors) <-> our NNX model.
 
 `load` reads a transformers `Qwen3ForCausalLM` or `Qwen2ForCausalLM` (Qwen2.5)
-folder (one `model.safetensors`
+folder, or a Dream-7B one (`model_type` "Dream": Qwen2.5's tensor names and
+shapes, read as a bidirectional model whose logits are shifted by one,
+`ModelConfig.shift_logits`; its config.json's `mask_token_id` is required)
+(one `model.safetensors`
 or shards listed by `model.safetensors.index.json`) straight into the target
 sharding and dtype: the model is built abstractly, each tensor is memory-mapped
 from its file and every device reads only its own slice, so the float32 model
@@ -369,7 +372,7 @@ def read_config(directory: str) -> ModelConfig:
 
 def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = None,
          dtype=None, scan_layers: bool = False):
-  """Loads a HF Qwen3 or Qwen2 / Qwen2.5 checkpoint folder. Returns `(config, model)`.
+  """Loads a HF Qwen3, Qwen2 / Qwen2.5 or Dream checkpoint folder. Returns `(config, model)`.
 
   Args:
     directory: folder with `config.json` and `model.safetensors` (or shards
@@ -414,8 +417,8 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
     parsed = _parse_name(name, config.scan_layers)
     if parsed is None:
       if not _IGNORED.fullmatch(name):
-        problems.append(f"unexpected tensor {name!r} (no Qwen3 or Qwen2 parameter has this "
-                        "name)")
+        problems.append(f"unexpected tensor {name!r} (no Qwen3, Qwen2 or Dream parameter has "
+                        "this name)")
       continue
     path, kind, index = parsed
     reported.add(name)
@@ -428,7 +431,8 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
       continue
     if not _has(kind, config) and kind != "lm_head":
       problems.append(f"unexpected tensor {name!r} (a {config.model_type} model has none: "
-                      f"config.json says model_type={config.model_type!r})")
+                      f"config.json says model_type="
+                      f"{config_lib.HF_MODEL_TYPES[config.model_type]!r})")
       continue
     if path not in targets or (index is not None and index >= config.num_layers):
       problems.append(f"unexpected tensor {name!r} (config.json has num_hidden_layers="
@@ -505,7 +509,9 @@ def _to_host(array) -> np.ndarray:
 def save(config: ModelConfig, model: nnx.Module, directory: str, *,
          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
          extra_files: Mapping[str, str] | None = None) -> None:
-  """Writes `model` as a HF Qwen3ForCausalLM folder that transformers can load.
+  """Writes `model` as a HF folder of its family (`config.to_hf_config`): Qwen3ForCausalLM
+  or Qwen2ForCausalLM, which transformers can load, or Dream's layout (`DreamModel`,
+  which transformers runs beside Dream's own modeling code).
 
   Writes `config.json` plus `model.safetensors`, or, when the tensors exceed
   `max_shard_bytes`, `model-0000i-of-0000n.safetensors` shards and

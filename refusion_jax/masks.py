@@ -83,6 +83,35 @@ def slot_local_btt(member_bt: jax.Array, slot_size: int) -> jax.Array:
   return _with_diagonal(mask)
 
 
+def block_diffusion_btt(segment_ids_bt: jax.Array, block_bt: jax.Array, noised_bt: jax.Array,
+                        positions_bt: jax.Array) -> jax.Array:
+  """`[B, T, T]` attention of BD3-LM's two-half rows (ALGORITHM.md "Baselines", BD3-LM).
+
+  Every token carries its sample (`segment_ids_bt`, 0 = padding or a token no one
+  reads), its response block (`block_bt`: -1 for a prompt token), whether it is in
+  the noised half (`noised_bt`) and its position within its sample. Within a sample:
+  a noised token sees its own noised block (both directions), the clean prompt and
+  the clean blocks before its block; a clean prompt token sees the clean prompt up to
+  its own position; a clean response token sees the clean prompt, the clean blocks
+  before its own and its whole own clean block. Nothing sees a noised token from
+  outside its block; tokens of segment 0 see only themselves.
+  """
+  seg_bt = jnp.asarray(segment_ids_bt)
+  blk_bt = jnp.asarray(block_bt)
+  noised_bt = jnp.asarray(noised_bt).astype(bool)
+  pos_bt = jnp.asarray(positions_bt)
+  same_btt = (seg_bt[:, :, None] == seg_bt[:, None, :]) & (seg_bt > 0)[:, None, :]
+  q_blk, k_blk = blk_bt[:, :, None], blk_bt[:, None, :]
+  q_noised, k_noised = noised_bt[:, :, None], noised_bt[:, None, :]
+  earlier_clean = ~k_noised & (k_blk < q_blk)
+  from_noised = (k_noised & (k_blk == q_blk)) | earlier_clean
+  same_clean_block = ~k_noised & (k_blk == q_blk) & (
+      (q_blk >= 0) | (pos_bt[:, None, :] <= pos_bt[:, :, None]))
+  from_clean = earlier_clean | same_clean_block
+  mask = same_btt & jnp.where(q_noised, from_noised, from_clean)
+  return _with_diagonal(mask)
+
+
 def _with_diagonal(mask_btt: jax.Array) -> jax.Array:
   t = mask_btt.shape[-1]
   return mask_btt | jnp.eye(t, dtype=bool)[None]

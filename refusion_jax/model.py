@@ -1,7 +1,8 @@
 """Qwen3 (and Qwen2 / Qwen2.5) decoder in Flax NNX.
 
 `ModelConfig.model_type` picks the family: Qwen3 normalises q and k per head,
-Qwen2 has no q/k norm and adds biases to the q, k and v projections; all else
+Qwen2 has no q/k norm and adds biases to the q, k and v projections (Dream is
+Qwen2's layers, bidirectional, its logits read shifted by one); all else
 is shared. ReFusion changes no layer of either; what matters here is that
 
 * RoPE is applied from explicit **position ids** (training inputs are
@@ -364,8 +365,9 @@ def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
 
 
 class Qwen3(nnx.Module):
-  """Qwen3 or Qwen2 causal LM (`ModelConfig.model_type`). `model(ids, positions)` is the
-  public full-sequence call."""
+  """Qwen3, Qwen2 or Dream LM (`ModelConfig.model_type`). `model(ids, positions)` is the
+  public full-sequence call (position i's output, as HF computes it; `token_logits`
+  re-indexes a Dream model's by the token each predicts)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config
@@ -538,6 +540,14 @@ class Qwen3(nnx.Module):
     h = self.hidden(input_ids_bt, positions_bt, attention_mask_btt, segment_ids_bt)
     return sharding.constrain(self.unembed().project(h), ("batch", "seq", "vocab"))
 
+  def token_logits(self, input_ids_bt, positions_bt, attention_mask_btt=None,
+                   segment_ids_bt=None):
+    """Logits `[B, T, V]` indexed by the token they predict: `__call__`'s, except for a
+    model with `ModelConfig.shift_logits` (Dream), whose prediction for token i is the
+    output at position i-1 (position 0 keeps its own), as Dream's sampler reads them."""
+    logits_btv = self(input_ids_bt, positions_bt, attention_mask_btt, segment_ids_bt)
+    return shift_to_tokens(logits_btv) if self.config.shift_logits else logits_btv
+
   def forward_chunk(self, input_ids_bt, positions_bt, cache: KVCache, chunk_mask_btt):
     """A chunk of new tokens against the KV buffer; nothing is written.
 
@@ -547,6 +557,12 @@ class Qwen3(nnx.Module):
     for `cache.commit`.
     """
     return self._run(input_ids_bt, positions_bt, chunk_mask_btt, cache)
+
+
+def shift_to_tokens(x_bt_):
+  """`x_bt_` (`[B, T, ...]`) moved one position to the right along T, its first entry
+  kept: entry i becomes position i-1's (Dream's logits shift)."""
+  return jnp.concatenate([x_bt_[:, :1], x_bt_[:, :-1]], axis=1)
 
 
 def convert_layer_layout(params: dict, num_layers: int, scanned: bool) -> dict:

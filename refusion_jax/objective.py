@@ -16,7 +16,10 @@ sample (prompt length P, response length R: answer + EOS) of ReFusion:
 
 The ARM learns each response token from the token before it; the MDM baseline
 masks each response token (its EOS padding included, which the data pipeline
-adds) with its sample's p. Attention never crosses samples (`segment_ids`).
+adds) with its sample's p. BD3-LM (block diffusion) doubles the row: the
+noised response (each block of `bd3lm_block_size` masked with its own t), then
+the clean sample, tied by `masks.block_diffusion_btt` (`bd3lm_corrupt`).
+Attention never crosses samples (`segment_ids`).
 
 Everything is vectorised over the whole batch, with no loop over rows, samples
 or slots: every random choice is a uniform laid out like the tokens
@@ -55,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from refusion_jax import sharding
+from refusion_jax import masks, sharding
 from refusion_jax.checks import is_int
 
 KIND_IGNORE = 0
@@ -64,10 +67,16 @@ KIND_MDM = 2
 
 # Each objective and the attention its model trains with (ALGORITHM.md "Baselines"):
 # the MDM baseline sees its whole sample, ReFusion and the ARM are causal.
-OBJECTIVE_ATTENTION = {"refusion": "causal", "arm": "causal", "mdm": "bidirectional"}
+# BD3-LM's backbone is causal too (its prompt prefills the decoder's KV cache causally);
+# its two-half training mask is explicit (`masks.block_diffusion_btt`).
+OBJECTIVE_ATTENTION = {"refusion": "causal", "arm": "causal", "mdm": "bidirectional",
+                       "bd3lm": "causal"}
 OBJECTIVES = tuple(OBJECTIVE_ATTENTION)
 DEFAULT_SLOT_SIZES = (4, 8, 16, 32)
 DEFAULT_EPS = 1e-3
+# BD3-LM (ALGORITHM.md "Baselines"): block size and the clip of each block's noise level.
+DEFAULT_BD3LM_BLOCK_SIZE = 8
+DEFAULT_BD3LM_EPS = (1e-3, 1.0)
 
 # How the data pipeline lays samples into rows (data.make_loader): one per row, or
 # packed by grain's first-fit / best-fit packers.
@@ -114,6 +123,10 @@ class Corrupted:
     kind_bt: int8 KIND_IGNORE (0), KIND_AR (1) or KIND_MDM (2).
     mdm_weight_bt: float32 1 / (p * R) of the token's sample on KIND_MDM tokens,
       0 elsewhere (the MDM term's weight).
+    block_bt, noised_bt: BD3-LM's two-half rows only (`[B, 2L]`, None otherwise):
+      the token's response block (-1 in the prompt) and whether it is in the noised
+      half; with the segments and positions they give `masks.block_diffusion_btt`.
+      Only the noised half (the first L tokens) carries loss.
   """
 
   input_ids_bt: jax.Array
@@ -122,6 +135,19 @@ class Corrupted:
   labels_bt: jax.Array
   kind_bt: jax.Array
   mdm_weight_bt: jax.Array
+  block_bt: jax.Array | None = None
+  noised_bt: jax.Array | None = None
+
+  @property
+  def two_halves(self) -> bool:
+    return self.noised_bt is not None
+
+  def loss_half(self) -> "Corrupted":
+    """The tokens that can carry loss: BD3-LM's noised half (the first L), else all."""
+    if not self.two_halves:
+      return self
+    half = self.input_ids_bt.shape[1] // 2
+    return jax.tree.map(lambda v: v[:, :half], self)
 
 
 @struct.dataclass
@@ -131,9 +157,10 @@ class Draws:
 
   Attributes:
     size_bt: at a sample's first token, its slot size: `slot_sizes[floor(u * n)]`.
-    t_bt: at a sample's first token, its t; p = (1 - eps) * t + eps.
+    t_bt: at a sample's first token, its t; p = (1 - eps) * t + eps. BD3-LM: at a
+      block's first token, the block's noise level, eps_min + (eps_max - eps_min) u.
     mask_bt: ReFusion: at a slot's first token, the slot is masked when u < p;
-      MDM: each response token is masked when u < p.
+      MDM: each response token is masked when u < p; BD3-LM: when u < its block's t.
     order_bt: ReFusion: at a slot's first token, its key; clean slots are placed in
       increasing key order (ties by slot index).
   """
@@ -294,14 +321,17 @@ def check_batch(batch: Mapping[str, Any]) -> None:
                        f"exceeds the token length {l}")
 
 
-def packed_rows(batch: Mapping[str, Any], *, eos_fill_id: int | None = None) -> PackedRows:
+def packed_rows(batch: Mapping[str, Any], *, eos_fill_id: int | None = None,
+                eos_fill_multiple: int = 0) -> PackedRows:
   """`batch` (either format) as `PackedRows` (jittable).
 
   A one-sample-per-row batch becomes rows of one segment each. With
   `eos_fill_id` its responses run to the row's end, the padding replaced by that
   token (the MDM baseline's layout when rows are not packed: LLaDA's SFT pads
-  every answer with EOS, and the model learns to fill a canvas after its answer).
-  Packed batches carry any EOS padding in their samples already.
+  every answer with EOS, and the model learns to fill a canvas after its answer),
+  or with `eos_fill_multiple` > 0 to the next multiple of it (BD3-LM's whole
+  blocks; never past the row). Packed batches carry any EOS padding in their
+  samples already.
   """
   tokens_bt = jnp.asarray(batch["tokens"], jnp.int32)
   if is_packed(batch):
@@ -313,8 +343,14 @@ def packed_rows(batch: Mapping[str, Any], *, eos_fill_id: int | None = None) -> 
   prompt_b = jnp.clip(jnp.asarray(batch["prompt_len"], jnp.int32), 0, l)
   response_b = jnp.clip(jnp.asarray(batch["response_len"], jnp.int32), 0, l - prompt_b)
   if eos_fill_id is not None:
-    tokens_bt = jnp.where(index_1t >= (prompt_b + response_b)[:, None], eos_fill_id, tokens_bt)
-    response_b = l - prompt_b
+    filled_b = l - prompt_b
+    if eos_fill_multiple:
+      m = int(eos_fill_multiple)
+      filled_b = jnp.minimum(-(-response_b // m) * m, filled_b)
+    fill_bt = (index_1t >= (prompt_b + response_b)[:, None]) & (
+        index_1t < (prompt_b + filled_b)[:, None])
+    tokens_bt = jnp.where(fill_bt, eos_fill_id, tokens_bt)
+    response_b = filled_b
   real_bt = index_1t < (prompt_b + response_b)[:, None]
   zero_bt = jnp.zeros((b, l), jnp.int32)
   return PackedRows(
@@ -324,9 +360,11 @@ def packed_rows(batch: Mapping[str, Any], *, eos_fill_id: int | None = None) -> 
       response_len_bt=jnp.where(real_bt, response_b[:, None], zero_bt))
 
 
-def packed_batch(batch: Mapping[str, Any], *, eos_fill_id: int | None = None) -> dict:
+def packed_batch(batch: Mapping[str, Any], *, eos_fill_id: int | None = None,
+                 eos_fill_multiple: int = 0) -> dict:
   """`batch` (either format) as a packed-format dict of numpy arrays (`PACKED_KEYS`)."""
-  rows = jax.device_get(packed_rows(batch, eos_fill_id=eos_fill_id))
+  rows = jax.device_get(packed_rows(batch, eos_fill_id=eos_fill_id,
+                                    eos_fill_multiple=eos_fill_multiple))
   return {k: np.asarray(getattr(rows, f), np.int32)
           for k, f in zip(PACKED_KEYS, ("tokens_bt", "segment_ids_bt", "positions_bt",
                                         "prompt_len_bt", "response_len_bt"))}
@@ -466,6 +504,59 @@ def mdm_corrupt(rows: PackedRows, draws: Draws, *, mask_id: int, pad_id: int,
       mdm_weight_bt=x.mdm_weight(masked_bt, p_bt))
 
 
+def check_bd3lm(block_size: int, eps_min: float, eps_max: float) -> tuple[int, float, float]:
+  """BD3-LM's settings as (int, float, float), or ValueError naming the bad one."""
+  if not is_int(block_size) or block_size < 1:
+    raise ValueError(f"bd3lm_block_size must be a positive int, got {block_size!r}")
+  for name, v in (("bd3lm_eps_min", eps_min), ("bd3lm_eps_max", eps_max)):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 < v <= 1.0:
+      raise ValueError(f"{name} must be a float in (0, 1], got {v!r}")
+  if eps_min > eps_max:
+    raise ValueError(f"bd3lm_eps_min={eps_min} exceeds bd3lm_eps_max={eps_max}")
+  return int(block_size), float(eps_min), float(eps_max)
+
+
+def bd3lm_corrupt(rows: PackedRows, draws: Draws, *, mask_id: int, pad_id: int,
+                  block_size: int = DEFAULT_BD3LM_BLOCK_SIZE,
+                  eps_min: float = DEFAULT_BD3LM_EPS[0],
+                  eps_max: float = DEFAULT_BD3LM_EPS[1]) -> Corrupted:
+  """BD3-LM's two-half rows (ALGORITHM.md "Baselines"): `[B, 2L]`, the noised half then
+  the clean one, each at the row's own indices.
+
+  Each sample's response (its EOS padding to whole blocks included: the data
+  pipeline adds it) is cut into blocks of `block_size` from its first token; each
+  block draws t = eps_min + (eps_max - eps_min) u and masks each of its tokens with
+  probability t. Noised half, token i: its response token, masked or not, in its
+  sample's segment (its prompt tokens and padding are segment 0: read by no one);
+  masked ones learn their token with weight 1 / (t R) (R: the padded response's
+  length). Clean half: the row unchanged, no loss. The attention that ties the
+  halves together is `masks.block_diffusion_btt` of the returned fields.
+  """
+  block_size, eps_min, eps_max = check_bd3lm(block_size, eps_min, eps_max)
+  x = _Tokens(rows, pad_id)
+  in_block_bt = jnp.where(x.in_resp_bt, x.offset_bt % block_size, 0)
+  block_bt = jnp.where(x.in_resp_bt, x.offset_bt // block_size, -1)
+  first_bt = x.index_1t - in_block_bt
+  t_bt = eps_min + (eps_max - eps_min) * jnp.take_along_axis(draws.t_bt, first_bt, axis=1)
+  masked_bt = x.in_resp_bt & (draws.mask_bt < t_bt)
+  weight_bt = jnp.where(masked_bt, 1.0 / (t_bt * jnp.maximum(x.response_bt, 1)), 0.0)
+  noised = Corrupted(
+      input_ids_bt=jnp.where(masked_bt, mask_id, x.ids_bt),
+      positions_bt=jnp.where(x.in_resp_bt, x.pos_bt, 0),
+      segment_ids_bt=jnp.where(x.in_resp_bt, x.segment_ids_bt, 0),
+      labels_bt=jnp.where(masked_bt, x.ids_bt, pad_id),
+      kind_bt=jnp.where(masked_bt, KIND_MDM, KIND_IGNORE).astype(jnp.int8),
+      mdm_weight_bt=weight_bt.astype(jnp.float32),
+      block_bt=block_bt, noised_bt=jnp.ones(x.shape, bool))
+  clean = Corrupted(
+      input_ids_bt=x.ids_bt, positions_bt=x.pos_bt, segment_ids_bt=x.segment_ids_bt,
+      labels_bt=jnp.full(x.shape, pad_id, jnp.int32),
+      kind_bt=jnp.full(x.shape, KIND_IGNORE, jnp.int8),
+      mdm_weight_bt=jnp.zeros(x.shape, jnp.float32),
+      block_bt=block_bt, noised_bt=jnp.zeros(x.shape, bool))
+  return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), noised, clean)
+
+
 # --------------------------------------------------------------------------
 # Losses.
 
@@ -554,12 +645,18 @@ def loss_from_ce(ce_bt, corrupted: Corrupted, samples):
 
 
 def corrupt(objective: str, rows: PackedRows, rng, *, mask_id: int, pad_id: int,
-            slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS) -> Corrupted:
+            slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS,
+            bd3lm_block_size: int = DEFAULT_BD3LM_BLOCK_SIZE,
+            bd3lm_eps: tuple[float, float] = DEFAULT_BD3LM_EPS) -> Corrupted:
   """`objective`'s training input for `rows`, its draws taken from `rng` (jittable)."""
   _check_objective(objective)
   if objective == "arm":
     return arm_corrupt(rows, pad_id=pad_id)
   draws = draw(rng, rows.tokens_bt.shape)
+  if objective == "bd3lm":
+    return bd3lm_corrupt(rows, draws, mask_id=mask_id, pad_id=pad_id,
+                         block_size=bd3lm_block_size, eps_min=bd3lm_eps[0],
+                         eps_max=bd3lm_eps[1])
   if objective == "refusion":
     return refusion_corrupt(rows, draws, mask_id=mask_id, pad_id=pad_id, slot_sizes=slot_sizes,
                             eps=eps)
@@ -568,12 +665,14 @@ def corrupt(objective: str, rows: PackedRows, rng, *, mask_id: int, pad_id: int,
 
 def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: int, pad_id: int,
             slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS, eos_id: int | None = None,
-            loss_chunk: int = 0):
-  """Loss and metrics of `objective` ("refusion", "arm" or "mdm") on one batch.
+            loss_chunk: int = 0, bd3lm_block_size: int = DEFAULT_BD3LM_BLOCK_SIZE,
+            bd3lm_eps: tuple[float, float] = DEFAULT_BD3LM_EPS):
+  """Loss and metrics of `objective` ("refusion", "arm", "mdm" or "bd3lm") on one batch.
 
-  `batch` is packed or one sample per row (module doc). `eos_id` (MDM on a
-  one-sample-per-row batch only: the token that pads each response to the row's
-  end) defaults to the model config's `eos_token_id`. `loss_chunk` > 0 computes
+  `batch` is packed or one sample per row (module doc). `eos_id` (MDM and BD3-LM
+  on a one-sample-per-row batch only: the token that pads each response to the
+  row's end, or to whole blocks of `bd3lm_block_size`) defaults to the model
+  config's `eos_token_id`; packed batches carry their padding already. `loss_chunk` > 0 computes
   the cross-entropy from the model's hidden states `loss_chunk` tokens of the
   sequence at a time (`chunked_token_cross_entropy`: the same loss and gradients
   without `[B, T, V]` logits); 0 projects the whole sequence at once.
@@ -594,22 +693,28 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
   mask_id = _check_token_id("mask_id", mask_id, vocab)
   pad_id = _check_token_id("pad_id", pad_id, vocab)
   check_batch(batch)
+  bd3lm_block_size, *bd3lm_eps = check_bd3lm(bd3lm_block_size, *bd3lm_eps)
   eos_fill_id = None
-  if objective == "mdm" and not is_packed(batch):
+  if objective in ("mdm", "bd3lm") and not is_packed(batch):
     if eos_id is None:
       eos_id = getattr(config, "eos_token_id", None)
     if eos_id is None:
-      raise ValueError("objective='mdm' pads responses with EOS: pass eos_id or use a model "
-                       "whose ModelConfig.eos_token_id is set")
+      raise ValueError(f"objective={objective!r} pads responses with EOS: pass eos_id or use a "
+                       "model whose ModelConfig.eos_token_id is set")
     eos_fill_id = _check_token_id("eos_id", eos_id, vocab)
+  if getattr(config, "shift_logits", False):
+    raise ValueError(f"objective={objective!r}: the model reads token i's logits from position "
+                     "i - 1 (a Dream model); training one is not supported here")
   want = attention_for(objective)
   attention = getattr(config, "attention", want)
   if attention != want:
     raise ValueError(f"objective={objective!r} needs a model with attention={want!r}, "
                      f"got ModelConfig.attention={attention!r}")
-  rows = packed_rows(batch, eos_fill_id=eos_fill_id)
+  rows = packed_rows(batch, eos_fill_id=eos_fill_id,
+                     eos_fill_multiple=bd3lm_block_size if objective == "bd3lm" else 0)
   corrupted = corrupt(objective, rows, rng, mask_id=mask_id, pad_id=pad_id,
-                      slot_sizes=slot_sizes, eps=eps)
+                      slot_sizes=slot_sizes, eps=eps, bd3lm_block_size=bd3lm_block_size,
+                      bd3lm_eps=tuple(bd3lm_eps))
   samples = num_samples(rows)
   loss, metrics = model_loss(model, corrupted, samples, loss_chunk=loss_chunk)
   metrics.update(samples=samples.astype(jnp.float32),
@@ -619,12 +724,21 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
 
 def model_loss(model, corrupted: Corrupted, samples, *, loss_chunk: int = 0):
   """`loss_from_ce` of the model's cross-entropy on `corrupted` (its attention kept
-  within each segment), from full logits or `loss_chunk` tokens at a time."""
+  within each segment; BD3-LM's two-half mask), from full logits or `loss_chunk`
+  tokens at a time. Only tokens that can carry loss are projected (BD3-LM: the
+  noised half)."""
   args = (corrupted.input_ids_bt, corrupted.positions_bt)
-  if check_loss_chunk(loss_chunk):
-    h_btd = model.hidden(*args, segment_ids_bt=corrupted.segment_ids_bt)
-    ce_bt = chunked_token_cross_entropy(h_btd, model.unembed(), corrupted.labels_bt, loss_chunk)
+  if corrupted.two_halves:
+    mask = masks.block_diffusion_btt(corrupted.segment_ids_bt, corrupted.block_bt,
+                                     corrupted.noised_bt, corrupted.positions_bt)
+    h_btd = model.hidden(*args, attention_mask_btt=mask)
   else:
-    ce_bt = token_cross_entropy(model(*args, segment_ids_bt=corrupted.segment_ids_bt),
-                                corrupted.labels_bt)
-  return loss_from_ce(ce_bt, corrupted, samples)
+    h_btd = model.hidden(*args, segment_ids_bt=corrupted.segment_ids_bt)
+  scored = corrupted.loss_half()
+  h_btd = h_btd[:, :scored.labels_bt.shape[1]]
+  if check_loss_chunk(loss_chunk):
+    ce_bt = chunked_token_cross_entropy(h_btd, model.unembed(), scored.labels_bt, loss_chunk)
+  else:
+    logits_btv = sharding.constrain(model.unembed().project(h_btd), ("batch", "seq", "vocab"))
+    ce_bt = token_cross_entropy(logits_btv, scored.labels_bt)
+  return loss_from_ce(ce_bt, scored, samples)

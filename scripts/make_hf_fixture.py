@@ -1,4 +1,4 @@
-"""Builds the tiny Hugging Face Qwen3 / Qwen2 fixture used by tests/test_model.py and tests/test_hf.py.
+"""Builds the tiny Hugging Face Qwen3 / Qwen2 / Dream fixture of tests/test_{model,hf,dream}.py.
 
 Needs torch + transformers, which refusion_jax itself does not depend on, so it
 runs in its own environment (no hub access needed):
@@ -17,6 +17,14 @@ writes, under tests/fixtures/hf_tiny/:
            (`input_ids`, `positions_seq` / `logits_seq`: ordinary positions,
            `positions_perm` / `logits_perm`: randomly permuted position ids with
            attention still causal in input order, as ReFusion's training uses)
+  dream/   a Dream-layout folder: a Qwen2ForCausalLM with random biases saved with
+           Dream's config.json (`model_type` "Dream", `DreamModel`, `auto_map`,
+           `mask_token_id`); golden.npz holds `input_ids` (mask tokens among them, as
+           in decoding), `logits_bidir` (Qwen2 run with an all-ones 4D attention mask,
+           checked non-causal) and `logits_shifted` (the same shifted by one: token i
+           read from position i-1, position 0 its own); schedule.json holds the
+           tokens per step of Dream's linear schedule computed by torch in float32
+           as Dream's generation code does, for a few (masked, steps) pairs
   configs/ hand-written config.json variants for `config.from_hf_config`
            (transformers 4.x layout, 5.x layout, a ReFusion-8B-style one)
 
@@ -70,10 +78,23 @@ MODELS = {
                        rms_norm_eps=1e-6, tie_word_embeddings=True,
                        max_position_embeddings=256, use_sliding_window=False,
                        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
+    "dream": dict(vocab_size=152, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  max_position_embeddings=256, use_sliding_window=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}),
 }
 # name -> (family, seed); the seeds of the first two predate the Qwen2 models.
 FAMILY = {"gqa": ("qwen3", 100), "tied": ("qwen3", 101), "qwen2_gqa": ("qwen2", 102),
-          "qwen2_tied": ("qwen2", 103)}
+          "qwen2_tied": ("qwen2", 103), "dream": ("dream", 104)}
+# What Dream's config.json adds to Qwen2's (Dream-v0's keys; the ids fit the tiny vocab).
+DREAM_CONFIG = {"architectures": ["DreamModel"], "model_type": "Dream",
+                "auto_map": {"AutoConfig": "configuration_dream.DreamConfig",
+                             "AutoModel": "modeling_dream.DreamModel"},
+                "mask_token_id": 151, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+# (masked positions, steps) pairs of schedule.json.
+SCHEDULES = ((8, 8), (8, 4), (8, 16), (16, 8), (64, 64), (256, 256), (512, 512), (512, 256),
+             (512, 128), (512, 1024), (1024, 512), (128, 32))
 
 
 def model_class(name: str):
@@ -116,6 +137,80 @@ def logits_of(model, ids_bt: np.ndarray, positions_bt: np.ndarray) -> np.ndarray
   if diff > 1e-5:
     raise AssertionError(f"padding-mask and explicit causal-mask logits differ by {diff}")
   return out.numpy().astype(np.float32)
+
+
+def bidirectional_logits(model, ids_bt: np.ndarray) -> np.ndarray:
+  """Logits of a Qwen2 model with every token attending to every token (Dream's
+  attention), checked to be non-causal and equal under two attention kernels."""
+  ids = torch.from_numpy(ids_bt).long()
+  b, t = ids.shape
+  full = torch.ones(b, 1, t, t, dtype=torch.bool)
+  with torch.no_grad():
+    out = model(input_ids=ids, attention_mask=full, use_cache=False).logits
+    # Bidirectional: the last token changes the first position's output.
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % model.config.vocab_size
+    first = model(input_ids=changed, attention_mask=full, use_cache=False).logits[:, 0]
+    if (first - out[:, 0]).abs().max().item() < 1e-4:
+      raise AssertionError("the 4D all-ones mask left attention causal")
+    # The same under the eager kernel with an additive float mask of zeros.
+    impl = model.config._attn_implementation  # pylint: disable=protected-access
+    model.config._attn_implementation = "eager"  # pylint: disable=protected-access
+    try:
+      zeros = torch.zeros(b, 1, t, t, dtype=torch.float32)
+      eager = model(input_ids=ids, attention_mask=zeros, use_cache=False).logits
+    finally:
+      model.config._attn_implementation = impl  # pylint: disable=protected-access
+  diff = (out - eager).abs().max().item()
+  if diff > 1e-5:
+    raise AssertionError(f"bidirectional logits differ by {diff} between kernels")
+  return out.numpy().astype(np.float32)
+
+
+def dream_schedules() -> list[dict]:
+  """Tokens per step of Dream's linear schedule as its generation code computes them
+  (torch float32 timesteps, `int(m * (1 - s / t))`, all left at the last step)."""
+  out = []
+  for masked, steps in SCHEDULES:
+    ts = torch.linspace(1, 1e-3, steps + 1)
+    left, counts = masked, []
+    for i in range(steps):
+      n = left if i == steps - 1 else int(torch.tensor(float(left)) * (1 - ts[i + 1] / ts[i]))
+      counts.append(n)
+      left -= n
+    out.append({"masked": masked, "steps": steps, "counts": counts})
+  return out
+
+
+def make_dream(out_dir: str) -> None:
+  name = "dream"
+  _, seed = FAMILY[name]
+  model = build_model(name, seed=seed)
+  folder = os.path.join(out_dir, name)
+  os.makedirs(folder, exist_ok=True)
+  model.save_pretrained(folder, safe_serialization=True)
+  for extra in ("generation_config.json",):
+    path = os.path.join(folder, extra)
+    if os.path.exists(path):
+      os.remove(path)
+  with open(os.path.join(folder, "config.json")) as f:
+    cfg = json.load(f)
+  cfg.update(DREAM_CONFIG)
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(cfg, f, indent=2)
+    f.write("\n")
+  rng = np.random.default_rng(seed - 100)
+  ids_bt = rng.integers(0, MODELS[name]["vocab_size"] - 1, size=(BATCH, SEQ_LEN)).astype(np.int32)
+  ids_bt[:, SEQ_LEN // 2:] = np.where(rng.random((BATCH, SEQ_LEN - SEQ_LEN // 2)) < 0.6,
+                                      DREAM_CONFIG["mask_token_id"], ids_bt[:, SEQ_LEN // 2:])
+  bidir = bidirectional_logits(model, ids_bt)
+  shifted = np.concatenate([bidir[:, :1], bidir[:, :-1]], axis=1)
+  np.savez_compressed(os.path.join(folder, "golden.npz"), input_ids=ids_bt,
+                      logits_bidir=bidir, logits_shifted=shifted)
+  with open(os.path.join(folder, "schedule.json"), "w") as f:
+    json.dump(dream_schedules(), f)
+    f.write("\n")
+  print(f"wrote {folder}: {sum(p.numel() for p in model.parameters())} params")
 
 
 def golden_inputs(vocab: int, seed: int):
@@ -164,6 +259,23 @@ CONFIG_VARIANTS = {
         "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
         "bos_token_id": 151643, "eos_token_id": 151643, "transformers_version": "4.43.1",
     },
+    # Dream-v0-Instruct-7B's config.json keys (Qwen2.5-7B's shapes, model_type "Dream",
+    # remote-code auto_map, mask_token_id 151666), written from its published card: the
+    # checkpoint itself was never loaded here.
+    "dream_v0_7b.json": {
+        "architectures": ["DreamModel"], "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration_dream.DreamConfig",
+                     "AutoModel": "modeling_dream.DreamModel"},
+        "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+        "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+        "mask_token_id": 151666, "max_position_embeddings": 131072, "max_window_layers": 28,
+        "model_type": "Dream", "num_attention_heads": 28, "num_hidden_layers": 28,
+        "num_key_value_heads": 4, "pad_token_id": 151643, "rms_norm_eps": 1e-6,
+        "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.46.2", "use_cache": True, "use_sliding_window": False,
+        "vocab_size": 152064,
+    },
     "refusion.json": {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151671,
         "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
@@ -179,6 +291,9 @@ CONFIG_VARIANTS = {
 def make_fixture(out_dir: str, only=None) -> None:
   for name in sorted(MODELS):
     if only and name not in only:
+      continue
+    if name == "dream":
+      make_dream(out_dir)
       continue
     family, seed = FAMILY[name]
     model = build_model(name, seed=seed)
@@ -224,8 +339,19 @@ def check_roundtrip(root: str) -> float:
     folder = os.path.join(root, name)
     if not os.path.isdir(folder):
       raise FileNotFoundError(f"--check_roundtrip: no folder {folder}")
-    model = model_class(name).from_pretrained(folder, dtype=torch.float32).eval()
     golden = np.load(os.path.join(FIXTURE_DIR, name, "golden.npz"))
+    if name == "dream":  # Dream's layout is Qwen2's: run it as one, both ways
+      with open(os.path.join(folder, "config.json")) as f:
+        cfg = {k: v for k, v in json.load(f).items()
+               if k not in ("model_type", "architectures", "auto_map")}
+      model = transformers.Qwen2ForCausalLM.from_pretrained(
+          folder, config=transformers.Qwen2Config(**cfg), dtype=torch.float32).eval()
+      logits = bidirectional_logits(model, golden["input_ids"])
+      delta = float(np.abs(logits - golden["logits_bidir"]).max())
+      worst = max(worst, delta)
+      print(f"{name} bidirectional: transformers on our export, max |delta| = {delta:.3e}")
+      continue
+    model = model_class(name).from_pretrained(folder, dtype=torch.float32).eval()
     for kind in ("seq", "perm"):
       logits = logits_of(model, golden["input_ids"], golden[f"positions_{kind}"])
       delta = float(np.abs(logits - golden[f"logits_{kind}"]).max())

@@ -221,6 +221,11 @@ def test_train_flops_count_recomputation():
   layers = aot.layer_matmul_params(mc)
   assert full - model == (2 * layers * tokens + 512 * aot.attention_flops(mc, 4096, 4096)
                           + 2 * aot.head_params(mc) * tokens)
+  # BD3-LM: the layers run both halves (8192 tokens a row, attention over their square),
+  # the LM head the noised half only.
+  bd3, _ = aot.train_flops(mc, 512, 4096, 0, two_halves=True)
+  assert bd3 == (6 * layers * 2 * tokens + 6 * aot.head_params(mc) * tokens
+                 + 3 * 512 * 4 * 36 * 32 * 128 * 8192 * 8192)
 
 
 # --- decoding ------------------------------------------------------------------------------
@@ -276,6 +281,19 @@ def test_a_pass_reading_the_cache_in_chunks_compiles_and_counts_a_full_buffer(
     assert p["bytes_floor"] == weights + cache
     assert weights + cache <= p["bytes"] <= 3 * (weights + cache), p
   assert "read 8 entries at a time, counted over a full buffer" in done.stdout
+
+
+def test_bd3lm_decode_programs_compile_and_its_widest_pass_holds_two_blocks(small_model):
+  # BD3-LM's engine programs lower for the TPU; its widest pass is a finished block's
+  # clean tokens and the next block's masks (2 x block_size = 16 here).
+  done, r = _aot("--program=decode", f"--topology={TOPOLOGY}", f"--model={small_model}",
+                 *DECODE, "--config.decode.method=bd3lm", "--config.decode.slot_size=3",
+                 "--decode_programs=admit,run", "--pass_widths=")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert r["method"] == "bd3lm" and r["fits"] is True
+  assert [p["name"] for p in r["programs"]] == ["admit", "run"]
+  assert r["kv_chunk"] == config_lib.KV_CHUNK_AUTO["tpu"]
+  assert [p["width"] for p in r["per_pass"]] == [16] and r["pass_width"] == 16
 
 
 def test_ar_decode_compiles_with_scanned_layers_on_a_tensor_mesh(tmp_path):

@@ -164,7 +164,7 @@ def test_duplicate_names_both_files(tmp_path):
     ({"benchmark": "hellaswag"},
      "field 'benchmark' is 'hellaswag', not one of mmlu_pro, arc_c, gsm8k, math, gpqa, "
      "humaneval, mbpp"),
-    ({"method": "arm"}, "field 'method' is 'arm', not one of ar, mdm, refusion"),
+    ({"method": "arm"}, "field 'method' is 'arm', not one of ar, mdm, bd3lm, refusion"),
     ({"model": ""}, "field 'model' must be a non-empty string"),
     ({"accuracy": "78.66"}, "field 'accuracy' must be a finite number >= 0, got '78.66'"),
     ({"tokens_per_second": -1.0}, "field 'tokens_per_second' must be a finite number >= 0"),
@@ -250,3 +250,67 @@ def test_cli_errors(tmp_path):
   done = _cli()
   assert done.returncode != 0
   assert "give one or more results.json files or evaluation output folders" in done.stderr
+
+
+# ---------------------------------------------------------------- the paper's Tables 2 and 3
+
+
+def test_table2_every_row_in_the_papers_order_missing_ones_named():
+  results = [
+      _result("gsm8k", "refusion-qwen3", "refusion", 80.0, 60.0, 3.0, 3.5),
+      _result("gsm8k", "arm-qwen3", "ar", 90.0, 30.0),
+      _result("gsm8k", "bd3lm-qwen3", "bd3lm", 70.0, 45.0, 2.0, 2.0),
+  ]
+  text = et.paper_table_markdown(results, 2)
+  lines = text.splitlines()
+  assert lines[0].startswith("## Table 2: the controlled comparison")
+  body = [line for line in lines if line.startswith("| ") and "---" not in line][1:5]
+  assert [b.split(" | ")[0] for b in body] == [
+      "| Qwen3-8B retrained (AR)", "| LLaDA retrained (MDM)",
+      "| BD3-LMs retrained (block diffusion)", "| ReFusion"]
+  # Hand-computed: ReFusion 60 / 30 = 2.00x, BD3-LM 45 / 30 = 1.50x; LLaDA has no file.
+  assert body[0].endswith("| 90.00 / 30.00 (1/7) | 1.00× |")
+  assert body[1] == "| LLaDA retrained (MDM) | – | – | – | – | – | – | – | – | – |"
+  assert body[2].endswith("| 70.00 / 45.00 (1/7) | 1.50× |")
+  assert body[3].endswith("| 80.00 / 60.00 (1/7) | 2.00× |")
+  assert "- LLaDA retrained (MDM): missing (no results file with method mdm)" in lines
+  assert "| ReFusion | – | – | 3.00 / 3.50 |" in text  # the tokens-per-forward table
+
+
+def test_table3_rows_by_backbone():
+  results = [
+      _result("mbpp", "dream-7b", "mdm", 50.0, 20.0, model_type="dream"),
+      _result("mbpp", "llada", "mdm", 40.0, 10.0, model_type="qwen3"),  # not Table 3's
+      _result("mbpp", "refusion-qwen3", "refusion", 68.0, 90.0, model_type="qwen3"),
+  ]
+  text = et.paper_table_markdown(results, 3, tpf=False)
+  assert "| Dream-7B-Instruct | – | – | – | – | – | – | 50.00 / 20.00 | 50.00 / 20.00 (1/7) |" \
+      in text
+  assert "- ReFusion (Qwen2.5-7B): missing (no results file with method refusion, model_type " \
+         "qwen2)" in text
+  assert "Speed-up" not in text  # its first row is missing: nothing to compare with
+  results.append(_result("gsm8k", "refusion-qwen25", "refusion", 70.0, 80.0, model_type="qwen2"))
+  text = et.paper_table_markdown(results, 3, tpf=False)
+  assert "| ReFusion (Qwen2.5-7B) | – | – | 70.00 / 80.00 |" in text and "Speed-up" in text
+
+
+def test_paper_table_refuses_two_models_in_one_row_and_a_bad_table():
+  results = [_result("gsm8k", "a", "ar", 90.0, 30.0), _result("mbpp", "b", "ar", 70.0, 50.0)]
+  with pytest.raises(ValueError, match=r"row 'Qwen3-8B retrained \(AR\)': results of 2 models "
+                     r"fill it \(a, b\)"):
+    et.paper_table_markdown(results, 2)
+  with pytest.raises(ValueError, match="--table must be 1, 2 or 3, got 4"):
+    et.paper_table_markdown(results, 4)
+
+
+def test_cli_table2(tmp_path):
+  a = _write(tmp_path, "arm", _result("gsm8k", "arm", "ar", 90.0, 30.0))
+  r = _write(tmp_path, "ref", _result("gsm8k", "ref", "refusion", 80.0, 60.0))
+  proc = subprocess.run([sys.executable, "-m", "refusion_jax.evaluate_table", a, r,
+                         "--table=2"], cwd=REPO, capture_output=True, text=True, check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert "## Table 2: the controlled comparison" in proc.stdout
+  assert "BD3-LMs retrained (block diffusion): missing" in proc.stdout
+  proc = subprocess.run([sys.executable, "-m", "refusion_jax.evaluate_table", a, "--table=2",
+                         "--baseline=arm"], cwd=REPO, capture_output=True, text=True, check=False)
+  assert proc.returncode == 2 and "--baseline applies to --table=1" in proc.stderr

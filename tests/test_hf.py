@@ -214,7 +214,8 @@ def test_from_hf_config_variants():
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"model_type": "llama"}, r"model_type='llama' is not supported; supported: qwen3, qwen2"),
+    ({"model_type": "llama"},
+     r"model_type='llama' is not supported; supported: qwen3, qwen2, Dream"),
     ({"model_type": "qwen2", "use_sliding_window": True}, r"use_sliding_window=true"),
     ({"model_type": "qwen3", "attention_bias": True}, r"attention_bias=true"),
 ])

@@ -122,6 +122,9 @@ def test_loss_and_gradients_equal_the_unrolled_model(objective_name, remat):
                  slot_threshold=0.3, token_threshold=0.2),
     DecodeConfig(method="ar", gen_length=12, slot_size=4, block_size=12),
     DecodeConfig(method="mdm", gen_length=8, block_size=4, slot_size=4),
+    # Each finished block's K/V written inside the scan, in the next block's first pass.
+    DecodeConfig(method="bd3lm", gen_length=12, block_size=4, slot_size=4,
+                 mdm_tokens_per_step=2),
 ], ids=lambda dc: dc.method)
 def test_decoded_tokens_equal_the_unrolled_model(dc):
   attention = "bidirectional" if dc.method == "mdm" else "causal"

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import tiny_arm, tiny_mdm, tiny_refusion
+from configs import tiny_arm, tiny_bd3lm, tiny_mdm, tiny_refusion
 from refusion_jax import checkpoint, data, hf, objective, sharding
 from refusion_jax import config as config_lib
 from refusion_jax.checks import InputError
@@ -93,7 +93,7 @@ def host(tree):
 
 def test_configs_load_and_validate():
   for module, objective_name in ((tiny_refusion, "refusion"), (tiny_arm, "arm"),
-                                 (tiny_mdm, "mdm")):
+                                 (tiny_mdm, "mdm"), (tiny_bd3lm, "bd3lm")):
     c = module.get_config()
     assert c.objective == objective_name
     model_config = settings.resolve(c).model_config
@@ -177,6 +177,33 @@ def test_training_lowers_the_loss(tmp_path, tfds_dir):
   jax.tree.map(np.testing.assert_array_equal, host(loaded), host(result.params))
   assert any(n.startswith("events.out.tfevents")
              for n in os.listdir(tmp_path / loop.TENSORBOARD_DIR))
+
+
+def test_bd3lm_trains_on_packed_rows_of_whole_blocks(tmp_path, tfds_dir, monkeypatch):
+  # The loader EOS-pads every response to whole blocks; the step halves nothing away.
+  seen = []
+  real_loss_fn = objective.loss_fn
+
+  def loss_fn(model, batch, rng, **kwargs):
+    seen.append(kwargs["bd3lm_block_size"])
+    return real_loss_fn(model, batch, rng, **kwargs)
+
+  monkeypatch.setattr(objective, "loss_fn", loss_fn)
+  c = small_config(tfds_dir, objective="bd3lm", bd3lm_block_size=4, num_train_steps=40,
+                   **{"data.packing": "best_fit", "checkpoint.every_steps": 40,
+                      "optimizer.warmup_steps": 2})
+  tokenizer = settings.load_tokenizer(c)
+  loader = data.loader_from_config(dict(c.data, tfds_dir=tfds_dir), tokenizer, 8,
+                                   eos_pad_multiple=settings.eos_pad_multiple(c))
+  batch = next(iter(loader))
+  starts = (batch["segment_ids"] > 0) & (batch["positions"] == 0)
+  p, r = batch["segment_prompt_len"][starts], batch["segment_response_len"][starts]
+  assert ((r % 4 == 0) | (p + r == 64)).all() and (r % 4 == 0).mean() > 0.9
+  assert (batch["segment_ids"] > 0).sum() / batch["tokens"].size > 0.6  # packed
+  loop.train_and_evaluate(c, str(tmp_path))
+  assert set(seen) == {4}
+  losses = [m["loss"] for m in read_metrics(tmp_path) if "loss" in m]
+  assert len(losses) == 40 and np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
 
 
 def _train_command(workdir, tfds_dir, **changes):
@@ -389,6 +416,11 @@ def test_loss_chunk_step_equals_full_logits_step(tfds_dir, monkeypatch):
     ({"data.packing": "greedy"}, r"config\.data\.packing must be one of .*got 'greedy'"),
     ({"data.packing_bins": -1}, r"config\.data\.packing_bins must be an int >= 0"),
     ({"mdm_response_len": -3}, r"config\.mdm_response_len must be an int >= 0"),
+    ({"objective": "bd3lm", "bd3lm_block_size": 0}, r"config\.bd3lm_block_size must be a "),
+    ({"objective": "bd3lm", "bd3lm_eps_min": 0.9, "bd3lm_eps_max": 0.5},
+     r"config\.bd3lm_eps_min=0\.9 exceeds bd3lm_eps_max=0\.5"),
+    ({"objective": "bd3lm", "model.attention_impl": "splash"},
+     r"config\.objective='bd3lm' needs config\.model\.attention_impl='xla', got 'splash'"),
     ({"data.packing": "first_fit", "model.attention_impl": "cudnn"},
      r"attention_impl='cudnn' cannot keep packed samples apart .*data\.packing='first_fit'"),
 ])

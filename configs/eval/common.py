@@ -14,7 +14,7 @@ def decode_fields(method: str = "refusion", gen_length: int = 512, slot_size: in
                   block_size: int = 128, slot_threshold: float = 0.9,
                   token_threshold: float = 0.4) -> ml_collections.ConfigDict:
   d = ml_collections.ConfigDict()
-  d.method = method  # "refusion", "ar" (the AR row of Table 1) or "mdm"
+  d.method = method  # "refusion", "ar" (the AR row of Table 1), "mdm" or "bd3lm"
   d.gen_length = gen_length  # response tokens at most (EOS stops earlier)
   d.slot_size = slot_size  # ReFusion k: tokens per slot
   d.block_size = block_size  # b: tokens per serial block (multiple of slot_size)
@@ -23,6 +23,9 @@ def decode_fields(method: str = "refusion", gen_length: int = 512, slot_size: in
   d.temperature = 0.0  # 0 = greedy (the paper)
   d.mdm_tokens_per_step = 1  # MDM (LLaDA): tokens unmasked per step
   d.mdm_threshold = placeholder(float)  # MDM (Fast-dLLM): unmask every token above it
+  d.mdm_ranking = "confidence"  # MDM: "confidence" (LLaDA) or Dream's "maskgit_plus",
+  #   "topk_margin", "entropy", "origin" (decode/mdm.py)
+  d.mdm_steps = placeholder(int)  # MDM: Dream's linear schedule of this many steps in all
   d.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   d.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
   # KV entries attention reads at a time, up to the longest row's live part (0: the whole

@@ -1,4 +1,4 @@
-"""Decoders: ReFusion's plan-and-infill and the AR and MDM baselines.
+"""Decoders: ReFusion's plan-and-infill and the AR, MDM and BD3-LM baselines.
 
 Every decoder is a row program of `engine` (one protocol, one registry, one
 token picker in `heads`, one pass builder in `passes`). Entry points:
@@ -6,5 +6,6 @@ token picker in `heads`, one pass builder in `passes`). Entry points:
 per-method `generate` functions.
 """
 
-from refusion_jax.decode import autoregressive, engine, mdm, refusion  # noqa: F401  (registers)
+from refusion_jax.decode import (  # noqa: F401  (registers)
+    autoregressive, bd3lm, engine, mdm, refusion)
 from refusion_jax.decode.engine import Decoder, Engine, generate  # noqa: F401

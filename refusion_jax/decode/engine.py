@@ -1,6 +1,6 @@
 """One protocol for every decoder, and a continuous-batching engine over it.
 
-Each decoding method (`refusion`, `ar`, `mdm`) is a *row program*: a fixed
+Each decoding method (`refusion`, `ar`, `mdm`, `bd3lm`) is a *row program*: a fixed
 number of rows, each holding one prompt (or nothing), each in its own phase.
 A program provides
 
@@ -18,8 +18,9 @@ phases are >= `FIRST_PHASE`.
 
 What a program compiles for is split in two. `Spec` is static (shapes and
 structure: method, gen_length, slot and block size, the left-to-right
-ablation, the vocabulary chunk); `Knobs` is traced (thresholds, temperature,
-recompute_kv, the MDM settings and the special token ids, EOS's -1 under
+ablation, the vocabulary chunk, the MDM ranking and schedule); `Knobs` is
+traced (thresholds, temperature, recompute_kv, the MDM per-step count and
+threshold, the special token ids, EOS's -1 under
 `ignore_eos`), so a threshold sweep or a new temperature reuses every compiled
 program of every method.
 
@@ -72,6 +73,8 @@ class Spec:
   vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK
   kv_chunk: int = 0  # DecodeConfig.kv_chunk as resolved for the platform (KVCache.chunk)
   matmul_precision: str | None = None  # DecodeConfig.matmul_precision as resolved (None: JAX's)
+  mdm_ranking: str = "confidence"  # DecodeConfig.mdm_ranking (MDM only)
+  mdm_steps_per_block: int = 0  # Dream's schedule: steps per block (0: none; MDM only)
 
 
 @flax.struct.dataclass
@@ -125,7 +128,10 @@ def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_
   if dc.method == "ar":
     return Spec("ar", g, g, g, False, vocab_chunk, kv_chunk, mp)
   if dc.method == "mdm":  # no KV cache
-    return Spec("mdm", g, dc.block_size, dc.block_size, False, vocab_chunk, 0, mp)
+    return Spec("mdm", g, dc.block_size, dc.block_size, False, vocab_chunk, 0, mp,
+                mdm_ranking=dc.mdm_ranking, mdm_steps_per_block=dc.mdm_steps_per_block or 0)
+  if dc.method == "bd3lm":  # blocks only: no slots
+    return Spec("bd3lm", g, dc.block_size, dc.block_size, False, vocab_chunk, kv_chunk, mp)
   if dc.left_to_right:  # blocks play no part left to right
     return Spec("refusion", g, dc.slot_size, g, True, vocab_chunk, kv_chunk, mp)
   return Spec("refusion", g, dc.slot_size, dc.block_size, False, vocab_chunk, kv_chunk, mp)

@@ -209,3 +209,90 @@ def _dispatch(reduce, any_sample) -> TokenStats:
     pick, p_pick, p_given = jax.lax.cond(any_sample, lambda: reduce(True),
                                          lambda: reduce(False))
   return TokenStats(pick_bt=pick, p_pick_bt=p_pick, p_given_bt=p_given)
+
+
+@flax.struct.dataclass
+class SamplerStats:
+  """Dream's sampler scores of each token, under the softmax at the temperature
+  (`softmax(logits / T)`; the plain softmax when T = 0)."""
+
+  pick_bt: jax.Array  # argmax (greedy) or a sample (T > 0), int32
+  p_pick_bt: jax.Array  # the pick's probability ("maskgit_plus")
+  margin_bt: jax.Array  # top-1 minus top-2 probability ("topk_margin")
+  neg_entropy_bt: jax.Array  # sum_v p_v log p_v ("entropy")
+
+
+def sampler_stats(h_btd, unembed, *, temperature, keys_bt2, banned_id=None,
+                  vocab_chunk: int = DEFAULT_VOCAB_CHUNK) -> SamplerStats:
+  """Dream's per-token scores from hidden states `[B, T, D]`, reduced over the
+  vocabulary a chunk at a time as `token_stats` does (no `[B, T, V]` array).
+
+  Every score is taken under `p = softmax(logits / T)` (T = `temperature`, traced;
+  the plain softmax at T = 0), as Dream's samplers take them: the pick is the argmax
+  of `logits / T` plus Gumbel noise drawn from `keys_bt2` exactly as `token_stats`
+  draws it (the argmax at T = 0), so it is a sample of `p`. `banned_id` is never
+  picked and its mass is removed before the softmax. The entropy is `sum p log p`
+  over the vocabulary (Dream adds 1e-10 inside the log, which moves it by at most
+  V * 1e-10).
+  """
+  if not isinstance(unembed, Unembed):
+    unembed = Unembed(unembed, vocab_axis=0)
+  v = unembed.vocab_size
+  b, t = h_btd.shape[:2]
+  scale = 1.0 / jnp.where(temperature > 0, temperature, 1.0)
+  groups = sharding.split_count("vocab", v)
+  vg = v // groups
+  chunk = min(chunk_columns(b * t, vocab_chunk), vg)
+  n_chunks = -(-vg // chunk)
+  g_offset = (jnp.arange(groups) * vg)[:, None]
+
+  def reduce(with_noise):
+    def body(carry, c):
+      m, s, a, t1, t2, best, best_idx, best_z = carry
+      start = jnp.minimum(c * chunk, vg - chunk)
+      local = start + jnp.arange(chunk)
+      cols = (g_offset + local[None]).reshape(-1)  # [groups * chunk], global ids
+      fresh = jnp.broadcast_to(local[None] >= c * chunk, (groups, chunk)).reshape(-1)
+      if n_chunks == 1 and groups == 1:
+        logits = unembed.logits(h_btd)
+      else:
+        logits = unembed.group_logits(h_btd, groups, start, chunk).reshape(b, t, -1)
+      keep = fresh if banned_id is None else fresh & (cols != banned_id)
+      z = jnp.where(keep[None, None], logits * scale, -jnp.inf)
+      score = z
+      if with_noise:
+        score = jnp.where(keep[None, None], z + _column_noise(keys_bt2, cols), -jnp.inf)
+      # Online softmax statistics of z: s = sum e^(z-m), a = sum e^(z-m) (z-m).
+      new_m = jnp.maximum(m, z.max(-1))
+      safe_m = jnp.where(jnp.isfinite(new_m), new_m, 0.0)
+      alpha = jnp.exp(m - safe_m)
+      d = z - safe_m[..., None]
+      e = jnp.exp(d)
+      shift = jnp.where(s > 0, (m - safe_m) * s, 0.0)
+      a = alpha * (a + shift) + jnp.where(e > 0, e * d, 0.0).sum(-1)
+      s = s * alpha + e.sum(-1)
+      c_top, _ = jax.lax.top_k(z, 2)
+      t1, t2 = (jnp.maximum(t1, c_top[..., 0]),
+                jnp.maximum(jnp.minimum(t1, c_top[..., 0]), jnp.maximum(t2, c_top[..., 1])))
+      c_idx = jnp.argmax(score, axis=-1)
+      c_best = jnp.take_along_axis(score, c_idx[..., None], axis=-1)[..., 0]
+      c_z = jnp.take_along_axis(z, c_idx[..., None], axis=-1)[..., 0]
+      c_col = cols[c_idx].astype(jnp.int32)
+      better = (c_best > best) | ((c_best == best) & (c_col < best_idx))
+      best_idx = jnp.where(better, c_col, best_idx)
+      best_z = jnp.where(better, c_z, best_z)
+      best = jnp.where(better, c_best, best)
+      return (new_m, s, a, t1, t2, best, best_idx, best_z), None
+
+    neg = jnp.full((b, t), -jnp.inf, jnp.float32)
+    zero = jnp.zeros((b, t), jnp.float32)
+    init = (neg, zero, zero, neg, neg, neg, jnp.zeros((b, t), jnp.int32), neg)
+    (m, s, a, t1, t2, _, best_idx, best_z), _ = jax.lax.scan(body, init, jnp.arange(n_chunks))
+    lse = m + jnp.log(s)
+    return best_idx, (jnp.exp(best_z - lse), jnp.exp(t1 - lse) - jnp.exp(t2 - lse),
+                      a / s - jnp.log(s))
+
+  pick, (p_pick, margin, neg_entropy) = jax.lax.cond(
+      temperature > 0, lambda: reduce(True), lambda: reduce(False))
+  return SamplerStats(pick_bt=pick, p_pick_bt=p_pick, margin_bt=margin,
+                      neg_entropy_bt=neg_entropy)

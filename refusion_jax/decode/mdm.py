@@ -16,6 +16,27 @@ Draft = argmax of the logits (a sample at temperature > 0, i.e. argmax with
 Gumbel noise); confidence = its softmax probability under the plain logits.
 The mask token is never drafted. Ties in confidence go to the lower position.
 
+Dream's samplers (`mdm_ranking`, `mdm_steps`; ALGORITHM.md "Baselines"). The
+candidates are ranked by a score under `softmax(logits / temperature)`
+(`heads.sampler_stats`): the drafted token's probability ("maskgit_plus"), top-1
+minus top-2 probability ("topk_margin") or the negative entropy ("entropy"),
+either `mdm_tokens_per_step` at a time or on Dream's linear schedule: with
+`mdm_steps_per_block` n and timesteps `ts = linspace(1, eps, n + 1)`, step i of a
+block unmasks the `int(m * (1 - ts[i+1] / ts[i]))` best of its m masked
+positions, every one left at step n - 1 (the counts depend only on the block
+size and n: `schedule_counts`). "origin" ranks nothing: at step i each masked
+position is revealed with probability `1 - ts[i+1] / ts[i]` (1 at the last step),
+a uniform draw per position from the row's key (`reveal_uniforms_bg`). With
+`block_size = gen_length` this is Dream's `diffusion_generate(steps=n, alg=...)`
+on one canvas. Departures from Dream's code, all per row where Dream's couple
+rows: its count uses the batch's mean number of masks; the schedule is
+computed in float64 here (float32 there: the counts agree for every setting
+checked, docs/DESIGN.md "Dream"); the mask token is never drafted.
+
+A model with `ModelConfig.shift_logits` (Dream) predicts token i at position
+i-1: the pass reads the hidden state one column to the left of each generated
+position (a prompt has at least one token, so that column exists).
+
 EOS rule: a row stops as soon as it has a decided EOS and every position
 before its first decided EOS is decided too (that EOS is then final: nothing
 before it can still change). Its response is the tokens up to and including
@@ -28,16 +49,20 @@ active), `prefill_b` is 0 (there is no separate prompt pass).
 A row program of `engine`: admission writes the prompt and the masks into
 the row's canvas; each pass re-runs every canvas. Whether the fixed count or
 the threshold rule applies, the count, the threshold and the temperature are
-traced knobs (one program for LLaDA and Fast-dLLM settings).
+traced knobs (one program for LLaDA and Fast-dLLM settings); the ranking and
+the schedule's steps are static (`engine.Spec`: one program each).
 """
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from refusion_jax.config import DecodeConfig, ModelConfig
+from refusion_jax.config import MDM_SCHEDULE_EPS, DecodeConfig, ModelConfig
 from refusion_jax.decode import engine, heads
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
@@ -55,6 +80,7 @@ class Rows:
   decided_bg: jax.Array
   commit_step_bg: jax.Array
   block_b: jax.Array  # index of each row's current block
+  block_step_b: jax.Array  # steps taken in the current block (Dream's schedule: i)
   counters: DecodeCounters
 
 
@@ -75,6 +101,41 @@ def confidence_rank_bg(conf_bg, candidate_bg):
   return beats_bgg.sum(axis=-1)
 
 
+def schedule_timesteps(steps: int, eps: float = MDM_SCHEDULE_EPS) -> list[float]:
+  """Dream's timesteps `linspace(1, eps, steps + 1)` (float64)."""
+  return [1.0 + (eps - 1.0) * j / steps for j in range(steps + 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def schedule_counts(masked: int, steps: int, eps: float = MDM_SCHEDULE_EPS) -> tuple[int, ...]:
+  """Tokens each of `steps` steps unmasks from `masked` masked positions on Dream's
+  linear schedule: `int(m * (1 - s / t))` of the m still masked, all at the last step."""
+  ts = schedule_timesteps(steps, eps)
+  counts, left = [], masked
+  for i in range(steps):
+    n = left if i == steps - 1 else int(left * (1.0 - ts[i + 1] / ts[i]))
+    counts.append(n)
+    left -= n
+  return tuple(counts)
+
+
+def schedule_reveal_probs(steps: int, eps: float = MDM_SCHEDULE_EPS) -> np.ndarray:
+  """"origin": each masked position's reveal probability at each step, float32
+  `1 - s / t` (1 at the last step)."""
+  ts = schedule_timesteps(steps, eps)
+  return np.asarray([1.0 - ts[i + 1] / ts[i] for i in range(steps - 1)] + [1.0], np.float32)
+
+
+def reveal_uniforms_bg(key_b2, pass_b, g: int):
+  """"origin"'s draws `[B, G]`: position i of a row's pass n draws
+  `uniform(fold_in(fold_in(key, n), G + i))` (the token draws of the pass use keys
+  0..G-1 of the same pass, `engine.pass_keys`)."""
+  def row(key, count):
+    k = jax.random.fold_in(key, count)
+    return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(k, g + i)))(jnp.arange(g))
+  return jax.vmap(row)(key_b2, pass_b)
+
+
 def first_eos_b(tokens_bg, decided_bg, eos: int):
   """(index of the first decided EOS, or G; whether it is final)."""
   g = tokens_bg.shape[1]
@@ -91,7 +152,7 @@ def _empty_rows(spec: Spec, b: int, width: int, mask_id) -> Rows:
   return Rows(phase_b=zi + FREE, prompt_len_b=zi + 1, key_b2=jnp.zeros((b, 2), jnp.uint32),
               prompt_bp=jnp.zeros((b, width), jnp.int32),
               gen_bg=jnp.full((b, g), mask_id, jnp.int32), decided_bg=jnp.zeros((b, g), bool),
-              commit_step_bg=jnp.full((b, g), -1, jnp.int32), block_b=zi,
+              commit_step_bg=jnp.full((b, g), -1, jnp.int32), block_b=zi, block_step_b=zi,
               counters=DecodeCounters.zeros(b))
 
 
@@ -130,31 +191,56 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
   attn_bll = key_live_bl[:, None, :] | jnp.eye(total, dtype=bool)[None]
   positions_bl = jnp.broadcast_to(cols_l[None].astype(jnp.int32), (b, total))
   h_bld, _, _ = model.forward_hidden(seq_bl, positions_bl, None, attn_bll)
-  h_bgd = jnp.take_along_axis(h_bld, gen_col_bg[:, :, None], axis=1)
-  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), g, knobs.temperature)
-  stats = heads.token_stats(h_bgd, model.unembed(), jnp.zeros((b, g), jnp.int32),
-                            sample_bt=jnp.ones((b, g), bool), temperature=knobs.temperature,
-                            keys_bt2=keys, banned_id=knobs.mask_id, vocab_chunk=spec.vocab_chunk)
-  draft_bg, conf_bg = stats.pick_bt, stats.p_pick_bt
+  # A shifted model (Dream) predicts each position from the column to its left.
+  read_col_bg = gen_col_bg - 1 if model.config.shift_logits else gen_col_bg
+  h_bgd = jnp.take_along_axis(h_bld, read_col_bg[:, :, None], axis=1)
+  nfe_b = r.counters.nfe_b()
+  keys = engine.pass_keys(r.key_b2, nfe_b, g, knobs.temperature)
+  if spec.mdm_ranking == "confidence":
+    stats = heads.token_stats(h_bgd, model.unembed(), jnp.zeros((b, g), jnp.int32),
+                              sample_bt=jnp.ones((b, g), bool), temperature=knobs.temperature,
+                              keys_bt2=keys, banned_id=knobs.mask_id,
+                              vocab_chunk=spec.vocab_chunk)
+    draft_bg, conf_bg = stats.pick_bt, stats.p_pick_bt
+  else:  # Dream's samplers: scores under the softmax at the temperature
+    stats = heads.sampler_stats(h_bgd, model.unembed(), temperature=knobs.temperature,
+                                keys_bt2=keys, banned_id=knobs.mask_id,
+                                vocab_chunk=spec.vocab_chunk)
+    draft_bg = stats.pick_bt
+    conf_bg = {"maskgit_plus": stats.p_pick_bt, "topk_margin": stats.margin_bt,
+               "entropy": stats.neg_entropy_bt, "origin": stats.p_pick_bt}[spec.mdm_ranking]
 
   block_of_g = jnp.arange(g) // spec.block_size
   in_block_bg = block_of_g[None, :] == r.block_b[:, None]
   candidate_bg = in_block_bg & ~r.decided_bg & active_b[:, None]
-  rank_bg = confidence_rank_bg(conf_bg, candidate_bg)
-  chosen_bg = candidate_bg & jnp.where(knobs.mdm_threshold >= 0,
-                                       (conf_bg > knobs.mdm_threshold) | (rank_bg == 0),
-                                       rank_bg < knobs.mdm_tokens_per_step)
+  n = spec.mdm_steps_per_block
+  if n and spec.mdm_ranking == "origin":
+    p_b = jnp.asarray(schedule_reveal_probs(n))[jnp.minimum(r.block_step_b, n - 1)]
+    chosen_bg = candidate_bg & (reveal_uniforms_bg(r.key_b2, nfe_b, g) < p_b[:, None])
+  else:
+    rank_bg = confidence_rank_bg(conf_bg, candidate_bg)
+    if n:  # Dream's schedule: a count per step of the block
+      count_b = jnp.asarray(schedule_counts(spec.block_size, n), jnp.int32)[
+          jnp.minimum(r.block_step_b, n - 1)]
+      chosen_bg = candidate_bg & (rank_bg < count_b[:, None])
+    else:
+      chosen_bg = candidate_bg & jnp.where(knobs.mdm_threshold >= 0,
+                                           (conf_bg > knobs.mdm_threshold) | (rank_bg == 0),
+                                           rank_bg < knobs.mdm_tokens_per_step)
   gen_bg = jnp.where(chosen_bg, draft_bg, r.gen_bg)
   decided_bg = r.decided_bg | chosen_bg
   commit_step_bg = jnp.where(chosen_bg, r.counters.steps_b[:, None], r.commit_step_bg)
   block_left_b = jnp.any(in_block_bg & ~decided_bg, axis=1)
-  block_b = r.block_b + (active_b & ~block_left_b).astype(jnp.int32)
+  next_block_b = active_b & ~block_left_b
+  block_b = r.block_b + next_block_b.astype(jnp.int32)
+  block_step_b = jnp.where(next_block_b, 0, r.block_step_b + active_b.astype(jnp.int32))
   _, eos_final_b = first_eos_b(gen_bg, decided_bg, knobs.eos_id)
   done_b = active_b & (eos_final_b | (block_b >= g // spec.block_size))
   counters = r.counters.add(active_b, plan_b=1, steps_b=1).add_step_tpf(
       active_b, chosen_bg.sum(-1), active_b)
   r = r.replace(phase_b=jnp.where(done_b, DONE, r.phase_b), gen_bg=gen_bg, decided_bg=decided_bg,
-                commit_step_bg=commit_step_bg, block_b=block_b, counters=counters)
+                commit_step_bg=commit_step_bg, block_b=block_b, block_step_b=block_step_b,
+                counters=counters)
   return State(passes=st.passes + 1, rows=r)
 
 
@@ -195,7 +281,8 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
   """Decodes up to `decode_config.gen_length` tokens after each prompt by unmasking.
 
   Args:
-    model: a bidirectional `Qwen3` (ModelConfig.attention == 'bidirectional').
+    model: a bidirectional `Qwen3` (ModelConfig.attention == 'bidirectional'; a
+      Dream model is read shifted by one, `ModelConfig.shift_logits`).
     prompt_ids_bp: `[B, P]` right-padded prompt ids.
     prompt_len_b: `[B]` real prompt lengths (1..P).
     decode_config: `DecodeConfig` with `method='mdm'`.

@@ -4,7 +4,8 @@ A row describes its feed in a fixed *layout* of `N` entries (for ReFusion
 the current block): which entries take part (`fed_bn`), their token ids and
 position ids, an attention group per entry (an entry sees the earlier fed
 entries of its own group: group 0 for a causal run over everything fed, the
-slot index for the infill's slot-local attention), where its K/V go in the
+slot index for the infill's slot-local attention; with `block_groups`, every fed
+entry of its own group and of lower groups), where its K/V go in the
 row's cache (`dest_bn`, -1 for nowhere) and whether its pick is sampled.
 
 `run_pass` compacts every row's fed entries to the front, in layout order
@@ -89,9 +90,15 @@ def compact(fed_bn: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temperature,
-             keys_bn2, banned_id=None, vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK
-             ) -> tuple[KVCache, PassOut]:
-  """One forward pass over every row's fed entries (module docstring)."""
+             keys_bn2, banned_id=None, vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK,
+             block_groups: bool = False) -> tuple[KVCache, PassOut]:
+  """One forward pass over every row's fed entries (module docstring).
+
+  `block_groups` (static): an entry sees every fed entry of its own group (both
+  directions) and of every lower group, instead of the earlier entries of its own
+  group only; a row's groups must not decrease in layout order (BD3-LM's pass: a
+  clean block, then the masked block that attends to it and to itself).
+  """
   b, n = feed.fed_bn.shape
   widths = tuple(sorted(set(int(w) for w in widths)))
   if widths[-1] < n:
@@ -126,9 +133,11 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
       sample = c[..., 4] > 0
       keys = jax.lax.bitcast_convert_type(c[..., 5:7], jnp.uint32)
       valid_bw = jnp.arange(w)[None] < need_b[:, None]
-      causal_ww = masks.causal_tt(w)
-      mask = (causal_ww[None] & (group[:, :, None] == group[:, None, :])
-              & valid_bw[:, :, None] & valid_bw[:, None, :]) | jnp.eye(w, dtype=bool)[None]
+      if block_groups:
+        sees_bww = group[:, None, :] <= group[:, :, None]
+      else:
+        sees_bww = masks.causal_tt(w)[None] & (group[:, :, None] == group[:, None, :])
+      mask = (sees_bww & valid_bw[:, :, None] & valid_bw[:, None, :]) | jnp.eye(w, dtype=bool)[None]
       if in_scan:
         dst = jnp.where(dest >= 0, dest, cache.max_len)
         h, written = model.forward_hidden(ids, pos, cache, mask,

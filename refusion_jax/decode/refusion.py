@@ -526,6 +526,10 @@ def validate(model_config, decode_config: DecodeConfig, prompt_len: int) -> None
         f"decode.method={decode_config.method!r}: refusion.generate only runs 'refusion'")
   if model_config.mask_token_id is None:
     raise ValueError("ReFusion decoding needs ModelConfig.mask_token_id, got None")
+  if model_config.shift_logits:
+    raise ValueError(f"ReFusion decoding reads each slot's own logits; a "
+                     f"{model_config.model_type!r} model predicts token i at position i-1 "
+                     "(ModelConfig.shift_logits): decode it with decode.method='mdm'")
   # `replace()` re-runs DecodeConfig's own field checks (block multiple of slot,
   # gen_length multiple of block, thresholds in [0, 1], ...), even on an instance
   # whose fields were altered after construction.

@@ -146,6 +146,7 @@ class RefusionLM(LM):
                slot_size: int = 32, block_size: int = 128, slot_threshold: float = 0.9,
                token_threshold: float = 0.4, temperature: float = 0.0,
                mdm_tokens_per_step: int = 1, mdm_threshold: float | None = None,
+               mdm_ranking: str = "confidence", mdm_steps: int | None = None,
                left_to_right: bool = False, recompute_kv: bool = False,
                ignore_eos: bool = False, kv_chunk: int | str | None = None,
                matmul_precision: str | None = None, batch_size: int | str = 1,
@@ -158,8 +159,9 @@ class RefusionLM(LM):
       raise ValueError(f"refusion_jax: unknown model arg(s) {sorted(unknown)}; known: "
                        "model_dir, tokenizer_dir, method, gen_length, slot_size, block_size, "
                        "slot_threshold, token_threshold, temperature, mdm_tokens_per_step, "
-                       "mdm_threshold, left_to_right, recompute_kv, ignore_eos, kv_chunk, "
-                       "matmul_precision, batch_size, enable_thinking, seed, progress")
+                       "mdm_threshold, mdm_ranking, mdm_steps, left_to_right, recompute_kv, "
+                       "ignore_eos, kv_chunk, matmul_precision, batch_size, enable_thinking, "
+                       "seed, progress")
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
       raise ValueError("refusion_jax: batch_size='auto' is not supported; give the number of "
                        "engine rows (e.g. --batch_size 16)")
@@ -174,6 +176,8 @@ class RefusionLM(LM):
         temperature=_as_float(temperature, "temperature"),
         mdm_tokens_per_step=_as_int(mdm_tokens_per_step, "mdm_tokens_per_step"),
         mdm_threshold=_unless_none(mdm_threshold, _as_float, "mdm_threshold"),
+        mdm_ranking=str(mdm_ranking),
+        mdm_steps=_unless_none(mdm_steps, _as_int, "mdm_steps"),
         left_to_right=_as_bool(left_to_right, "left_to_right"),
         recompute_kv=_as_bool(recompute_kv, "recompute_kv"),
         ignore_eos=_as_bool(ignore_eos, "ignore_eos"),

@@ -165,6 +165,7 @@ def _decode_and_score(c, bench, decode_config: DecodeConfig, tm, data_dir):
       "avg_length": tokens / n if n else None,
       "forward_passes": passes, "engine_passes": lm.passes, "wall_seconds": wall,
       "model": os.path.basename(os.path.normpath(c.model_dir)), "model_dir": c.model_dir,
+      "model_type": lm.model.config.model_type,
       "method": decode_config.method, "completions": None}
   return result, samples
 

@@ -20,6 +20,15 @@ from refusion_jax import tasks as tasks_lib
 from refusion_jax.repro import settings
 
 REFERENCE_ROW = "ARM-AR"  # the row every speed is compared with
+# The paper's Table 2 (every model retrained from Qwen3-8B on the same 120K samples):
+# (our row, the paper's model, its average accuracy, its speed relative to the AR model
+# where the paper gives it). Our MDM row is the LLaDA decoder where the run has it.
+PAPER_TABLE2 = (
+    (("ARM-AR",), "Qwen3-8B retrained (AR)", 65.7, 1.0),
+    (("MDM-LLaDA", "MDM-FastdLLM"), "LLaDA retrained (MDM)", 47.4, None),
+    (("BD3LM",), "BD3-LMs retrained (block 8)", 52.9, None),
+    (("ReFusion",), "ReFusion", 59.9, 1.75),
+)
 
 
 def _training_size(budget: dict, trained: Mapping[str, dict]) -> str:
@@ -118,6 +127,15 @@ def targets(results: Mapping[str, dict]) -> list[tuple[str, str, bool | None]]:
   tpf = _avg(results["ReFusion"], "tokens_per_forward") if "ReFusion" in results else None
   out.append(("ReFusion tokens per forward >= 4", _fmt(tpf, 2),
               None if tpf is None else tpf >= 4.0))
+  g = gap("ReFusion", "ARM-AR")
+  out.append(("Table 2: ReFusion within 6 points of ARM at >= 3 tokens per forward",
+              f"{_fmt(g, 1)} points lower, {_fmt(tpf, 2)} tokens per forward",
+              None if g is None or tpf is None else (g <= 6.0 and tpf >= 3.0)))
+  for row in ("MDM-LLaDA", "MDM-FastdLLM", "BD3LM"):
+    if row in results:
+      acc = _avg(results[row], "accuracy")
+      out.append((f"Table 2: {row} clearly above 0 (>= 10%)", f"{_fmt(acc, 1)}%",
+                  None if acc is None else acc >= 10.0))
   r, g = ratio("ReFusion", "ReFusion-recompute-KV"), gap("ReFusion", "ReFusion-recompute-KV")
   out.append(("KV reuse faster than recomputation at <= 0.5 point cost",
               f"{_fmt(r, 2)}x, {_fmt(g, 1)} points lower",
@@ -195,6 +213,33 @@ def _preamble(config, results: Mapping[str, dict], trained: Mapping[str, dict], 
                   ((t, config.decode.tasks[t]) for t in task_names))]
 
 
+def table2_lines(results: Mapping[str, dict]) -> list[str]:
+  """The paper's Table 2 in miniature, the paper's own figures beside ours."""
+  ref = results.get(REFERENCE_ROW)
+  if not ref:
+    return []
+  lines = ["", "## Table 2 in miniature (every model fine-tuned from one base on the same "
+           "samples; the paper's Table 2 beside it)", "",
+           "| Model (decoder) | accuracy | - ARM (points) | tokens per forward | tokens/s / ARM "
+           "| paper: accuracy | paper: - AR | paper: speed / AR |", "|---|---|---|---|---|---|---|---|"]
+  ref_acc, ref_tps = ref["average"]["accuracy"], ref["average"]["tokens_per_sec"]
+  for names, paper_name, paper_acc, paper_speed in PAPER_TABLE2:
+    name = next((n for n in names if n in results), None)
+    paper = (f"| {paper_acc:.1f} | {paper_acc - PAPER_TABLE2[0][2]:+.1f} | "
+             f"{'–' if paper_speed is None else f'{paper_speed:.2f}x'} |")
+    if name is None:
+      lines.append(f"| {paper_name}: missing (no row {' / '.join(names)} in this run) "
+                   "| – | – | – | – " + paper)
+      continue
+    a = results[name]["average"]
+    tps = a["tokens_per_sec"]
+    speed = tps / ref_tps if tps is not None and ref_tps else None
+    lines.append(f"| {paper_name} ({name}) | {a['accuracy']:.1f} | "
+                 f"{a['accuracy'] - ref_acc:+.1f} | {a['tokens_per_forward']:.2f} | "
+                 f"{_fmt(speed, 2)}x " + paper)
+  return lines
+
+
 def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict],
                  when: str, here: Mapping, base: Mapping | None = None) -> str:
   """The markdown report; `base` is the stage-1 marker (None: models trained from scratch)."""
@@ -229,6 +274,7 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
       speed = tps / ref_tps if tps is not None and ref_tps else None
       lines.append(f"| {name} | {d:+.1f} | {_fmt(speed, 2)}x |")
 
+  lines += table2_lines(results)
   lines += ["", "## Targets (TARGETS.md)", "", "| Target | Measured | Met |", "|---|---|---|"]
   for target, measured, met in targets(results):
     lines.append(f"| {target} | {measured} | {'n/a' if met is None else 'yes' if met else 'no'} |")

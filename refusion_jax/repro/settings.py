@@ -24,8 +24,9 @@ from refusion_jax.config import DecodeConfig
 
 # ReFusion's per-task knobs (config.decode.tasks.<task>), the paper's Table 5 columns.
 TASK_SETTINGS = ("slot_size", "block_size", "slot_threshold", "token_threshold")
-# What the sweep varies and the validation search chooses, one at a time, in this order.
-SWEEP_PARAMS = ("slot_size", "slot_threshold", "token_threshold")
+# What the sweep varies and the validation search chooses, one at a time, in this order
+# (the block size too: the paper's Table 5 varies b per benchmark, 8 to 128).
+SWEEP_PARAMS = ("slot_size", "block_size", "slot_threshold", "token_threshold")
 
 
 # ---------------------------------------------------------------------------
@@ -54,6 +55,14 @@ def _mdm_decode_config(config, threshold) -> DecodeConfig:
                       mdm_threshold=threshold)
 
 
+def _bd3lm_decode_config(config) -> DecodeConfig:
+  """BD3-LM block by block at its training block size, Fast-dLLM's threshold in a block."""
+  d = config.decode
+  return DecodeConfig(method="bd3lm", gen_length=d.gen_length,
+                      block_size=int(config.train.bd3lm_block_size),
+                      mdm_tokens_per_step=d.mdm_tokens_per_step, mdm_threshold=d.mdm_threshold)
+
+
 def _ar_decode_config(config) -> DecodeConfig:
   g = config.decode.gen_length
   return DecodeConfig(method="ar", gen_length=g, slot_size=g, block_size=g)
@@ -66,6 +75,8 @@ ROWS: dict[str, Row] = {row.name: row for row in (
         lambda c, t: _mdm_decode_config(c, None)),
     Row("MDM-FastdLLM", "mdm", "MDM, Fast-dLLM threshold decoding",
         lambda c, t: _mdm_decode_config(c, c.decode.mdm_threshold)),
+    Row("BD3LM", "bd3lm", "BD3-LM, block diffusion with a KV cache, Fast-dLLM threshold "
+        "in each block", lambda c, t: _bd3lm_decode_config(c)),
     Row("ReFusion", "refusion", "ReFusion, plan-and-infill", refusion_decode_config),
     Row("ReFusion-L2R", "refusion", "ReFusion model decoded left to right, one slot per "
         "step, no drafting", lambda c, t: refusion_decode_config(c, t, left_to_right=True)),
@@ -216,6 +227,16 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
     for param in SWEEP_PARAMS:
       if not tuple(config.sweep_grid[param]):
         raise ValueError(f"config.sweep_grid.{param} is empty")
+    # The search may pair any slot size it tries with any block size it tries.
+    for task in tasks_lib.TASKS:
+      slots = set(config.sweep_grid.slot_size) | {config.decode.tasks[task].slot_size}
+      blocks = set(config.sweep_grid.block_size) | {config.decode.tasks[task].block_size}
+      for k in sorted(slots):
+        for b in sorted(blocks):
+          if b % k:
+            raise ValueError(f"config.sweep_grid: the validation search may pair slot_size={k} "
+                             f"with block_size={b} (task {task!r}), and {b} is not a multiple "
+                             f"of {k}")
   if config.sweep:
     if "refusion" not in models:
       raise ValueError("config.sweep=true needs the 'refusion' model in config.models")

@@ -138,7 +138,8 @@ class Server:
     method = req.method or default.method
     found = [b for b in self.scheduler.buckets if b.method == method
              and (req.gen_length is None or b.gen_length == req.gen_length)
-             and (b.method == "ar" or req.slot_size is None or b.slot_size == req.slot_size)
+             and (b.method in ("ar", "bd3lm") or req.slot_size is None
+                  or b.slot_size == req.slot_size)
              and (b.method == "ar" or req.block_size is None or b.block_size == req.block_size)
              and (req.max_tokens is None or b.gen_length >= req.max_tokens)]
     if not found:

@@ -121,6 +121,8 @@ class Bucket:
 def bucket_of(dc: DecodeConfig) -> Bucket:
   if dc.method == "ar":  # slot and block play no part
     return Bucket("ar", dc.gen_length, dc.gen_length, dc.gen_length)
+  if dc.method == "bd3lm":  # blocks only: the slot size plays no part
+    return Bucket("bd3lm", dc.gen_length, dc.block_size, dc.block_size)
   return Bucket(dc.method, dc.gen_length, dc.slot_size, dc.block_size)
 
 

@@ -212,7 +212,8 @@ def _evaluate(trainer: trainer_lib.Trainer, params, data_config, tokenizer) -> d
   config = trainer.config
   loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "eval",
                                    jax.process_index(), jax.process_count(),
-                                   eos_pad_response_to=settings.eos_pad_response_to(config))
+                                   eos_pad_response_to=settings.eos_pad_response_to(config),
+                                   eos_pad_multiple=settings.eos_pad_multiple(config))
   totals: dict[str, float] = {}
   count = 0
   batches = iter(loader)
@@ -279,7 +280,8 @@ def _check_data(config, data_config: dict, tokenizer) -> int:
           list(data.iter_examples(data_config["eval_files"])), tokenizer, seq_len=seq_len,
           packing=settings.packing(config), packing_bins=int(config.data.packing_bins),
           batch_size=int(config.global_batch_size), seed=0, drop_overlong=drop,
-          eos_pad_response_to=settings.eos_pad_response_to(config), shuffle=False)
+          eos_pad_response_to=settings.eos_pad_response_to(config),
+          eos_pad_multiple=settings.eos_pad_multiple(config), shuffle=False)
       if layout.rows < config.global_batch_size:
         raise ValueError(f"config.data.eval_files: packed ({settings.packing(config)}), their "
                          f"{layout.samples} samples fill {layout.rows} rows, fewer than one "
@@ -383,7 +385,8 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
   eos_pad = settings.eos_pad_response_to(config)
   loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "train",
                                    jax.process_index(), jax.process_count(),
-                                   eos_pad_response_to=eos_pad)
+                                   eos_pad_response_to=eos_pad,
+                                   eos_pad_multiple=settings.eos_pad_multiple(config))
   assert loader.num_records == num_examples, (loader.num_records, num_examples)
   if measure_rows:
     # Measured on the shuffled data as one process would read all of it, so that every
@@ -393,6 +396,7 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
         packing=settings.packing(config), packing_bins=int(config.data.get("packing_bins", 0)),
         batch_size=loader.per_process_batch, seed=int(config.data.shuffle_seed),
         drop_overlong=bool(config.data.drop_overlong), eos_pad_response_to=eos_pad,
+        eos_pad_multiple=settings.eos_pad_multiple(config),
         max_samples=settings.SAMPLES_MEASURED)
     logging.info("packing: %.2f samples per row, %.1f%% of row tokens real (measured on %d "
                  "samples)", layout.samples_per_row, 100 * layout.real_token_fraction,

@@ -150,6 +150,10 @@ def validate_config(config, *, num_devices: int, process_count: int = 1,
   bins = config.data.get("packing_bins", 0)
   require(is_int(bins) and bins >= 0, "data.packing_bins", bins,
           "an int >= 0 (0 = the default: at least a batch)")
+  try:
+    objective.check_bd3lm(*bd3lm_settings(config))
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from None
   mdm_len = config.get("mdm_response_len", 0)
   require(is_int(mdm_len) and mdm_len >= 0, "mdm_response_len", mdm_len,
           "an int >= 0 (0 = to the end of the row)")
@@ -245,9 +249,13 @@ def build_model_config(config, tokenizer: Tokenizer) -> ModelConfig:
 
 def check_objective_fits(config, model_config: ModelConfig) -> None:
   """The objective's needs of the model: a mask token, and its attention kind."""
-  if config.objective in ("refusion", "mdm") and model_config.mask_token_id is None:
+  if config.objective in ("refusion", "mdm", "bd3lm") and model_config.mask_token_id is None:
     raise ValueError(f"config.objective={config.objective!r} needs a mask token, but the model "
                      "config has mask_token_id=None (set config.model.mask_token_id)")
+  if model_config.shift_logits:
+    raise ValueError(f"config.objective={config.objective!r}: the model is a Dream model "
+                     f"(model_type {model_config.model_type!r}, logits shifted by one), and "
+                     "training one is not supported here (it decodes as an MDM)")
   want = objective.attention_for(config.objective)
   if model_config.attention != want:
     raise ValueError(f"config.objective={config.objective!r} needs config.model.attention="
@@ -273,6 +281,11 @@ def validate_model_config(config, model_config: ModelConfig, tokenizer: Tokenize
 def validate_attention_impl(config, model_config: ModelConfig, platform: str) -> None:
   """config.model.attention_impl can run the training forward: rows of data.seq_len
   tokens, the model's compute dtype, on `platform` ("tpu", "gpu" or "cpu")."""
+  if config.objective == "bd3lm" and model_config.attention_impl != "xla":
+    raise ValueError(f"config.objective='bd3lm' needs config.model.attention_impl='xla', got "
+                     f"{model_config.attention_impl!r}: its two-half mask depends on each "
+                     "sample's prompt length, and the kernels here take only static masks and "
+                     "segment ids")
   if model_config.attention_impl == "cudnn" and packing(config) != "none":
     raise ValueError(f"config.model.attention_impl='cudnn' cannot keep packed samples apart "
                      f"(cuDNN's attention here takes no segment ids), but config.data.packing="
@@ -297,6 +310,19 @@ def packing(config) -> str:
 def eos_pad_response_to(config) -> int | None:
   """The loader's EOS padding of responses: the MDM baseline's `mdm_response_len`."""
   return int(config.get("mdm_response_len", 0)) if config.objective == "mdm" else None
+
+
+def eos_pad_multiple(config) -> int:
+  """The loader's EOS padding of responses to whole blocks: BD3-LM's block size (else 0)."""
+  return int(bd3lm_settings(config)[0]) if config.objective == "bd3lm" else 0
+
+
+def bd3lm_settings(config) -> tuple:
+  """(bd3lm_block_size, bd3lm_eps_min, bd3lm_eps_max), the defaults when a config
+  predates the fields."""
+  return (config.get("bd3lm_block_size", objective.DEFAULT_BD3LM_BLOCK_SIZE),
+          config.get("bd3lm_eps_min", objective.DEFAULT_BD3LM_EPS[0]),
+          config.get("bd3lm_eps_max", objective.DEFAULT_BD3LM_EPS[1]))
 
 
 def total_train_steps(config, num_records: int, samples_per_row: float = 1.0) -> int:

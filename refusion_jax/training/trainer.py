@@ -19,10 +19,17 @@ from refusion_jax import hf, objective, sharding
 from refusion_jax.config import ModelConfig
 from refusion_jax.model import Qwen3
 from refusion_jax.tokenizer import Tokenizer
+from refusion_jax.training import settings
 
 BATCH_KEYS = objective.PACKED_KEYS  # every field [rows, seq_len]
 # Independent rng streams under one seed.
 _TRAIN_STREAM, _EVAL_STREAM = 0, 1
+
+
+def bd3lm_kwargs(config) -> dict:
+  """`objective.loss_fn`'s BD3-LM settings from the config."""
+  block, eps_min, eps_max = settings.bd3lm_settings(config)
+  return {"bd3lm_block_size": int(block), "bd3lm_eps": (float(eps_min), float(eps_max))}
 
 
 def make_optimizer(opt_config, total_steps: int):
@@ -114,8 +121,9 @@ class Trainer:
         objective=config.objective,
         mask_id=model_config.mask_token_id if model_config.mask_token_id is not None else 0,
         pad_id=int(pad_id), slot_sizes=tuple(config.slot_sizes), eps=float(config.eps),
-        eos_id=model_config.eos_token_id if config.objective == "mdm" else None,
-        loss_chunk=objective.check_loss_chunk(config.loss_chunk))
+        eos_id=model_config.eos_token_id if config.objective in ("mdm", "bd3lm") else None,
+        loss_chunk=objective.check_loss_chunk(config.loss_chunk),
+        **bd3lm_kwargs(config))
 
     abstract_model = nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract_model)
@@ -204,8 +212,9 @@ class Trainer:
       if missing:
         raise ValueError(f"batch is missing {missing}")
       eos = self.loss_kwargs["eos_id"]
+      multiple = self.loss_kwargs["bd3lm_block_size"] if self.config.objective == "bd3lm" else 0
       batch = objective.packed_batch({k: np.asarray(batch[k]) for k in objective.ROW_KEYS},
-                                     eos_fill_id=eos)
+                                     eos_fill_id=eos, eos_fill_multiple=multiple)
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
       raise ValueError(f"batch is missing {missing}")
