@@ -5,6 +5,7 @@ Each failure names the field and the value: `config.<field> must be <what>, got 
 
 from __future__ import annotations
 
+import math
 import numbers
 
 
@@ -23,7 +24,10 @@ def is_int(value) -> bool:
 
 
 def is_real(value) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+  """A finite real number that is not a bool (nan and +-inf are refused: every field
+  checked with it is a rate, a weight, a bound or a probability)."""
+  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value))
 
 
 def require(condition: bool, field: str, value, what: str) -> None:

@@ -141,11 +141,16 @@ def _iter_json_list(text: str) -> Iterator[_Item]:
     yield _Item(_line_of(text, i), problem="malformed JSON (extra data after the closing ']')")
 
 
+# A UTF-8 byte order mark some editors write first: not part of the text (as the
+# server's JSON bodies and Python's "utf-8-sig" codec take it).
+_BOM = b"\xef\xbb\xbf"
+
+
 def _is_json_list(path: str) -> bool:
-  """Whether the first non-whitespace byte of the file is '['."""
+  """Whether the first non-whitespace byte of the file (after a BOM) is '['."""
   with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 16), b""):
-      stripped = block.lstrip(b" \t\r\n")
+    for i, block in enumerate(iter(lambda: f.read(1 << 16), b"")):
+      stripped = (block.removeprefix(_BOM) if i == 0 else block).lstrip(b" \t\r\n")
       if stripped:
         return stripped.startswith(b"[")
   return False
@@ -155,11 +160,11 @@ def _iter_file(path: str) -> Iterator[_Item]:
   """Elements of a JSON-list or JSONL file; a leading '[' means a JSON list.
 
   JSONL is streamed line by line, so a big file need not fit in memory; a
-  JSON list is one document and is read whole.
+  JSON list is one document and is read whole. A leading UTF-8 BOM is skipped.
   """
   if _is_json_list(path):
     with open(path, "rb") as f:
-      raw = f.read()
+      raw = f.read().removeprefix(_BOM)
     try:
       text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -169,6 +174,8 @@ def _iter_file(path: str) -> Iterator[_Item]:
     return
   with open(path, "rb") as f:
     for line_no, raw_line in enumerate(f, start=1):
+      if line_no == 1:
+        raw_line = raw_line.removeprefix(_BOM)
       try:
         line = raw_line.decode("utf-8")
       except UnicodeDecodeError as e:

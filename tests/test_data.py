@@ -195,6 +195,25 @@ def test_non_utf8_line_is_reported(tmp_path):
     data.prepare([str(path)], str(tmp_path / "tfds"))
 
 
+def test_a_utf8_byte_order_mark_is_skipped(tmp_path):
+  # Some editors write one first; the server's JSON bodies accept it, so training does.
+  lines = b'{"query": "a", "response": "b"}\n{"query": "c", "response": "d"}\n'
+  jsonl = tmp_path / "bom.jsonl"
+  jsonl.write_bytes(b"\xef\xbb\xbf" + lines)
+  listed = tmp_path / "bom.json"
+  listed.write_bytes(b"\xef\xbb\xbf" + b'  [{"query": "a", "response": "b"},\n'
+                     b' {"query": "c", "response": "d"}]')
+  for path in (jsonl, listed):
+    assert data.validate_files([str(path)]) == 2
+    got = [(e["query"], e["response"]) for e in data.iter_examples([str(path)])]
+    assert got == [("a", "b"), ("c", "d")]
+  # Only a leading one: a BOM inside a line is the line's own (malformed) text.
+  inner = tmp_path / "inner.jsonl"
+  inner.write_bytes(lines + b"\xef\xbb\xbf" + lines)
+  with pytest.raises(ValueError, match=r"inner\.jsonl:3: "):
+    data.validate_files([str(inner)])
+
+
 def test_problems_of_all_splits_in_one_error_and_bad_split_arguments(tmp_path):
   good = _write_jsonl(tmp_path / "good.jsonl", EXAMPLES[:2])
   bad_a = _write_jsonl(tmp_path / "bad_a.jsonl", ['{"query": "a"}'])

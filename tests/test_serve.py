@@ -703,6 +703,7 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 64}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "method": "mdm"}, 400, "method"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "method": "bogus"}, 400, "method"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "slot_size": 8}, 400, "method"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "slot_threshold": 2}, 400,
      "slot_threshold"),
@@ -751,6 +752,14 @@ def test_bad_input_gets_its_4xx_and_the_server_keeps_serving(served):
   assert f"the prompt has {WIDTH + 1} tokens" in r.json()["error"]["message"]
   with pytest.raises(openai.NotFoundError):
     _client(served).completions.create(model="nope", prompt="hi")
+  r = httpx.post(served["url"] + "/v1/completions", timeout=30,
+                 json={"model": "tiny", "prompt": "hi", "method": "bogus"})
+  assert "must be one of refusion, ar, mdm, bd3lm, got 'bogus'" in r.json()["error"]["message"]
+  # A method the path does not take: 405 naming the ones it does (RFC 9110's Allow).
+  r = httpx.get(served["url"] + "/v1/completions", timeout=30)
+  assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
+  r = httpx.post(served["url"] + "/health", timeout=30)
+  assert r.status_code == 405 and "GET" in r.headers["allow"]
   assert httpx.get(served["url"] + "/health").json()["status"] == "ok"
   assert _complete(_client(served), 1, "refusion", False)[1] == (
       served["completion"]["refusion"][1]["tokens"])

@@ -4,6 +4,7 @@ device, bad configs fail before compiling, NaN stops cleanly, HF init rows."""
 import json
 import math
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -416,6 +417,11 @@ def test_loss_chunk_step_equals_full_logits_step(tfds_dir, monkeypatch):
     ({"data.packing": "greedy"}, r"config\.data\.packing must be one of .*got 'greedy'"),
     ({"data.packing_bins": -1}, r"config\.data\.packing_bins must be an int >= 0"),
     ({"mdm_response_len": -3}, r"config\.mdm_response_len must be an int >= 0"),
+    ({"optimizer.learning_rate": float("inf")},
+     r"config\.optimizer\.learning_rate must be a positive float, got inf"),
+    ({"optimizer.weight_decay": float("inf")}, r"config\.optimizer\.weight_decay must be a "),
+    ({"optimizer.learning_rate": float("nan")},
+     r"config\.optimizer\.learning_rate must be a positive float, got nan"),
     ({"objective": "bd3lm", "bd3lm_block_size": 0}, r"config\.bd3lm_block_size must be a "),
     ({"objective": "bd3lm", "bd3lm_eps_min": 0.9, "bd3lm_eps_max": 0.5},
      r"config\.bd3lm_eps_min=0\.9 exceeds bd3lm_eps_max=0\.5"),
@@ -698,6 +704,8 @@ SHORT = {"query": "sort 321", "response": "123"}
     ("epochs give no step", r"config\.num_epochs=1 over 3 examples at "
                             r"config\.global_batch_size=8 gives no step"),
     ("workdir is a file", r"--workdir=.* exists and is not a folder"),
+    ("workdir under /proc", r"--workdir='/proc/refusion_jax_test/w' cannot be created: "),
+    ("workdir under /sys", r"--workdir='/sys/refusion_jax_test/w' cannot be created: "),
     ("tfds_dir is a file", r"config\.data\.tfds_dir=.* exists and is not a folder"),
     ("checkpoints is a file", r"checkpoints' is a file, where the run keeps its checkpoints"),
 ])
@@ -734,6 +742,8 @@ def test_bad_data_and_paths_fail_before_compiling(tmp_path, tfds_dir, monkeypatc
     changes["optimizer.warmup_steps"] = 0
   elif case == "workdir is a file":
     workdir.write_text("not a folder")
+  elif case.startswith("workdir under"):
+    workdir = pathlib.Path("/" + case.split("/")[-1]) / "refusion_jax_test" / "w"
   elif case == "tfds_dir is a file":
     (tmp_path / "tfds_file").write_text("x")
     changes["data.tfds_dir"] = str(tmp_path / "tfds_file")

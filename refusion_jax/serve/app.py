@@ -542,7 +542,9 @@ def make_app(server: Server) -> Starlette:
 
   async def http_error(request, exc: HTTPException):
     del request
-    return _error(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
+    # Starlette's own headers travel with it (a 405's `Allow`, RFC 9110 15.5.6).
+    return _error(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code),
+                           headers=dict(exc.headers or {})))
 
   routes = [Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics_text, methods=["GET"]),

@@ -381,7 +381,11 @@ def train_and_evaluate(config, workdir: str) -> TrainResult:
     if not measure_rows:
       total_steps = settings.total_train_steps(config, num_examples)
   # Nothing was written before this point: a run refused above leaves no trace.
-  os.makedirs(workdir, exist_ok=True)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:  # e.g. a path under /proc or /sys, or a read-only mount
+    raise InputError(f"--workdir={workdir!r} cannot be created: "
+                     f"{e.strerror or e} ({e.filename or workdir})") from None
   eos_pad = settings.eos_pad_response_to(config)
   loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "train",
                                    jax.process_index(), jax.process_count(),
