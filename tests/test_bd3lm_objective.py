@@ -19,7 +19,8 @@ from refusion_jax import masks
 from refusion_jax import objective as obj
 from refusion_jax import sharding
 from refusion_jax.model import Qwen3
-from tests.test_objective import first_fit, layout, placed_draws, random_samples, sample_draws
+from tests.test_objective import (_loss_and_grads, first_fit, layout, placed_draws,
+                                  random_samples, sample_draws)
 
 MASK = 3
 PAD = 0
@@ -252,26 +253,6 @@ def test_no_token_sees_past_its_rule():
     assert not changed[other].any()
 
 
-def _loss_and_grads(model, batch, draws, loss_chunk, mesh, b=4):
-  graphdef, state = nnx.split(model)
-  rules = sharding.ShardingRules()
-
-  @jax.jit
-  def run(state, batch, draws):
-    with sharding.use_mesh(mesh, rules):
-      rows = obj.packed_rows(batch)
-      c = obj.bd3lm_corrupt(rows, draws, mask_id=MASK, pad_id=PAD, block_size=b)
-
-      def loss(s):
-        return obj.model_loss(nnx.merge(graphdef, s), c, obj.num_samples(rows),
-                              loss_chunk=loss_chunk)
-
-      return jax.value_and_grad(loss, has_aux=True)(state)
-
-  (value, metrics), grads = run(state, batch, draws)
-  return float(value), jax.device_get(metrics), jax.device_get(nnx.to_pure_dict(grads))
-
-
 @pytest.mark.parametrize("scan,remat,loss_chunk,eight", [
     (False, "none", 0, False), (True, "full", 24, True), (False, "save_dots", 16, False)])
 def test_packed_rows_give_the_unpacked_loss_and_gradients(scan, remat, loss_chunk, eight):
@@ -287,7 +268,8 @@ def test_packed_rows_give_the_unpacked_loss_and_gradients(scan, remat, loss_chun
     batch = layout(samples, placements, seq_len, rows=n_rows)
     draws = placed_draws(per_sample, placements, batch["tokens"].shape, rng)
     mesh = sharding.make_mesh(1, 4, 2) if eight else None
-    got[name] = _loss_and_grads(_model(scan=scan, remat=remat), batch, draws, loss_chunk, mesh)
+    got[name] = _loss_and_grads(_model(scan=scan, remat=remat), batch, draws, "bd3lm",
+                                loss_chunk, mesh)  # its layout with blocks of 4
   (loss_p, m_p, g_p), (loss_u, m_u, g_u) = got["packed"], got["unpacked"]
   assert loss_u > 0.5
   assert abs(loss_p - loss_u) <= 1e-5 * loss_u, (loss_p, loss_u)

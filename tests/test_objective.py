@@ -596,6 +596,8 @@ def _loss_and_grads(model, batch, draws, objective, loss_chunk, mesh):
         c = obj.refusion_corrupt(rows, draws, mask_id=MASK, pad_id=PAD, slot_sizes=(2, 4, 8))
       elif objective == "mdm":
         c = obj.mdm_corrupt(rows, draws, mask_id=MASK, pad_id=PAD)
+      elif objective == "bd3lm":
+        c = obj.bd3lm_corrupt(rows, draws, mask_id=MASK, pad_id=PAD, block_size=4)
       else:
         c = obj.arm_corrupt(rows, pad_id=PAD)
 

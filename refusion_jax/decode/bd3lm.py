@@ -188,19 +188,6 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
   return State(passes=st.passes + 1, cache=cache.replace(length_b=length_b), rows=r)
 
 
-def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
-  r = st.rows
-  g = spec.gen_length
-  first_b, _ = mdm.first_eos_b(r.gen_bg, r.decided_bg, knobs.eos_id)
-  length_b = jnp.minimum(first_b + 1, g).astype(jnp.int32)
-  kept_bg = jnp.arange(g)[None, :] < length_b[:, None]
-  tokens_bg = jnp.where(kept_bg & r.decided_bg, r.gen_bg, knobs.pad_id)
-  commit_step_bg = jnp.where(kept_bg, r.commit_step_bg, -1)
-  return DecodeOutput(tokens_bg=tokens_bg, length_b=length_b,
-                      counters=r.counters.replace(tokens_b=length_b),
-                      commit_step_bg=commit_step_bg)
-
-
 def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: int) -> None:
   if not isinstance(decode_config, DecodeConfig):
     raise TypeError(f"decode_config must be a DecodeConfig, got {type(decode_config).__name__}")
@@ -226,7 +213,8 @@ def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: i
 
 
 PROGRAM = engine.register(engine.Program(
-    name="bd3lm", check=check_config, init=init, admit=admit, step=step, output=output,
+    # The response, its EOS rule and counters are the MDM decoder's (same Rows fields).
+    name="bd3lm", check=check_config, init=init, admit=admit, step=step, output=mdm.output,
     needs_rng_to_sample=False))
 
 
