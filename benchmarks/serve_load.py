@@ -1,59 +1,37 @@
-"""Load on the OpenAI-compatible server beside the same engine run offline.
+"""The server's own overhead: load on the OpenAI-compatible server beside the same
+engine loop without HTTP, and the offline engine.
 
-For each model and decoding method, the server runs as its own process
-(`python -m refusion_jax.serve`, `--rows` rows, prompt width and decode shape
-as below) and this process plays 1, 4, 16 and 64 concurrent streaming clients
-(asyncio, one keep-alive connection each), every client taking the next of the
-level's prompts until none is left (`--requests_per_client` x clients, or
-`--prompts`: a timed window much longer than one request's latency, else the
-ramp and the tail dominate, above all on a GPU). Beside them, the same
-closed loop without HTTP (`closed_loop`: the server's engine loop, its
-`Scheduler`, in this process, each client submitting its next prompt from
-within the delivery of its last response, the clients started
-`--loop_stagger` engine turns apart as the server's fall out of step), so that
-what the server adds over its engine loop shows apart from what a closed loop
-costs. With `--process_loop`, also the server's engine process with no HTTP in
-front (`ProcessLoop`: `EngineProcess` as the server runs it, its events read
-on an event loop, the clients coroutines on that loop), which shows what the
-second process costs apart from HTTP. Per level: throughput
-(completion tokens / wall time), time to first token and request latency
-(p50 / p99), the CPU cores used by the client, the server's HTTP process and
-its engine process, and whether every response's tokens equal the offline
-engine's (if not: how many differ, the server's and the loop's, and the
-earliest token at which one does). The offline
-baseline is `decode.engine.Engine` in this process on the same prompts, same
-width, prefill widths (`admit_widths`), decode settings and rows as the server,
-compiled before timing; server
-and offline runs alternate `--repeats` times per level (medians; the ratio is
-the median of back-to-back pairs), so both see the same machine load. The
-engine with min(clients, rows) rows is shown beside it, and the server's
-forward passes (its /metrics) over the offline run's: above 1 when rows sat
-idle (a closed-loop client leaves its row empty between a response and its
-next request, which the offline engine's full queue never does). The clients
-speak HTTP/1.1 over asyncio streams directly (`Connection`): on a small CPU
-host a general client library spends enough CPU to slow the server it shares
-the cores with, which the offline run does not pay.
+For each model and decoding method the server runs as its own process (`python -m
+refusion_jax.serve`, `--rows` rows, prompt width and decode shape as below) and
+this process plays 1, 16 and 64 concurrent streaming clients (asyncio, one
+keep-alive connection each), every client taking the next of the level's prompts
+until none is left (`--requests_per_client` x clients, or `--prompts`). Beside
+them, the same closed loop without HTTP (`closed_loop`: the server's engine loop,
+its `Scheduler`, in this process, each client submitting its next prompt from
+within the delivery of its last response, the clients started `--loop_stagger`
+engine turns apart as the server's fall out of step). **server / loop** is what
+the server adds over its own engine loop under the same clients (the serving
+target: at least 0.90x); the offline engine (`decode.engine.Engine`, the same
+prompts, width, prefill widths, decode settings and rows, no closed loop: a freed
+row is refilled before the next pass) is shown for scale, with the passes each
+side ran over the offline engine's (above 1 where rows sat idle between a
+response and the next request). Per level: throughput (completion tokens / wall
+time), time to first token and request latency (p50 / p99), the CPU cores used by
+the client, the server's HTTP process and its engine process, and whether every
+response's tokens equal the offline engine's. Server, loop and offline runs
+alternate `--repeats` times per level (medians; each ratio the median of
+back-to-back pairs). The clients speak HTTP/1.1 over asyncio streams directly
+(`Connection`): on a small CPU host a general client library spends enough CPU
+to slow the server it shares the cores with.
 
   python benchmarks/serve_load.py                       # the main job's models when present
   python benchmarks/serve_load.py --model_dir DIR --methods refusion,ar
   python benchmarks/serve_load.py --ignore_eos --gen_length 64 --block_size 32
-  python benchmarks/serve_load.py --clients 16 --compare_flags=--config.run_ahead=false
-
-With `--compare_flags`, a second server per method takes those flags after
-`--server_flags`, and its load runs next to the first server's in every repeat
-(after it, then before it, in turn): a second table gives both servers side by
-side (the ratio is the median of those pairs), so a setting is measured against
-the defaults in one run on the same machine load.
-
-With the main job's models a response is about 9 tokens (5.1 ReFusion passes),
-so the closed loop's idle pass per request weighs heavily; `--ignore_eos`
-makes every answer gen_length tokens on both sides (EOS an ordinary token), a
-load of fixed answer lengths where it weighs less.
 
 Models: `--model_dir` for every method in `--methods` when given; else the
 main job's model of each method (runs/repro_tiny/models/{refusion,arm,mdm}/
-final_model: its ReFusion model, AR twin and MDM) when all of them exist, else the
-bundled base (refusion_jax/assets/base_tiny). Prompts: the chat-templated queries of
+final_model) when all of them exist, else the bundled base
+(refusion_jax/assets/base_tiny). Prompts: the chat-templated queries of
 `--task_prompts`, sent as token ids (both sides decode identical ids).
 """
 
@@ -92,14 +70,14 @@ def parse_args(argv=None):
                  help="model for every method in --methods (default: the main job's models "
                       "when present, else the bundled base, refusion_jax/assets/base_tiny)")
   p.add_argument("--methods", default="refusion,ar")
-  p.add_argument("--clients", default="1,4,16,64", help="concurrency levels")
+  p.add_argument("--clients", default="1,16,64", help="concurrency levels")
   p.add_argument("--requests_per_client", type=int, default=16,
                  help="requests per level: this many per client (so that the timed window "
                       "is long beside a request's latency, also on a GPU)")
   p.add_argument("--prompts", type=int, default=0,
                  help="requests per level, the same at every level (0: --requests_per_client "
                       "x clients)")
-  p.add_argument("--rows", type=int, default=16, help="server rows (offline: min(clients, rows))")
+  p.add_argument("--rows", type=int, default=16, help="server, loop and offline rows")
   p.add_argument("--task_prompts", default="refusion_jax/assets/data/tiny_test.jsonl")
   p.add_argument("--gen_length", type=int, default=24)
   p.add_argument("--slot_size", type=int, default=4)
@@ -117,20 +95,10 @@ def parse_args(argv=None):
                  help="decode.matmul_precision on both sides (default: per platform, "
                       "'highest' on GPUs)")
   p.add_argument("--chunk_passes", type=int, default=4, help="the server's --config.chunk_passes")
-  p.add_argument("--free_chunk_passes", type=int, default=1,
-                 help="the server's --config.free_chunk_passes")
   p.add_argument("--row_counts", default="auto", help="the server's --config.row_counts")
   p.add_argument("--server_flags", default="",
                  help="more server flags, space-separated (e.g. --config.chunk_passes=2)")
-  p.add_argument("--compare_flags", default="",
-                 help="a second server with these flags after --server_flags (space-separated "
-                      "--config.FIELD=VALUE), its load alternated with the first's: printed "
-                      "side by side")
   p.add_argument("--no_stream", action="store_true", help="clients ask for whole responses")
-  p.add_argument("--process_loop", action="store_true",
-                 help="also run the server's engine process without HTTP (closed-loop clients "
-                      "as coroutines in this process): what the process boundary costs apart "
-                      "from HTTP (one more model copy on the device)")
   p.add_argument("--loop_stagger", type=int, default=1,
                  help="the in-process loop's clients start this many engine turns apart (0: "
                       "all at once; with fixed answer lengths they then stay in lockstep, "
@@ -142,7 +110,7 @@ def parse_args(argv=None):
                       "temporary folder removed at the end; the one JAX already uses when "
                       "set, as by JAX_COMPILATION_CACHE_DIR) or '' (none)")
   p.add_argument("--repeats", type=int, default=3,
-                 help="server / offline runs alternated per level (medians reported)")
+                 help="server / loop / offline runs alternated per level (medians reported)")
   args = p.parse_args(argv)
   try:
     args.clients = [int(x) for x in args.clients.split(",") if x.strip()]
@@ -155,9 +123,6 @@ def parse_args(argv=None):
   if args.loop_stagger < 0:
     p.error(f"--loop_stagger must be >= 0 (engine turns), got {args.loop_stagger}")
   args.methods = parse_methods(p, args.methods)
-  bad = [f for f in args.compare_flags.split() if not re.fullmatch(r"--config\.[\w.]+=.*", f)]
-  if bad:
-    p.error(f"--compare_flags: {bad[0]!r} is not --config.FIELD=VALUE")
   args.cache_dir = None  # the folder --compile_cache names, once `main` has made it
   return args
 
@@ -211,70 +176,25 @@ def mismatch(got: list[list[int]], want: list[list[int]]) -> tuple[int, int | No
   return bad, first
 
 
-def _mismatch_text(server, loop, process, n: int) -> str:
-  """The table's cell: "yes", or how many of the n responses differ on each side (the
-  engine process's when it ran)."""
-  if not server[0] and not loop[0] and not process[0]:
+def _mismatch_text(server, loop, n: int) -> str:
+  """The table's cell: "yes", or how many of the n responses differ on each side."""
+  if not server[0] and not loop[0]:
     return "yes"
-  sides = (("server", server), ("loop", loop)) + ((("engine process", process),)
-                                                   if process[0] else ())
   return "NO: " + ", ".join(f"{side} {k} of {n}" + (f" (from token {at})" if k else "")
-                            for side, (k, at) in sides)
+                            for side, (k, at) in (("server", server), ("loop", loop)))
 
 
 def summary(rows_out: list[dict]) -> list[str]:
-  """The lines printed under the table: the 16-client figures against the target, and
-  what separates them from it."""
-  at16 = [r for r in rows_out if r["clients"] == 16]
-  if not at16:
+  """The lines printed under the table: the server's overhead over its engine loop
+  against the target (at most 10%)."""
+  if not rows_out:
     return []
-
-  def each(fmt) -> str:
-    return ", ".join(f"{r['method']} {fmt(r)}" for r in at16)
-
-  # A closed-loop client's row is empty from its response to its next request: at
-  # least the pass in which the response is read. With as many clients as rows and
-  # passes costing the same whatever rows are busy, the server then does at most
-  # N / (N + 1) of the offline work per pass (N: passes per request).
-  return [
-      "",
-      "server / offline throughput at 16 clients: " + each(lambda r: f"{r['ratio']:.2f}x")
-      + f" (target >= 0.90x; median {statistics.median(r['ratio'] for r in at16):.2f}x)",
-      "closed-loop bound at 16 clients (one idle pass per request, full-row passes): "
-      + each(lambda r: f"{r['request_passes'] / (r['request_passes'] + 1):.2f}x"),
-      "passes per second, server / offline at 16 clients (throughput ratio x passes ratio: "
-      "what is left once the passes its closed loop adds are taken out): "
-      + each(lambda r: f"{r['pace_ratio']:.2f}x"),
-      "server / in-process closed loop (the same engine loop and clients, no HTTP) at "
-      "16 clients: " + each(lambda r: f"{r['server_loop_ratio']:.2f}x"),
-  ] + ([
-      "engine process without HTTP / in-process closed loop at 16 clients: "
-      + each(lambda r: "–" if r.get("process_loop_ratio") is None
-             else f"{r['process_loop_ratio']:.2f}x")]
-       if any(r.get("process_loop_ratio") is not None for r in at16) else [])
-
-
-def compare_lines(rows_out: list[dict], flags: str) -> list[str]:
-  """The side-by-side table of `--compare_flags` (rows with a "compare" entry)."""
-  rows = [r for r in rows_out if r.get("compare")]
-  if not rows:
-    return []
-  out = ["", f"The server beside one with {flags} (its load next to the first's in every "
-         "repeat, after it and before it in turn; ratios are medians of those pairs):", "",
-         "| method | clients | server tok/s | compared tok/s | compared / server | "
-         "server / offline | compared / offline | passes / offline: server, compared | "
-         "CPU cores, compared: client / HTTP / engine | same tokens, compared |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    c = r["compare"]
-    bad, at = c["mismatch"]
-    same = "yes" if not bad else f"NO: {bad} of {r['requests']} (from token {at})"
-    out.append(f"| {r['method']} | {r['clients']} | {r['tok_s']:,.0f} | {c['tok_s']:,.0f} | "
-               f"{c['server_ratio']:.2f}x | {r['ratio']:.2f}x | {c['ratio']:.2f}x | "
-               f"{r['pass_ratio']:.2f}, {c['pass_ratio']:.2f} | "
-               + " / ".join("–" if x != x else f"{x:.2f}" for x in c["cores"])
-               + f" | {same} |")
-  return out
+  worst = min(rows_out, key=lambda r: r["server_loop_ratio"])
+  return ["", "server / its engine loop without HTTP (target >= 0.90x): "
+          + ", ".join(f"{r['method']} {r['clients']} clients {r['server_loop_ratio']:.2f}x"
+                      for r in rows_out)
+          + f"; lowest {worst['server_loop_ratio']:.2f}x ({worst['method']}, "
+          f"{worst['clients']} clients)"]
 
 
 def load_prompts(path: str, n: int, tokenizer) -> list[list[int]]:
@@ -322,7 +242,7 @@ def server_fields(model_dir, method, args, width) -> dict:
                  else (args.slot_size, args.block_size))
   return {"model_dir": model_dir, "rows": args.rows, "max_prompt_len": width,
           "max_queue": max(args.clients) * 2, "chunk_passes": args.chunk_passes,
-          "free_chunk_passes": args.free_chunk_passes, "row_counts": args.row_counts,
+          "row_counts": args.row_counts,
           "decode.method": method, "decode.gen_length": args.gen_length,
           "decode.slot_size": slot, "decode.block_size": block,
           "decode.slot_threshold": args.slot_threshold,
@@ -450,90 +370,6 @@ def closed_loop(scheduler, prompts, clients: int, args,
   return wall, [results[i] for i in range(len(prompts))], passes() - before
 
 
-class ProcessLoop:
-  """The server's engine process with no HTTP in front: an `EngineProcess` started in an
-  event loop (on a thread of this process), so its events are read and delivered on
-  that loop as in the server, under closed-loop clients that are coroutines there.
-  `run` mirrors `load`: each client's first request as a warm-up, then the timed
-  requests; it gives (wall seconds, tokens per prompt, forward passes)."""
-
-  def __init__(self, config):
-    import threading  # pylint: disable=import-outside-toplevel
-    from refusion_jax.serve import engine_process  # pylint: disable=import-outside-toplevel
-    self.loop = asyncio.new_event_loop()
-    self.thread = threading.Thread(target=self.loop.run_forever, name="process-loop",
-                                   daemon=True)
-    self.thread.start()
-    try:
-      self.engine = engine_process.EngineProcess(config)
-    except BaseException:
-      self._halt()
-      raise
-    self._call(self._on_loop(self.engine.start))
-
-  @staticmethod
-  async def _on_loop(fn):
-    return fn()
-
-  def _call(self, coro, timeout: float = 900.0):
-    return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-  def _halt(self) -> None:
-    self.loop.call_soon_threadsafe(self.loop.stop)
-    self.thread.join(10)
-
-  def close(self) -> None:
-    try:
-      self._call(self._on_loop(self.engine.stop))  # on the loop: it reads the pipe
-    finally:
-      self._halt()
-
-  def run(self, prompts, clients: int, args) -> tuple[float, list, float]:
-    return self._call(self._run(prompts, clients, args))
-
-  async def _settle(self) -> None:
-    """Until the engine reports no busy row (its pass count is then current)."""
-    deadline = time.perf_counter() + 10
-    while self.engine.busy_rows() and time.perf_counter() < deadline:
-      await asyncio.sleep(0.005)
-
-  async def _run(self, prompts, clients: int, args):
-    eng = self.engine
-    bucket = eng.buckets[0]
-    knobs = eng.default_knobs(bucket)
-
-    async def one(prompt) -> list[int]:
-      fut = self.loop.create_future()
-
-      def deliver(kind, payload):  # on this loop's thread
-        if kind in ("done", "error") and not fut.done():
-          fut.set_result((kind, payload))
-      eng.submit(loop_job(prompt, bucket, knobs, args, deliver))
-      kind, payload = await fut
-      if kind != "done":
-        raise RuntimeError(f"the engine process failed a request: {payload}")
-      return payload.tokens
-
-    async def burst(todo: list) -> dict:
-      results: dict[int, list[int]] = {}
-
-      async def client():
-        while todo:
-          i, prompt = todo.pop(0)
-          results[i] = await one(prompt)
-      await asyncio.gather(*(client() for _ in range(min(clients, len(todo)))))
-      return results
-
-    await burst([(i, prompts[0]) for i in range(clients)])  # warm-up
-    await self._settle()
-    before = eng.forward_passes
-    t0 = time.perf_counter()
-    results = await burst(list(enumerate(prompts)))
-    wall = time.perf_counter() - t0
-    await self._settle()
-    return wall, [results[i] for i in range(len(prompts))], eng.forward_passes - before
-
-
 def cpu_seconds(pid: int | None = None) -> float:
   """User + system CPU seconds of a process so far (this one when pid is None)."""
   if pid is None:
@@ -569,19 +405,18 @@ def server_passes(url) -> float:
   return float(re.search(r"^refusion_forward_passes_total (\S+)$", text, re.M).group(1))
 
 
-def server_command(model_dir, method, args, width, more_flags: str = "") -> list[str]:
-  """The server's command line: `server_fields`, `--server_flags`, then `more_flags`
-  (the compared server's `--compare_flags`; the last of a field wins)."""
+def server_command(model_dir, method, args, width) -> list[str]:
+  """The server's command line: `server_fields`, then `--server_flags` (the last of a
+  field wins)."""
   return ([sys.executable, "-m", "refusion_jax.serve", "--config=configs/serve.py",
            "--config.port=0", "--config.model_name=m"]
           + [f"--config.{name}={value}"
              for name, value in server_fields(model_dir, method, args, width).items()]
-          + args.server_flags.split() + more_flags.split())
+          + args.server_flags.split())
 
 
-def start_server(model_dir, method, args, width,
-                 more_flags: str = "") -> tuple[subprocess.Popen, str]:
-  cmd = server_command(model_dir, method, args, width, more_flags)
+def start_server(model_dir, method, args, width) -> tuple[subprocess.Popen, str]:
+  cmd = server_command(model_dir, method, args, width)
   proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
   while True:
     line = proc.stderr.readline()
@@ -722,13 +557,6 @@ def compile_cache(setting: str):
       shutil.rmtree(made, ignore_errors=True)
 
 
-def _compared_load(other, prompts, clients: int, args, off_passes, off_tokens) -> tuple:
-  """The compared server's load: (tok/s, passes / offline, CPU cores, mismatch)."""
-  wall, res, passes, cores = asyncio.run(load(other[0], prompts, clients, args, other[1]))
-  return (sum(len(t) for _, _, t in res) / wall, passes / off_passes, cores,
-          mismatch([t for _, _, t in res], off_tokens))
-
-
 def main(argv=None) -> list[dict]:
   args = parse_args(argv)
   with compile_cache(args.compile_cache) as folder:
@@ -738,15 +566,12 @@ def main(argv=None) -> list[dict]:
 
 def _main(args) -> list[dict]:
   import jax  # pylint: disable=import-outside-toplevel
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax import sample, serve  # pylint: disable=import-outside-toplevel
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
 
   models = models_for(args.model_dir, args.methods)
   device = jax.devices()[0]
-  from refusion_jax import serve  # pylint: disable=import-outside-toplevel
-  ahead = serve.run_ahead_on(serve_config("", args.methods[0], args, 16).run_ahead,
-                             device.platform)
-  print(f"device: {device.platform} ({device.device_kind}); server rows {args.rows}; "
+  print(f"device: {device.platform} ({device.device_kind}); rows {args.rows}; "
         + (f"{args.prompts} requests per level" if args.prompts else
            f"{args.requests_per_client} requests per client per level")
         + f"; gen {args.gen_length}, slot {args.slot_size}, "
@@ -756,10 +581,8 @@ def _main(args) -> list[dict]:
         + ("" if args.matmul_precision is None
            else f", matmul_precision {args.matmul_precision}") + "; "
         f"{'whole responses' if args.no_stream else 'streaming'}, chunk_passes "
-        f"{args.chunk_passes} ({args.free_chunk_passes} while a row is free), "
-        f"run_ahead {'on' if ahead else 'off'}, row_counts "
-        f"{args.row_counts!r}{', ' + args.server_flags if args.server_flags else ''}"
-        f"{'; compared with ' + args.compare_flags if args.compare_flags else ''}, {args.repeats} "
+        f"{args.chunk_passes}, row_counts {args.row_counts!r}"
+        f"{', ' + args.server_flags if args.server_flags else ''}, {args.repeats} "
         "alternated repeats per level; "
         + ("compilation cache shared with the server" if args.cache_dir else
            "no compilation cache"))
@@ -779,113 +602,68 @@ def _main(args) -> list[dict]:
     dc.check_fits(model_config, width)
     config = serve_config(model_dir, method, args, width)
     widths = serve.parse_admit_widths(config.admit_widths, width)  # the server's prefill widths
-    engines = {rows: offline_engine(model, dc, all_prompts, rows, width, widths)
-               for rows in sorted({min(c, args.rows) for c in args.clients} | {args.rows})}
+    eng = offline_engine(model, dc, all_prompts, args.rows, width, widths)
     loop_sched = serve.make_scheduler(config)
     loop_sched.start()
-    ploop = ProcessLoop(config) if args.process_loop else None
-    procs = []  # every server started, stopped at the end
+    proc = None
     try:
       proc, url = start_server(model_dir, method, args, width)
-      procs.append(proc)
       pids = server_pids(proc)
-      other = None  # the compared server (--compare_flags): (url, pids)
-      if args.compare_flags:
-        other_proc, other_url = start_server(model_dir, method, args, width, args.compare_flags)
-        procs.append(other_proc)
-        other = (other_url, server_pids(other_proc))
       for clients in args.clients:
         prompts = all_prompts[:args.prompts or args.requests_per_client * clients]
-        # Server and offline runs alternate, so that both see the same machine load.
-        pairs, small, res, off_tokens = [], None, None, None
-        for repeat in range(args.repeats):
-          off_tps, off_tokens, off_passes, per_request = offline(engines[args.rows], prompts)
+        # Server, loop and offline runs alternate, so that all see the same machine load.
+        pairs, res = [], None
+        for _ in range(args.repeats):
+          off_tps, off_tokens, off_passes, per_request = offline(eng, prompts)
           loop_wall, loop_tokens, loop_passes = closed_loop(loop_sched, prompts, clients, args)
-          compared = None
-          if other is not None and repeat % 2:  # the two servers' order alternates
-            compared = _compared_load(other, prompts, clients, args, off_passes, off_tokens)
           wall, res, passes, cores = asyncio.run(load(url, prompts, clients, args, pids))
-          proc_tps, proc_miss = None, (0, None)
-          if ploop is not None:
-            p_wall, p_tokens, _ = ploop.run(prompts, clients, args)
-            proc_tps = sum(len(t) for t in p_tokens) / p_wall
-            proc_miss = mismatch(p_tokens, off_tokens)
-          if other is not None and not repeat % 2:
-            compared = _compared_load(other, prompts, clients, args, off_passes, off_tokens)
           tps = sum(len(t) for _, _, t in res) / wall
           loop_tps = sum(len(t) for t in loop_tokens) / loop_wall
           pairs.append((tps, off_tps, passes / off_passes, cores, loop_tps,
                         loop_passes / off_passes, mismatch(loop_tokens, off_tokens),
-                        mismatch([t for _, _, t in res], off_tokens), proc_tps, proc_miss,
-                        compared))
-          if clients < args.rows:
-            small = offline(engines[clients], prompts)[0]
-        srv = statistics.median(p[0] for p in pairs)
+                        mismatch([t for _, _, t in res], off_tokens)))
         row = {"model": os.path.relpath(model_dir, REPO), "method": method, "clients": clients,
                "requests": len(prompts),
-               "tok_s": srv, "offline_tok_s": statistics.median(p[1] for p in pairs),
-               "offline_small_tok_s": small,
+               "tok_s": statistics.median(p[0] for p in pairs),
+               "offline_tok_s": statistics.median(p[1] for p in pairs),
                "ratio": statistics.median(p[0] / p[1] for p in pairs),
                "loop_tok_s": statistics.median(p[4] for p in pairs),
-               "loop_ratio": statistics.median(p[4] / p[1] for p in pairs),
                "server_loop_ratio": statistics.median(p[0] / p[4] for p in pairs),
                "loop_pass_ratio": statistics.median(p[5] for p in pairs),
                "pass_ratio": statistics.median(p[2] for p in pairs),
-               # Passes per second, server over offline (the same tokens, so the
-               # throughput ratio times the passes ratio).
-               "pace_ratio": statistics.median(p[0] / p[1] * p[2] for p in pairs),
                "cores": tuple(statistics.median(p[3][k] for p in pairs) for k in range(3)),
                "request_passes": per_request,
                "ttft_p50_ms": 1e3 * _pct([f for _, f, _ in res], 0.5),
                "lat_p50_ms": 1e3 * _pct([l for l, _, _ in res], 0.5),
                "lat_p99_ms": 1e3 * _pct([l for l, _, _ in res], 0.99),
-               # The engine process without HTTP over the in-process loop.
-               "process_loop_ratio": (statistics.median(p[8] / p[4] for p in pairs)
-                                      if ploop is not None else None),
-               # (server, loop, engine process): each side's repeat with the most
-               # responses that differ
+               # (server, loop): each side's repeat with the most responses that differ
                "mismatch": tuple(max((p[k] for p in pairs), key=lambda m: m[0])
-                                 for k in (7, 6, 9)),
-               # The compared server (--compare_flags), its ratios over pairs of the repeats.
-               "compare": None if other is None else {
-                   "tok_s": statistics.median(p[10][0] for p in pairs),
-                   "ratio": statistics.median(p[10][0] / p[1] for p in pairs),
-                   "server_ratio": statistics.median(p[10][0] / p[0] for p in pairs),
-                   "pass_ratio": statistics.median(p[10][1] for p in pairs),
-                   "cores": tuple(statistics.median(p[10][2][k] for p in pairs)
-                                  for k in range(3)),
-                   "mismatch": max((p[10][3] for p in pairs), key=lambda m: m[0])}}
+                                 for k in (7, 6))}
         rows_out.append(row)
         print(f"  {method} clients {clients}: {row['tok_s']:,.0f} tok/s "
-              f"({row['ratio']:.2f}x offline)", file=sys.stderr, flush=True)
+              f"({row['server_loop_ratio']:.2f}x its engine loop)", file=sys.stderr, flush=True)
     finally:
       loop_sched.stop()
-      if ploop is not None:
-        ploop.close()
-      for proc in procs:
+      if proc is not None:
         proc.send_signal(signal.SIGTERM)
-      for proc in procs:
         try:
           proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
           proc.kill()
-  print(f"\n| model | method | clients | requests | server tok/s | offline tok/s, {args.rows} rows | "
-        "server / offline | passes / offline | in-process loop tok/s | loop / offline | "
-        "server / loop | loop passes / offline | passes / request | offline, clients rows | "
-        "TTFT p50 ms | latency p50 ms | latency p99 ms | CPU cores: client / HTTP / engine | "
-        "engine process, no HTTP / loop | same tokens |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print(f"\n| model | method | clients | requests | server tok/s | loop tok/s | "
+        f"server / loop | offline tok/s, {args.rows} rows | server / offline | "
+        "passes / offline: server (loop) | passes / request | TTFT p50 ms | "
+        "latency p50 / p99 ms | CPU cores: client / HTTP / engine | same tokens |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows_out:
-    small = "–" if r["offline_small_tok_s"] is None else f"{r['offline_small_tok_s']:,.0f}"
-    print(f"| {r['model']} | {r['method']} | {r['clients']} | {r['requests']} | {r['tok_s']:,.0f} | "
-          f"{r['offline_tok_s']:,.0f} | {r['ratio']:.2f}x | {r['pass_ratio']:.2f} | "
-          f"{r['loop_tok_s']:,.0f} | {r['loop_ratio']:.2f}x | {r['server_loop_ratio']:.2f}x | "
-          f"{r['loop_pass_ratio']:.2f} | {r['request_passes']:.1f} | {small} | "
-          f"{r['ttft_p50_ms']:.1f} | {r['lat_p50_ms']:.1f} | {r['lat_p99_ms']:.1f} | "
+    print(f"| {r['model']} | {r['method']} | {r['clients']} | {r['requests']} | "
+          f"{r['tok_s']:,.0f} | {r['loop_tok_s']:,.0f} | **{r['server_loop_ratio']:.2f}x** | "
+          f"{r['offline_tok_s']:,.0f} | {r['ratio']:.2f}x | "
+          f"{r['pass_ratio']:.2f} ({r['loop_pass_ratio']:.2f}) | {r['request_passes']:.1f} | "
+          f"{r['ttft_p50_ms']:.1f} | {r['lat_p50_ms']:.1f} / {r['lat_p99_ms']:.1f} | "
           + " / ".join("–" if c != c else f"{c:.2f}" for c in r["cores"])
-          + (" | –" if r["process_loop_ratio"] is None else f" | {r['process_loop_ratio']:.2f}x")
           + f" | {_mismatch_text(*r['mismatch'], r['requests'])} |")
-  for line in summary(rows_out) + compare_lines(rows_out, args.compare_flags):
+  for line in summary(rows_out):
     print(line)
   return rows_out
 

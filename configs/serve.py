@@ -22,7 +22,6 @@ def get_config():
   c.host = "127.0.0.1"  # address to listen on
   c.port = 8000  # TCP port (0 = any free port, printed at start-up)
   c.engine = "process"  # the engine loop in its own process ("thread": in the server's)
-  c.engine_cpus = ""  # CPUs of the engine process, e.g. "1" or "2-7" ("": all); HTTP gets the rest
   c.compile_cache_dir = ""  # compiled programs kept here, loaded on a restart ("": JAX default)
   c.rows = 16  # engine rows per lane: requests decoded at once
   c.max_prompt_len = 256  # prompt width of every compiled program (longer prompts get a 400)
@@ -32,24 +31,9 @@ def get_config():
   c.max_queue = 256  # requests waiting for a row at most (more get 429 with Retry-After)
   c.max_lanes = 4  # row sets alive at once (one per shape and knob values in use)
   c.chunk_passes = 4  # passes between returns to the host while streaming / lanes take turns
-  #   (and between a stream's progress reports, also while a row is free)
-  c.free_chunk_passes = 1  # the same while a row is free (a new request waits at most this long)
+  #   (and between a stream's progress reports; while a row is free it returns every pass)
   c.row_counts = "auto"  # also passes over fewer rows when fewer are busy: "auto", "" or "4,8,12"
-  c.admit_max = 0  # prompts prefilled per admission call at most (0 = rows)
   c.admit_widths = "auto"  # narrower prefills for short prompts: "auto", "" or widths "32,64"
-  c.admit_batch = 1  # while other rows decode, admit prompts this many at a time (1 = at once),
-  c.admit_wait_passes = 0  # ... or once the first has waited this many passes
-  c.wait_for_returns = True  # after a response frees a row, the next pass waits for a new
-  #   request, at most until the pass in flight has run (a returning client joins it)
-  c.run_ahead = ml_collections.config_dict.placeholder(bool)  # while a row is free, dispatch the
-  #   next pass before handing out the last one's results (None: on CPUs and TPUs, not on GPUs
-  #   unless dispatch_thread)
-  c.done_rows = 1  # a run returns once this many rows are done (or at its pass bound): more
-  #   gathers finished rows into fewer turns (each a read, deliveries and an admission call)
-  c.fuse_admission = False  # an admission goes out with the next run, in one program (one
-  #   dispatch a turn instead of two, for one more program per admission program)
-  c.dispatch_thread = False  # call the decode programs from a thread of their own, so that the
-  #   engine reads and hands out results while a GPU's passes run (its call waits for them)
   c.request_timeout_s = 600.0  # a request still running (or its body still coming) after this
   #   is cancelled (408)
   c.drain_timeout_s = 30.0  # on SIGTERM: in-flight requests get this long, then are cancelled

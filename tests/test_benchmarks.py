@@ -90,14 +90,7 @@ def test_decode_speed_memory_only_compiles_from_shapes(capsys):
     ("serve_load", "--requests_per_client=0", "must be >= 1"),
     ("serve_load", "--prompts=-1", "--prompts >= 0"),
     ("serve_load", "--loop_stagger=-1", "--loop_stagger must be >= 0"),
-    ("serve_load", "--methods=beam", "choose from refusion, ar, mdm"),
-    ("serve_load", "--compare_flags=--rows=3", "--compare_flags: '--rows=3' is not "
-                                               "--config.FIELD=VALUE"),
-    ("live_batch_turn", "--rows=0", "--rows must be >= 1"),
-    ("closed_loop_turns", "--clients=0", "--clients must be >= 1"),
-    ("closed_loop_turns", "--loop_stagger=-1", "--loop_stagger must be >= 0"),
-    ("closed_loop_turns", "--methods=beam", "choose from refusion, ar, mdm"),
-    ("live_batch_turn", "--methods=beam", "choose from refusion, ar, mdm")])
+    ("serve_load", "--methods=beam", "choose from refusion, ar, mdm")])
 def test_serving_benchmarks_reject_bad_flags(script, flag, needle, capsys):
   import importlib  # pylint: disable=import-outside-toplevel
   with pytest.raises(SystemExit):
@@ -178,95 +171,6 @@ def test_benchmarks_need_no_test_only_package():
         assert name.split(".")[0].lower() not in test_only, f"{path.name} imports {name}"
 
 
-def test_live_batch_turn_reports_each_method(capsys):
-  from benchmarks import live_batch_turn  # pylint: disable=import-outside-toplevel
-  rows = live_batch_turn.main(["--model_dir=refusion_jax/assets/base_tiny", "--rows=2",
-                               "--prompt_len=4", "--gen_length=8", "--trials=2",
-                               "--matmul_precision=highest"])
-  assert [r["method"] for r in rows] == ["refusion", "ar"]
-  assert all(r["packed_ms"] > 0 and r["per_field_ms"] > 0 and r["copies"] > 1 for r in rows)
-  assert all(r["pass_ms"] >= r["run_ms"] and r["admit_one_ms"] > 0 and r["admit_all_ms"] > 0
-             for r in rows)
-  assert all(0 <= r["busy"] <= 2 for r in rows)
-  out = capsys.readouterr().out
-  assert "| refusion |" in out and "| ar |" in out and "copies)" in out
-  assert "admission of 1 prompt, done (ms)" in out and "matmul_precision highest" in out
-  gaps = [f"{what}_after_{g}" for what in ("admit", "trivial") for g in live_batch_turn.GAPS]
-  assert all(r[k] > 0 for r in rows for k in gaps)
-  assert out.count("| admission of 1 prompt |") == 2 and "| after sleep 10 ms |" in out
-  assert all(r["turn_two_programs_ms"] > 0 and r["turn_one_program_ms"] > 0 for r in rows)
-  assert [r["turn_reads_equal"] for r in rows] == ["5/5", "5/5"]  # one program reads as two
-  assert "| admission, then run: two programs | one program (fuse_admission) |" in out
-
-
-def test_closed_loop_turns_reports_every_turn_order(capsys):
-  from benchmarks import closed_loop_turns  # pylint: disable=import-outside-toplevel
-  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
-  from refusion_jax.serve import scheduler  # pylint: disable=import-outside-toplevel
-  programs = [getattr(engine, name) for name in closed_loop_turns.RUN_PROGRAMS]
-  patched = (engine.LiveBatch.run, engine.LiveBatch.admit, engine.PendingRead.__call__,
-             scheduler.Scheduler._await_return)  # pylint: disable=protected-access
-  waited = []
-  real_wait = closed_loop_turns._Waiting.__call__  # pylint: disable=protected-access
-  closed_loop_turns._Waiting.__call__ = (  # pylint: disable=protected-access
-      lambda self, *a, **k: waited.append(threading.current_thread().name)
-      or real_wait(self, *a, **k))
-  try:
-    rows = closed_loop_turns.main(["--model_dir=refusion_jax/assets/base_tiny",
-                                   "--methods=refusion", "--clients=3",
-                                   "--requests_per_client=2", "--rows=2", "--gen_length=8",
-                                   "--repeats=1", "--dispatch_waits",
-                                   "--matmul_precision=highest", "--loop_stagger=0",
-                                   "--server_flags=--config.done_rows=2"])
-  finally:
-    closed_loop_turns._Waiting.__call__ = real_wait  # pylint: disable=protected-access
-  # The waiting dispatch and the clock were undone.
-  assert [getattr(engine, name) for name in closed_loop_turns.RUN_PROGRAMS] == programs
-  assert (engine.LiveBatch.run, engine.LiveBatch.admit, engine.PendingRead.__call__,
-          scheduler.Scheduler._await_return) == patched  # pylint: disable=protected-access
-  # Runs waited for their passes on the engine thread, and on the dispatch thread.
-  assert "refusion-engine" in waited
-  assert any(name.startswith("refusion-dispatch") for name in waited)
-  (r,) = rows
-  assert r["method"] == "refusion"
-  for side in ("offline", "ahead", "not_ahead", "thread"):
-    assert r[side]["tok_s"] > 0 and r[side]["passes"] > 0 and r[side]["admissions"] > 0
-  # Clients that come back at once never leave a row out of a pass when not run ahead.
-  assert r["not_ahead"]["passes"] <= r["ahead"]["passes"]
-  for side in ("ahead", "not_ahead", "thread"):
-    t = r[side]["ms_per_run"]
-    assert t["run_calls"] >= 1 and t["run"] > 0 and t["read"] > 0 and t["admit"] > 0, t
-    assert t["hold"] >= 0 and t["rest"] > -0.5, t
-  assert r["not_ahead"]["ms_per_run"]["hold"] == 0  # only a run ahead holds for a client
-  out = capsys.readouterr().out
-  assert "| refusion | not run ahead |" in out and "| the rest |" in out
-  assert "| refusion | run ahead, dispatch thread |" in out
-  assert "| refusion | offline engine |" in out and "made to wait for its passes" in out
-  assert "matmul_precision highest" in out and "clients 0 turn(s) apart" in out
-  assert "--config.done_rows=2" in out
-
-
-def test_serve_load_compared_server_takes_its_flags_last_and_prints_beside():
-  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
-  args = serve_load.parse_args(["--server_flags=--config.chunk_passes=2",
-                                "--compare_flags=--config.run_ahead=false "
-                                "--config.chunk_passes=3"])
-  cmd = serve_load.server_command("m", "refusion", args, 32, args.compare_flags)
-  assert cmd[-3:] == ["--config.chunk_passes=2", "--config.run_ahead=false",
-                      "--config.chunk_passes=3"]  # the compared server's flags win
-  assert serve_load.server_command("m", "refusion", args, 32)[-1] == "--config.chunk_passes=2"
-  row = {"method": "ar", "clients": 16, "requests": 256, "tok_s": 3000.0, "ratio": 0.8,
-         "pass_ratio": 1.22,
-         "compare": {"tok_s": 3300.0, "ratio": 0.88, "server_ratio": 1.1, "pass_ratio": 1.13,
-                     "cores": (0.1, 0.25, float("nan")), "mismatch": (2, 5)}}
-  lines = serve_load.compare_lines([row, dict(row, compare=None)], args.compare_flags)
-  assert "with --config.run_ahead=false --config.chunk_passes=3" in lines[1]
-  assert lines[-1] == ("| ar | 16 | 3,000 | 3,300 | 1.10x | 0.80x | 0.88x | 1.22, 1.13 | "
-                       "0.10 / 0.25 / – | NO: 2 of 256 (from token 5) |")
-  assert len(lines) == 6  # the row without a compared server prints nothing
-  assert serve_load.compare_lines([dict(row, compare=None)], "") == []
-
-
 def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
   args = serve_load.parse_args(["--rows=4", "--clients=2,8", "--gen_length=8", "--ignore_eos",
@@ -292,10 +196,9 @@ def test_serve_load_server_config_takes_the_benchmark_flags_and_server_flags():
   assert serve_load.serve_config("m", "refusion", precise, 32).decode.matmul_precision == "default"
   assert "--config.decode.matmul_precision=default" in serve_load.server_command(
       "m", "refusion", precise, 32)
-  assert c.run_ahead is None  # per platform on both sides
   for value, want in (("false", False), ("True", True)):
-    ahead = serve_load.parse_args([f"--server_flags=--config.run_ahead={value}"])
-    assert serve_load.serve_config("m", "ar", ahead, 32).run_ahead is want  # a bool, unset before
+    wait = serve_load.parse_args([f"--server_flags=--config.decode.ignore_eos={value}"])
+    assert serve_load.serve_config("m", "ar", wait, 32).decode.ignore_eos is want  # a bool
   bad = serve_load.parse_args(["--server_flags=--rows=3"])
   with pytest.raises(ValueError, match="not --config.FIELD=VALUE"):
     serve_load.serve_config("m", "refusion", bad, 32)
@@ -311,11 +214,9 @@ def test_serve_load_counts_the_responses_that_differ_and_where():
   with pytest.raises(ValueError, match="2 responses against 3"):
     serve_load.mismatch(want[:2], want)
   text = serve_load._mismatch_text  # pylint: disable=protected-access
-  assert text((0, None), (0, None), (0, None), 3) == "yes"
-  assert (text((2, 1), (0, None), (0, None), 3)
-          == "NO: server 2 of 3 (from token 1), loop 0 of 3")
-  assert (text((0, None), (0, None), (1, 0), 3)
-          == "NO: server 0 of 3, loop 0 of 3, engine process 1 of 3 (from token 0)")
+  assert text((0, None), (0, None), 3) == "yes"
+  assert text((2, 1), (0, None), 3) == "NO: server 2 of 3 (from token 1), loop 0 of 3"
+  assert text((0, None), (1, 0), 3) == "NO: server 0 of 3, loop 1 of 3 (from token 0)"
 
 
 def test_serve_load_goes_through_a_short_prompt_file_again_in_order(tmp_path):
@@ -335,24 +236,15 @@ def test_serve_load_goes_through_a_short_prompt_file_again_in_order(tmp_path):
     serve_load.load_prompts(str(tmp_path / "empty.jsonl"), 4, Ids())
 
 
-def test_serve_load_summary_separates_the_closed_loop_from_the_servers_pace():
+def test_serve_load_summary_gives_the_servers_overhead_over_its_loop():
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
-  row = {"clients": 16, "method": "refusion", "ratio": 0.81, "request_passes": 4.3,
-         "pace_ratio": 1.02, "server_loop_ratio": 0.85}
-  lines = serve_load.summary([dict(row, clients=64, ratio=0.5), row,
-                              dict(row, method="ar", ratio=0.95, request_passes=9.7,
-                                   pace_ratio=1.2, server_loop_ratio=0.9)])
-  text = "\n".join(lines)
-  assert ("throughput at 16 clients: refusion 0.81x, ar 0.95x (target >= 0.90x; median 0.88x)"
-          in text)
-  assert "closed-loop bound at 16 clients" in text and "refusion 0.81x, ar 0.91x" in text
-  assert "passes per second, server / offline at 16 clients" in text
-  assert "refusion 1.02x, ar 1.20x" in text and "refusion 0.85x, ar 0.90x" in text
-  assert serve_load.summary([dict(row, clients=4)]) == []
-  assert "engine process without HTTP" not in text
-  text = "\n".join(serve_load.summary([dict(row, process_loop_ratio=0.91)]))
-  assert ("engine process without HTTP / in-process closed loop at 16 clients: refusion 0.91x"
-          in text)
+  row = {"clients": 16, "method": "refusion", "server_loop_ratio": 0.93}
+  lines = serve_load.summary([dict(row, clients=1, server_loop_ratio=0.97), row,
+                              dict(row, method="ar", server_loop_ratio=0.88)])
+  assert lines[1] == ("server / its engine loop without HTTP (target >= 0.90x): refusion 1 "
+                      "clients 0.97x, refusion 16 clients 0.93x, ar 16 clients 0.88x; lowest "
+                      "0.88x (ar, 16 clients)")
+  assert serve_load.summary([]) == []
 
 
 def test_serve_load_shares_a_compilation_cache_with_its_server_and_cleans_up(tmp_path,
@@ -453,29 +345,6 @@ def test_serve_load_closed_loop_gives_each_prompt_its_offline_tokens():
     sched.stop()
 
 
-def test_serve_load_process_loop_gives_each_prompt_its_offline_tokens():
-  """The engine process without HTTP (`ProcessLoop`): every prompt answered once, with
-  the offline engine's tokens, read and delivered on its event loop, its passes
-  counted without the warm-up's; closed cleanly."""
-  from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
-  args = serve_load.parse_args(_LOOP_FLAGS + ["--process_loop"])
-  prompts, offline = _loop_prompts_and_offline(seed=1)
-  ploop = serve_load.ProcessLoop(serve_load.serve_config(_LOOP_MODEL, "refusion", args, 16))
-  try:
-    assert ploop.engine.delivers_in_loop
-    wall, tokens, passes = ploop.run(prompts, 3, args)
-    assert tokens == offline[1]
-    assert wall > 0 and 3 * passes >= round(offline[3] * len(prompts)) > 0
-    # Again (the warm-up's passes not counted: no more than the first time's, give or
-    # take the turns a closed loop's timing moves).
-    wall, tokens, again = ploop.run(prompts, 3, args)
-    assert tokens == offline[1] and 3 * again >= round(offline[3] * len(prompts))
-    assert again <= passes + len(prompts)
-  finally:
-    ploop.close()
-  assert not ploop.thread.is_alive() and not ploop.engine._proc.is_alive()  # pylint: disable=protected-access
-
-
 def test_results_contents_links_every_section_once():
   """docs/RESULTS.md's Contents list links each `## ` section once, by GitHub's anchor."""
   import re  # pylint: disable=import-outside-toplevel
@@ -491,18 +360,3 @@ def test_results_contents_links_every_section_once():
   assert sorted(h for h, _ in links) == sorted(heads)
   assert all(anchor == slug(h) for h, anchor in links)
   assert len({slug(h) for h in heads}) == len(heads)  # no anchor needs a -1 suffix
-
-
-def test_live_batch_turn_counts_one_program_turns_that_read_differently(monkeypatch):
-  from benchmarks import live_batch_turn  # pylint: disable=import-outside-toplevel
-  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
-  fused = engine._live_admit_run  # pylint: disable=protected-access
-
-  def off_by_one(*args, **kwargs):  # a turn whose read is off in its first word
-    state, packed = fused(*args, **kwargs)
-    return state, packed.at[0].add(1)
-
-  monkeypatch.setattr(engine, "_live_admit_run", off_by_one)
-  rows = live_batch_turn.main(["--model_dir=refusion_jax/assets/base_tiny", "--rows=2",
-                               "--prompt_len=4", "--gen_length=8", "--trials=2", "--methods=ar"])
-  assert rows[0]["turn_reads_equal"] == "0/5"

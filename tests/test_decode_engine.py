@@ -2,7 +2,6 @@
 token picker and ReFusion's named phase functions on hand-made cases."""
 
 import collections
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -710,10 +709,10 @@ def test_live_batch_free_runs_no_program_and_the_next_run_frees(models):
 
 
 @pytest.mark.parametrize("method", ["refusion", "ar"])
-def test_live_batch_run_returns_once_enough_rows_are_done(models, method):
-  """`run(stop_on_done=n)` returns once n rows are done (True: the first; more than
-  the busy rows: when none is active), at the pass where a twin batch run one pass at
-  a time saw the n-th row finish; tokens and passes equal each prompt decoded alone."""
+def test_live_batch_run_returns_once_a_row_is_done(models, method):
+  """`run(stop_on_done=True)` returns once a row is done, at the pass where a twin
+  batch run one pass at a time saw the first row finish; False: when none is active.
+  Tokens and passes equal each prompt decoded alone."""
   model, dc = models[method], _CONFIGS[method]
   prompts = [p[:8] for p in _prompts(np.random.RandomState(11), 3)]
   dec = engine.Decoder(model, dc)
@@ -728,24 +727,23 @@ def test_live_batch_run_returns_once_enough_rows_are_done(models, method):
       if done_at[r] is None and snap.phase_b[r] == engine.DONE:
         done_at[r] = snap.passes
   order = sorted(done_at)
-  for n, want in ((True, order[0]), (1, order[0]), (2, order[1]), (3, order[2])):
-    live = engine.LiveBatch(dec, 3, 8)
-    live.admit(prompts, [0, 1, 2], keys)
-    live.run(None, stop_on_done=n)
-    snap = live.read()
-    assert snap.passes == want, (n, done_at)
-    assert (snap.phase_b == engine.DONE).sum() >= (1 if n is True else n)
+  live = engine.LiveBatch(dec, 3, 8)
+  live.admit(prompts, [0, 1, 2], keys)
+  live.run(None, stop_on_done=True)
+  snap = live.read()
+  assert snap.passes == order[0], done_at
+  assert (snap.phase_b == engine.DONE).sum() >= 1
   live = engine.LiveBatch(dec, 3, 8)
   live.admit(prompts[:2], [0, 1], keys[:2])
-  live.run(None, stop_on_done=3)  # more than the busy rows: runs until none is active
+  live.run(None, stop_on_done=False)  # runs until none is active
   snap = live.read()
   assert snap.passes == max(done_at[:2])
   for r, p in enumerate(prompts[:2]):
     tokens, counters = _single(model, dc, p)
     assert snap.tokens_bg[r, :int(snap.length_b[r])].tolist() == tokens
     assert int(snap.nfe_b[r]) == counters["nfe_b"]
-  for bad in (-1, 4, 1.5, "2"):
-    with pytest.raises(ValueError, match="run: stop_on_done must be a bool or a row count"):
+  for bad in (-1, 2, 1.5, "2", None):
+    with pytest.raises(ValueError, match="run: stop_on_done must be a bool"):
       live.run(1, stop_on_done=bad)
 
 
@@ -820,134 +818,6 @@ def test_live_batch_passes_over_the_busy_rows_only_equal_full_passes(models, met
   for i, p in enumerate(prompts):
     tokens, counters = _single(model, dc, p)
     assert results[i] == (tokens, counters["nfe_b"]), (method, i)
-
-
-@pytest.mark.parametrize("method,setting", [
-    ("refusion", "fuse_admission"), ("ar", "fuse_admission"), ("mdm", "fuse_admission"),
-    ("refusion", "dispatch_thread"), ("ar", "dispatch_thread"), ("refusion", "both")])
-def test_live_batch_settings_change_no_read(models, method, setting, monkeypatch):
-  """`fuse_admission` (an admission goes out with the next full-row run, in one
-  program; a read, a second admission or a run over fewer rows dispatches it on its
-  own first) and `dispatch_thread` (every program called from the batch's own thread,
-  in order). Twin batches, one plain and one with the setting, driven alike, with a
-  read taken before a turn and called after its run (as a server running ahead does): every
-  read equal, each prompt's tokens and passes equal its decode alone, nothing compiled
-  after warm_up, and the setting really acted (the fused program ran; the programs
-  ran on the dispatch thread)."""
-  model, dc = models[method], _CONFIGS[method]
-  prompts = _prompts(np.random.RandomState(13), 9)
-  dec = engine.Decoder(model, dc)
-  kw = ({"fuse_admission": True, "dispatch_thread": True} if setting == "both"
-        else {setting: True})
-  twins = [engine.LiveBatch(dec, 4, 16, row_counts=(2,), admit_widths=(8,), **k)
-           for k in ({}, kw)]
-  for live in twins:
-    live.warm_up()
-  compiled = engine.compiled_programs()
-  threads = collections.Counter()
-  for name in ("_live_admit_run", "_live_run", "_live_run_rows", "_engine_admit", "_live_read"):
-    real = getattr(engine, name)
-    monkeypatch.setattr(engine, name, lambda *a, _real=real, _name=name, **k: (
-        threads.update([(_name, threading.current_thread().name.startswith(
-            "refusion-dispatch"))]), _real(*a, **k))[1])
-
-  def same(a, b):
-    for field in ("tokens_bg", "commit_step_bg", "length_b", "phase_b", "nfe_b"):
-      np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
-    assert a.passes == b.passes
-
-  def both(fn):
-    out = [fn(live) for live in twins]
-    if isinstance(out[0], engine.Snapshot):
-      same(*out)
-    return out[0]
-
-  queue, jobs, results, turn = list(range(len(prompts))), [None] * 4, {}, 0
-  while queue or any(j is not None for j in jobs):
-    # Taken before this turn's admissions and called once its run is dispatched, as a
-    # server running ahead reads the run in flight.
-    before = [live.read_later() for live in twins]
-    free = [r for r, j in enumerate(jobs) if j is None]
-    # One prompt per admission, two admissions in some turns (the first then goes
-    # out on its own), and every third turn a read between admission and run.
-    for r in free[:1 + turn % 2]:
-      if queue:
-        i = queue.pop(0)
-        both(lambda live, i=i, r=r: live.admit([prompts[i]], [r], np.zeros((1, 2), np.uint32)))
-        jobs[r] = i
-    if turn % 3 == 2:
-      both(lambda live: live.read())
-    busy = [r for r, j in enumerate(jobs) if j is not None]
-    both(lambda live: live.run(1 + turn % 2, stop_on_done=False, busy=busy))
-    same(*(pending() for pending in before))
-    snap = both(lambda live: live.read())
-    done = [r for r in busy if snap.phase_b[r] == engine.DONE]
-    for r in done:
-      results[jobs[r]] = (snap.tokens_bg[r, :int(snap.length_b[r])].tolist(),
-                          int(snap.nfe_b[r]))
-      jobs[r] = None
-    both(lambda live: live.free(done))
-    turn += 1
-  monkeypatch.undo()
-  assert engine.compiled_programs() == compiled
-  names = {name for name, _ in threads}
-  if setting == "fuse_admission":
-    assert threads["_live_admit_run", False], "no admission went out with a run"
-  elif setting == "dispatch_thread":  # the same calls, the plain twin's here, the other's there
-    assert all(threads[n, True] == threads[n, False] > 0 for n in names - {"_live_admit_run"})
-  else:  # both: every call of the fused twin on its thread, fewer of them
-    assert threads["_live_admit_run", True] and not threads["_live_admit_run", False]
-    assert 0 < sum(threads[n, True] for n in names) < sum(threads[n, False] for n in names)
-  for i, p in enumerate(prompts):
-    tokens, counters = _single(model, dc, p)
-    assert results[i] == (tokens, counters["nfe_b"]), (method, i)
-
-
-def test_live_batch_dispatch_thread_returns_before_the_call_and_raises_its_error(
-    models, monkeypatch):
-  """With `dispatch_thread`, `run` returns while the program call is still going (here
-  held, as a GPU's call waits for its passes), a read of it is not ready until the call
-  returns, the next admission and run queue behind it in order, and a call's error
-  reaches the caller at its next read."""
-  model, dc = models["refusion"], _CONFIGS["refusion"]
-  prompts = _prompts(np.random.RandomState(5), 2)
-  dec = engine.Decoder(model, dc)
-  live, plain = (engine.LiveBatch(dec, 2, 16, dispatch_thread=t) for t in (True, False))
-  for batch in (live, plain):
-    batch.warm_up()
-    batch.admit([prompts[0]], [0], np.zeros((1, 2), np.uint32))
-  release, entered = threading.Event(), threading.Event()
-  real = engine._live_run  # pylint: disable=protected-access
-
-  def held(*a, **k):
-    entered.set()
-    assert release.wait(30)
-    return real(*a, **k)
-  monkeypatch.setattr(engine, "_live_run", held)
-  live.run(1, stop_on_done=False)  # returns at once: the call waits on the other thread
-  assert entered.wait(30)
-  pending = live.read_later()
-  assert not pending.ready()
-  live.admit([prompts[1]], [1], np.zeros((1, 2), np.uint32))  # queued behind the run
-  live.run(2, stop_on_done=False)
-  assert not pending.ready()
-  release.set()
-  monkeypatch.undo()
-  plain.run(1, stop_on_done=False)
-  want_first = plain.read()
-  plain.admit([prompts[1]], [1], np.zeros((1, 2), np.uint32))
-  plain.run(2, stop_on_done=False)
-  for got, want in ((pending(), want_first), (live.read(), plain.read())):
-    np.testing.assert_array_equal(got.tokens_bg, want.tokens_bg)
-    np.testing.assert_array_equal(got.nfe_b, want.nfe_b)
-    assert got.passes == want.passes
-
-  def broken(*a, **k):
-    raise RuntimeError("the device went away")
-  monkeypatch.setattr(engine, "_live_run", broken)
-  live.run(1, stop_on_done=False)  # the error is the call's, met when its result is
-  with pytest.raises(RuntimeError, match="the device went away"):
-    live.read()
 
 
 @pytest.mark.parametrize("scan", [False, True])

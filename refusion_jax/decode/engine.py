@@ -38,7 +38,6 @@ program per bucket).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -258,13 +257,12 @@ def set_rows(full, new, rows_a):
 
 
 def _loop(model, prog: Program, spec: Spec, state, knobs: Knobs, stop_on_done, pass_limit=None):
-  """Passes until no row is active, or some row is done (`stop_on_done` True; a traced
-  int n > 0: once n rows are done; False or 0: never), or (a traced `pass_limit`) the
-  state has run that many passes in all; at `spec`'s precision."""
+  """Passes until no row is active, or some row is done (`stop_on_done`, traced: True
+  or 1; False or 0: never), or (a traced `pass_limit`) the state has run that many
+  passes in all; at `spec`'s precision."""
   def cond(s):
     phase_b = s.rows.phase_b
-    done = (phase_b == DONE).sum(dtype=jnp.int32)
-    stop = (stop_on_done > 0) & (done >= stop_on_done)
+    stop = (stop_on_done > 0) & (phase_b == DONE).any()
     go = (phase_b >= FIRST_PHASE).any() & ~stop
     return go if pass_limit is None else go & (s.passes < pass_limit)
   with precision(spec):
@@ -488,8 +486,7 @@ def compiled_programs() -> dict[str, int]:
           "step": _engine_step._cache_size(),
           "run_rows": _engine_run_rows._cache_size(),
           "admit": _engine_admit._cache_size(), "read": _live_read._cache_size(),
-          "live_run": _live_run._cache_size(), "live_run_rows": _live_run_rows._cache_size(),
-          "live_admit_run": _live_admit_run._cache_size()}
+          "live_run": _live_run._cache_size(), "live_run_rows": _live_run_rows._cache_size()}
 
 
 # --- host side ----------------------------------------------------------------------------
@@ -580,16 +577,15 @@ class Engine:
   input order. Within a length bucket, the rows run one compiled loop that
   returns to the host whenever a row finishes while prompts still wait; the
   host takes that row's result and prefills the next prompt into it (the
-  other rows keep their state). `admit` lets at most `admit_max` prompts in at a
-  time (powers of two up to it, one small program each). With `admit_widths`, an
+  other rows keep their state). An admission takes as many prompts as rows are free
+  (padded to a power of two up to `rows`, one small program each). With `admit_widths`, an
   admission prefills at the narrowest of them below its bucket's width that holds
   its prompts (one more admission program per width and size; `warm_up` compiles
   them all), so short prompts do not pay for the bucket's widest, as `LiveBatch`'s.
   """
 
   def __init__(self, decoder: Decoder, rows: int, *, width: int | None = None,
-               min_bucket: int = 8, admit_max: int | None = None,
-               admit_widths: Sequence[int] = ()):
+               min_bucket: int = 8, admit_widths: Sequence[int] = ()):
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
       raise ValueError(f"engine rows must be a positive int, got {rows!r}")
     if width is not None and (not isinstance(width, int) or width < 1):
@@ -598,7 +594,6 @@ class Engine:
     self.rows = rows
     self.width = width  # one bucket of this width for every prompt (None: power-of-two buckets)
     self.min_bucket = min_bucket
-    self.admit_max = rows if admit_max is None else max(1, min(admit_max, rows))
     bad = [w for w in admit_widths if not isinstance(w, int) or isinstance(w, bool) or w < 1]
     if bad:
       raise ValueError(f"engine admit_widths must be positive ints, got {bad}")
@@ -624,7 +619,7 @@ class Engine:
     sizes, a = set(), 1
     while True:
       sizes.add(self._admit_size(a))
-      if a >= self.admit_max:
+      if a >= self.rows:
         break
       a *= 2
     for width in sorted(widths):
@@ -642,7 +637,7 @@ class Engine:
       jax.block_until_ready(packed)
 
   def _admit_size(self, n: int) -> int:
-    return min(self.admit_max, 1 << math.ceil(math.log2(max(1, n))))
+    return min(self.rows, 1 << math.ceil(math.log2(max(1, n))))
 
   def run(self, prompts: Sequence[Sequence[int]], rng=None, *, progress: Any = None
           ) -> EngineRun:
@@ -683,7 +678,7 @@ class Engine:
     while True:
       free = [r for r in range(b) if row_prompt[r] < 0]
       if queue and free:
-        n = min(len(free), len(queue), self.admit_max)
+        n = min(len(free), len(queue))
         a = self._admit_size(n)
         take, queue = queue[:n], queue[n:]
         longest = max(int(lens[i]) for i in take)
@@ -807,18 +802,6 @@ def _live_run(graphdef, params, state, knobs, stop_on_done, spec, max_passes, fr
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
                    donate_argnames=("state",))
-def _live_admit_run(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, knobs,
-                    stop_on_done, spec, max_passes, free_b, place: Placement | None = None):
-  """An admission and the run after it in one program (`LiveBatch(fuse_admission=True)`):
-  what `_engine_admit` then `_live_run` do, for one dispatch instead of two."""
-  state = _engine_admit.__wrapped__(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a,
-                                    rng, knobs, spec, place)
-  return _live_run.__wrapped__(graphdef, params, state, knobs, stop_on_done, spec, max_passes,
-                               free_b, place)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "place"),
-                   donate_argnames=("state",))
 def _live_run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, max_passes,
                    free_b, place: Placement | None = None):
   state = _engine_run_rows.__wrapped__(graphdef, params, _freed(state, free_b), knobs,
@@ -844,26 +827,6 @@ class Snapshot:
     return np.where(committed.all(-1), committed.shape[-1], np.argmin(committed, -1))
 
 
-class _Later:
-  """A device value that a `LiveBatch`'s dispatch thread has yet to return: output
-  `index` of the call behind `future` (`dispatch_thread`)."""
-
-  __slots__ = ("future", "index")
-
-  def __init__(self, future: concurrent.futures.Future, index: int | None = None):
-    self.future, self.index = future, index
-
-  def get(self):
-    """Waits for the call to return (not for the device to finish) and gives the value."""
-    out = self.future.result()
-    return out if self.index is None else out[self.index]
-
-
-def _now(x):
-  """`x`, or the value it stands for if it is a `_Later` (waiting for its call)."""
-  return x.get() if isinstance(x, _Later) else x
-
-
 class PendingRead:
   """A dispatched read of every row (`LiveBatch.read_later`): calling it waits and
   gives the `Snapshot`; `ready()` says, without waiting, whether the passes it
@@ -873,16 +836,14 @@ class PendingRead:
     self._packed, self._like, self._freed_b = packed, like, freed_b
 
   def ready(self) -> bool:
-    if isinstance(self._packed, _Later) and not self._packed.future.done():
-      return False
-    return _now(self._packed).is_ready()
+    return self._packed.is_ready()
 
   def wait(self) -> None:
     """Blocks until `ready()` (without reading)."""
-    _now(self._packed).block_until_ready()
+    self._packed.block_until_ready()
 
   def __call__(self) -> Snapshot:
-    tokens, commit, length, nfe, phase, passes = _unpack32(np.asarray(_now(self._packed)),
+    tokens, commit, length, nfe, phase, passes = _unpack32(np.asarray(self._packed),
                                                            self._like)
     if self._freed_b is not None:  # freed since the last run: the next run frees them
       phase = np.where(self._freed_b, FREE, phase).astype(phase.dtype)
@@ -904,27 +865,10 @@ class LiveBatch:
   an admission prefills at the narrowest of them (or `width`) that holds its
   prompts, so short prompts do not pay for the widest (each width compiles one
   more admission program per admission size).
-
-  With `fuse_admission`, an admission is held back and dispatched with the next
-  run, in one program (one more program per admission program): where a dispatch
-  overlaps no pass (a GPU, whose host reads a loop's condition), a turn that admits
-  costs one dispatch instead of two. Anything else that needs the rows (a read, a
-  second admission, a run over fewer rows, `state`) dispatches it on its own first.
-  Tokens and pass counts are unchanged.
-
-  With `dispatch_thread`, the batch's programs are called from a thread of its
-  own, in the order they were asked for, and `admit` and `run` return at once.
-  Where a call returns only once its passes have run (a GPU, whose host reads a
-  loop's condition; the call lets go of Python's lock meanwhile), the caller can
-  then read the last run and hand its results over while the next run's passes
-  are on the device, as a CPU's own asynchronous dispatch allows. Reads, `state`
-  and errors wait for the calls before them. Tokens and pass counts are unchanged.
   """
 
   def __init__(self, decoder: Decoder, rows: int, width: int, knobs: Knobs | None = None,
-               *, admit_max: int | None = None, row_counts: Sequence[int] = (),
-               admit_widths: Sequence[int] = (), fuse_admission: bool = False,
-               dispatch_thread: bool = False):
+               *, row_counts: Sequence[int] = (), admit_widths: Sequence[int] = ()):
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
       raise ValueError(f"live batch rows must be a positive int, got {rows!r}")
     if not isinstance(width, int) or isinstance(width, bool) or width < 1:
@@ -949,7 +893,6 @@ class LiveBatch:
     self.rows = rows
     self.width = width
     self.knobs = decoder.knobs if knobs is None else knobs
-    self.admit_max = rows if admit_max is None else max(1, min(admit_max, rows))
     d = decoder
     state = _engine_init(d.static, d.flat, spec=d.spec, rows=rows, width=width,
                          place=d.place)
@@ -959,9 +902,6 @@ class LiveBatch:
     if d.place is None and leaves and hasattr(leaves[0], "sharding"):
       state = jax.device_put(state, leaves[0].sharding)
     self._state = state
-    # An admission held for the next run (`fuse_admission`): its host arrays.
-    self.fuse_admission = bool(fuse_admission)
-    self._held: tuple | None = None
     # Rows freed since the last run: that run frees them first (no program of their
     # own); a read shows them free, an admission rewrites them.
     self._free_b = np.zeros((rows,), bool)
@@ -969,49 +909,19 @@ class LiveBatch:
     self._after_run = None
     self._read_like = jax.eval_shape(functools.partial(_read_tree, spec=d.spec), state,
                                      self.knobs)
-    # `dispatch_thread`: one worker, so calls run in the order they were made. Its
-    # thread ends once the batch is dropped (the executor's own weak reference).
-    self.dispatch_thread = bool(dispatch_thread)
-    self._worker = (concurrent.futures.ThreadPoolExecutor(
-        1, thread_name_prefix="refusion-dispatch") if self.dispatch_thread else None)
-
-  def _call(self, fn, *args, outs: int = 1, to_host: int | None = None, **kw):
-    """`fn(*args, **kw)` (`outs` outputs), on the dispatch thread if there is one: then
-    a `_Later` per output (one for a single output). A `_Later` among `args` is the
-    value it stands for (its call has returned by then: the calls run in order).
-    Output `to_host` (0 for a single output) starts its copy to the host at once."""
-    def call():
-      out = fn(*[_now(a) for a in args], **kw)
-      if to_host is not None:
-        (out if outs == 1 else out[to_host]).copy_to_host_async()
-      return out
-    if self._worker is None:
-      return call()
-    future = self._worker.submit(call)
-    return _Later(future) if outs == 1 else tuple(_Later(future, i) for i in range(outs))
 
   @property
   def state(self):
-    """The rows' decode state on the device (a held admission is dispatched first; with
-    `dispatch_thread`, waits for the calls before it to return)."""
-    self._dispatch_held()
-    self._state = _now(self._state)
+    """The rows' decode state on the device."""
     return self._state
 
-  def _dispatch_held(self) -> None:
-    if self._held is not None:
-      held, self._held = self._held, None
-      d = self.decoder
-      self._state = self._call(_engine_admit, d.static, d.flat, self._state, *held,
-                               self.knobs, spec=d.spec, place=d.place)
-
   def admit_sizes(self) -> list[int]:
-    """The admission batch sizes compiled (powers of two up to `admit_max`)."""
+    """The admission batch sizes compiled (powers of two up to `rows`)."""
     sizes, a = [], 1
-    while a < self.admit_max:
+    while a < self.rows:
       sizes.append(a)
       a *= 2
-    return sizes + [self.admit_max]
+    return sizes + [self.rows]
 
   def _admit_size(self, n: int) -> int:
     return min(s for s in self.admit_sizes() if s >= n)
@@ -1027,9 +937,9 @@ class LiveBatch:
     d, n = self.decoder, len(prompts)
     if n == 0:
       return
-    if n > self.admit_max or len(rows) != n or len(rng_a2) != n:
+    if n > self.rows or len(rows) != n or len(rng_a2) != n:
       raise ValueError(f"admit: {n} prompts, {len(rows)} rows, {len(rng_a2)} keys "
-                       f"(at most {self.admit_max} at a time)")
+                       f"(at most {self.rows} at a time)")
     for j, p in enumerate(prompts):
       if not 1 <= len(p) <= self.width:
         raise ValueError(f"admit: prompt {j} has {len(p)} tokens; the width is {self.width}")
@@ -1045,31 +955,24 @@ class LiveBatch:
       ids_ap[j, :len(p)] = p
       lens_a[j], rows_a[j], keys_a2[j] = len(p), rows[j], rng_a2[j]
       pids_a[j] = 0 if pids is None else pids[j]
-    self._dispatch_held()
-    if self.fuse_admission:  # dispatched with the next run
-      self._held = (ids_ap, lens_a, rows_a, pids_a, keys_a2)
-    else:
-      self._state = self._call(_engine_admit, d.static, d.flat, self._state, ids_ap, lens_a,
-                               rows_a, pids_a, keys_a2, self.knobs, spec=d.spec, place=d.place)
+    self._state = _engine_admit(d.static, d.flat, self._state, ids_ap, lens_a, rows_a, pids_a,
+                                keys_a2, self.knobs, spec=d.spec, place=d.place)
     self._free_b[list(rows)] = False  # rewritten: nothing left to free
     self._after_run = None
 
-  def run(self, max_passes: int | None = None, stop_on_done: bool | int = True,
+  def run(self, max_passes: int | None = None, stop_on_done: bool = True,
           busy: Sequence[int] | None = None) -> None:
-    """Dispatches passes until no row is active, a row is done (stop_on_done; an int
-    n: once n rows are done, rows done before the run included; False or 0: never),
-    or `max_passes` passes (None: no bound). Asynchronous: `read` waits for it.
+    """Dispatches passes until no row is active, a row is done (stop_on_done), or
+    `max_passes` passes (None: no bound). Asynchronous: `read` waits for it.
 
     `busy` (optional) lists every row that is not free; the others must be. The
     passes then run over the smallest compiled row count that holds them
     (`row_counts`), padded with free rows, which costs less where a pass's cost
     grows with its rows (a CPU); tokens and pass counts are unchanged."""
     d = self.decoder
-    if (not isinstance(stop_on_done, (bool, int, np.integer)) or stop_on_done < 0
-        or stop_on_done > self.rows):
-      raise ValueError(f"run: stop_on_done must be a bool or a row count from 0 to "
-                       f"{self.rows}, got {stop_on_done!r}")
-    stop = np.int32(stop_on_done)  # one traced type for True, False and counts
+    if not isinstance(stop_on_done, (bool, np.bool_)):
+      raise ValueError(f"run: stop_on_done must be a bool, got {stop_on_done!r}")
+    stop = np.int32(stop_on_done)  # traced: one program for both
     # "No bound" is a bound no decode reaches (passes + bound must not overflow int32).
     limit = np.int32(1 << 30 if max_passes is None else min(max_passes, 1 << 30))
     n = self._row_count(len(busy)) if busy is not None else self.rows
@@ -1078,21 +981,14 @@ class LiveBatch:
     if n < self.rows:
       taken = set(busy)
       idx = list(busy) + [r for r in range(self.rows) if r not in taken][:n - len(taken)]
-      # A held admission goes out on its own first (no fused program here).
-      self._dispatch_held()
-      self._state, packed = self._call(_live_run_rows, d.static, d.flat, self._state,
-                                       self.knobs, stop, np.asarray(idx, np.int32),
-                                       spec=d.spec, max_passes=limit, free_b=free_b,
-                                       place=d.place, outs=2, to_host=1)
-    elif self._held is not None:
-      held, self._held = self._held, None
-      self._state, packed = self._call(_live_admit_run, d.static, d.flat, self._state, *held,
-                                       self.knobs, stop, spec=d.spec, max_passes=limit,
-                                       free_b=free_b, place=d.place, outs=2, to_host=1)
+      self._state, packed = _live_run_rows(d.static, d.flat, self._state, self.knobs, stop,
+                                           np.asarray(idx, np.int32), spec=d.spec,
+                                           max_passes=limit, free_b=free_b, place=d.place)
     else:
-      self._state, packed = self._call(_live_run, d.static, d.flat, self._state, self.knobs,
-                                       stop, spec=d.spec, max_passes=limit,
-                                       free_b=free_b, place=d.place, outs=2, to_host=1)
+      self._state, packed = _live_run(d.static, d.flat, self._state, self.knobs, stop,
+                                      spec=d.spec, max_passes=limit, free_b=free_b,
+                                      place=d.place)
+    packed.copy_to_host_async()
     self._after_run = packed  # what a read gives until an admission changes the rows
 
   def _row_count(self, busy: int) -> int:
@@ -1110,9 +1006,8 @@ class LiveBatch:
     run (or frees since) it is that run's own packed output, and no program runs."""
     packed = self._after_run
     if packed is None:  # an admission since the last run (or none yet): read the rows
-      self._dispatch_held()
-      packed = self._call(_live_read, self._state, self.knobs, spec=self.decoder.spec,
-                          to_host=0)
+      packed = _live_read(self._state, self.knobs, spec=self.decoder.spec)
+      packed.copy_to_host_async()
     return PendingRead(packed, self._read_like,
                        self._free_b.copy() if self._free_b.any() else None)
 
@@ -1128,16 +1023,12 @@ class LiveBatch:
 
   def warm_up(self) -> None:
     """Compiles every program this batch calls (padding rows only: nothing runs)."""
-    self._dispatch_held()  # an admission held from before goes out first
+    d = self.decoder
     for a, w in self.admit_programs():
-      padding = (np.zeros((a, w), np.int32), np.ones((a,), np.int32),
-                 np.full((a,), self.rows, np.int32), np.zeros((a,), np.int32),
-                 np.zeros((a, 2), np.uint32))
-      self._held = padding
-      self._dispatch_held()  # the admission program on its own
-      if self.fuse_admission:  # and with the run after it, in one program
-        self._held = padding
-        self.run(1)
+      self._state = _engine_admit(d.static, d.flat, self._state, np.zeros((a, w), np.int32),
+                                  np.ones((a,), np.int32), np.full((a,), self.rows, np.int32),
+                                  np.zeros((a,), np.int32), np.zeros((a, 2), np.uint32),
+                                  self.knobs, spec=d.spec, place=d.place)
     self.run(1)
     for n in self.row_counts:
       self.run(1, busy=list(range(n)))

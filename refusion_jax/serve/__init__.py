@@ -2,6 +2,8 @@
 
   python -m refusion_jax.serve --config=configs/serve.py --config.model_dir=DIR
 
+(`--config.model_dir=base_tiny`: the tiny base shipped in the package.)
+
 `scheduler` runs the engine on its own thread (requests join rows as rows free
 up; shapes come from buckets compiled at start-up), `engine_process` runs that
 thread in a process of its own (the default: HTTP work and the engine loop
@@ -38,34 +40,16 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
   if c.tokenizer_dir and not os.path.isdir(c.tokenizer_dir):
     raise FileNotFoundError(f"--config.tokenizer_dir={c.tokenizer_dir!r} does not exist")
   for name in ("rows", "max_prompt_len", "max_queue", "max_lanes", "chunk_passes",
-               "free_chunk_passes", "max_request_bytes"):
+               "max_request_bytes"):
     if not isinstance(c[name], int) or isinstance(c[name], bool) or c[name] <= 0:
       raise ValueError(f"--config.{name} must be a positive int, got {c[name]!r}")
-  if not isinstance(c.admit_max, int) or c.admit_max < 0:
-    raise ValueError(f"--config.admit_max must be an int >= 0, got {c.admit_max!r}")
-  if not isinstance(c.admit_batch, int) or isinstance(c.admit_batch, bool) or not (
-      1 <= c.admit_batch <= c.rows):
-    raise ValueError(f"--config.admit_batch must be an int from 1 to rows ({c.rows}), got "
-                     f"{c.admit_batch!r}")
-  if not isinstance(c.admit_wait_passes, int) or isinstance(c.admit_wait_passes, bool) or (
-      c.admit_wait_passes < 0):
-    raise ValueError(f"--config.admit_wait_passes must be an int >= 0, got "
-                     f"{c.admit_wait_passes!r}")
-  if not isinstance(c.done_rows, int) or isinstance(c.done_rows, bool) or not (
-      1 <= c.done_rows <= c.rows):
-    raise ValueError(f"--config.done_rows must be an int from 1 to rows ({c.rows}), got "
-                     f"{c.done_rows!r}")
   if not isinstance(c.port, int) or not 0 <= c.port < 65536:
     raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
   parse_row_counts(c.row_counts, c.rows, "cpu")
-  run_ahead_on(c.run_ahead, "cpu")
   parse_admit_widths(c.admit_widths, c.max_prompt_len)
   check_compile_cache(c.compile_cache_dir)
   if c.engine not in ("process", "thread"):
     raise ValueError(f"--config.engine must be \"process\" or \"thread\", got {c.engine!r}")
-  if parse_cpus(c.engine_cpus) and c.engine != "process":
-    raise ValueError(f"--config.engine_cpus={c.engine_cpus!r} needs --config.engine=process "
-                     "(the engine's CPUs are those of a process of its own)")
   for name in ("request_timeout_s", "drain_timeout_s"):
     if not isinstance(c[name], (int, float)) or c[name] <= 0:
       raise ValueError(f"--config.{name} must be a positive number, got {c[name]!r}")
@@ -107,25 +91,6 @@ def parse_row_counts(text, rows: int, platform: str) -> tuple[int, ...]:
     small = {1 << k for k in range(step.bit_length()) if 1 << k < step}
     return tuple(sorted(small | set(range(step, rows, step))))
   return _auto_or_ints(text, "row_counts", "row count", "counts", "4,8,12", "rows", rows, auto)
-
-
-def run_ahead_on(setting, platform: str, dispatch_thread: bool = False) -> bool:
-  """`--config.run_ahead`: True, False, or None (unset: on unless `platform` is "gpu"
-  and the programs are not called from a thread of their own, `dispatch_thread`).
-
-  While a row is free the engine hands control back after every pass. Run ahead, it
-  dispatches the next pass before reading the last one's rows and handing them out,
-  so that the device works meanwhile: where a dispatch returns before its passes
-  have run (CPUs; TPUs, whose loops run on the device). On a GPU the host reads a
-  loop's condition, so a dispatch returns only once its passes have run: there
-  running ahead overlaps nothing and only holds a client's response back a pass
-  (and its freed row idle for it), unless the dispatch is made from a thread of its
-  own (`--config.dispatch_thread`), which returns at once."""
-  if setting is None:
-    return platform != "gpu" or bool(dispatch_thread)
-  if not isinstance(setting, bool):
-    raise ValueError(f"--config.run_ahead must be true, false or unset, got {setting!r}")
-  return setting
 
 
 def parse_admit_widths(text, width: int) -> tuple[int, ...]:
@@ -184,15 +149,7 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
     dc.check_fits(model_config, c.max_prompt_len)
   scheduler = sched_lib.Scheduler(model, configs, rows=c.rows, width=c.max_prompt_len,
                                   max_queue=c.max_queue, max_lanes=c.max_lanes,
-                                  chunk_passes=c.chunk_passes, admit_max=c.admit_max or None,
-                                  metrics=metrics, free_chunk_passes=c.free_chunk_passes,
-                                  admit_batch=c.admit_batch,
-                                  admit_wait_passes=c.admit_wait_passes,
-                                  wait_for_returns=c.wait_for_returns,
-                                  run_ahead=run_ahead_on(c.run_ahead, jax.default_backend(),
-                                                         c.dispatch_thread),
-                                  done_rows=c.done_rows, fuse_admission=c.fuse_admission,
-                                  dispatch_thread=c.dispatch_thread,
+                                  chunk_passes=c.chunk_passes, metrics=metrics,
                                   row_counts=parse_row_counts(c.row_counts, c.rows,
                                                               jax.default_backend()),
                                   admit_widths=parse_admit_widths(c.admit_widths,
@@ -208,8 +165,6 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
        + f", prompts up to {c.max_prompt_len} tokens"
        + (f" (prefilled also at {', '.join(map(str, scheduler.admit_widths))})"
           if scheduler.admit_widths else "")
-       + (", admissions dispatched with the next run" if c.fuse_admission else "")
-       + (", programs called from a thread of their own" if c.dispatch_thread else "")
        + ", in "
        f"{time.perf_counter() - t:.1f}s")
   return scheduler
@@ -226,69 +181,14 @@ def decode_configs(c: ml_collections.ConfigDict) -> list[DecodeConfig]:
   return sched_lib.parse_buckets(c.buckets, default)
 
 
-def parse_cpus(text) -> tuple[int, ...]:
-  """`--config.engine_cpus`: "" (every CPU this process may use) or a Linux CPU list
-  such as "1" or "0,2-3", each CPU one this process may run on."""
-  if not isinstance(text, str):
-    raise ValueError(f"--config.engine_cpus must be a string such as \"1\" or \"0,2-3\" "
-                     f"(\"\": every CPU), got {text!r}")
-  parts = [p.strip() for p in text.split(",") if p.strip()]
-  if not parts:
-    return ()
-  if not hasattr(os, "sched_setaffinity"):
-    raise ValueError(f"--config.engine_cpus={text!r}: this platform cannot pin a process to "
-                     "CPUs (Linux can); leave it \"\"")
-  allowed = sorted(os.sched_getaffinity(0))
-  cpus = set()
-  for part in parts:
-    lo, _, hi = part.partition("-")
-    try:
-      first, last = int(lo), int(hi or lo)
-    except ValueError:
-      first = last = -1
-    if first < 0 or last < first:
-      raise ValueError(f"--config.engine_cpus: {part!r} is not a CPU number or range "
-                       "(give a list such as \"1\" or \"0,2-3\")")
-    cpus.update(range(first, last + 1))
-  outside = sorted(cpus - set(allowed))
-  if outside:
-    raise ValueError(f"--config.engine_cpus names CPU(s) {outside} this process may not run "
-                     f"on (it may use {_cpu_list(allowed)})")
-  return tuple(sorted(cpus))
-
-
-def pin_process(cpus) -> None:
-  """Runs every thread of this process (those started later inherit it) on `cpus`:
-  Linux sets a CPU list per thread, and the HTTP process already has some (the
-  engine process's event reader)."""
-  try:
-    tids = [int(t) for t in os.listdir("/proc/self/task")]
-  except OSError:
-    tids = [0]  # no /proc: this thread only
-  for tid in tids:
-    try:
-      os.sched_setaffinity(tid, cpus)
-    except ProcessLookupError:  # a thread that has ended since
-      pass
-
-
-def _cpu_list(cpus) -> str:
-  runs: list[list[int]] = []
-  for n in sorted(cpus):
-    if runs and n == runs[-1][1] + 1:
-      runs[-1][1] = n
-    else:
-      runs.append([n, n])
-  return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
 def build(c: ml_collections.ConfigDict):
   """`(app, server)`: the model loaded, every bucket compiled, the engine not yet
   started (the app's lifespan starts it). With `--config.engine=process` the model
   lives in the engine process, started here; this process loads only the tokenizer
   (checked against the model's config first)."""
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax import packaged, sample  # pylint: disable=import-outside-toplevel
   from refusion_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
+  c.model_dir = packaged.model_dir(c.model_dir)  # a shipped model's short name: its folder
   check_flags(c)
   decode_configs(c)  # flag errors before anything starts
   # A tokenizer that does not fit the model is reported before anything compiles
@@ -298,11 +198,6 @@ def build(c: ml_collections.ConfigDict):
   if c.engine == "process":
     from refusion_jax.serve import engine_process  # pylint: disable=import-outside-toplevel
     scheduler = engine_process.EngineProcess(c, metrics=metrics)
-    engine_cpus = parse_cpus(c.engine_cpus)
-    rest = sorted(set(os.sched_getaffinity(0)) - set(engine_cpus))
-    if engine_cpus and rest:  # HTTP work keeps off the engine's CPUs
-      pin_process(rest)
-      _log(f"[serve] engine on CPU(s) {_cpu_list(engine_cpus)}, HTTP on {_cpu_list(rest)}")
   else:
     scheduler = make_scheduler(c, metrics=metrics)
   name = c.model_name or os.path.basename(os.path.normpath(c.model_dir))

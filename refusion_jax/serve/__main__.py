@@ -1,8 +1,8 @@
 """`python -m refusion_jax.serve --config=configs/serve.py --config.model_dir=DIR`.
 
-Serves until SIGTERM or Ctrl-C: then it stops accepting connections, lets
-in-flight requests finish for up to `drain_timeout_s`, cancels the rest and
-exits 0.
+Serves until SIGTERM or Ctrl-C: then it stops accepting connections, answers
+a request still sending its body a 503 at once, lets requests in the engine
+finish for up to `drain_timeout_s`, cancels the rest and exits 0.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from refusion_jax import entry_flags, serve
 
 def main(argv, config_flag):
   c = entry_flags.config_value(argv, config_flag, "configs/serve.py")
-  asgi, _ = serve.build(c)
+  asgi, app_server = serve.build(c)
   import uvicorn  # pylint: disable=import-outside-toplevel
   config = uvicorn.Config(asgi, host=c.host, port=c.port, log_level=c.log_level,
                           timeout_graceful_shutdown=c.drain_timeout_s, access_log=False)
@@ -36,10 +36,18 @@ def main(argv, config_flag):
         host, port = sock.getsockname()[:2]
         print(f"[serve] listening on http://{host}:{port}", file=sys.stderr, flush=True)
 
+  async def closing():
+    # uvicorn's signal handler sets should_exit; bodies still coming in are then
+    # answered at once (they would otherwise hold the drain open until its timeout).
+    while not server.should_exit:
+      await asyncio.sleep(0.05)
+    app_server.close_reads()
+
   async def run():
-    task = asyncio.ensure_future(started())
+    tasks = [asyncio.ensure_future(started()), asyncio.ensure_future(closing())]
     await server.serve()
-    task.cancel()
+    for task in tasks:
+      task.cancel()
 
   # uvloop when installed (as uvicorn's own "auto" loop picks): fewer microseconds per
   # event, so responses reach clients sooner while the decoder keeps the cores busy.

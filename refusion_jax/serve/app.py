@@ -95,6 +95,17 @@ class Server:
     self.decode_incrementally = tokenizer is not None and tokenizer.decodes_incrementally
     self.unsettled_ids = frozenset() if tokenizer is None else tokenizer.unsettled_ids
     self.created = int(time.time())
+    # Requests whose body is still coming in (their tasks), and whether the server
+    # is shutting down (`close_reads`): those are answered at once, not drained.
+    self._reading: set[asyncio.Task] = set()
+    self.closing = False
+
+  def close_reads(self) -> None:
+    """The server is shutting down: requests still sending their body get a 503 now
+    (nothing of theirs has reached the engine) instead of holding the drain open."""
+    self.closing = True
+    for task in list(self._reading):
+      task.cancel()
 
   # --- helpers --------------------------------------------------------------------------
 
@@ -184,11 +195,23 @@ class Server:
     if length.isdigit() and int(length) > limit:
       raise too_large(length)
     parts, size = [], 0
-    async for part in request.stream():
-      size += len(part)
-      if size > limit:
-        raise too_large(f"more than {limit}")
-      parts.append(part)
+    task = asyncio.current_task()
+    if self.closing:
+      raise _shutting_down()
+    self._reading.add(task)
+    try:
+      async for part in request.stream():
+        size += len(part)
+        if size > limit:
+          raise too_large(f"more than {limit}")
+        parts.append(part)
+    except asyncio.CancelledError:
+      if not self.closing:
+        raise
+      task.uncancel()  # cancelled by `close_reads`: answered, not torn down
+      raise _shutting_down() from None
+    finally:
+      self._reading.discard(task)
     return b"".join(parts)
 
   # --- endpoints ------------------------------------------------------------------------
@@ -526,6 +549,12 @@ class _Stream:
   async def __call__(self, scope, receive, send) -> None:
     del scope
     await self.reply.stream(receive, send)
+
+
+def _shutting_down() -> ApiError:
+  return ApiError(503, "the server is shutting down; send the request again to another "
+                  "server or later", type_="server_error", code="shutting_down",
+                  headers={"Connection": "close", "Retry-After": "1"})
 
 
 def make_app(server: Server) -> Starlette:

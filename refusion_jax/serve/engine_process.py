@@ -43,7 +43,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from refusion_jax.serve.scheduler import Bucket, EngineDown, Job, QueueFull
+from refusion_jax.serve.scheduler import Bucket, Capacity, EngineDown, Job, QueueFull
 
 log = logging.getLogger("refusion_jax.serve")
 
@@ -92,11 +92,6 @@ def _child(c_dict: dict, commands, events) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
   from refusion_jax import serve  # pylint: disable=import-outside-toplevel
-  cpus = serve.parse_cpus(c_dict.get("engine_cpus", ""))
-  if cpus:
-    # Before the first device is made: XLA sizes its CPU thread pool by the CPUs
-    # this process may use.
-    serve.pin_process(cpus)
   send_lock = threading.Lock()
 
   def send(msg) -> None:
@@ -112,6 +107,7 @@ def _child(c_dict: dict, commands, events) -> None:
   try:
     c = ml_collections.ConfigDict(c_dict)
     sched = serve.make_scheduler(c, metrics=tally)
+    sched.capacity = None  # the server process counts the bounded queue
   except Exception as e:  # pylint: disable=broad-except
     send(("failed", type(e).__name__, str(e)))
     return
@@ -187,6 +183,7 @@ class EngineProcess:
                start_timeout_s: float = 3600.0):
     self.metrics = metrics
     self.max_queue = c.max_queue
+    self.capacity = Capacity(c.rows, c.max_queue)
     ctx = multiprocessing.get_context("spawn")
     cmd_recv, self._commands = ctx.Pipe(duplex=False)
     self._events, evt_send = ctx.Pipe(duplex=False)
@@ -262,8 +259,7 @@ class EngineProcess:
         raise QueueFull("the server is shutting down")
       if self._died:
         raise EngineDown(self._died)
-      if self.queue_depth() >= self.max_queue:
-        raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+      self.capacity.take(job)
       key = next(self._ids)
       self._jobs[key], self._keys[job] = job, key
       self._submitted += 1
@@ -274,6 +270,7 @@ class EngineProcess:
 
   def cancel(self, job: Job) -> None:
     job.cancelled = True
+    self.capacity.release(job)
     with self._lock:
       key = self._keys.pop(job, None)
       if key is None:
@@ -356,6 +353,7 @@ class EngineProcess:
         if job is not None and kind in ("done", "error"):
           del self._jobs[key]
           self._keys.pop(job, None)
+          self.capacity.release(job)
       if job is not None:
         try:
           job.deliver(kind, payload)
@@ -402,6 +400,7 @@ class EngineProcess:
       left, self._jobs, self._keys = list(self._jobs.values()), {}, {}
       self._dequeued, self._busy = self._submitted, 0
     for job in left:
+      self.capacity.release(job)
       try:
         job.deliver("error", self._died or "the server shut down before this request finished")
       except Exception:  # pylint: disable=broad-except

@@ -18,62 +18,33 @@ A lane runs without a pass bound (returning when a row is done, as the
 offline engine does) unless one of its jobs watches progress (streaming, stop
 strings, max_tokens below the bucket's gen_length), a row is free (a new
 request must not wait for a whole decode), or other lanes are busy (fair
-turns): then it hands control back every `chunk_passes` passes, and every
-`free_chunk_passes` passes (default 1) while a row is free, so that a request
-arriving mid-run joins at the next pass rather than after a whole chunk (a
-closed-loop client's next request comes while the others' rows run). Chunking
-changes no token and no pass count (`LiveBatch`). A watching job's progress
-goes out with its first text, then at most every `chunk_passes` passes, also
-in the turns a free row shortens: those are for admissions, and a report per
-pass per stream would cost the HTTP side an event per token.
+turns): then it hands control back every `chunk_passes` passes, and after
+every pass while a row is free, so that a request arriving mid-run joins at the
+next pass rather than after a whole chunk (a closed-loop client's next request
+comes while the others' rows run). Waiting prompts are admitted at once into
+free rows, in one call per turn. Chunking changes no token and no pass count
+(`LiveBatch`). A watching job's progress goes out with its first text, then at
+most every `chunk_passes` passes, also in the turns a free row shortens: those
+are for admissions, and a report per pass per stream would cost the HTTP side
+an event per token.
 
-With `admit_batch` > 1, prompts that arrive while other rows decode are admitted
-`admit_batch` at a time, or once the first has waited `admit_wait_passes` of its
-lane's passes: each admission is a call of its own, which on a CPU costs about
-what a pass does, and clients out of step would otherwise bring one after
-nearly every pass. Off by default (1).
+One order of a turn per device. Where a dispatch returns before its passes have
+run (CPUs; TPUs, whose loops run on the device), a lane with a free row runs
+ahead: the next pass is dispatched before the last one's rows are read and
+handed over, so that the device works meanwhile; and a turn whose deliveries
+freed rows holds that dispatch until a request comes in or the pass in flight
+has run, whichever is first (a client whose response just went out often sends
+its next request within that pass, and it then joins the next pass instead of
+the one after). On a GPU the host reads a loop's condition, so a dispatch
+returns only once its passes have run: there each turn reads first, hands the
+results over, admits what came in and only then dispatches (`read_first`), so a
+client that sends its next request at once joins the very next pass.
 
 With `row_counts`, a lane's passes run over its rows in use only, padded to the
 smallest of those counts that holds them (one more compiled program each):
 where a pass costs in proportion to its rows (a CPU), the rows a closed-loop
 client leaves idle between its requests then cost nothing. Tokens and pass
 counts are unchanged.
-
-With `wait_for_returns`, a turn whose deliveries freed rows holds the next pass
-until a request comes in or the pass in flight has run, whichever is first: a
-client whose response just went out often sends its next request within that
-pass, and it then joins the next pass instead of the one after. Where a
-dispatch returns before its pass has run (a CPU) the device stays busy
-meanwhile; where it returns after (a GPU, whose loop condition the host reads)
-the pass has run by then and nothing waits.
-
-With `run_ahead` off (the default on a GPU without `dispatch_thread`), no pass is
-dispatched ahead of a read: each turn reads the rows, hands the results over, admits
-what came in and only then dispatches. On a GPU the host reads a loop's condition,
-so a dispatch returns only once its passes have run: running ahead from this thread
-overlaps nothing there, and it holds every response back a pass and the freed row
-idle for it. Off, a client that sends its next request at once joins the very next
-pass (on a CPU too, where the device then waits while the host hands results over);
-`wait_for_returns` plays no part.
-
-With `done_rows` > 1, a run returns once that many rows are done (or at its pass
-bound, or when no row is active) rather than at the first: a finished row then waits
-for others, up to the bound, so that one turn reads, hands over and admits for all of
-them. Each turn costs the host a read, deliveries and an admission call, which on a
-GPU overlap no pass; clients out of step finish a row in nearly every pass, where the
-offline engine's rows, admitted together, finish together. Off by default (1). Tokens
-and each request's passes are unchanged.
-
-With `fuse_admission`, a turn's admission goes out with its next run, in one
-program: a turn that admits costs one dispatch instead of two, which matters
-where a dispatch overlaps no pass (a GPU). Off by default; tokens and passes are
-unchanged.
-
-With `dispatch_thread`, each lane's programs are called from a thread of its own
-(`LiveBatch`), so a run's dispatch returns at once even where the call waits for
-its passes (a GPU): run ahead, the engine thread then reads the last run and hands
-its results over while the next one's passes are on the device, as on a CPU.
-Off by default; tokens and passes are unchanged.
 
 With `admit_widths`, an admission prefills at the narrowest of those widths
 (or the full prompt width) that holds its prompts: a short prompt does not pay
@@ -160,6 +131,41 @@ class EngineDown(Exception):
   """The engine cannot take requests any more (the server answers 503)."""
 
 
+class Capacity:
+  """The bounded queue, counted where requests come in: a request is refused only
+  when every row of its lane (bucket and knobs) is taken and `max_queue` requests
+  already wait for a row. Requests count from `take` until `release` (their last
+  event, or their cancellation), whether or not the engine has picked them up yet:
+  a burst of requests fills the free rows first, then the queue."""
+
+  def __init__(self, rows: int, max_queue: int):
+    self.rows, self.max_queue = rows, max_queue
+    self._lanes: collections.Counter = collections.Counter()  # requests in, per lane key
+    self._held: dict[Job, tuple] = {}
+    self._lock = threading.Lock()
+
+  def waiting(self) -> int:
+    """Requests in beyond their lanes' rows: those that wait for a row."""
+    return sum(max(0, n - self.rows) for n in self._lanes.values())
+
+  def take(self, job: "Job") -> None:
+    key = (job.bucket, job.knobs)
+    with self._lock:
+      if self._lanes[key] >= self.rows and self.waiting() >= self.max_queue:
+        raise QueueFull(f"the queue is full (every row busy and {self.max_queue} requests "
+                        "waiting for one)")
+      self._lanes[key] += 1
+      self._held[job] = key
+
+  def release(self, job: "Job") -> None:
+    with self._lock:
+      key = self._held.pop(job, None)
+      if key is not None:
+        self._lanes[key] -= 1
+        if not self._lanes[key]:
+          del self._lanes[key]
+
+
 @dataclasses.dataclass(eq=False)
 class Job:
   """One request as the engine thread sees it."""
@@ -182,7 +188,6 @@ class Job:
   seen: np.ndarray | None = None  # positions reported to a `slots` job
   admission: int = 0  # the lane's admission call that prefilled it
   submitted: float = 0.0
-  queued_pass: int = 0  # the lane's pass count when it joined the lane's queue
 
 
 @dataclasses.dataclass
@@ -219,11 +224,8 @@ class Scheduler:
   delivers_in_loop = False  # deliveries are made on the engine thread (see EngineProcess)
 
   def __init__(self, model, decode_configs: list[DecodeConfig], *, rows: int, width: int,
-               max_queue: int, max_lanes: int, chunk_passes: int, admit_max: int | None = None,
-               metrics: Any = None, free_chunk_passes: int = 1, row_counts=(),
-               admit_batch: int = 1, admit_wait_passes: int = 0, admit_widths=(),
-               wait_for_returns: bool = True, run_ahead: bool = True, done_rows: int = 1,
-               fuse_admission: bool = False, dispatch_thread: bool = False,
+               max_queue: int, max_lanes: int, chunk_passes: int, metrics: Any = None,
+               row_counts=(), admit_widths=(), read_first: bool | None = None,
                after_turn: Callable[[], None] | None = None):
     self.model = model
     self.decoders = {}
@@ -232,26 +234,18 @@ class Scheduler:
     self.default_config = decode_configs[0]
     self.rows, self.width = rows, width
     self.max_queue, self.max_lanes = max_queue, max(max_lanes, len(self.decoders))
+    # The bounded queue (None: counted by whoever submits, as the engine process's
+    # server side does).
+    self.capacity: Capacity | None = Capacity(rows, max_queue)
     self.chunk_passes = chunk_passes
-    self.free_chunk_passes = min(chunk_passes, free_chunk_passes)
-    self.admit_max = admit_max
     self.row_counts = tuple(row_counts)  # smaller passes compiled besides the full one
     self.admit_widths = tuple(admit_widths)  # narrower prefills compiled besides the width
-    # While other rows decode, a lane's waiting prompts are admitted once `admit_batch`
-    # of them wait or the first has waited `admit_wait_passes` of its passes.
-    self.admit_batch, self.admit_wait_passes = admit_batch, admit_wait_passes
-    # After deliveries that freed rows, the next pass waits for a new request, at most
-    # until the pass in flight has run.
-    self.wait_for_returns = wait_for_returns
-    # While a row is free, the next pass is dispatched before the last one's rows are
-    # read and handed over (off: after, once the deliveries have gone out).
-    self.run_ahead = run_ahead
-    # A run returns once this many rows are done (or at its pass bound).
-    self.done_rows = done_rows
-    # Admissions go out with the next run, in one program (`LiveBatch.fuse_admission`).
-    self.fuse_admission = fuse_admission
-    # Every lane's programs are called from a thread of its own (`LiveBatch.dispatch_thread`).
-    self.dispatch_thread = dispatch_thread
+    # The turn's order (module docstring): read first where a dispatch waits for its
+    # passes (a GPU), else run ahead. None: by the model's platform.
+    if read_first is None:
+      first = next(iter(self.decoders.values()))
+      read_first = engine_lib.platform_of(first.params) == "gpu"
+    self.read_first = bool(read_first)
     self.metrics = metrics
     # Called on the engine thread after each lane's deliveries and before it waits
     # (the engine process sends what the turn delivered from there).
@@ -289,10 +283,8 @@ class Scheduler:
   def _batch(self, bucket: Bucket, knobs) -> engine_lib.LiveBatch:
     """Fresh rows of `bucket` with these knob values (every lane's batch is made here)."""
     return engine_lib.LiveBatch(self.decoders[bucket], self.rows, self.width,
-                                self._knobs_for(bucket, knobs), admit_max=self.admit_max,
-                                row_counts=self.row_counts, admit_widths=self.admit_widths,
-                                fuse_admission=self.fuse_admission,
-                                dispatch_thread=self.dispatch_thread)
+                                self._knobs_for(bucket, knobs), row_counts=self.row_counts,
+                                admit_widths=self.admit_widths)
 
   def default_knobs(self, bucket: Bucket) -> tuple[float, float, float, bool]:
     dc = self.decoders[bucket].config
@@ -312,8 +304,8 @@ class Scheduler:
     with self._lock:
       if self._stop:
         raise QueueFull("the server is shutting down")
-      if self._waiting >= self.max_queue:
-        raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+      if self.capacity is not None:
+        self.capacity.take(job)
       self._waiting += 1
       job.submitted = time.perf_counter()
       self._inbox.append(job)
@@ -322,6 +314,8 @@ class Scheduler:
 
   def cancel(self, job: Job) -> None:
     job.cancelled = True
+    if self.capacity is not None:
+      self.capacity.release(job)
     self._wake.set()
 
   def queue_depth(self) -> int:
@@ -332,7 +326,7 @@ class Scheduler:
 
   def hold(self, on: bool) -> None:
     """Pauses (True) or resumes decoding: while held, jobs are still admitted into free
-    rows as `admit_batch` allows (and cancelled ones freed), but no pass runs."""
+    rows (and cancelled ones freed), but no pass runs."""
     if on:
       self._hold.set()
     else:
@@ -342,7 +336,7 @@ class Scheduler:
   def start(self) -> None:
     self._thread = threading.Thread(target=self._main, name="refusion-engine", daemon=True)
     self._thread.start()
-    if self.wait_for_returns:
+    if not self.read_first:
       self._watcher = threading.Thread(target=self._watch, name="refusion-engine-watch",
                                        daemon=True)
       self._watcher.start()
@@ -370,8 +364,9 @@ class Scheduler:
       self._waiting -= n
     self._gauge()
 
-  @staticmethod
-  def _send(job: Job, kind: str, payload) -> None:
+  def _send(self, job: Job, kind: str, payload) -> None:
+    if kind in ("done", "error") and self.capacity is not None:
+      self.capacity.release(job)
     try:
       job.deliver(kind, payload)
     except Exception:  # pylint: disable=broad-except
@@ -410,7 +405,6 @@ class Scheduler:
       if lane is None:
         self._parked.append(job)
       else:
-        job.queued_pass = lane.passes
         lane.waiting.append(job)
 
   def _cancel_and_admit(self, lane: _Lane) -> None:
@@ -425,11 +419,8 @@ class Scheduler:
       self._dequeued(len(lane.waiting) - len(kept))
     lane.waiting = kept
     free = [r for r, j in enumerate(lane.jobs) if j is None]
-    if (lane.busy() and lane.waiting and len(lane.waiting) < self.admit_batch
-        and lane.passes - lane.waiting[0].queued_pass < self.admit_wait_passes):
-      return  # gathering admissions: each call costs about a pass on a CPU
-    while free and lane.waiting:
-      n = min(len(free), len(lane.waiting), lane.batch.admit_max)
+    if free and lane.waiting:
+      n = min(len(free), len(lane.waiting))
       take = [lane.waiting.popleft() for _ in range(n)]
       rows, free = free[:n], free[n:]
       lane.batch.admit([j.prompt for j in take], rows, np.stack([j.rng2 for j in take]))
@@ -443,7 +434,7 @@ class Scheduler:
   def _max_passes(self, lane: _Lane, busy_lanes: int) -> int | None:
     jobs = [j for j in lane.jobs if j is not None]
     if len(jobs) < len(lane.jobs):  # a request may arrive for the free row
-      return self.free_chunk_passes
+      return 1
     if busy_lanes > 1 or lane.waiting or any(j.watch for j in jobs):
       return self.chunk_passes
     return None
@@ -576,40 +567,38 @@ class Scheduler:
           continue
         for lane in busy:
           if not lane.inflight:
-            lane.batch.run(self._max_passes(lane, len(busy)), stop_on_done=self.done_rows,
-                           busy=lane.rows_in_use())
+            lane.batch.run(self._max_passes(lane, len(busy)), busy=lane.rows_in_use())
             lane.inflight = True
         for lane in busy:
           read, admissions = reads.get(id(lane)) or (lane.batch.read_later(), lane.admissions)
           go = lambda lane=lane: lane.busy() and not self._hold.is_set() and not self._stop
-          ahead = self.run_ahead and lane.busy() < len(lane.jobs) and go()
+          ahead = not self.read_first and lane.busy() < len(lane.jobs) and go()
           if ahead:
             # A row is free: the next pass is dispatched behind the read, before
             # waiting for it, so the device runs it while this thread reads and
             # delivers (rows that finished sit out that pass, done, until freed);
             # requests that came in the meantime join it.
-            if self.wait_for_returns and lane.freed and not lane.waiting:
+            if lane.freed and not lane.waiting:
               self._await_return(read)
             self._route()
             self._cancel_and_admit(lane)
-            lane.batch.run(self.free_chunk_passes, stop_on_done=False, busy=lane.rows_in_use())
+            lane.batch.run(1, stop_on_done=False, busy=lane.rows_in_use())
           deliveries = self._collect(lane, read(), admissions)
           lane.inflight = ahead
           if not ahead:
-            # With run_ahead the lane's next chunk is dispatched before the deliveries
-            # are made, so the device works while this thread hands results over.
-            # Without, they go out first: where a dispatch returns only once its passes
+            # Run ahead, the lane's next chunk is dispatched before the deliveries are
+            # made, so the device works while this thread hands results over. Reading
+            # first, they go out first: where a dispatch returns only once its passes
             # have run (a GPU), a client then gets its response a chunk sooner, and a
             # request it sends at once (or one that came meanwhile) joins the next one.
-            if not self.run_ahead:
+            if self.read_first:
               self._hand_over(deliveries)
             self._route()
             self._cancel_and_admit(lane)
             if go():
-              lane.batch.run(self._max_passes(lane, len(busy)), stop_on_done=self.done_rows,
-                             busy=lane.rows_in_use())
+              lane.batch.run(self._max_passes(lane, len(busy)), busy=lane.rows_in_use())
               lane.inflight = True
-          if self.run_ahead:
+          if not self.read_first:
             self._hand_over(deliveries)
       except Exception as e:  # pylint: disable=broad-except
         log.exception("engine thread failed")
