@@ -10,6 +10,10 @@ flag, an unknown config field with the nearest known name suggested, a value
 of the wrong type, a config file that cannot be read), `InputError` raised
 anywhere, and the exception types an entry point lists as its users' errors.
 Everything else is an internal error and keeps its traceback.
+
+`--config=configs/NAME.py` reads the working directory's file when there is one (a
+checkout), else the installed package's copy of configs/ (`refusion_jax.packaged`), so
+the README's commands also work after `pip install`, from any folder.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Callable, Sequence
 from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
+from refusion_jax import packaged
 from refusion_jax.checks import InputError
 
 __all__ = ["InputError", "define_config_and_workdir", "config_value", "parse_flags", "run_program",
@@ -105,6 +110,31 @@ def _config_spec(flag_name: str, argv: Sequence[str]) -> str | None:
   return spec
 
 
+def _with_packaged_configs(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
+  """`argv` with each config file that is not in the working directory but in the
+  installed package (`--config=configs/NAME.py`, `packaged.config_file`) given by its
+  path there; `import configs` then imports the package's copy (its files import each
+  other so). A config file of one's own that imports `configs` gets the package's copy
+  too when no other is importable."""
+  argv = list(argv)
+  found = False
+  for flag_name in _config_flags(fv):
+    spec = _config_spec(flag_name, argv)
+    if spec is None:
+      continue
+    path, colon, arg = spec.partition(":")
+    resolved = packaged.config_file(path)
+    if resolved == path:
+      continue
+    found = True
+    pattern = re.compile(rf"^(--?{re.escape(flag_name)}=)")
+    last = max(i for i, a in enumerate(argv) if pattern.match(a))  # the one that counts
+    argv[last] = pattern.match(argv[last]).group(1) + resolved + colon + arg
+  if any(_config_spec(name, argv) is not None for name in _config_flags(fv)):
+    packaged.use_packaged_configs(force=found)
+  return argv
+
+
 def _unreadable_config(fv: flags.FlagValues, argv: Sequence[str]) -> str | None:
   """`--config=FILE: ...` for the first config file of argv that does not exist."""
   for flag_name in _config_flags(fv):
@@ -140,7 +170,8 @@ def parse_flags(argv: Sequence[str], fv: flags.FlagValues | None = None) -> list
   Also loads each config file given, so an unreadable one is reported here.
   """
   fv = flags.FLAGS if fv is None else fv
-  argv = list(argv)
+  given = list(argv)  # errors name a config file as it was given
+  argv = _with_packaged_configs(fv, given)
   missing = _unreadable_config(fv, argv)
   if missing:
     raise InputError(missing)
@@ -162,7 +193,7 @@ def parse_flags(argv: Sequence[str], fv: flags.FlagValues | None = None) -> list
     try:
       fv[flag_name].value.keys()  # an unreadable file parses to a value that raises on use
     except OSError as e:
-      raise InputError(f"--{flag_name}={_config_spec(flag_name, argv)}: cannot read the config "
+      raise InputError(f"--{flag_name}={_config_spec(flag_name, given)}: cannot read the config "
                        f"file ({' '.join(str(e).split())})") from None
     except AttributeError:
       pass  # None (not given; the entry point says what it needs)

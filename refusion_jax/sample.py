@@ -4,8 +4,18 @@
       --config.model_dir=DIR --config.prompt="What is 2+3?"
 
 The model folder is either a HF checkpoint (config.json + safetensors, read
-by `hf.load`) or a refusion_jax model folder (`checkpoint.load_model`). Mask
-and EOS ids come from the model's config. Tokenizer: `tokenizer_dir`, else
+by `hf.load`) or a refusion_jax model folder (`checkpoint.load_model`).
+`--config.model_dir=base_tiny` names the tiny pretrained Qwen3 base shipped inside
+the package (refusion_jax/assets/base_tiny, `refusion_jax.packaged.BASE_TINY_DIR`)
+unless the working directory has a folder of that name; with `configs/sample.py`
+read from the installed package when the working directory has none, this runs
+anywhere after `pip install` (the base is a causal ARM pretrained on the bundled
+tasks: it answers "4230"):
+
+  python -m refusion_jax.sample --config=configs/sample.py \\
+      --config.model_dir=base_tiny --config.decode.method=ar --config.prompt="copy 4230"
+
+Mask and EOS ids come from the model's config. Tokenizer: `tokenizer_dir`, else
 `model_dir` when it holds a tokenizer.json, else the bundled tiny tokenizer
 when the model has `config.tiny()`'s vocabulary and special ids; otherwise
 there is none (prompts must then be token ids and "text" is null).
@@ -34,7 +44,7 @@ import ml_collections
 from ml_collections import config_flags
 
 from refusion_jax import config as config_lib
-from refusion_jax import entry_flags, fileio, trace
+from refusion_jax import entry_flags, fileio, packaged, trace
 from refusion_jax.config import DecodeConfig, ModelConfig, tiny
 
 # JAX, the model and the decoder are imported where they are used: every check of the
@@ -220,6 +230,7 @@ def batch_rows(n: int, batch_size: int) -> int:
 
 def run(c: ml_collections.ConfigDict) -> list[dict]:
   """Loads, decodes and writes the results; returns them."""
+  c.model_dir = packaged.model_dir(c.model_dir)  # a shipped model's short name: its folder
   check_flags(c)
   decode_config = decode_config_from(c)
   # Everything that can be wrong with the inputs is checked from the model's config
