@@ -198,10 +198,11 @@ def _decode_config(method, args):
 def fixed_cost_ms(decoder, repeats: int = 50) -> float:
   """Wall time of one call of the decode loop that runs no pass (dispatch, launch, sync)."""
   d = decoder
-  state = engine._engine_init(d.graphdef, d.params, spec=d.spec, rows=1, width=8,  # pylint: disable=protected-access
+  spec = d.spec_for(1)
+  state = engine._engine_init(d.graphdef, d.params, spec=spec, rows=1, width=8,  # pylint: disable=protected-access
                               place=d.place)
   stop = jax.numpy.bool_(False)
-  run = functools.partial(engine._engine_run, spec=d.spec, place=d.place)  # pylint: disable=protected-access
+  run = functools.partial(engine._engine_run, spec=spec, place=d.place)  # pylint: disable=protected-access
   state = jax.block_until_ready(run(d.graphdef, d.params, state, d.knobs, stop))
   times = []
   for _ in range(repeats):
@@ -218,7 +219,8 @@ def compiled_memory(decoder, batch: int, prompt_len: int):
   t = time.perf_counter()
   lowered = engine._generate.lower(  # pylint: disable=protected-access
       decoder.graphdef, decoder.params, shape((batch, prompt_len), np.int32),
-      shape((batch,), np.int32), shape((2,), np.uint32), decoder.knobs, spec=decoder.spec)
+      shape((batch,), np.int32), shape((2,), np.uint32), decoder.knobs,
+      spec=decoder.spec_for(batch))
   memory = lowered.compile().memory_analysis()
   return memory, time.perf_counter() - t
 

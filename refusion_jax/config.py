@@ -418,6 +418,13 @@ DECODE_METHODS = ("refusion", "ar", "mdm", "bd3lm")
 # TPU: the loop runs on the chip; not timed on one. GPU: each trip's condition is
 # read by the host, so the whole buffer stays one product there (0).
 KV_CHUNK_AUTO = {"cpu": 64, "tpu": 512}
+# ... and, where a program's row count is known (the offline Decoder.generate and
+# Engine: DecodeConfig.kv_chunk_on's `rows`), only from this many rows on. CPU, one row
+# (tiny Qwen3, ReFusion, benchmarks/decode_commits.py): with prompts of 16-32 tokens in
+# a buffer of 32 + 64 entries, chunked 0.93x the tokens/s of whole-buffer passes, in
+# 64 + 128 entries 1.01-1.03x; only a buffer padded far past its prompt gains (width
+# 256: 1.15-1.2x; set decode.kv_chunk=64 there). 16 rows at width 256: 1.3-1.4x.
+KV_CHUNK_AUTO_MIN_ROWS = {"cpu": 2}
 # DecodeConfig.matmul_precision when unset, per platform (absent: JAX's default). A GPU
 # computes float32 matrix products in TF32 by default, whose rounding depends on the
 # kernel a product's shape selects: a prompt's greedy answer could then change with what
@@ -480,8 +487,9 @@ class DecodeConfig:
   # KV buffer entries attention reads at a time in a cached pass, only as far as
   # the longest row's live prefix, so a buffer sized for long prompts costs what
   # its rows hold. 0: the whole buffer in one product. None: per platform
-  # (KV_CHUNK_AUTO; 0 on GPUs, where each trip of the loop waits for the host).
-  # Static: one program per value. MDM passes have no cache and ignore it.
+  # (KV_CHUNK_AUTO; 0 on GPUs, where each trip of the loop waits for the host) and,
+  # offline, per row count (KV_CHUNK_AUTO_MIN_ROWS: a CPU decodes one row over the
+  # whole buffer). Static: one program per value. MDM passes have no cache and ignore it.
   kv_chunk: int | None = None
   # Precision of float32 matrix products in decoding (jax.default_matmul_precision):
   # "default", "high" or "highest". None: per platform (MATMUL_PRECISION_AUTO: "highest"
@@ -568,10 +576,14 @@ class DecodeConfig:
     """Steps of Dream's schedule per block (None: no schedule)."""
     return None if self.mdm_steps is None else self.mdm_steps // self.num_blocks
 
-  def kv_chunk_on(self, platform: str) -> int:
-    """`kv_chunk` as a decode on `platform` ("cpu", "gpu", "tpu") uses it."""
+  def kv_chunk_on(self, platform: str, rows: int | None = None) -> int:
+    """`kv_chunk` as a decode on `platform` ("cpu", "gpu", "tpu") uses it, in a
+    program over `rows` rows (None: any number; a set `kv_chunk` holds for every
+    row count, the platform's default only from KV_CHUNK_AUTO_MIN_ROWS rows on)."""
     if self.kv_chunk is not None:
       return self.kv_chunk
+    if rows is not None and rows < KV_CHUNK_AUTO_MIN_ROWS.get(platform, 1):
+      return 0
     return KV_CHUNK_AUTO.get(platform, 0)
 
   def matmul_precision_on(self, platform: str) -> str | None:

@@ -360,3 +360,39 @@ def test_results_contents_links_every_section_once():
   assert sorted(h for h, _ in links) == sorted(heads)
   assert all(anchor == slug(h) for h, anchor in links)
   assert len({slug(h) for h in heads}) == len(heads)  # no anchor needs a -1 suffix
+
+
+def test_decode_commits_compares_two_trees_on_the_same_outputs(capsys):
+  from benchmarks import decode_commits  # pylint: disable=import-outside-toplevel
+  # HEAD exported with git archive against the work tree reading its buffer two
+  # entries at a time: one worker process each, the same tokens, both APIs.
+  rows = decode_commits.main(["--variants=HEAD,.:kv_chunk=2", "--apis=generate,engine",
+                              "--rows=1,2", "--gen_lengths=8", "--prompts=2",
+                              "--prompt_len=8", "--repeats=1"])
+  assert [(r["api"], r["rows"]) for r in rows] == [
+      ("generate", 1)] * 2 + [("generate", 2)] * 2 + [("engine", 1)] * 2 + [("engine", 2)] * 2
+  assert all(r["tok_s"] > 0 for r in rows)
+  assert [r["ratio"] for r in rows[::2]] == [1.0] * 4  # the base against itself
+  out = capsys.readouterr().out
+  assert "kv_chunk=2" in out and "identical across variants" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--variants=HEAD"], "at least two"),
+    (["--prompts=3"], "multiple of every --rows"),
+    (["--gen_lengths=40"], "not a multiple of 32"),
+    (["--apis=live"], "generate and/or engine")])
+def test_decode_commits_rejects_bad_flags(argv, needle, capsys):
+  from benchmarks import decode_commits  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit):
+    decode_commits.parse_args(argv)
+  assert needle in capsys.readouterr().err
+
+
+def test_decode_commits_reads_a_variants_decode_fields():
+  from benchmarks import decode_commits  # pylint: disable=import-outside-toplevel
+  assert decode_commits.parse_variant("e57c5b9") == ("e57c5b9", {})
+  assert decode_commits.parse_variant(".:kv_chunk=0; ignore_eos=True") == (
+      ".", {"kv_chunk": 0, "ignore_eos": True})
+  with pytest.raises(ValueError, match="not FIELD=VALUE"):
+    decode_commits.parse_variant(".:kv_chunk")

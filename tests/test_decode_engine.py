@@ -2,6 +2,7 @@
 token picker and ReFusion's named phase functions on hand-made cases."""
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -286,6 +287,34 @@ def test_engine_takes_a_row_that_finishes_at_its_admission():
   model = _model(eos=first)
   assert _single(model, dc, prompts[2])[0] == [first]
   run = engine.Decoder(model, dc).engine(2, width=16).run(prompts)
+  for i, prompt in enumerate(prompts):
+    assert run.results[i].tokens == _single(model, dc, prompt)[0]
+
+
+def test_an_unset_kv_chunk_follows_the_row_count(models, monkeypatch):
+  """decode.kv_chunk unset: the platform's chunk only in programs over at least
+  KV_CHUNK_AUTO_MIN_ROWS rows (a single CPU row reads its whole buffer), a set value
+  at every row count, none for MDM; rows decode the same either way. (The CPU's chunk,
+  64, exceeds these buffers: a chunk of 3 here.)"""
+  monkeypatch.setitem(config_lib.KV_CHUNK_AUTO, "cpu", 3)
+  monkeypatch.setitem(config_lib.KV_CHUNK_AUTO_MIN_ROWS, "cpu", 2)
+  model, dc = models["refusion"], _CONFIGS["refusion"]
+  auto = engine.Decoder(model, dc)
+  if auto.platform != "cpu":
+    pytest.skip("the CPU's defaults")
+  assert auto.spec.kv_chunk == 3  # any number of rows (LiveBatch, aot)
+  assert [auto.spec_for(r).kv_chunk for r in (1, 2, 16)] == [0, 3, 3]
+  assert auto.spec_for(1) == dataclasses.replace(auto.spec, kv_chunk=0)
+  assert (auto.engine(1).spec.kv_chunk, auto.engine(3).spec.kv_chunk) == (0, 3)
+  for k in (0, 3):
+    assert [engine.Decoder(model, dc.replace(kv_chunk=k)).spec_for(r).kv_chunk
+            for r in (1, 16)] == [k, k]
+  assert engine.Decoder(models["mdm"], _CONFIGS["mdm"]).spec_for(16).kv_chunk == 0
+  assert [dc.kv_chunk_on("cpu", r) for r in (None, 1, 2)] == [3, 0, 3]
+  assert [dc.kv_chunk_on(p, 1) for p in ("gpu", "tpu")] == [0, config_lib.KV_CHUNK_AUTO["tpu"]]
+  # Three rows read their buffers three entries at a time, a single decode reads it whole.
+  prompts = _prompts(np.random.RandomState(4), 6)
+  run = auto.engine(3).run(prompts)
   for i, prompt in enumerate(prompts):
     assert run.results[i].tokens == _single(model, dc, prompt)[0]
 

@@ -499,6 +499,11 @@ class Decoder:
   `engine(rows)` serves many prompts. `method` names the decoder a caller
   expects (its own check then refuses a DecodeConfig of another method);
   by default it is `decode_config.method`.
+
+  `spec` is the DecodeConfig's static part on this platform, for any number of
+  rows; `generate` and `Engine` compile `spec_for(rows)`, where an unset
+  `decode.kv_chunk` also follows the row count (`DecodeConfig.kv_chunk_on`: on a
+  CPU one row reads the whole buffer).
   """
 
   def __init__(self, model, decode_config: DecodeConfig, *, method: str | None = None,
@@ -513,10 +518,23 @@ class Decoder:
     self.config = decode_config
     self.knobs = knobs_of(model.config, decode_config)
     self.graphdef, self.params = nnx.split(model)
-    self.spec = spec_of(decode_config, vocab_chunk, platform_of(self.params))
+    self.platform = platform_of(self.params)
+    self.spec = spec_of(decode_config, vocab_chunk, self.platform)
+    self._row_specs: dict[int, Spec] = {}
     self.static = interned(self.graphdef)  # what this module's dispatches pass
     self.flat = flat_params(self.params)  # the same for the parameters
     self.place = placement_of(self.params)
+
+  def spec_for(self, rows: int) -> Spec:
+    """`spec` for a program over `rows` rows: an unset `decode.kv_chunk` as the
+    platform's default takes it at that row count (a set one, or MDM's 0, as is)."""
+    spec = self._row_specs.get(rows)
+    if spec is None:
+      spec = self.spec
+      if spec.kv_chunk:  # 0: MDM (no cache), a GPU, or decode.kv_chunk=0
+        spec = dataclasses.replace(spec, kv_chunk=self.config.kv_chunk_on(self.platform, rows))
+      self._row_specs[rows] = spec
+    return spec
 
   def _rng(self, rng):
     if rng is None:
@@ -534,7 +552,7 @@ class Decoder:
   def generate(self, prompt_ids_bp, prompt_len_b, rng=None, *, with_state: bool = False):
     ids, lens = self.check_prompts(prompt_ids_bp, prompt_len_b)
     out, state = _generate(self.static, self.flat, jnp.asarray(ids), jnp.asarray(lens),
-                           self._rng(rng), self.knobs, spec=self.spec)
+                           self._rng(rng), self.knobs, spec=self.spec_for(ids.shape[0]))
     return (out, state) if with_state else out
 
   def engine(self, rows: int, **kwargs) -> "Engine":
@@ -582,6 +600,7 @@ class Engine:
   admission prefills at the narrowest of them below its bucket's width that holds
   its prompts (one more admission program per width and size; `warm_up` compiles
   them all), so short prompts do not pay for the bucket's widest, as `LiveBatch`'s.
+  Its programs are compiled for `decoder.spec_for(rows)`.
   """
 
   def __init__(self, decoder: Decoder, rows: int, *, width: int | None = None,
@@ -592,6 +611,7 @@ class Engine:
       raise ValueError(f"engine width must be a positive int or None, got {width!r}")
     self.decoder = decoder
     self.rows = rows
+    self.spec = decoder.spec_for(rows)  # what its programs are compiled for
     self.width = width  # one bucket of this width for every prompt (None: power-of-two buckets)
     self.min_bucket = min_bucket
     bad = [w for w in admit_widths if not isinstance(w, int) or isinstance(w, bool) or w < 1]
@@ -623,17 +643,17 @@ class Engine:
         break
       a *= 2
     for width in sorted(widths):
-      state = _engine_init(d.static, d.flat, spec=d.spec, rows=self.rows, width=width,
+      state = _engine_init(d.static, d.flat, spec=self.spec, rows=self.rows, width=width,
                            place=d.place)
       for a, w in ((a, w) for a in sorted(sizes) for w in self._prefill_widths(width)):
         # padding rows only: nothing is admitted
         state = _engine_admit(d.static, d.flat, state, np.zeros((a, w), np.int32),
                               np.ones((a,), np.int32), np.full((a,), self.rows, np.int32),
                               np.zeros((a,), np.int32), raw_key(jax.random.PRNGKey(0)), d.knobs,
-                              spec=d.spec, place=d.place)
+                              spec=self.spec, place=d.place)
       for stop in (True, False):
         state, packed = _engine_step(d.static, d.flat, state, d.knobs, np.bool_(stop),
-                                     np.zeros((self.rows,), bool), spec=d.spec, place=d.place)
+                                     np.zeros((self.rows,), bool), spec=self.spec, place=d.place)
       jax.block_until_ready(packed)
 
   def _admit_size(self, n: int) -> int:
@@ -668,13 +688,13 @@ class Engine:
   def _run_bucket(self, order, ids, lens, width, rng, results, progress):
     d = self.decoder
     b = self.rows
-    state = _engine_init(d.static, d.flat, spec=d.spec, rows=b, width=width, place=d.place)
+    state = _engine_init(d.static, d.flat, spec=self.spec, rows=b, width=width, place=d.place)
     queue = list(order)
     row_prompt = [-1] * b
     row_start = [0.0] * b
     passes = 0
     admissions = 0
-    like = _output_like(state, d.knobs, d.spec)
+    like = _output_like(state, d.knobs, self.spec)
     while True:
       free = [r for r in range(b) if row_prompt[r] < 0]
       if queue and free:
@@ -695,7 +715,7 @@ class Engine:
           row_start[free[j]] = now
         # Host arrays go in as they are: the call's own transfer, no eager op each.
         state = _engine_admit(d.static, d.flat, state, ids_ap, lens_a, rows_a, pids_a, rng,
-                              d.knobs, spec=d.spec, place=d.place)
+                              d.knobs, spec=self.spec, place=d.place)
         admissions += 1
         if queue and len(free) > n:
           continue  # more free rows: admit again before running
@@ -706,7 +726,7 @@ class Engine:
       # as when its first token is EOS: it holds its prompt until the host takes it.)
       free_b = np.asarray([p < 0 for p in row_prompt])
       state, packed = _engine_step(d.static, d.flat, state, d.knobs, np.bool_(bool(queue)),
-                                   free_b, spec=d.spec, place=d.place)
+                                   free_b, spec=self.spec, place=d.place)
       out, phase, total = _unpack32(np.asarray(packed), like)
       before, passes = passes, int(total)  # the bucket's state counts its passes from zero
       if passes == before and not any(i >= 0 and phase[r] == DONE
