@@ -1212,8 +1212,8 @@ def test_waiting_for_returning_clients_changes_no_token(served_thread):
   assert waits, "no turn waited for a returning client"
 
 
-def _closed_loop_passes(served_thread, run_ahead: bool, queues) -> tuple[int, dict]:
-  """Closed-loop clients on a scheduler that runs ahead or reads first: client k
+def _closed_loop_passes(served_thread, read_first: bool, queues) -> tuple[int, dict]:
+  """Closed-loop clients on a scheduler that reads first or runs ahead: client k
   sends the prompts of `queues[k]`, (prompt, max_tokens) pairs, one after the other,
   each from within the delivery of the last one's response (a client that takes no
   time; it watches progress when max_tokens is below GEN, as the server's requests do).
@@ -1221,7 +1221,7 @@ def _closed_loop_passes(served_thread, run_ahead: bool, queues) -> tuple[int, di
   c = _scheduler_config(served_thread)
   sched = serve.make_scheduler(c)  # the served_thread's programs: nothing new compiles
   assert not sched.read_first  # a CPU's order; a GPU's is set here
-  sched.read_first = not run_ahead
+  sched.read_first = read_first
   compiled = engine.compiled_programs()
   bucket = sched.buckets[0]
   lane = next(iter(sched._lanes.values()))  # pylint: disable=protected-access
@@ -1269,10 +1269,10 @@ def test_reading_first_a_client_that_comes_back_at_once_joins_the_next_pass(
   # sits out the pass dispatched before its read while the other row decodes.
   want = served_thread["completion"]["refusion"]
   queues = [[(i, 3) for i in range(8)], [(8, GEN), (9, GEN)]]
-  passes, results = _closed_loop_passes(served_thread, False, queues)
+  passes, results = _closed_loop_passes(served_thread, True, queues)
   longer = max(sum(results[i][1] for i, _ in q) for q in queues)
   assert passes == longer
-  ahead_passes, ahead_results = _closed_loop_passes(served_thread, True, queues)
+  ahead_passes, ahead_results = _closed_loop_passes(served_thread, False, queues)
   assert ahead_passes > longer
   assert ahead_results == results  # the same tokens and passes for every request
   for q in queues:
