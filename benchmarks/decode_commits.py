@@ -52,6 +52,8 @@ MODEL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim
 
 
 def _prompts(mc, n: int, width: int, seed: int):
+  # decode_speed.make_prompts' random prompts, written again: importing that module
+  # would put this checkout's refusion_jax on the path ahead of the revision's.
   import numpy as np  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
   specials = {mc.mask_token_id, mc.eos_token_id, mc.bos_token_id, mc.pad_token_id}

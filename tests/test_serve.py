@@ -644,6 +644,18 @@ def test_a_burst_is_admitted_up_to_rows_and_queue_and_the_rest_get_429(request, 
       assert r.json()["choices"][0]["token_ids"] == served["completion"]["ar"][i % 4]["tokens"]
 
 
+def _raw_reply(sock) -> bytes:
+  """What the server answers on a raw socket: read until a JSON body has ended (or the
+  connection closes)."""
+  reply = b""
+  while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+    part = sock.recv(65536)
+    if not part:
+      break
+    reply += part
+  return reply
+
+
 def test_request_timeout(served):
   srv = served["server"]
   srv.timeout, old = 0.3, srv.timeout
@@ -666,12 +678,7 @@ def test_request_timeout(served):
     with socket.create_connection((host, int(port)), timeout=30) as sock:
       sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                    b"application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ")
-      reply = b""
-      while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
-        part = sock.recv(4096)
-        if not part:
-          break
-        reply += part
+      reply = _raw_reply(sock)
   finally:
     srv.timeout = old
   assert reply.startswith(b"HTTP/1.1 408"), reply
@@ -1446,12 +1453,7 @@ def test_sigterm_drains_and_exits_zero(served, tmp_path):
           break
       proc.send_signal(signal.SIGTERM)
       sent = time.perf_counter()
-      answer = b""
-      while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
-        part = partial.recv(65536)
-        if not part:
-          break
-        answer += part
+      answer = _raw_reply(partial)
       answered_s = time.perf_counter() - sent
       head, _, payload = answer.partition(b"\r\n\r\n")
       assert head.startswith(b"HTTP/1.1 503"), answer

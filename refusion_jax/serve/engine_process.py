@@ -182,7 +182,6 @@ class EngineProcess:
   def __init__(self, c: ml_collections.ConfigDict, *, metrics: Any = None,
                start_timeout_s: float = 3600.0):
     self.metrics = metrics
-    self.max_queue = c.max_queue
     self.capacity = Capacity(c.rows, c.max_queue)
     ctx = multiprocessing.get_context("spawn")
     cmd_recv, self._commands = ctx.Pipe(duplex=False)

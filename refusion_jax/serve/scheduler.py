@@ -233,7 +233,7 @@ class Scheduler:
       self.decoders[bucket_of(dc)] = engine_lib.Decoder(model, dc)
     self.default_config = decode_configs[0]
     self.rows, self.width = rows, width
-    self.max_queue, self.max_lanes = max_queue, max(max_lanes, len(self.decoders))
+    self.max_lanes = max(max_lanes, len(self.decoders))
     # The bounded queue (None: counted by whoever submits, as the engine process's
     # server side does).
     self.capacity: Capacity | None = Capacity(rows, max_queue)
@@ -243,8 +243,7 @@ class Scheduler:
     # The turn's order (module docstring): read first where a dispatch waits for its
     # passes (a GPU), else run ahead. None: by the model's platform.
     if read_first is None:
-      first = next(iter(self.decoders.values()))
-      read_first = engine_lib.platform_of(first.params) == "gpu"
+      read_first = next(iter(self.decoders.values())).platform == "gpu"
     self.read_first = bool(read_first)
     self.metrics = metrics
     # Called on the engine thread after each lane's deliveries and before it waits
