@@ -27,6 +27,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.objective = "refusion"  # "refusion" (slot AR + MDM), "arm", "mdm" or "bd3lm"
   c.slot_sizes = (4, 8, 16, 32)  # ReFusion draws each example's slot size from these
   c.eps = 1e-3  # mask probability floor: p = (1 - eps) * t + eps
+  c.boundary_label = False  # ReFusion: the last token of each clean slot also learns the
+  #                           token after it (ALGORITHM.md "Past the paper"); False: the release
   c.loss_chunk = 0  # cross-entropy over this many tokens of a row at a time (0 = full logits)
   c.mdm_response_len = 0  # MDM baseline: EOS-pad each response to this many tokens (the
   #                         decoder's gen_length, LLaDA's SFT); 0 = to the end of its row

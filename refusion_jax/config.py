@@ -431,6 +431,10 @@ KV_CHUNK_AUTO_MIN_ROWS = {"cpu": 2}
 # it is batched or prefilled with.
 MATMUL_PRECISION_AUTO = {"gpu": "highest"}
 MATMUL_PRECISIONS = ("default", "high", "highest")
+# ReFusion's verified infill (ALGORITHM.md "Past the paper"): "off" (the release), "correct"
+# (the first draft that fails tau_t becomes the causal argmax), "exact" (a draft stands only
+# where it is the causal argmax).
+VERIFY_MODES = ("off", "correct", "exact")
 # DecodeConfig.mdm_ranking: LLaDA's, then Dream's samplers (its generation `alg`).
 MDM_RANKINGS = ("confidence", "maskgit_plus", "topk_margin", "entropy", "origin")
 # The smallest timestep of Dream's schedule (its diffusion_generate's `eps` default).
@@ -480,6 +484,23 @@ class DecodeConfig:
   # causal pass recomputes their KV (paper's Table 8) instead of reusing it.
   left_to_right: bool = False
   recompute_kv: bool = False
+  # Past the paper (ALGORITHM.md; each off by default, so the release's tokens hold; exact
+  # definitions in decode/refusion.py). verify (VERIFY_MODES, static): drafts checked
+  # against the causal argmax that a pass already computed, the first failing one
+  # replaced by it ("correct": a draft also stands when its AR probability exceeds
+  # tau_t; "exact": only when it is the argmax), and each chosen slot's first token
+  # checked against its committed left neighbour's next-token prediction. remask (static):
+  # boundary_check (traced, with verify): slot-first tokens are verified too, against the
+  # causal prediction of the token before them (a committed left neighbour's, kept from the
+  # pass that committed it); that prediction crosses a slot boundary, which only a model
+  # trained with train.boundary_label has learnt (off: they stand as drafted). remask:
+  # a slot committed before its left neighbour is re-checked once that neighbour
+  # commits; from its first token whose probability is at most remask_threshold
+  # (tau_remask, traced) on, it is masked again and decoded anew.
+  verify: str = "off"
+  boundary_check: bool = True
+  remask: bool = False
+  remask_threshold: float = 0.5
   # Every response position is decoded: EOS counts as an ordinary token and ends
   # nothing, so every answer is gen_length tokens (vLLM's `ignore_eos`: a load
   # test with fixed answer lengths). Traced, like the thresholds.
@@ -542,6 +563,28 @@ class DecodeConfig:
       raise ValueError(
           "decode.left_to_right=True and decode.recompute_kv=True cannot be combined: "
           "left-to-right decoding has no parallel infill, so there is no KV to recompute")
+    self._check_past_the_paper()
+
+  def _check_past_the_paper(self) -> None:
+    """verify, remask and remask_threshold: their values, and a decoder with slots."""
+    if self.verify not in VERIFY_MODES:
+      raise ValueError(f"decode.verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+    for name in ("boundary_check", "remask"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"decode.{name} must be a bool, got {getattr(self, name)!r}")
+    t = self.remask_threshold
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
+      raise ValueError(f"decode.remask_threshold (tau_remask) must lie in [0, 1], got {t!r}")
+    on = [f"verify={self.verify!r}"] if self.verify != "off" else []
+    on += ["remask=True"] if self.remask else []
+    if on and self.method != "refusion":
+      raise ValueError(
+          f"decode.{' and decode.'.join(on)} checks ReFusion's slots; decode.method="
+          f"{self.method!r} has none (set decode.verify='off', decode.remask=False)")
+    if self.remask and self.left_to_right:
+      raise ValueError("decode.remask=True re-checks a slot committed before its left "
+                       "neighbour; decode.left_to_right=True commits slots in position order, "
+                       "so there is none")
 
   def _check_mdm_ranking(self) -> None:
     """`mdm_ranking` and `mdm_steps`, alone and (for method 'mdm') with the other MDM

@@ -12,7 +12,10 @@ sample (prompt length P, response length R: answer + EOS) of ReFusion:
   in the row range the sample occupies; every token keeps its position within
   its sample (0 at the sample's first token);
 * clean-slot tokens learn the next token of their own slot (AR), masked tokens
-  learn their own token (MDM).
+  learn their own token (MDM); with `boundary_label` (ALGORITHM.md "Past the
+  paper") the last token of a clean slot also learns the token after it, its
+  positional successor in the next slot (an AR term like the others; off: the
+  release's objective, that token carries no label).
 
 The ARM learns each response token from the token before it; the MDM baseline
 masks each response token (its EOS padding included, which the data pipeline
@@ -199,6 +202,12 @@ def _check_eps(eps: float) -> float:
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 < eps < 1.0:
     raise ValueError(f"eps must be a float in (0, 1), got {eps!r}")
   return float(eps)
+
+
+def _check_bool(name: str, value) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be a bool, got {value!r}")
+  return bool(value)
 
 
 def _check_token_id(name: str, value: int, vocab_size: int | None = None) -> int:
@@ -421,9 +430,16 @@ class _Tokens:
 
 
 def refusion_corrupt(rows: PackedRows, draws: Draws, *, mask_id: int, pad_id: int,
-                     slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS) -> Corrupted:
-  """ReFusion's layout of every sample of `rows` for explicit draws (module doc)."""
+                     slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS,
+                     boundary_label: bool = False) -> Corrupted:
+  """ReFusion's layout of every sample of `rows` for explicit draws (module doc).
+
+  `boundary_label`: the last token of each clean slot is labelled (KIND_AR) with
+  the response token at its position + 1, whichever slot holds it (none after the
+  response's last token); off, it is ignored, as in the release.
+  """
   slot_sizes = check_slot_sizes(slot_sizes)
+  boundary_label = _check_bool("boundary_label", boundary_label)
   eps = _check_eps(eps)
   x = _Tokens(rows, pad_id)
   n = len(slot_sizes)
@@ -439,6 +455,10 @@ def refusion_corrupt(rows: PackedRows, draws: Draws, *, mask_id: int, pad_id: in
   masked_bt = x.in_resp_bt & (jnp.take_along_axis(draws.mask_bt, first_bt, axis=1) < p_bt)
   clean_bt = x.in_resp_bt & ~masked_bt
   has_next_bt = clean_bt & (in_slot_bt < slot_len_bt - 1)
+  if boundary_label:
+    # The slot's last token learns its positional successor: the next response token
+    # of the same sample (rows keep a sample's tokens in position order here).
+    has_next_bt = has_next_bt | (clean_bt & (x.offset_bt < x.response_bt - 1))
 
   ids_bt = jnp.where(masked_bt, mask_id, x.ids_bt)
   labels_bt = jnp.where(masked_bt, x.ids_bt,
@@ -647,8 +667,10 @@ def loss_from_ce(ce_bt, corrupted: Corrupted, samples):
 def corrupt(objective: str, rows: PackedRows, rng, *, mask_id: int, pad_id: int,
             slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS,
             bd3lm_block_size: int = DEFAULT_BD3LM_BLOCK_SIZE,
-            bd3lm_eps: tuple[float, float] = DEFAULT_BD3LM_EPS) -> Corrupted:
-  """`objective`'s training input for `rows`, its draws taken from `rng` (jittable)."""
+            bd3lm_eps: tuple[float, float] = DEFAULT_BD3LM_EPS,
+            boundary_label: bool = False) -> Corrupted:
+  """`objective`'s training input for `rows`, its draws taken from `rng` (jittable).
+  `boundary_label` is ReFusion's (`refusion_corrupt`); other objectives ignore it."""
   _check_objective(objective)
   if objective == "arm":
     return arm_corrupt(rows, pad_id=pad_id)
@@ -659,14 +681,14 @@ def corrupt(objective: str, rows: PackedRows, rng, *, mask_id: int, pad_id: int,
                          eps_max=bd3lm_eps[1])
   if objective == "refusion":
     return refusion_corrupt(rows, draws, mask_id=mask_id, pad_id=pad_id, slot_sizes=slot_sizes,
-                            eps=eps)
+                            eps=eps, boundary_label=boundary_label)
   return mdm_corrupt(rows, draws, mask_id=mask_id, pad_id=pad_id, eps=eps)
 
 
 def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: int, pad_id: int,
             slot_sizes=DEFAULT_SLOT_SIZES, eps: float = DEFAULT_EPS, eos_id: int | None = None,
             loss_chunk: int = 0, bd3lm_block_size: int = DEFAULT_BD3LM_BLOCK_SIZE,
-            bd3lm_eps: tuple[float, float] = DEFAULT_BD3LM_EPS):
+            bd3lm_eps: tuple[float, float] = DEFAULT_BD3LM_EPS, boundary_label: bool = False):
   """Loss and metrics of `objective` ("refusion", "arm", "mdm" or "bd3lm") on one batch.
 
   `batch` is packed or one sample per row (module doc). `eos_id` (MDM and BD3-LM
@@ -676,6 +698,8 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
   the cross-entropy from the model's hidden states `loss_chunk` tokens of the
   sequence at a time (`chunked_token_cross_entropy`: the same loss and gradients
   without `[B, T, V]` logits); 0 projects the whole sequence at once.
+  `boundary_label` (ReFusion only, `refusion_corrupt`) labels the last token of
+  each clean slot with its positional successor.
 
   Metrics: the loss and its AR / MDM terms, the AR and MDM token counts, and the
   batch's `samples` and `real_tokens` (tokens that are not padding).
@@ -694,6 +718,10 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
   pad_id = _check_token_id("pad_id", pad_id, vocab)
   check_batch(batch)
   bd3lm_block_size, *bd3lm_eps = check_bd3lm(bd3lm_block_size, *bd3lm_eps)
+  boundary_label = _check_bool("boundary_label", boundary_label)
+  if boundary_label and objective != "refusion":
+    raise ValueError(f"boundary_label=True labels ReFusion's clean slots; objective="
+                     f"{objective!r} has none")
   eos_fill_id = None
   if objective in ("mdm", "bd3lm") and not is_packed(batch):
     if eos_id is None:
@@ -714,7 +742,7 @@ def loss_fn(model, batch: Mapping[str, Any], rng, *, objective: str, mask_id: in
                      eos_fill_multiple=bd3lm_block_size if objective == "bd3lm" else 0)
   corrupted = corrupt(objective, rows, rng, mask_id=mask_id, pad_id=pad_id,
                       slot_sizes=slot_sizes, eps=eps, bd3lm_block_size=bd3lm_block_size,
-                      bd3lm_eps=tuple(bd3lm_eps))
+                      bd3lm_eps=tuple(bd3lm_eps), boundary_label=boundary_label)
   samples = num_samples(rows)
   loss, metrics = model_loss(model, corrupted, samples, loss_chunk=loss_chunk)
   metrics.update(samples=samples.astype(jnp.float32),

@@ -70,7 +70,13 @@ def _softmax(x):
 
 
 class Oracle:
-  """Batch-1, dynamic-shape ReFusion decoding with explicit lists."""
+  """Batch-1, dynamic-shape ReFusion decoding with explicit lists.
+
+  `dc.verify` != "off" (ALGORITHM.md "Past the paper", verified infill): each
+  committed token remembers the causal argmax computed after it in the pass that
+  committed it (`self.kept`, by generated index: the token it predicts); the prompt's
+  comes from a causal call over the prompt alone.
+  """
 
   def __init__(self, model, dc: DecodeConfig, branches: collections.Counter):
     self.model = model
@@ -78,6 +84,18 @@ class Oracle:
     self.eos = model.config.eos_token_id
     self.mask = model.config.mask_token_id
     self.branches = branches
+    self.verify = dc.verify != "off"
+    self.exact = dc.verify == "exact"
+
+  def _stands(self, probs_prev, token):
+    """Verification: the draft is the causal argmax (or, 'correct', above tau_t)."""
+    return (token == int(probs_prev.argmax())
+            or (not self.exact and probs_prev[token] > self.dc.token_threshold))
+
+  def _keep(self, positions, logits):
+    """The causal argmax after each committed token, for the index after it."""
+    for pos, row in zip(positions, logits):
+      self.kept[pos - self.prompt_len + 1] = int(np.asarray(row).argmax())
 
   # Committed context: parallel lists of token, position, and the context indices the
   # entry attended to when it was computed (itself included).
@@ -124,6 +142,11 @@ class Oracle:
     self.ctx_tok, self.ctx_pos, self.ctx_vis = [], [], []
     self.canvas, self.commit_step = {}, {}
     self.step_tpf = []  # per step: tokens committed / forward passes (the paper's TPF)
+    self.kept = {}
+    if self.verify:
+      self.ctx_tok, self.ctx_pos, self.ctx_vis = [], [], []
+      self.kept[0] = int(self._run(prompt, list(range(len(prompt))),
+                                   self._causal(len(prompt)))[-1].argmax())
     self._commit_prompt(prompt)
     if dc.left_to_right:
       return self._decode_left_to_right()
@@ -158,6 +181,16 @@ class Oracle:
           self.branches["plan_fallback_single_best"] += 1
         elif len(chosen) > 1:
           self.branches["plan_several_slots"] += 1
+        if self.verify and dc.boundary_check:
+          # The first-token check: a committed left neighbour's causal argmax.
+          for s in chosen:
+            c = blk * dc.block_size + s * k
+            if c == 0 or c - 1 in self.canvas:
+              self.branches["first_token_checked"] += 1
+              if drafts[s][0] != self.kept[c]:
+                self.branches["first_token_corrected"] += 1
+                counts["corrected"] += 1
+                drafts[s][0] = self.kept[c]
         # 2. Global verification over the concatenation.
         concat = [tok for s in chosen for tok in drafts[s]]
         positions = [p for s in chosen for p in slot_positions(s)]
@@ -166,6 +199,18 @@ class Oracle:
         probs = _softmax(logits)
         prefix = len(concat)
         for j in range(len(concat)):
+          if self.verify:
+            # Checked where the token before it in the concatenation is its positional
+            # predecessor; a slot's first token after a gap stands.
+            if j % k == 0 and not (dc.boundary_check and j > 0
+                                   and chosen[j // k - 1] == chosen[j // k] - 1):
+              continue
+            if j % k == 0:
+              self.branches["gv_adjacent_first_checked"] += 1
+            if not self._stands(probs[j - 1], concat[j]):
+              prefix = j
+              break
+            continue
           if j % k == 0:
             continue  # first token of a slot: accepted unconditionally
           if not probs[j - 1, concat[j]] > dc.token_threshold:
@@ -173,6 +218,7 @@ class Oracle:
             break
         eos_at = next((j for j in range(prefix) if concat[j] == self.eos), None)
         if eos_at is not None:
+          self._keep(positions[:eos_at + 1], logits)
           self._commit(concat[:eos_at + 1], positions[:eos_at + 1], self._causal(eos_at + 1))
           self.step_tpf.append((eos_at + 1) / 2)
           eos_slot = chosen[eos_at // k]
@@ -183,44 +229,81 @@ class Oracle:
           continue
         n_whole = prefix // k
         if n_whole:
+          self._keep(positions[:n_whole * k], logits)
           self._commit(concat[:n_whole * k], positions[:n_whole * k],
                        self._causal(n_whole * k))
           self.step_tpf.append(n_whole * k / 2)
           undecided = [s for s in undecided if s not in chosen[:n_whole]]
           self.branches["global_verify_whole_slots"] += 1
           continue
+        refresh_before = counts["refresh"]
         # 3. Parallel infill, each chosen slot on its own, from its own accepted prefix
         # read from the global-verification pass (for later slots, with the earlier
         # chosen drafts in front of them).
         slots = {s: list(drafts[s]) for s in chosen}
         accepted = {}
-        for i, s in enumerate(chosen):
-          a = 1
-          while a < k and probs[i * k + a - 1, concat[i * k + a]] > dc.token_threshold:
-            a += 1
-          accepted[s] = a
-          if i > 0 and a > 1:
-            self.branches["later_slot_starts_from_its_gv_prefix"] += 1
-          if i > 0 and a == k:
-            self.branches["later_slot_fully_accepted_by_gv"] += 1
-        assert accepted[chosen[0]] == prefix
+        succ = {s: [None] * k for s in chosen}  # causal argmax after each token
+        stale = {s: False for s in chosen}
+        if self.verify:
+          # The first slot: its verified prefix, its first failing draft corrected;
+          # later slots start from their first token.
+          s0 = chosen[0]
+          accepted = {s: 1 for s in chosen}
+          accepted[s0] = prefix + 1
+          slots[s0][prefix] = int(probs[prefix - 1].argmax())
+          stale[s0] = True
+          counts["corrected"] += 1
+          for j in range(k):
+            succ[s0][j] = int(probs[j].argmax())
+          if len(chosen) > 1:
+            self.branches["verify_later_slots_restart"] += 1
+        else:
+          for i, s in enumerate(chosen):
+            a = 1
+            while a < k and probs[i * k + a - 1, concat[i * k + a]] > dc.token_threshold:
+              a += 1
+            accepted[s] = a
+            if i > 0 and a > 1:
+              self.branches["later_slot_starts_from_its_gv_prefix"] += 1
+            if i > 0 and a == k:
+              self.branches["later_slot_fully_accepted_by_gv"] += 1
+          assert accepted[chosen[0]] == prefix
         rounds = 0
-        while rounds < k and any(accepted[s] < k for s in chosen):
+        limit = k + 1 if self.verify else k
+        while rounds < limit and any(accepted[s] < k or stale[s] for s in chosen):
           rounds += 1
-          counts["draft"] += 1
+          pending = [s for s in chosen if accepted[s] < k]
+          if pending:
+            counts["draft"] += 1
           counts["verify"] += 1
-          for s in chosen:
-            if accepted[s] == k:
-              continue
+          if not pending:
+            counts["refresh"] += 1
+            self.branches["refresh_only_verify"] += 1
+          for s in pending:
             a = accepted[s]
             inp = slots[s][:a] + [self.mask] * (k - a)
             d_logits = self._run(inp, slot_positions(s), self._causal(k))
             for j in range(a, k):
               slots[s][j] = int(d_logits[j].argmax())
-          for s in chosen:
+          fed = chosen if rounds == 1 else [s for s in chosen if accepted[s] < k or stale[s]]
+          for s in fed:
+            v_probs = _softmax(self._run(slots[s], slot_positions(s), self._causal(k)))
+            succ[s] = [int(v_probs[j].argmax()) for j in range(k)]
+            stale[s] = False
             if accepted[s] == k:
               continue
-            v_probs = _softmax(self._run(slots[s], slot_positions(s), self._causal(k)))
+            if self.verify:
+              a = accepted[s]
+              while a < k and self._stands(v_probs[a - 1], slots[s][a]):
+                a += 1
+              if a < k:
+                slots[s][a] = int(v_probs[a - 1].argmax())
+                stale[s] = True
+                counts["corrected"] += 1
+                self.branches["infill_corrected"] += 1
+                a += 1
+              accepted[s] = a
+              continue
             a = accepted[s] + 1  # the first unaccepted token is always accepted
             while a < k and v_probs[a - 1, slots[s][a]] > dc.token_threshold:
               a += 1
@@ -250,6 +333,8 @@ class Oracle:
           n_committed += 1
           if self.eos in toks:
             break
+        commit_succ = [succ[s][j] for s in chosen[:n_committed]
+                       for j in range(len(slots[s])) if slot_positions(s)[j] in commit_pos]
         if n_committed >= 2:
           counts["multi_slot_infill_commits"] += 1
           if dc.recompute_kv:
@@ -257,8 +342,12 @@ class Oracle:
             sees = self._causal(len(commit_tok))
             counts["recompute"] += 1
             self.branches["recompute_kv"] += 1
+            commit_succ = [int(x.argmax()) for x in self._run(commit_tok, commit_pos, sees)]
+        for pos, nxt in zip(commit_pos, commit_succ):
+          self.kept[pos - self.prompt_len + 1] = nxt
         self._commit(commit_tok, commit_pos, sees)
-        passes = 2 + 2 * rounds + (1 if n_committed >= 2 and dc.recompute_kv else 0)
+        passes = (2 + 2 * rounds - counts["refresh"] + refresh_before
+                  + (1 if n_committed >= 2 and dc.recompute_kv else 0))
         self.step_tpf.append(len(commit_tok) / passes)
         undecided = [s for s in undecided if s not in chosen]
       if eos_found:
@@ -276,11 +365,18 @@ class Oracle:
       logits = self._run([self.mask] * k, positions, self._causal(k))
       counts["plan"] += 1
       toks = [int(logits[0].argmax())]
+      if self.verify and self.dc.boundary_check:
+        # The first-token check: the previous token's causal argmax.
+        counts["corrected"] += toks[0] != self.kept[s * k]
+        toks[0] = self.kept[s * k]
       while len(toks) < k and toks[-1] != self.eos:
         logits = self._run(toks, positions[:len(toks)], self._causal(len(toks)))
         counts["ar"] += 1
         toks.append(int(logits[-1].argmax()))
       self.branches["ltr_eos_" + ("planned" if len(toks) == 1 else "ar")] += toks[-1] == self.eos
+      if self.verify:
+        last = self._run(toks, positions[:len(toks)], self._causal(len(toks)))[-1]
+        self.kept[s * k + len(toks)] = int(last.argmax())
       self._commit(toks, positions[:len(toks)], self._causal(len(toks)))
       self.step_tpf.append(1.0)  # one pass per token
       if toks[-1] == self.eos:
@@ -357,10 +453,12 @@ def _counts_of(out, row):
   return {"plan": int(c.plan_b[row]), "global_verify": int(c.global_verify_b[row]),
           "draft": int(c.draft_b[row]), "verify": int(c.verify_b[row]),
           "steps": int(c.steps_b[row]), "recompute": int(c.recompute_b[row]),
-          "ar": int(c.ar_b[row])}
+          "ar": int(c.ar_b[row]), "corrected": int(c.corrected_b[row]),
+          "refresh": int(c.refresh_b[row])}
 
 
-_PASS_KINDS = ("plan", "global_verify", "draft", "verify", "steps", "recompute", "ar")
+_PASS_KINDS = ("plan", "global_verify", "draft", "verify", "steps", "recompute", "ar",
+               "corrected", "refresh")
 
 
 def _check_case(model, group, prompt, dc, branches, where):

@@ -36,11 +36,12 @@ def p_of(t):
   return np.float32(1.0 - EPS) * np.float32(t) + np.float32(EPS)
 
 
-def oracle_sample(tokens, p_len, r_len, draws, slot_sizes):
+def oracle_sample(tokens, p_len, r_len, draws, slot_sizes, boundary_label=False):
   """Plain-Python ReFusion layout of one sample, from the draws at its own tokens.
 
   `draws` = (size, t, mask, order) lists over the sample's tokens. Returns the
-  sample's tokens in input order as (id, position, label, kind, mdm weight).
+  sample's tokens in input order as (id, position, label, kind, mdm weight). With
+  `boundary_label`, a clean slot's last token learns the response token after it.
   """
   size, t, mask, order = draws
   k = slot_sizes[min(int(math.floor(np.float32(size[0]) * len(slot_sizes))),
@@ -56,6 +57,8 @@ def oracle_sample(tokens, p_len, r_len, draws, slot_sizes):
     start, length = slots[s]
     for j in range(length):
       last = j == length - 1
+      if boundary_label:
+        last = start + j + 1 == p_len + r_len  # only the response's last token
       out.append((tokens[start + j], start + j, PAD if last else tokens[start + j + 1],
                   0 if last else 1, 0.0))
   for s in range(n_slots):
@@ -66,13 +69,13 @@ def oracle_sample(tokens, p_len, r_len, draws, slot_sizes):
   return out
 
 
-def oracle_row(samples, draws_row, slot_sizes, seq_len):
+def oracle_row(samples, draws_row, slot_sizes, seq_len, boundary_label=False):
   """A packed row: each sample (start, tokens, P, R) laid out in its own range."""
   row = [(PAD, 0, PAD, 0, 0.0)] * seq_len
   for start, tokens, p_len, r_len in samples:
     n = p_len + r_len
     own = [list(np.asarray(d)[start:start + n]) for d in draws_row]
-    row[start:start + n] = oracle_sample(tokens, p_len, r_len, own, slot_sizes)
+    row[start:start + n] = oracle_sample(tokens, p_len, r_len, own, slot_sizes, boundary_label)
   return [list(c) for c in zip(*row)]  # ids, positions, labels, kinds, weights
 
 
@@ -175,9 +178,9 @@ def samples_in(batch):
 
 
 @functools.cache
-def refusion_jit(slot_sizes):
+def refusion_jit(slot_sizes, boundary_label=False):
   return jax.jit(functools.partial(obj.refusion_corrupt, mask_id=MASK, pad_id=PAD,
-                                   slot_sizes=slot_sizes))
+                                   slot_sizes=slot_sizes, boundary_label=boundary_label))
 
 
 mdm_jit = jax.jit(functools.partial(obj.mdm_corrupt, mask_id=MASK, pad_id=PAD))
@@ -244,6 +247,45 @@ def test_hand_worked_layout(resp, masked, keys, want_ids, want_pos, want_labels,
                              rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "resp,masked,keys,want_labels,want_kind",
+    [
+        # Prompt [10, 11], response [20 21 | 22 23], k=2, slot 0 masked: the clean slot's
+        # last token is the response's last, so nothing changes.
+        ([20, 21, 22, 23], {2: True}, {2: .1, 4: .3},
+         [PAD, PAD, 23, PAD, 20, 21, PAD, PAD], [0, 0, 1, 0, 2, 2, 0, 0]),
+        # Both slots clean, slot 1 first: slot 0's last token (21) learns 22, the token
+        # at its position + 1, although slot 1 comes before it in the input.
+        ([20, 21, 22, 23], {}, {2: .9, 4: .3},
+         [PAD, PAD, 23, PAD, 21, 22, PAD, PAD], [0, 0, 1, 0, 1, 1, 0, 0]),
+        # Slots [20 21][22 23][24], slot 0 masked: 23 learns 24 (its successor in the
+        # short last slot); 24 ends the response and learns nothing.
+        ([20, 21, 22, 23, 24], {2: True}, {2: .5, 4: .1, 6: .0},
+         [PAD, PAD, PAD, 23, 24, 20, 21, PAD], [0, 0, 0, 1, 1, 2, 2, 0]),
+    ])
+def test_hand_worked_boundary_label(resp, masked, keys, want_labels, want_kind):
+  tokens = np.full((1, 8), PAD, np.int32)
+  tokens[0, :2 + len(resp)] = [10, 11] + resp
+  rows = obj.packed_rows({"tokens": tokens, "prompt_len": np.array([2]),
+                          "response_len": np.array([len(resp)])})
+  draws = as_draws(slot_draws(8, 0, 1, masked, keys))
+  c = refusion_jit((2,), True)(rows, draws)
+  assert c.labels_bt[0].tolist() == want_labels
+  assert c.kind_bt[0].tolist() == want_kind
+  # Only labels and kinds change: the input is the release's.
+  release = refusion_jit((2,))(rows, draws)
+  for field in ("input_ids_bt", "positions_bt", "segment_ids_bt", "mdm_weight_bt"):
+    np.testing.assert_array_equal(getattr(c, field), getattr(release, field))
+  # The loss by hand: one more AR-labelled token in the mean (logits that make every
+  # token's CE distinct, so a wrong label or count shows).
+  logits = np.asarray(jax.random.normal(jax.random.key(1), (1, 8, 32)) * 3)
+  loss, metrics = obj.loss_from_ce(obj.token_cross_entropy(jnp.asarray(logits), c.labels_bt),
+                                   c, 1)
+  want = np_loss(logits, c, 1)
+  np.testing.assert_allclose([float(loss), float(metrics["ar_loss"])], want[:2], rtol=1e-5)
+  assert float(metrics["ar_tokens"]) == sum(k == 1 for k in want_kind)
+
+
 def test_hand_worked_packed_row():
   # Sample 1 at 0: prompt [10 11], response [20 21 | 22 23 | 24] with k=2, slot 1
   # masked, slots 0 and 2 clean with keys putting slot 2 first. Sample 2 at 7: prompt
@@ -269,9 +311,10 @@ def test_hand_worked_packed_row():
 
 @pytest.mark.parametrize("slot_sizes,seq_len", [((1, 2, 3, 5), 20), ((4, 8, 16, 32), 48)])
 @pytest.mark.parametrize("packed", [False, True])
-def test_layout_matches_python_oracle(slot_sizes, seq_len, packed):
+@pytest.mark.parametrize("boundary_label", [False, True])
+def test_layout_matches_python_oracle(slot_sizes, seq_len, packed, boundary_label):
   rng = np.random.default_rng(seq_len + packed)
-  fn = refusion_jit(slot_sizes)
+  fn = refusion_jit(slot_sizes, boundary_label)
   for _ in range(3):
     samples = random_samples(rng, 40, seq_len if not packed else seq_len // 2)
     placements = (first_fit(samples, seq_len) if packed else
@@ -287,7 +330,7 @@ def test_layout_matches_python_oracle(slot_sizes, seq_len, packed):
       ids, pos, labels, kinds, weights = oracle_row(
           placed, [np.asarray(getattr(draws, f))[r] for f in ("size_bt", "t_bt", "mask_bt",
                                                                "order_bt")],
-          slot_sizes, seq_len)
+          slot_sizes, seq_len, boundary_label)
       assert c.input_ids_bt[r].tolist() == ids, r
       assert c.positions_bt[r].tolist() == pos, r
       assert c.labels_bt[r].tolist() == labels, r
@@ -592,8 +635,9 @@ def _loss_and_grads(model, batch, draws, objective, loss_chunk, mesh):
   def run(state, batch, draws):
     with sharding.use_mesh(mesh, rules):
       rows = obj.packed_rows(batch)
-      if objective == "refusion":
-        c = obj.refusion_corrupt(rows, draws, mask_id=MASK, pad_id=PAD, slot_sizes=(2, 4, 8))
+      if objective in ("refusion", "refusion_bl"):
+        c = obj.refusion_corrupt(rows, draws, mask_id=MASK, pad_id=PAD, slot_sizes=(2, 4, 8),
+                                 boundary_label=objective == "refusion_bl")
       elif objective == "mdm":
         c = obj.mdm_corrupt(rows, draws, mask_id=MASK, pad_id=PAD)
       elif objective == "bd3lm":
@@ -621,6 +665,8 @@ PACKED_CASES = [
     ("refusion", "splash", False, "none", 0, False),
     ("arm", "splash", True, "full", 48, False),
     ("mdm", "splash", False, "save_dots", 48, True),
+    # ReFusion with the boundary label (train.boundary_label).
+    ("refusion_bl", "splash", True, "full", 24, True),
 ]
 
 
@@ -640,7 +686,7 @@ def test_packed_rows_give_the_unpacked_loss_and_gradients(objective, impl, scan,
     draws = placed_draws(per_sample, placements, batch["tokens"].shape, rng)
     batches[name] = (batch, draws)
   mesh = sharding.make_mesh(1, 4, 2) if eight else None
-  model = _model(obj.attention_for(objective), impl, scan, remat)
+  model = _model(obj.attention_for(objective.removesuffix("_bl")), impl, scan, remat)
   got = {name: _loss_and_grads(model, batch, draws, objective, loss_chunk, mesh)
          for name, (batch, draws) in batches.items()}
   (loss_p, m_p, g_p), (loss_u, m_u, g_u) = got["packed"], got["unpacked"]
@@ -854,6 +900,10 @@ def test_bad_arguments_raise_before_compiling():
     obj.loss_fn(model, batch, key, objective="refusion", mask_id=64, pad_id=PAD)
   with pytest.raises(ValueError, match="eps"):
     obj.loss_fn(model, batch, key, objective="refusion", eps=0.0, **kw)
+  with pytest.raises(ValueError, match="boundary_label must be a bool"):
+    obj.loss_fn(model, batch, key, objective="refusion", boundary_label="yes", **kw)
+  with pytest.raises(ValueError, match="boundary_label=True labels ReFusion"):
+    obj.loss_fn(model, batch, key, objective="arm", boundary_label=True, **kw)
   for bad in (-1, 2.5, True, "8"):
     with pytest.raises(ValueError, match=f"loss_chunk must be a non-negative int.*{bad!r}"):
       obj.loss_fn(model, batch, key, objective="refusion", loss_chunk=bad, **kw)

@@ -408,6 +408,8 @@ def test_loss_chunk_step_equals_full_logits_step(tfds_dir, monkeypatch):
      r"config\.global_batch_size=6 is not divisible by the mesh's data x fsdp = 4 x 2"),
     ({"objective": "bert"}, r"config\.objective must be one of .* got 'bert'"),
     ({"loss_chunk": -1}, r"config\.loss_chunk must be a non-negative int .*got -1"),
+    ({"objective": "arm", "boundary_label": True},
+     r"config\.boundary_label=True labels ReFusion's clean slots; config\.objective='arm'"),
     ({"data.seq_len": 2048}, r"config\.data\.seq_len=2048 exceeds .*max_position_embeddings=1024"),
     ({"model.preset": "qwen3_0_6b", "model.dtype": "float32"},
      r"config\.objective='refusion' needs a mask token"),

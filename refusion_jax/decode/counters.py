@@ -34,13 +34,19 @@ class DecodeCounters:
   # token is read from the prefill and counts one), and the further tokens of a
   # slot in ReFusion's left-to-right ablation.
   ar_b: jax.Array = 0
+  # ReFusion's verified infill (decode.verify): tokens a causal argmax replaced (a draft
+  # that failed, or a slot's first token that its left neighbour's prediction corrected),
+  # and infill verify passes a row ran only to feed corrected tokens (their K/V; counted
+  # in verify_b too).
+  corrected_b: jax.Array = 0
+  refresh_b: jax.Array = 0
 
   @classmethod
   def zeros(cls, batch: int) -> "DecodeCounters":
     z = jnp.zeros((batch,), jnp.int32)
     return cls(plan_b=z, global_verify_b=z, draft_b=z, verify_b=z, prefill_b=z, tokens_b=z,
                steps_b=z, recompute_b=z, step_tpf_sum_b=jnp.zeros((batch,), jnp.float32),
-               ar_b=z)
+               ar_b=z, corrected_b=z, refresh_b=z)
 
   def _xp(self):
     """numpy for counters read back to the host (no device op per field), else jnp."""
@@ -77,7 +83,8 @@ class DecodeCounters:
     # [B] even where the field kept its scalar default.
     xp = self._xp()
     d["recompute_b"] = xp.zeros_like(self.plan_b) + self.recompute_b
-    d["ar_b"] = xp.zeros_like(self.plan_b) + self.ar_b
+    for name in ("ar_b", "corrected_b", "refresh_b"):
+      d[name] = xp.zeros_like(self.plan_b) + getattr(self, name)
     d["nfe_b"] = self.nfe_b()
     d["tpf_paper_b"] = self.tpf_paper_b()
     return d

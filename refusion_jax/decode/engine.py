@@ -74,6 +74,8 @@ class Spec:
   matmul_precision: str | None = None  # DecodeConfig.matmul_precision as resolved (None: JAX's)
   mdm_ranking: str = "confidence"  # DecodeConfig.mdm_ranking (MDM only)
   mdm_steps_per_block: int = 0  # Dream's schedule: steps per block (0: none; MDM only)
+  verify: bool = False  # DecodeConfig.verify != "off" (ReFusion only; "exact" is a knob)
+  remask: bool = False  # DecodeConfig.remask (ReFusion only)
 
 
 @flax.struct.dataclass
@@ -89,6 +91,9 @@ class Knobs:
   mask_id: jax.Array
   eos_id: jax.Array  # -1 when the model has no EOS or decode.ignore_eos: never matches a token
   pad_id: jax.Array
+  verify_exact: jax.Array = False  # DecodeConfig.verify == "exact" (with Spec.verify)
+  boundary_check: jax.Array = True  # DecodeConfig.boundary_check (with Spec.verify)
+  remask_threshold: jax.Array = 0.5  # DecodeConfig.remask_threshold (with Spec.remask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +136,11 @@ def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_
                 mdm_ranking=dc.mdm_ranking, mdm_steps_per_block=dc.mdm_steps_per_block or 0)
   if dc.method == "bd3lm":  # blocks only: no slots
     return Spec("bd3lm", g, dc.block_size, dc.block_size, False, vocab_chunk, kv_chunk, mp)
+  verify = dc.verify != "off"
   if dc.left_to_right:  # blocks play no part left to right
-    return Spec("refusion", g, dc.slot_size, g, True, vocab_chunk, kv_chunk, mp)
-  return Spec("refusion", g, dc.slot_size, dc.block_size, False, vocab_chunk, kv_chunk, mp)
+    return Spec("refusion", g, dc.slot_size, g, True, vocab_chunk, kv_chunk, mp, verify=verify)
+  return Spec("refusion", g, dc.slot_size, dc.block_size, False, vocab_chunk, kv_chunk, mp,
+              verify=verify, remask=dc.remask)
 
 
 def precision(spec: Spec):
@@ -156,7 +163,10 @@ def knobs_of(model_config, decode_config: DecodeConfig) -> Knobs:
       mask_id=jnp.int32(-1 if model_config.mask_token_id is None else model_config.mask_token_id),
       eos_id=jnp.int32(-1 if model_config.eos_token_id is None or dc.ignore_eos
                        else model_config.eos_token_id),
-      pad_id=jnp.int32(0 if model_config.pad_token_id is None else model_config.pad_token_id))
+      pad_id=jnp.int32(0 if model_config.pad_token_id is None else model_config.pad_token_id),
+      verify_exact=jnp.bool_(dc.verify == "exact"),
+      boundary_check=jnp.bool_(dc.boundary_check),
+      remask_threshold=jnp.float32(dc.remask_threshold))
 
 
 def raw_key(rng) -> jax.Array:

@@ -65,7 +65,7 @@ import jax
 import jax.numpy as jnp
 
 from refusion_jax.config import DecodeConfig
-from refusion_jax.decode import common, engine, passes
+from refusion_jax.decode import common, engine, heads, passes
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
 from refusion_jax.kv_cache import KVCache
@@ -100,6 +100,13 @@ class Rows:
   stage_bs: jax.Array  # rank of each chosen slot among the chosen (staging order)
   step_nfe_b: jax.Array  # nfe when the step began (for the paper's TPF)
   counters: DecodeCounters
+  # Verified infill only (Spec.verify; None otherwise).
+  next_bg: jax.Array | None = None  # causal argmax for generated index c, from the pass that
+  #                                   committed c - 1 (c = 0: the prompt's prefill)
+  succ_bt: jax.Array | None = None  # the causal argmax after each token of the block, from
+  #                                   the latest pass that fed it (what commit keeps)
+  stale_bs: jax.Array | None = None  # the slot holds a corrected token whose K/V are not
+  #                                    yet from a pass that fed it
 
 
 @flax.struct.dataclass
@@ -125,6 +132,17 @@ def prefix_within_slot(ok_bt: jax.Array, slot_size: int) -> jax.Array:
   return (jnp.cumprod(ok_bsk.astype(jnp.int32), axis=-1) > 0).reshape(b, t)
 
 
+def shift_right(x_bt: jax.Array, fill) -> jax.Array:
+  """`x_bt[:, t - 1]` at t (`fill` at t = 0)."""
+  return jnp.concatenate([jnp.full(x_bt.shape[:1] + (1,), fill, x_bt.dtype), x_bt[:, :-1]], 1)
+
+
+def verified(knobs: Knobs, draft_bt, p_prev_bt, prev_pick_bt) -> jax.Array:
+  """A draft token stands under verification: it is the causal argmax read at the
+  entry before it, or (verify='correct') its AR probability there exceeds tau_t."""
+  return (draft_bt == prev_pick_bt) | (~knobs.verify_exact & (p_prev_bt > knobs.token_threshold))
+
+
 class _Layout:
   """Index arrays of the block layout (static sizes)."""
 
@@ -136,6 +154,7 @@ class _Layout:
     self.slot_t = self.t // self.k
     self.offset_t = self.t % self.k
     self.first_t = self.offset_t == 0
+    self.verify = spec.verify
 
   def per_token(self, x_bs):
     return x_bs[:, self.slot_t]
@@ -202,10 +221,19 @@ def recompute_feed(lay: _Layout, r: Rows, keep_bt) -> passes.Feed:
 # --- transitions: what a row does with its pass's result ----------------------------------
 
 
-def commit(lay: _Layout, r: Rows, keep_bt, tokens_bt, decided_bs, eos_b) -> Rows:
-  """Commits the kept tokens (a prefix of the staged KV) and ends the step."""
+def commit(lay: _Layout, r: Rows, keep_bt, tokens_bt, decided_bs, eos_b, succ_bt=None) -> Rows:
+  """Commits the kept tokens (a prefix of the staged KV) and ends the step. With
+  verification, each kept token's causal argmax (`succ_bt`, default the row's) is kept
+  for the generated index after it."""
   b = keep_bt.shape[0]
   n_b = keep_bt.sum(-1).astype(jnp.int32)
+  if lay.verify:
+    succ_bt = r.succ_bt if succ_bt is None else succ_bt
+    after = lay.canvas_bt(r) + 1
+    rows = jnp.arange(b)[:, None]
+    # Past the last generated index, and for tokens not kept, nothing is written.
+    dest = jnp.where(keep_bt, after, r.next_bg.shape[1])
+    r = r.replace(next_bg=r.next_bg.at[rows, dest].set(succ_bt, mode="drop"))
   # The current block is one row of the [B, blocks, block] view of the generated
   # area, so an elementwise select writes it (no gather and scatter per commit).
   put = ((jnp.arange(lay.n_blocks)[None] == r.block_b[:, None])[:, :, None]
@@ -241,9 +269,23 @@ def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   over = undecided & (score > knobs.slot_threshold)
   best = jax.nn.one_hot(jnp.argmax(score, axis=-1), lay.n_slots, dtype=bool)
   chosen = jnp.where(over.any(-1, keepdims=True), over, best)
-  return r.replace(phase_b=jnp.full((b,), GLOBAL), draft_bt=out.pick_bn, chosen_bs=chosen,
+  draft = out.pick_bn
+  counters = r.counters.add(jnp.ones((b,), bool), plan_b=1)
+  if lay.verify:
+    # The first-token check: a chosen slot whose positional left neighbour is committed
+    # (the prompt, for the first slot) starts with that neighbour's causal next-token
+    # argmax, kept from the pass that committed it, instead of its masked draft.
+    canvas = lay.canvas_bt(r)
+    rows = jnp.arange(b)[:, None]
+    left_done = (canvas == 0) | (r.commit_step_bg[rows, jnp.maximum(canvas - 1, 0)] >= 0)
+    check = lay.first_t[None] & lay.per_token(chosen) & left_done & knobs.boundary_check
+    kept = r.next_bg[rows, canvas]
+    counters = counters.add(jnp.ones((b,), bool),
+                            corrected_b=(check & (kept != draft)).sum(-1))
+    draft = jnp.where(check, kept, draft)
+  return r.replace(phase_b=jnp.full((b,), GLOBAL), draft_bt=draft, chosen_bs=chosen,
                    stage_bs=(jnp.cumsum(chosen, -1) - 1).astype(jnp.int32),
-                   counters=r.counters.add(jnp.ones((b,), bool), plan_b=1))
+                   counters=counters)
 
 
 def global_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
@@ -252,9 +294,17 @@ def global_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
   b = r.phase_b.shape[0]
   r = r.replace(counters=r.counters.add(jnp.ones((b,), bool), global_verify_b=1))
   chosen_bt = lay.per_token(r.chosen_bs)
-  # In the concatenation a non-first token's predecessor is the token before it
-  # (same slot, also chosen); first tokens are accepted unconditionally.
-  accepted_bt = lay.first_t[None] | (out.p_prev_bn > knobs.token_threshold)
+  if lay.verify:
+    # Every token whose predecessor in the concatenation is its positional one (the
+    # token before it in its slot, or the last token of the chosen slot to its left) is
+    # verified against the causal argmax there; a first token after a gap stands.
+    prev_pick = shift_right(out.pick_bn, -1)
+    checkable = ~lay.first_t[None] | (shift_right(chosen_bt, False) & knobs.boundary_check)
+    accepted_bt = ~checkable | verified(knobs, r.draft_bt, out.p_prev_bn, prev_pick)
+  else:
+    # In the concatenation a non-first token's predecessor is the token before it
+    # (same slot, also chosen); first tokens are accepted unconditionally.
+    accepted_bt = lay.first_t[None] | (out.p_prev_bn > knobs.token_threshold)
   first_reject = first_true(chosen_bt & ~accepted_bt)
   prefix_bt = chosen_bt & (lay.t[None] < first_reject[:, None])
   eos_bt = r.draft_bt == knobs.eos_id
@@ -273,13 +323,32 @@ def global_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
   # whole leading slots.
   committed = commit(lay, r, jnp.where(gv_eos[:, None], keep_eos, lay.per_token(whole_bs)),
                      r.draft_bt, jnp.where(gv_eos[:, None], decided_eos, r.decided_bs | whole_bs),
-                     r.eos_b | gv_eos)
+                     r.eos_b | gv_eos, succ_bt=out.pick_bn)
   # Parallel infill: every chosen slot starts from its own accepted prefix.
+  accepted = chosen_bt & prefix_within_slot(accepted_bt, lay.k)
+  draft, extra = r.draft_bt, {}
+  if lay.verify:
+    # The first chosen slot keeps its verified prefix, and the causal argmax replaces its
+    # first failing draft (its K/V come from the infill's first verify, which feeds
+    # every chosen slot). A later slot's probabilities here saw the drafts before it,
+    # not its own context: it starts from its first token.
+    first_slot = lay.per_token(jax.nn.one_hot(first_true(r.chosen_bs), lay.n_slots,
+                                              dtype=bool))
+    own = accepted & first_slot
+    fix = first_slot & ~own & (lay.t[None] == first_reject[:, None])
+    accepted = jnp.where(first_slot, own | fix, chosen_bt & lay.first_t[None])
+    draft = jnp.where(fix, prev_pick, draft)
+    extra = dict(succ_bt=out.pick_bn,
+                 stale_bs=fix.reshape(b, lay.n_slots, lay.k).any(-1),
+                 counters=r.counters.add(jnp.ones((b,), bool), corrected_b=fix.sum(-1)))
   to_infill = r.replace(
-      phase_b=jnp.full((b,), DRAFT),
-      accepted_bt=chosen_bt & prefix_within_slot(accepted_bt, lay.k),
+      phase_b=jnp.full((b,), DRAFT), draft_bt=draft, accepted_bt=accepted,
       removed_bs=jnp.zeros_like(r.chosen_bs), infill_eos_b=jnp.zeros((b,), bool),
-      round_b=jnp.zeros((b,), jnp.int32), verify_bs=r.chosen_bs)
+      round_b=jnp.zeros((b,), jnp.int32), verify_bs=r.chosen_bs, **extra)
+  if lay.verify:
+    # Only a corrected token and no draft left to fill: straight to the verify.
+    to_infill = to_infill.replace(phase_b=jnp.where(
+        _pending_bt(lay, to_infill).any(-1), DRAFT, VERIFY))
   return passes.select([(gv_eos | gv_whole, committed)], to_infill)
 
 
@@ -292,6 +361,8 @@ def infill_draft(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Ro
   # The first round's verify feeds every chosen slot (their KV must be slot-local);
   # later ones only the slots that changed.
   verify_bs = jnp.where((r.round_b == 0)[:, None], r.chosen_bs, pending_bs)
+  if lay.verify:
+    verify_bs = verify_bs | r.stale_bs
   return r.replace(phase_b=jnp.full((b,), VERIFY),
                    draft_bt=jnp.where(pending_bt, out.pick_bn, r.draft_bt), verify_bs=verify_bs,
                    counters=r.counters.add(jnp.ones((b,), bool), draft_b=1))
@@ -307,14 +378,37 @@ def _infill_outcome(lay: _Layout, r: Rows, knobs: Knobs):
 
 def infill_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   """Accept per slot: what was accepted, the first pending token, then each next token
-  while its AR probability exceeds tau_t. An accepted EOS ends the chosen slots."""
+  while its AR probability exceeds tau_t. An accepted EOS ends the chosen slots.
+
+  Verified (`Spec.verify`): from the first pending token on, each token that stands
+  (`verified`) is accepted, and the first that does not becomes the causal argmax read
+  at the token before it (fed in this pass, accepted); that token's K/V come from a
+  later verify that feeds it (`stale_bs`), so the infill runs until no slot has a
+  pending or stale token (at most k + 1 rounds)."""
   b = r.phase_b.shape[0]
   pending_bt = _pending_bt(lay, r)
   chosen_bt = lay.per_token(r.chosen_bs)
-  first_pending_bs = first_true(pending_bt.reshape(b, lay.n_slots, lay.k))
-  is_first_pending = lay.offset_t[None] == lay.per_token(first_pending_bs)
-  ok = r.accepted_bt | is_first_pending | (out.p_prev_bn > knobs.token_threshold)
-  accepted = chosen_bt & prefix_within_slot(ok, lay.k)
+  extra = {}
+  if lay.verify:
+    prev_pick = shift_right(out.pick_bn, -1)
+    ok = r.accepted_bt | (pending_bt & verified(knobs, r.draft_bt, out.p_prev_bn, prev_pick))
+    accepted = chosen_bt & prefix_within_slot(ok, lay.k)
+    fix = (pending_bt & ~accepted
+           & (lay.offset_t[None] == lay.per_token(accepted.reshape(b, lay.n_slots, lay.k).sum(-1))))
+    accepted = accepted | fix
+    fed = lay.per_token(r.verify_bs)
+    extra = dict(draft_bt=jnp.where(fix, prev_pick, r.draft_bt),
+                 succ_bt=jnp.where(fed, out.pick_bn, r.succ_bt),
+                 stale_bs=fix.reshape(b, lay.n_slots, lay.k).any(-1))
+    counters = r.counters.add(jnp.ones((b,), bool), verify_b=1, corrected_b=fix.sum(-1),
+                              refresh_b=~pending_bt.any(-1))
+  else:
+    first_pending_bs = first_true(pending_bt.reshape(b, lay.n_slots, lay.k))
+    is_first_pending = lay.offset_t[None] == lay.per_token(first_pending_bs)
+    ok = r.accepted_bt | is_first_pending | (out.p_prev_bn > knobs.token_threshold)
+    accepted = chosen_bt & prefix_within_slot(ok, lay.k)
+    counters = r.counters.add(jnp.ones((b,), bool), verify_b=1)
+  r = r.replace(**extra)
   # EOS among accepted tokens: keep the chosen slots up to the first such slot by
   # position, mark it fully accepted, drop every later slot. Undecided slots before
   # it stay undecided and are still decoded.
@@ -328,24 +422,35 @@ def infill_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
   accepted = accepted | lay.per_token(slot_s == eos_slot[:, None])
   r = r.replace(accepted_bt=accepted & lay.per_token(chosen), chosen_bs=chosen,
                 removed_bs=r.removed_bs | after, infill_eos_b=r.infill_eos_b | has_eos,
-                round_b=r.round_b + 1,
-                counters=r.counters.add(jnp.ones((b,), bool), verify_b=1))
-  more = _pending_bt(lay, r).any(-1) & (r.round_b < lay.k)
+                round_b=r.round_b + 1, counters=counters)
+  if lay.verify:
+    r = r.replace(stale_bs=r.stale_bs & chosen)
+    pending = _pending_bt(lay, r).any(-1)
+    more = (pending | r.stale_bs.any(-1)) & (r.round_b < lay.k + 1)
+    next_phase = jnp.where(pending, DRAFT, VERIFY)
+  else:
+    more = _pending_bt(lay, r).any(-1) & (r.round_b < lay.k)
+    next_phase = jnp.full((b,), DRAFT)
   keep, decided, eos = _infill_outcome(lay, r, knobs)
   n_slots_kept = keep.reshape(b, lay.n_slots, lay.k).any(-1).sum(-1)
   recompute = knobs.recompute_kv & (n_slots_kept >= 2)
   done = commit(lay, r, keep, r.draft_bt, decided, eos)
-  return passes.select([(more, r.replace(phase_b=jnp.full((b,), DRAFT))),
+  go_on = r.replace(phase_b=next_phase)
+  if lay.verify:
+    # Straight to another verify (no draft left to fill): it feeds the stale slots.
+    go_on = go_on.replace(verify_bs=jnp.where((next_phase == DRAFT)[:, None], r.verify_bs,
+                                              r.stale_bs))
+  return passes.select([(more, go_on),
                         (recompute, r.replace(phase_b=jnp.full((b,), RECOMPUTE)))], done)
 
 
 def recompute(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   """The committed tokens' KV came from a causal pass: commit them now."""
-  del out
   b = r.phase_b.shape[0]
   r = r.replace(counters=r.counters.add(jnp.ones((b,), bool), recompute_b=1))
   keep, decided, eos = _infill_outcome(lay, r, knobs)
-  return commit(lay, r, keep, r.draft_bt, decided, eos)
+  return commit(lay, r, keep, r.draft_bt, decided, eos,
+                succ_bt=out.pick_bn if lay.verify else None)
 
 
 # --- left to right ------------------------------------------------------------------------
@@ -393,6 +498,13 @@ def ltr_plan(spec: Spec, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   start = r.block_b * spec.slot_size
   first = out.pick_bn[:, 1]
   ones = jnp.ones((b,), bool)
+  if spec.verify:
+    # The first-token check: the previous token's causal argmax (fed at entry 0 of this
+    # pass; the first slot's from the prompt's prefill) instead of the masked draft.
+    causal = jnp.where(r.block_b > 0, out.pick_bn[:, 0], r.next_bg[:, 0])
+    causal = jnp.where(knobs.boundary_check, causal, first)
+    r = r.replace(counters=r.counters.add(ones, corrected_b=causal != first))
+    first = causal
   r = r.replace(
       length_b=r.length_b + (r.block_b > 0).astype(jnp.int32),
       tokens_bg=r.tokens_bg.at[rows, start].set(first),
@@ -433,6 +545,11 @@ def widths(spec: Spec) -> tuple[int, ...]:
 def _empty_rows(spec: Spec, b: int, pad_id) -> Rows:
   blk, n_slots = spec.block_size, spec.block_size // spec.slot_size
   zi, zb = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
+  extra = {}
+  if spec.verify:
+    extra = dict(next_bg=jnp.zeros((b, spec.gen_length), jnp.int32),
+                 succ_bt=jnp.zeros((b, blk), jnp.int32),
+                 stale_bs=jnp.zeros((b, n_slots), bool))
   return Rows(
       phase_b=zi + FREE, length_b=zi, prompt_len_b=zi, key_b2=jnp.zeros((b, 2), jnp.uint32),
       tokens_bg=jnp.full((b, spec.gen_length), pad_id, jnp.int32),
@@ -442,7 +559,7 @@ def _empty_rows(spec: Spec, b: int, pad_id) -> Rows:
       accepted_bt=jnp.zeros((b, blk), bool), removed_bs=jnp.zeros((b, n_slots), bool),
       infill_eos_b=zb, round_b=zi, verify_bs=jnp.zeros((b, n_slots), bool),
       stage_bs=jnp.zeros((b, n_slots), jnp.int32), step_nfe_b=zi,
-      counters=DecodeCounters.zeros(b))
+      counters=DecodeCounters.zeros(b), **extra)
 
 
 def init(model, spec: Spec, rows: int, width: int) -> State:
@@ -453,11 +570,16 @@ def init(model, spec: Spec, rows: int, width: int) -> State:
 
 
 def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: Knobs) -> State:
-  cache, _ = common.prefill_rows(model, st.cache, ids_ap, lens_a, rows_a)
+  cache, last_ad = common.prefill_rows(model, st.cache, ids_ap, lens_a, rows_a)
   a = ids_ap.shape[0]
   fresh = _empty_rows(spec, a, knobs.pad_id).replace(
       phase_b=jnp.full((a,), LTR_PLAN if spec.left_to_right else PLAN, jnp.int32),
       length_b=lens_a, prompt_len_b=lens_a, key_b2=keys_a2)
+  if spec.verify:
+    # The prompt's causal next-token argmax: the first slot's first-token check.
+    first = heads.token_stats(last_ad[:, None], model.unembed(), jnp.zeros((a, 1), jnp.int32),
+                              vocab_chunk=spec.vocab_chunk).pick_bt[:, 0]
+    fresh = fresh.replace(next_bg=fresh.next_bg.at[:, 0].set(first))
   fresh = fresh.replace(counters=fresh.counters.add(jnp.ones((a,), bool), prefill_b=1))
   rows = engine.set_rows(st.rows, fresh, rows_a)
   return st.replace(cache=cache, rows=rows)

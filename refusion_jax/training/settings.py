@@ -109,6 +109,11 @@ def validate_config(config, *, num_devices: int, process_count: int = 1,
     raise ValueError(f"config.slot_sizes: {e}") from None
   require(is_real(config.eps) and 0.0 < config.eps < 1.0, "eps", config.eps,
           "a float in (0, 1)")
+  boundary_label = config.get("boundary_label", False)
+  require(isinstance(boundary_label, bool), "boundary_label", boundary_label, "a bool")
+  if boundary_label and config.objective != "refusion":
+    raise ValueError(f"config.boundary_label=True labels ReFusion's clean slots; "
+                     f"config.objective={config.objective!r} has none")
   require(is_int(config.loss_chunk) and config.loss_chunk >= 0, "loss_chunk", config.loss_chunk,
           "a non-negative int (0 = full logits)")
   require(is_int(config.seed) and 0 <= config.seed < 2**31, "seed", config.seed,

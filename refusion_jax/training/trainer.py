@@ -123,7 +123,7 @@ class Trainer:
         pad_id=int(pad_id), slot_sizes=tuple(config.slot_sizes), eps=float(config.eps),
         eos_id=model_config.eos_token_id if config.objective in ("mdm", "bd3lm") else None,
         loss_chunk=objective.check_loss_chunk(config.loss_chunk),
-        **bd3lm_kwargs(config))
+        boundary_label=bool(config.get("boundary_label", False)), **bd3lm_kwargs(config))
 
     abstract_model = nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract_model)

@@ -1,0 +1,116 @@
+"""ReFusion's verified infill (decode.verify, ALGORITHM.md "Past the paper") against the
+plain-Python oracle of tests/test_decode_refusion.py, and against greedy AR decoding.
+
+With one slot per block and `verify="exact"`, every committed token is the causal
+argmax of the same weights: the decode equals `decode.method="ar"` token for token,
+and so does the left-to-right ablation with verification (its slot-first tokens
+checked against the previous token's prediction). With verification off, the decoder
+is today's (the oracle tests of test_decode_refusion.py run with it off).
+"""
+
+import collections
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import engine, refusion
+from tests.test_decode_refusion import (Oracle, _check_row, _make_model, _pad, _random_prompts,
+                                        VOCAB)
+
+# A 2-layer model (the oracle's causal calls and the decoder share its programs); its
+# EOS id is one this random model emits now and then.
+_EOS_ID = 55
+# (padded prompt, gen_length, slot, block): one program per group and verify setting.
+_GROUPS = ((6, 16, 4, 8), (6, 16, 2, 8))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _make_model(eos_id=_EOS_ID, num_layers=2)
+
+
+def test_verified_decoding_matches_the_oracle(model):
+  start = time.time()
+  rs = np.random.RandomState(11)
+  branches = collections.Counter()
+  n_cases = eos_hits = 0
+  compiled_before = refusion.compiled_cache_size()
+  for p, g, k, blk in _GROUPS:
+    for mode in ("correct", "exact"):
+      for tau_s, tau_t in ((0.0, 0.9), (0.5, 0.3), (0.9, 0.05), (0.3, 0.6)):
+        prompts = _random_prompts(rs, 4, p)
+        ids, lens = _pad(prompts, p)
+        dc = DecodeConfig(gen_length=g, slot_size=k, block_size=blk, slot_threshold=tau_s,
+                          token_threshold=tau_t, verify=mode,
+                          boundary_check=bool(rs.rand() < 0.7),
+                          recompute_kv=bool(rs.rand() < 0.3))
+        # The prompts as one batch: each row must equal its own single-prompt oracle.
+        out = jax.device_get(refusion.generate(model, ids, lens, dc))
+        for row, prompt in enumerate(prompts):
+          result = Oracle(model, dc, branches).decode(prompt)
+          _check_row(out, row, result, f"row {row}: prompt={prompt} {dc}")
+          eos_hits += result[1] < g
+          n_cases += 1
+  print(f"\n{n_cases} verified cases, {eos_hits} ended by EOS, branches: {dict(branches)}, "
+        f"{time.time() - start:.1f}s")
+  for branch in ("first_token_checked", "first_token_corrected", "gv_adjacent_first_checked",
+                 "infill_corrected", "refresh_only_verify", "verify_later_slots_restart",
+                 "eos_in_infill", "multi_round_infill", "recompute_kv"):
+    assert branches[branch] > 0, f"branch {branch} never happened: {dict(branches)}"
+  assert 0 < eos_hits < n_cases
+  # "correct" and "exact", the boundary check (traced knobs) and every threshold share one
+  # program per group.
+  assert refusion.compiled_cache_size() - compiled_before <= len(_GROUPS)
+
+
+def test_exact_verification_with_one_slot_per_block_is_greedy_ar(model):
+  rs = np.random.RandomState(12)
+  prompts = _random_prompts(rs, 8, 6)
+  ids, lens = _pad(prompts, 6)
+  g = 16
+  ar = jax.device_get(engine.Decoder(
+      model, DecodeConfig(method="ar", gen_length=g, slot_size=g, block_size=g)).generate(
+          ids, lens))
+  lengths = np.asarray(ar.length_b)
+  assert lengths.min() < g and lengths.max() == g  # some answers end at EOS
+  for k in (2, 4):
+    for ltr in (False, True):
+      for tau_t in (0.0, 0.5, 1.0):
+        dc = DecodeConfig(gen_length=g, slot_size=k, block_size=k, slot_threshold=0.5,
+                          token_threshold=tau_t, verify="exact", left_to_right=ltr)
+        out = jax.device_get(refusion.generate(model, ids, lens, dc))
+        np.testing.assert_array_equal(out.tokens_bg, ar.tokens_bg, err_msg=str(dc))
+        np.testing.assert_array_equal(out.length_b, ar.length_b, err_msg=str(dc))
+        if ltr:  # one pass per token, as AR decoding
+          np.testing.assert_array_equal(out.counters.nfe_b(), out.length_b)
+  # Without verification the same settings decode otherwise (masked drafts stand).
+  off = refusion.generate(model, ids, lens, dc.replace(verify="off", left_to_right=False))
+  assert not np.array_equal(np.asarray(off.tokens_bg), ar.tokens_bg)
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(verify="yes"), "decode.verify must be one of"),
+    (dict(verify="exact", method="ar"), "has none"),
+    (dict(verify="correct", method="mdm"), "has none"),
+    (dict(verify="exact", method="bd3lm"), "has none"),
+    (dict(remask=True, method="ar"), "has none"),
+    (dict(remask=1), "decode.remask must be a bool"),
+    (dict(verify="exact", boundary_check="no"), "decode.boundary_check must be a bool"),
+    (dict(remask=True, remask_threshold=1.5), "tau_remask"),
+    (dict(remask=True, remask_threshold=-0.1), "tau_remask"),
+    (dict(remask=True, left_to_right=True), "position order"),
+])
+def test_bad_options_fail_before_compiling(model, fields, needle):
+  with pytest.raises(ValueError, match=needle):
+    DecodeConfig(**{**dict(gen_length=16, slot_size=4, block_size=8), **fields})
+  size = refusion.compiled_cache_size()
+  dc = DecodeConfig(gen_length=16, slot_size=4, block_size=8)
+  for name, value in fields.items():
+    object.__setattr__(dc, name, value)
+  ids, lens = _pad([[5, 6, 7]], 6)
+  with pytest.raises(ValueError, match=needle):
+    engine.Decoder(model, dc).generate(ids, lens)
+  assert refusion.compiled_cache_size() == size
