@@ -203,7 +203,7 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
     run = eng.run(prompts, rng, progress=bar)
     if bar is not None:
       bar.close()
-    tokens = nfe = correct = 0
+    tokens = nfe = correct = corrected = refresh = 0
     tpf_paper = 0.0
     for problem, res in zip(task_problems, run.results):
       n = len(res.tokens)
@@ -214,6 +214,8 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
       nfe_r = int(res.counters["nfe_b"])
       nfe += nfe_r
       tpf_paper += res.counters["tpf_paper_b"]
+      corrected += int(res.counters.get("corrected_b", 0))
+      refresh += int(res.counters.get("refresh_b", 0))
       samples.append({"task": task, "query": problem.query, "text": text, "correct": ok,
                       "tokens": n, "nfe": nfe_r, "tpf_paper": res.counters["tpf_paper_b"]})
 
@@ -242,6 +244,9 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
         "n": len(prompts), "correct": correct, "accuracy": 100.0 * correct / len(prompts),
         "tokens": tokens, "nfe": nfe, "tokens_per_forward": tokens / nfe if nfe else 0.0,
         "tpf_paper": tpf_paper / len(prompts),
+        # Verified infill (decode.verify): tokens a causal argmax replaced, and verify
+        # passes run only to feed corrected tokens (0 without verification).
+        "corrected": corrected, "refresh_passes": refresh,
         "speed_n": len(timed), "speed_repeats": speed_repeats,
         "speed_tokens": speed_tokens, "speed_seconds": seconds,
         "tokens_per_sec": speed_tokens / seconds if seconds > 0 else None,
@@ -254,6 +259,8 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
       "accuracy": float(np.mean([m["accuracy"] for m in per_task.values()])),
       "tokens_per_forward": float(np.mean([m["tokens_per_forward"] for m in per_task.values()])),
       "tpf_paper": float(np.mean([m["tpf_paper"] for m in per_task.values()])),
+      "corrected_per_answer": float(np.mean([m["corrected"] / m["n"]
+                                             for m in per_task.values()])),
       "tokens_per_sec": float(np.mean(tps)) if all(t is not None for t in tps) else None}
   return {"per_task": per_task, "average": average,
           "decode": {t: dataclasses.asdict(c) for t, c in configs.items()},

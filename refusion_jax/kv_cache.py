@@ -123,6 +123,19 @@ class KVCache:
     return self.write(rows_bt, dest_bt, chunk_k_lbtkh, chunk_v_lbtkh,
                       positions_bt).replace(length_b=length)
 
+  def take_entries(self, rows_bt, src_bt) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Entries `src_bt[b, t]` of rows `rows_bt[b, t]` as `(k_lbtkh, v_lbtkh, positions_bt)`,
+    K/V in `write`'s `[layers, B, T, kv_heads, head_dim]` layout (indices clipped)."""
+    src = jnp.clip(src_bt, 0, self.max_len - 1)
+    if self.stacked:
+      # Advanced indices split by a slice put their dimensions first: `[B, T, L, K, H]`.
+      k = jnp.moveaxis(self.k[:, rows_bt, :, src], 2, 0)
+      v = jnp.moveaxis(self.v[:, rows_bt, :, src], 2, 0)
+    else:
+      k = jnp.stack([buf[rows_bt, :, src] for buf in self.k])
+      v = jnp.stack([buf[rows_bt, :, src] for buf in self.v])
+    return k, v, self.positions_bs[rows_bt, src]
+
   def write(self, rows_bt, dest_bt, k_lbtkh, v_lbtkh, positions_bt=None) -> "KVCache":
     """Writes chunk entry `(b, t)` (K/V in the model's `[layers, B, T, kv_heads,
     head_dim]` output layout) into cache row `rows_bt[b, t]` at entry

@@ -72,13 +72,21 @@ def _softmax(x):
 class Oracle:
   """Batch-1, dynamic-shape ReFusion decoding with explicit lists.
 
-  `dc.verify` != "off" (ALGORITHM.md "Past the paper", verified infill): each
-  committed token remembers the causal argmax computed after it in the pass that
-  committed it (`self.kept`, by generated index: the token it predicts); the prompt's
-  comes from a causal call over the prompt alone.
+  The options of ALGORITHM.md "Past the paper" are restated here too:
+
+  * `dc.verify` != "off" (verified infill): each committed token remembers the
+    causal argmax computed after it in the pass that committed it (`self.kept`, by
+    the generated index it predicts); the prompt's comes from a causal call over
+    the prompt alone.
+  * `dc.remask` (sub-slot re-masking): a context entry can be removed from the
+    cache; it stays in the full call as a *ghost* that the entries which attended to
+    it still see (so their K/V are rebuilt as they were computed), and that no later
+    token sees. A slot re-masked from offset j is decoded again over its positions
+    from j (`self.start`).
   """
 
-  def __init__(self, model, dc: DecodeConfig, branches: collections.Counter):
+  def __init__(self, model, dc: DecodeConfig, branches: collections.Counter,
+               width: int = _ORACLE_WIDTH):
     self.model = model
     self.dc = dc
     self.eos = model.config.eos_token_id
@@ -86,32 +94,32 @@ class Oracle:
     self.branches = branches
     self.verify = dc.verify != "off"
     self.exact = dc.verify == "exact"
+    self.width = width
 
   def _stands(self, probs_prev, token):
     """Verification: the draft is the causal argmax (or, 'correct', above tau_t)."""
     return (token == int(probs_prev.argmax())
             or (not self.exact and probs_prev[token] > self.dc.token_threshold))
 
-  def _keep(self, positions, logits):
-    """The causal argmax after each committed token, for the index after it."""
-    for pos, row in zip(positions, logits):
-      self.kept[pos - self.prompt_len + 1] = int(np.asarray(row).argmax())
-
   # Committed context: parallel lists of token, position, and the context indices the
-  # entry attended to when it was computed (itself included).
+  # entry attended to when it was computed (itself included); `dead` marks ghosts.
+  def _alive(self):
+    return [i for i in range(len(self.ctx_tok)) if i not in self.dead]
+
   def _run(self, tokens, positions, sees):
     """Logits of the pass tokens; `sees[a]` lists the pass tokens that token a sees."""
     n, t = len(self.ctx_tok), len(tokens)
     mask = np.zeros((n + t, n + t), bool)
     for i, vis in enumerate(self.ctx_vis):
       mask[i, vis] = True
+    alive = self._alive()
     for a in range(t):
-      mask[n + a, :n] = True
+      mask[n + a, alive] = True
       for c in sees[a]:
         mask[n + a, n + c] = True
     # Padded to a fixed length (the padding is attended by nobody) only so that one
     # compiled forward serves every pass; the real tokens' logits are unaffected.
-    width = _ORACLE_WIDTH
+    width = self.width
     assert n + t <= width
     ids = np.zeros((1, width), np.int32)
     pos = np.zeros((1, width), np.int32)
@@ -122,29 +130,62 @@ class Oracle:
     logits = _full_call(self.model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(full_mask))
     return np.asarray(logits[0, n:n + t], np.float64)
 
-  def _commit(self, tokens, positions, sees):
+  def _append(self, tokens, positions, sees):
+    """New context entries (they see every live entry, and `sees` among themselves)."""
     n = len(self.ctx_tok)
+    alive = self._alive()
     for a, (tok, pos) in enumerate(zip(tokens, positions)):
       self.ctx_tok.append(int(tok))
       self.ctx_pos.append(int(pos))
-      self.ctx_vis.append(list(range(n)) + [n + c for c in sees[a]])
-      self.canvas[pos - self.prompt_len] = int(tok)
-      self.commit_step[pos - self.prompt_len] = self.step
+      self.ctx_vis.append(alive + [n + c for c in sees[a]])
+      self.entry[pos] = n + a
+
+  def _commit(self, tokens, positions, sees, logits=None, causal_run=False):
+    """Commits a step's tokens; `logits` (the pass's, per token) give the kept argmax
+    after each; the slots they fill are marked early or not (re-masking)."""
+    if self.dc.remask:
+      by_slot = collections.defaultdict(list)
+      for pos in positions:
+        by_slot[(pos - self.block_start) // self.dc.slot_size].append(pos)
+      for s, ps in by_slot.items():
+        first = min(ps)
+        seen = (first == self.block_start or first - 1 in self.committed
+                or (causal_run and first - 1 in positions))
+        self.early[s] = not seen
+        if not seen:
+          self.branches["remask_early_slot"] += 1
+    self._append(tokens, positions, sees)
+    for tok, pos in zip(tokens, positions):
+      g = pos - self.prompt_len
+      self.canvas[g] = int(tok)
+      self.commit_step[g] = self.step
+      self.committed.add(pos)
+    if logits is not None:
+      for pos, row in zip(positions, logits):
+        self.kept[pos - self.prompt_len + 1] = int(np.asarray(row).argmax())
+    n_tokens = len(tokens)
+    self.step_tpf.append(n_tokens / (self.nfe - self.nfe_at_commit))
+    self.nfe_at_commit = self.nfe
 
   @staticmethod
   def _causal(t):
     return [list(range(a + 1)) for a in range(t)]
+
+  def _pass(self, counts, kind):
+    counts[kind] += 1
+    self.nfe += 1
 
   def decode(self, prompt):
     dc, k = self.dc, self.dc.slot_size
     n_slots = dc.block_size // k
     self.prompt_len = len(prompt)
     self.ctx_tok, self.ctx_pos, self.ctx_vis = [], [], []
+    self.dead, self.entry, self.committed = set(), {}, set()
     self.canvas, self.commit_step = {}, {}
     self.step_tpf = []  # per step: tokens committed / forward passes (the paper's TPF)
+    self.nfe = self.nfe_at_commit = 0
     self.kept = {}
     if self.verify:
-      self.ctx_tok, self.ctx_pos, self.ctx_vis = [], [], []
       self.kept[0] = int(self._run(prompt, list(range(len(prompt))),
                                    self._causal(len(prompt)))[-1].argmax())
     self._commit_prompt(prompt)
@@ -153,24 +194,58 @@ class Oracle:
     counts = collections.Counter()
     eos_found = False
     for blk in range(dc.num_blocks):
-      def slot_positions(s):
-        start = self.prompt_len + blk * dc.block_size + s * k
-        return list(range(start, start + k))
+      self.block_start = self.prompt_len + blk * dc.block_size
+      self.start = {s: 0 for s in range(n_slots)}
+      self.early = {s: False for s in range(n_slots)}
+      self.rechecked = set()
+      self.undecided = list(range(n_slots))
+      self.removed = set()
+      self.recheck = None
 
-      undecided = list(range(n_slots))
-      while undecided:
+      def slot_positions(s):
+        start = self.block_start + s * k
+        return list(range(start + self.start[s], start + k))
+
+      self.slot_positions = slot_positions
+      phase = "plan"
+      while True:
+        if phase == "recheck":
+          # A re-check with a pass of its own.
+          self.branches["remask_recheck_pass"] += 1
+          toks, pos = self._recheck_run()
+          logits = self._run(toks, pos, self._causal(len(toks)))
+          self._pass(counts, "recheck")
+          masked_again = self._recheck_outcome(logits, counts)
+          phase = "plan" if masked_again else self._end_step(eos_found)
+          self._start_recheck(phase)
+          continue
+        if phase != "plan":
+          break
         self.step = counts["steps"]
         counts["steps"] += 1
-        # 1. Plan.
+        undecided = self.undecided
+        # 1. Plan (a waiting re-check rides on it: its tokens, causal among themselves,
+        # are seen by every mask).
         positions = [p for s in undecided for p in slot_positions(s)]
-        logits = self._run([self.mask] * len(positions), positions, self._causal(len(positions)))
-        counts["plan"] += 1
+        toks = [self.mask] * len(positions)
+        sees = self._causal(len(positions))
+        if self.recheck is not None:
+          self.branches["remask_recheck_rides_on_plan"] += 1
+          rt, rp = self._recheck_run()
+          m = len(positions)
+          sees = [row + list(range(m, m + len(rt))) for row in sees]
+          sees += [[m + c for c in range(a + 1)] for a in range(len(rt))]
+          toks, positions = toks + rt, positions + rp
+        logits = self._run(toks, positions, sees)
+        self._pass(counts, "plan")
         probs = _softmax(logits)
         draft = probs.argmax(-1)
-        drafts, score = {}, {}
-        for i, s in enumerate(undecided):
-          drafts[s] = [int(x) for x in draft[i * k:(i + 1) * k]]
-          score[s] = probs[i * k, draft[i * k]]
+        drafts, score, at = {}, {}, 0
+        for s in undecided:
+          n = len(slot_positions(s))
+          drafts[s] = [None] * self.start[s] + [int(x) for x in draft[at:at + n]]
+          score[s] = probs[at, draft[at]]
+          at += n
         chosen = [s for s in undecided if score[s] > dc.slot_threshold]
         if not chosen:
           best = undecided[0]
@@ -184,175 +259,279 @@ class Oracle:
         if self.verify and dc.boundary_check:
           # The first-token check: a committed left neighbour's causal argmax.
           for s in chosen:
-            c = blk * dc.block_size + s * k
-            if c == 0 or c - 1 in self.canvas:
+            p0 = slot_positions(s)[0]
+            c = p0 - self.prompt_len
+            if c == 0 or p0 - 1 in self.committed:
               self.branches["first_token_checked"] += 1
-              if drafts[s][0] != self.kept[c]:
+              if self.start[s]:
+                self.branches["first_token_checked_in_remasked_slot"] += 1
+              if drafts[s][self.start[s]] != self.kept[c]:
                 self.branches["first_token_corrected"] += 1
                 counts["corrected"] += 1
-                drafts[s][0] = self.kept[c]
-        # 2. Global verification over the concatenation.
-        concat = [tok for s in chosen for tok in drafts[s]]
-        positions = [p for s in chosen for p in slot_positions(s)]
-        logits = self._run(concat, positions, self._causal(len(concat)))
-        counts["global_verify"] += 1
-        probs = _softmax(logits)
-        prefix = len(concat)
-        for j in range(len(concat)):
-          if self.verify:
-            # Checked where the token before it in the concatenation is its positional
-            # predecessor; a slot's first token after a gap stands.
-            if j % k == 0 and not (dc.boundary_check and j > 0
-                                   and chosen[j // k - 1] == chosen[j // k] - 1):
-              continue
-            if j % k == 0:
-              self.branches["gv_adjacent_first_checked"] += 1
-            if not self._stands(probs[j - 1], concat[j]):
-              prefix = j
-              break
-            continue
-          if j % k == 0:
-            continue  # first token of a slot: accepted unconditionally
-          if not probs[j - 1, concat[j]] > dc.token_threshold:
-            prefix = j
-            break
-        eos_at = next((j for j in range(prefix) if concat[j] == self.eos), None)
-        if eos_at is not None:
-          self._keep(positions[:eos_at + 1], logits)
-          self._commit(concat[:eos_at + 1], positions[:eos_at + 1], self._causal(eos_at + 1))
-          self.step_tpf.append((eos_at + 1) / 2)
-          eos_slot = chosen[eos_at // k]
-          done = set(chosen[:eos_at // k])
-          undecided = [s for s in undecided if s < eos_slot and s not in done]
-          eos_found = True
-          self.branches["eos_in_global_verify"] += 1
-          continue
-        n_whole = prefix // k
-        if n_whole:
-          self._keep(positions[:n_whole * k], logits)
-          self._commit(concat[:n_whole * k], positions[:n_whole * k],
-                       self._causal(n_whole * k))
-          self.step_tpf.append(n_whole * k / 2)
-          undecided = [s for s in undecided if s not in chosen[:n_whole]]
-          self.branches["global_verify_whole_slots"] += 1
-          continue
-        refresh_before = counts["refresh"]
-        # 3. Parallel infill, each chosen slot on its own, from its own accepted prefix
-        # read from the global-verification pass (for later slots, with the earlier
-        # chosen drafts in front of them).
-        slots = {s: list(drafts[s]) for s in chosen}
-        accepted = {}
-        succ = {s: [None] * k for s in chosen}  # causal argmax after each token
-        stale = {s: False for s in chosen}
-        if self.verify:
-          # The first slot: its verified prefix, its first failing draft corrected;
-          # later slots start from their first token.
-          s0 = chosen[0]
-          accepted = {s: 1 for s in chosen}
-          accepted[s0] = prefix + 1
-          slots[s0][prefix] = int(probs[prefix - 1].argmax())
-          stale[s0] = True
-          counts["corrected"] += 1
-          for j in range(k):
-            succ[s0][j] = int(probs[j].argmax())
-          if len(chosen) > 1:
-            self.branches["verify_later_slots_restart"] += 1
-        else:
-          for i, s in enumerate(chosen):
-            a = 1
-            while a < k and probs[i * k + a - 1, concat[i * k + a]] > dc.token_threshold:
-              a += 1
-            accepted[s] = a
-            if i > 0 and a > 1:
-              self.branches["later_slot_starts_from_its_gv_prefix"] += 1
-            if i > 0 and a == k:
-              self.branches["later_slot_fully_accepted_by_gv"] += 1
-          assert accepted[chosen[0]] == prefix
-        rounds = 0
-        limit = k + 1 if self.verify else k
-        while rounds < limit and any(accepted[s] < k or stale[s] for s in chosen):
-          rounds += 1
-          pending = [s for s in chosen if accepted[s] < k]
-          if pending:
-            counts["draft"] += 1
-          counts["verify"] += 1
-          if not pending:
-            counts["refresh"] += 1
-            self.branches["refresh_only_verify"] += 1
-          for s in pending:
-            a = accepted[s]
-            inp = slots[s][:a] + [self.mask] * (k - a)
-            d_logits = self._run(inp, slot_positions(s), self._causal(k))
-            for j in range(a, k):
-              slots[s][j] = int(d_logits[j].argmax())
-          fed = chosen if rounds == 1 else [s for s in chosen if accepted[s] < k or stale[s]]
-          for s in fed:
-            v_probs = _softmax(self._run(slots[s], slot_positions(s), self._causal(k)))
-            succ[s] = [int(v_probs[j].argmax()) for j in range(k)]
-            stale[s] = False
-            if accepted[s] == k:
-              continue
-            if self.verify:
-              a = accepted[s]
-              while a < k and self._stands(v_probs[a - 1], slots[s][a]):
-                a += 1
-              if a < k:
-                slots[s][a] = int(v_probs[a - 1].argmax())
-                stale[s] = True
-                counts["corrected"] += 1
-                self.branches["infill_corrected"] += 1
-                a += 1
-              accepted[s] = a
-              continue
-            a = accepted[s] + 1  # the first unaccepted token is always accepted
-            while a < k and v_probs[a - 1, slots[s][a]] > dc.token_threshold:
-              a += 1
-            accepted[s] = a
-          eos_slot = next((s for s in chosen if self.eos in slots[s][:accepted[s]]), None)
-          if eos_slot is not None:
-            self.branches["eos_in_infill"] += 1
-            if any(s < eos_slot and s not in chosen for s in undecided):
-              self.branches["undecided_before_infill_eos"] += 1
-            chosen = [s for s in chosen if s <= eos_slot]
-            accepted[eos_slot] = k
-            undecided = [s for s in undecided if s <= eos_slot]
-            eos_found = True
-        if rounds >= 2:
-          self.branches["multi_round_infill"] += 1
-        # 4. Commit in position order, cut after the first EOS. Each slot saw the
-        # context and itself only (one `_commit`, so no slot sees another).
-        commit_tok, commit_pos, sees = [], [], []
-        n_committed = 0
-        for s in chosen:
-          toks = slots[s]
-          if self.eos in toks:
-            toks = toks[:toks.index(self.eos) + 1]
-          sees += [[len(commit_tok) + c for c in range(a + 1)] for a in range(len(toks))]
-          commit_tok += toks
-          commit_pos += slot_positions(s)[:len(toks)]
-          n_committed += 1
-          if self.eos in toks:
-            break
-        commit_succ = [succ[s][j] for s in chosen[:n_committed]
-                       for j in range(len(slots[s])) if slot_positions(s)[j] in commit_pos]
-        if n_committed >= 2:
-          counts["multi_slot_infill_commits"] += 1
-          if dc.recompute_kv:
-            # Ablation: one more pass, in which the committed tokens attend causally.
-            sees = self._causal(len(commit_tok))
-            counts["recompute"] += 1
-            self.branches["recompute_kv"] += 1
-            commit_succ = [int(x.argmax()) for x in self._run(commit_tok, commit_pos, sees)]
-        for pos, nxt in zip(commit_pos, commit_succ):
-          self.kept[pos - self.prompt_len + 1] = nxt
-        self._commit(commit_tok, commit_pos, sees)
-        passes = (2 + 2 * rounds - counts["refresh"] + refresh_before
-                  + (1 if n_committed >= 2 and dc.recompute_kv else 0))
-        self.step_tpf.append(len(commit_tok) / passes)
-        undecided = [s for s in undecided if s not in chosen]
-      if eos_found:
+                drafts[s][self.start[s]] = self.kept[c]
+        if self.recheck is not None:
+          self._recheck_outcome(logits[len(logits) - (k + 1):], counts)
+        eos_found = self._step(chosen, drafts, counts) or eos_found
+        phase = self._end_step(eos_found)
+        self._start_recheck(phase)
+      if phase == "done":
         break
     return self._result(counts)
+
+  def _end_step(self, eos_found):
+    """'plan', 'recheck' (the block is done but a slot awaits its re-check), 'next'
+    (the next block) or 'done'."""
+    if self.undecided:
+      return "plan"
+    if self._candidates():
+      return "recheck"
+    block = (self.block_start - self.prompt_len) // self.dc.block_size
+    return "done" if eos_found or block == self.dc.num_blocks - 1 else "next"
+
+  # --- re-masking ---
+
+  def _candidates(self):
+    if not self.dc.remask:
+      return []
+    k = self.dc.slot_size
+    out = []
+    for s in range(1, self.dc.block_size // k):
+      slot = [self.block_start + s * k + j for j in range(k)]
+      left = [p - k for p in slot]
+      if not (self.early[s] and s not in self.rechecked
+              and all(p in self.committed for p in slot + left)):
+        continue
+      if any(self.canvas[p - self.prompt_len] == self.eos for p in range(self.block_start,
+                                                                           slot[-1] + 1)
+             if p in self.committed):
+        self.branches["remask_skipped_after_eos"] += 1
+        continue
+      out.append(s)
+    return out
+
+  def _start_recheck(self, phase):
+    cands = self._candidates() if phase in ("plan", "recheck") else []
+    if self.recheck is None and cands:
+      s = cands[0]
+      k = self.dc.slot_size
+      first = self.block_start + s * k
+      for p in range(first - 1, first + k):
+        self.dead.add(self.entry.pop(p))
+      self.recheck = s
+
+  def _recheck_run(self):
+    k = self.dc.slot_size
+    first = self.block_start + self.recheck * k
+    pos = list(range(first - 1, first + k))
+    return [self.canvas[p - self.prompt_len] for p in pos], pos
+
+  def _recheck_outcome(self, logits, counts):
+    """Commits the neighbour's last token and the slot up to its first token at most
+    tau_remask again; masks the rest again. Returns whether any was masked."""
+    k, s = self.dc.slot_size, self.recheck
+    toks, pos = self._recheck_run()
+    probs = _softmax(logits)
+    j = 0
+    while j < k and probs[j, toks[j + 1]] > self.dc.remask_threshold:
+      j += 1
+    self._append(toks[:j + 1], pos[:j + 1], self._causal(j + 1))
+    if self.verify:
+      for p, row in zip(pos[:j + 1], logits):
+        self.kept[p - self.prompt_len + 1] = int(np.asarray(row).argmax())
+    for p in pos[j + 1:]:
+      self.committed.discard(p)
+      del self.canvas[p - self.prompt_len]
+      del self.commit_step[p - self.prompt_len]
+    self.rechecked.add(s)
+    self.early[s] = False
+    self.recheck = None
+    if j < k:
+      self.branches["remask_masked_again"] += 1
+      if j:
+        self.branches["remask_shorter_slot"] += 1
+      counts["remasked"] += 1
+      counts["remasked_tokens"] += k - j
+      self.start[s] = j
+      self.undecided = sorted(self.undecided + [s])
+      return True
+    self.branches["remask_kept_whole"] += 1
+    return False
+
+  # --- one step: global verification, then commit or infill ---
+
+  def _step(self, chosen, drafts, counts):
+    """Global verification and, if needed, the parallel infill of the chosen slots;
+    commits. Returns whether an EOS ended the text."""
+    dc, k = self.dc, self.dc.slot_size
+    slot_positions = self.slot_positions
+    live = {s: slot_positions(s) for s in chosen}
+    concat = [drafts[s][self.start[s] + j] for s in chosen for j in range(len(live[s]))]
+    positions = [p for s in chosen for p in live[s]]
+    owner = [s for s in chosen for _ in live[s]]
+    firsts = {i for i in range(len(concat)) if i == 0 or owner[i] != owner[i - 1]}
+    logits = self._run(concat, positions, self._causal(len(concat)))
+    self._pass(counts, "global_verify")
+    probs = _softmax(logits)
+    prefix = len(concat)
+    for j in range(len(concat)):
+      if self.verify:
+        # Checked where the token before it in the concatenation is its positional
+        # predecessor; a slot's first token after a gap stands.
+        if j in firsts and not (dc.boundary_check and j > 0
+                                and positions[j - 1] == positions[j] - 1):
+          continue
+        if j in firsts:
+          self.branches["gv_adjacent_first_checked"] += 1
+        if not self._stands(probs[j - 1], concat[j]):
+          prefix = j
+          break
+        continue
+      if j in firsts:
+        continue  # first token of a slot: accepted unconditionally
+      if not probs[j - 1, concat[j]] > dc.token_threshold:
+        prefix = j
+        break
+    eos_at = next((j for j in range(prefix) if concat[j] == self.eos), None)
+    if eos_at is not None:
+      self._commit(concat[:eos_at + 1], positions[:eos_at + 1], self._causal(eos_at + 1),
+                   logits, causal_run=True)
+      eos_slot = owner[eos_at]
+      done = set(chosen[:chosen.index(eos_slot)])
+      self.undecided = [s for s in self.undecided if s < eos_slot and s not in done]
+      self.branches["eos_in_global_verify"] += 1
+      return True
+    whole = [s for s in chosen
+             if all(i < prefix for i, o in enumerate(owner) if o == s)]
+    n_whole = 0
+    while n_whole < len(chosen) and chosen[n_whole] in whole:
+      n_whole += 1
+    if n_whole:
+      n = sum(len(live[s]) for s in chosen[:n_whole])
+      self._commit(concat[:n], positions[:n], self._causal(n), logits, causal_run=True)
+      self.undecided = [s for s in self.undecided if s not in chosen[:n_whole]]
+      self.branches["global_verify_whole_slots"] += 1
+      return False
+    # 3. Parallel infill, each chosen slot on its own, from its own accepted prefix
+    # read from the global-verification pass (for later slots, with the earlier
+    # chosen drafts in front of them). Positions are offsets in the slot; a re-masked
+    # slot's committed prefix counts as accepted.
+    slots = {s: list(drafts[s]) for s in chosen}
+    accepted = {}
+    succ = {s: [None] * k for s in chosen}  # causal argmax after each token
+    stale = {s: False for s in chosen}
+    base = {s: sum(len(live[o]) for o in chosen[:i]) for i, s in enumerate(chosen)}
+    if self.verify:
+      # The first slot: its verified prefix, its first failing draft corrected;
+      # later slots start from their first token.
+      s0 = chosen[0]
+      accepted = {s: self.start[s] + 1 for s in chosen}
+      fix = self.start[s0] + prefix
+      accepted[s0] = fix + 1
+      slots[s0][fix] = int(probs[prefix - 1].argmax())
+      stale[s0] = True
+      counts["corrected"] += 1
+      for j in range(len(live[s0])):
+        succ[s0][self.start[s0] + j] = int(probs[j].argmax())
+      if len(chosen) > 1:
+        self.branches["verify_later_slots_restart"] += 1
+    else:
+      for i, s in enumerate(chosen):
+        a, at = self.start[s] + 1, base[s]
+        while a < k and probs[at + a - self.start[s] - 1,
+                              concat[at + a - self.start[s]]] > dc.token_threshold:
+          a += 1
+        accepted[s] = a
+        if i > 0 and a > self.start[s] + 1:
+          self.branches["later_slot_starts_from_its_gv_prefix"] += 1
+        if i > 0 and a == k:
+          self.branches["later_slot_fully_accepted_by_gv"] += 1
+      assert accepted[chosen[0]] - self.start[chosen[0]] == prefix
+    if any(self.start[s] for s in chosen):
+      self.branches["infill_of_a_remasked_slot"] += 1
+    rounds = 0
+    eos_found = False
+    limit = k + 1 if self.verify else k
+    while rounds < limit and any(accepted[s] < k or stale[s] for s in chosen):
+      rounds += 1
+      pending = [s for s in chosen if accepted[s] < k]
+      if pending:
+        self._pass(counts, "draft")
+      self._pass(counts, "verify")
+      if not pending:
+        counts["refresh"] += 1
+        self.branches["refresh_only_verify"] += 1
+      for s in pending:
+        a, st = accepted[s], self.start[s]
+        inp = slots[s][st:a] + [self.mask] * (k - a)
+        d_logits = self._run(inp, live[s], self._causal(k - st))
+        for j in range(a, k):
+          slots[s][j] = int(d_logits[j - st].argmax())
+      fed = chosen if rounds == 1 else [s for s in chosen if accepted[s] < k or stale[s]]
+      for s in fed:
+        st = self.start[s]
+        v_probs = _softmax(self._run(slots[s][st:], live[s], self._causal(k - st)))
+        for j in range(st, k):
+          succ[s][j] = int(v_probs[j - st].argmax())
+        stale[s] = False
+        if accepted[s] == k:
+          continue
+        if self.verify:
+          a = accepted[s]
+          while a < k and self._stands(v_probs[a - st - 1], slots[s][a]):
+            a += 1
+          if a < k:
+            slots[s][a] = int(v_probs[a - st - 1].argmax())
+            stale[s] = True
+            counts["corrected"] += 1
+            self.branches["infill_corrected"] += 1
+            a += 1
+          accepted[s] = a
+          continue
+        a = accepted[s] + 1  # the first unaccepted token is always accepted
+        while a < k and v_probs[a - st - 1, slots[s][a]] > dc.token_threshold:
+          a += 1
+        accepted[s] = a
+      eos_slot = next((s for s in chosen
+                       if self.eos in slots[s][self.start[s]:accepted[s]]), None)
+      if eos_slot is not None:
+        self.branches["eos_in_infill"] += 1
+        if any(s < eos_slot and s not in chosen for s in self.undecided):
+          self.branches["undecided_before_infill_eos"] += 1
+        chosen = [s for s in chosen if s <= eos_slot]
+        accepted[eos_slot] = k
+        self.undecided = [s for s in self.undecided if s <= eos_slot]
+        eos_found = True
+    if rounds >= 2:
+      self.branches["multi_round_infill"] += 1
+    # 4. Commit in position order, cut after the first EOS. Each slot saw the context
+    # and itself only (one `_commit`, so no slot sees another).
+    commit_tok, commit_pos, sees, commit_succ = [], [], [], []
+    n_committed = 0
+    for s in chosen:
+      st = self.start[s]
+      toks = slots[s][st:]
+      if self.eos in toks:
+        toks = toks[:toks.index(self.eos) + 1]
+      sees += [[len(commit_tok) + c for c in range(a + 1)] for a in range(len(toks))]
+      commit_tok += toks
+      commit_pos += live[s][:len(toks)]
+      commit_succ += succ[s][st:st + len(toks)]
+      n_committed += 1
+      if self.eos in toks:
+        break
+    if n_committed >= 2:
+      counts["multi_slot_infill_commits"] += 1
+      if dc.recompute_kv:
+        # Ablation: one more pass, in which the committed tokens attend causally.
+        sees = self._causal(len(commit_tok))
+        self._pass(counts, "recompute")
+        self.branches["recompute_kv"] += 1
+        commit_succ = [int(x.argmax()) for x in self._run(commit_tok, commit_pos, sees)]
+    onehot = ([np.eye(1, self.model.config.vocab_size, t)[0] for t in commit_succ]
+              if self.verify else None)
+    self._commit(commit_tok, commit_pos, sees, onehot)
+    self.undecided = [s for s in self.undecided if s not in chosen]
+    return eos_found
 
   def _decode_left_to_right(self):
     """The ablation: slot after slot, the first token planned, then one AR token a pass."""
@@ -363,7 +542,7 @@ class Oracle:
       counts["steps"] += 1
       positions = [self.prompt_len + s * k + j for j in range(k)]
       logits = self._run([self.mask] * k, positions, self._causal(k))
-      counts["plan"] += 1
+      self._pass(counts, "plan")
       toks = [int(logits[0].argmax())]
       if self.verify and self.dc.boundary_check:
         # The first-token check: the previous token's causal argmax.
@@ -371,14 +550,14 @@ class Oracle:
         toks[0] = self.kept[s * k]
       while len(toks) < k and toks[-1] != self.eos:
         logits = self._run(toks, positions[:len(toks)], self._causal(len(toks)))
-        counts["ar"] += 1
+        self._pass(counts, "ar")
         toks.append(int(logits[-1].argmax()))
       self.branches["ltr_eos_" + ("planned" if len(toks) == 1 else "ar")] += toks[-1] == self.eos
       if self.verify:
         last = self._run(toks, positions[:len(toks)], self._causal(len(toks)))[-1]
         self.kept[s * k + len(toks)] = int(last.argmax())
       self._commit(toks, positions[:len(toks)], self._causal(len(toks)))
-      self.step_tpf.append(1.0)  # one pass per token
+      self.step_tpf[-1] = 1.0  # one pass per token
       if toks[-1] == self.eos:
         break
     return self._result(counts)
@@ -388,6 +567,7 @@ class Oracle:
       self.ctx_tok.append(int(tok))
       self.ctx_pos.append(i)
       self.ctx_vis.append(list(range(i + 1)))
+      self.entry[i] = i
 
   def _result(self, counts):
     g = self.dc.gen_length
@@ -454,11 +634,12 @@ def _counts_of(out, row):
           "draft": int(c.draft_b[row]), "verify": int(c.verify_b[row]),
           "steps": int(c.steps_b[row]), "recompute": int(c.recompute_b[row]),
           "ar": int(c.ar_b[row]), "corrected": int(c.corrected_b[row]),
-          "refresh": int(c.refresh_b[row])}
+          "refresh": int(c.refresh_b[row]), "recheck": int(c.recheck_b[row]),
+          "remasked": int(c.remasked_b[row]), "remasked_tokens": int(c.remasked_tokens_b[row])}
 
 
 _PASS_KINDS = ("plan", "global_verify", "draft", "verify", "steps", "recompute", "ar",
-               "corrected", "refresh")
+               "corrected", "refresh", "recheck", "remasked", "remasked_tokens")
 
 
 def _check_case(model, group, prompt, dc, branches, where):

@@ -53,6 +53,12 @@ class Feed:
     return cls(fed_bn=zb, ids_bn=zi, positions_bn=zi, group_bn=zi, dest_bn=zi - 1, sample_bn=zb)
 
 
+def merge(a: Feed, b: Feed) -> Feed:
+  """`a` with `b`'s fed entries put in (entries `b` feeds are not fed by `a`)."""
+  return jax.tree.map(lambda x, y: jnp.where(b.fed_bn, y, x), a, b).replace(
+      fed_bn=a.fed_bn | b.fed_bn)
+
+
 def select(cases: Sequence[tuple[jax.Array, object]], default):
   """Per-row choice among pytrees with leading batch axis: the first case whose `[B]`
   condition holds, else `default`."""
@@ -91,13 +97,17 @@ def compact(fed_bn: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temperature,
              keys_bn2, banned_id=None, vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK,
-             block_groups: bool = False) -> tuple[KVCache, PassOut]:
+             block_groups: bool = False, context_group: int | None = None
+             ) -> tuple[KVCache, PassOut]:
   """One forward pass over every row's fed entries (module docstring).
 
   `block_groups` (static): an entry sees every fed entry of its own group (both
   directions) and of every lower group, instead of the earlier entries of its own
   group only; a row's groups must not decrease in layout order (BD3-LM's pass: a
   clean block, then the masked block that attends to it and to itself).
+  `context_group` (static): entries of this group are seen by every entry of another
+  group, wherever they sit (committed context fed again: ReFusion's re-check), and
+  see the earlier entries of their own group.
   """
   b, n = feed.fed_bn.shape
   widths = tuple(sorted(set(int(w) for w in widths)))
@@ -137,6 +147,9 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
         sees_bww = group[:, None, :] <= group[:, :, None]
       else:
         sees_bww = masks.causal_tt(w)[None] & (group[:, :, None] == group[:, None, :])
+        if context_group is not None:
+          ctx = group == context_group
+          sees_bww = sees_bww | (ctx[:, None, :] & ~ctx[:, :, None])
       mask = (sees_bww & valid_bw[:, :, None] & valid_bw[:, None, :]) | jnp.eye(w, dtype=bool)[None]
       if in_scan:
         dst = jnp.where(dest >= 0, dest, cache.max_len)

@@ -70,10 +70,14 @@ from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
 from refusion_jax.kv_cache import KVCache
 
-PLAN, GLOBAL, DRAFT, VERIFY, RECOMPUTE, LTR_PLAN, LTR_AR = range(FIRST_PHASE, FIRST_PHASE + 7)
+PLAN, GLOBAL, DRAFT, VERIFY, RECOMPUTE, LTR_PLAN, LTR_AR, RECHECK = range(
+    FIRST_PHASE, FIRST_PHASE + 8)
 PHASE_NAMES = {FREE: "free", DONE: "done", PLAN: "plan", GLOBAL: "global_verify",
                DRAFT: "draft", VERIFY: "verify", RECOMPUTE: "recompute",
-               LTR_PLAN: "ltr_plan", LTR_AR: "ltr_ar"}
+               LTR_PLAN: "ltr_plan", LTR_AR: "ltr_ar", RECHECK: "recheck"}
+# The attention group of a re-check's tokens in a pass (decode.remask): they see the
+# cache and each other causally, and every other fed entry sees them.
+RECHECK_GROUP = 1 << 20
 
 
 @flax.struct.dataclass
@@ -107,6 +111,12 @@ class Rows:
   #                                   the latest pass that fed it (what commit keeps)
   stale_bs: jax.Array | None = None  # the slot holds a corrected token whose K/V are not
   #                                    yet from a pass that fed it
+  # Sub-slot re-masking only (Spec.remask; None otherwise).
+  start_bs: jax.Array | None = None  # first undecided offset of each slot (> 0: re-masked)
+  early_bs: jax.Array | None = None  # committed before its left neighbour; not re-checked
+  rechecked_bs: jax.Array | None = None  # re-checked once (never again)
+  recheck_slot_b: jax.Array | None = None  # the slot whose re-check the next pass feeds (-1: none)
+  cache_at_bg: jax.Array | None = None  # cache entry of each committed token (-1: none)
 
 
 @flax.struct.dataclass
@@ -155,6 +165,23 @@ class _Layout:
     self.offset_t = self.t % self.k
     self.first_t = self.offset_t == 0
     self.verify = spec.verify
+    self.remask = spec.remask
+
+  def live_bt(self, r: Rows):
+    """Positions of the block outside a re-masked slot's committed prefix (all without
+    re-masking: None)."""
+    return self.offset_t[None] >= self.per_token(r.start_bs) if self.remask else None
+
+  def first_live_bt(self, r: Rows):
+    """Each slot's first undecided position (its first token without re-masking)."""
+    if not self.remask:
+      return self.first_t[None]
+    return self.offset_t[None] == self.per_token(r.start_bs)
+
+  def block_view(self, r: Rows, x_bg):
+    """The current block's part of a `[B, gen_length]` array: `[B, block]`."""
+    b = x_bg.shape[0]
+    return x_bg.reshape(b, self.n_blocks, self.blk)[jnp.arange(b), r.block_b]
 
   def per_token(self, x_bs):
     return x_bs[:, self.slot_t]
@@ -164,6 +191,11 @@ class _Layout:
 
   def positions_bt(self, r: Rows):
     return r.prompt_len_b[:, None] + self.canvas_bt(r)
+
+
+def _and(x, mask):
+  """`x & mask`, where a `mask` of None means all True."""
+  return x if mask is None else x & mask
 
 
 def _feed(lay: _Layout, r: Rows, fed_bt, ids_bt, group_bt, dest_bt, sample: bool):
@@ -185,13 +217,24 @@ def _staged_dest(r: Rows, fed_bt):
 
 
 def plan_feed(lay: _Layout, r: Rows, knobs: Knobs) -> passes.Feed:
-  fed = lay.per_token(~r.decided_bs)
+  fed = _and(lay.per_token(~r.decided_bs), lay.live_bt(r))
   ids = jnp.full(fed.shape, knobs.mask_id)
   return _feed(lay, r, fed, ids, 0, jnp.full(fed.shape, -1), sample=True)
 
 
+def recheck_feed(lay: _Layout, r: Rows, knobs: Knobs) -> passes.Feed:
+  """A re-check (decode.remask): the slot `recheck_slot_b` and the token before it (its left
+  neighbour's last), causal after the committed context, staged after its live entries."""
+  del knobs
+  s_b = r.recheck_slot_b[:, None]
+  fed = (r.recheck_slot_b[:, None] >= 0) & ((lay.slot_t[None] == s_b)
+                                        | (lay.t[None] == s_b * lay.k - 1))
+  ids = lay.block_view(r, r.tokens_bg)
+  return _feed(lay, r, fed, ids, RECHECK_GROUP, _staged_dest(r, fed), sample=False)
+
+
 def global_verify_feed(lay: _Layout, r: Rows, knobs: Knobs) -> passes.Feed:
-  fed = lay.per_token(r.chosen_bs)
+  fed = _and(lay.per_token(r.chosen_bs), lay.live_bt(r))
   return _feed(lay, r, fed, r.draft_bt, 0, _staged_dest(r, fed), sample=False)
 
 
@@ -201,7 +244,7 @@ def _pending_bt(lay: _Layout, r: Rows):
 
 def infill_draft_feed(lay: _Layout, r: Rows, knobs: Knobs) -> passes.Feed:
   pending_bs = _pending_bt(lay, r).reshape(-1, lay.n_slots, lay.k).any(-1)
-  fed = lay.per_token(pending_bs)
+  fed = _and(lay.per_token(pending_bs), lay.live_bt(r))
   ids = jnp.where(r.accepted_bt, r.draft_bt, knobs.mask_id)
   return _feed(lay, r, fed, ids, lay.slot_t[None], jnp.full(fed.shape, -1), sample=False)
 
@@ -209,7 +252,14 @@ def infill_draft_feed(lay: _Layout, r: Rows, knobs: Knobs) -> passes.Feed:
 def infill_verify_feed(lay: _Layout, r: Rows, knobs: Knobs) -> passes.Feed:
   del knobs
   fed = lay.per_token(r.verify_bs)
-  dest = r.length_b[:, None] + lay.per_token(r.stage_bs) * lay.k + lay.offset_t[None]
+  if lay.remask:
+    # Slots may start past their committed prefix: each live chosen token's place among
+    # them (the same places as below when every slot is whole).
+    live = lay.live_bt(r)
+    fed = fed & live
+    dest = _staged_dest(r, lay.per_token(r.chosen_bs) & live)
+  else:
+    dest = r.length_b[:, None] + lay.per_token(r.stage_bs) * lay.k + lay.offset_t[None]
   return _feed(lay, r, fed, r.draft_bt, lay.slot_t[None], jnp.where(fed, dest, -1),
                sample=False)
 
@@ -221,12 +271,75 @@ def recompute_feed(lay: _Layout, r: Rows, keep_bt) -> passes.Feed:
 # --- transitions: what a row does with its pass's result ----------------------------------
 
 
-def commit(lay: _Layout, r: Rows, keep_bt, tokens_bt, decided_bs, eos_b, succ_bt=None) -> Rows:
+def _write_block(lay: _Layout, r: Rows, x_bg, put_bt, value):
+  """`x_bg` with `value` (`[B, block]` or a scalar) where `put_bt` in the current block:
+  the block is one row of the `[B, blocks, block]` view of the generated area, so an
+  elementwise select writes it (no gather and scatter)."""
+  b = x_bg.shape[0]
+  put = (jnp.arange(lay.n_blocks)[None] == r.block_b[:, None])[:, :, None] & put_bt[:, None, :]
+  value = value[:, None, :] if jnp.ndim(value) == 2 else value
+  return jnp.where(put, value, x_bg.reshape(b, lay.n_blocks, lay.blk)).reshape(b, -1)
+
+
+def _recheck_candidates(lay: _Layout, r: Rows, knobs: Knobs) -> jax.Array:
+  """Slots to re-check (decode.remask): committed before their left neighbour, which is
+  committed now, never re-checked, and neither holding nor following a committed EOS
+  (`[B, slots]`)."""
+  b = r.phase_b.shape[0]
+  done_bt = lay.block_view(r, r.commit_step_bg) >= 0
+  whole_bs = done_bt.reshape(b, lay.n_slots, lay.k).all(-1)
+  left_bs = jnp.concatenate([jnp.zeros((b, 1), bool), whole_bs[:, :-1]], 1)
+  eos_bt = done_bt & (lay.block_view(r, r.tokens_bg) == knobs.eos_id)
+  eos_upto_bs = jnp.cumsum(eos_bt.reshape(b, lay.n_slots, lay.k).any(-1), -1) > 0
+  return r.early_bs & ~r.rechecked_bs & whole_bs & left_bs & ~eos_upto_bs
+
+
+def _end_step(lay: _Layout, r: Rows, decided_bs, eos_b, knobs: Knobs) -> Rows:
+  """Where a row goes after a step: the next plan of its block; when the block is done,
+  the next block, or DONE after an EOS or the last block; with re-masking, a re-check
+  pass first when a slot awaits one and no plan would carry it."""
+  block_done = decided_bs.all(-1)
+  if lay.remask:
+    waiting = _recheck_candidates(lay, r.replace(decided_bs=decided_bs), knobs).any(-1)
+    recheck = block_done & waiting
+    block_done = block_done & ~waiting
+  finish = block_done & (eos_b | (r.block_b == lay.n_blocks - 1))
+  advance = block_done & ~finish
+  phase = jnp.where(finish, DONE, PLAN)
+  changes = {}
+  if lay.remask:
+    phase = jnp.where(recheck, RECHECK, phase)
+    changes = dict(early_bs=r.early_bs & ~advance[:, None],
+                   rechecked_bs=r.rechecked_bs & ~advance[:, None],
+                   start_bs=jnp.where(advance[:, None], 0, r.start_bs))
+  return r.replace(phase_b=phase, block_b=r.block_b + advance.astype(jnp.int32),
+                   decided_bs=jnp.where(advance[:, None], False, decided_bs), eos_b=eos_b,
+                   **changes)
+
+
+def commit(lay: _Layout, r: Rows, keep_bt, tokens_bt, decided_bs, eos_b, knobs: Knobs,
+           succ_bt=None, causal_run: bool = False) -> Rows:
   """Commits the kept tokens (a prefix of the staged KV) and ends the step. With
   verification, each kept token's causal argmax (`succ_bt`, default the row's) is kept
-  for the generated index after it."""
+  for the generated index after it. With re-masking, a kept slot is marked early when
+  its left neighbour was neither committed before nor (`causal_run`: global
+  verification's one causal run) committed just before it in this pass."""
   b = keep_bt.shape[0]
   n_b = keep_bt.sum(-1).astype(jnp.int32)
+  if lay.remask:
+    kept_bs = keep_bt.reshape(b, lay.n_slots, lay.k).any(-1)
+    before_bt = lay.block_view(r, r.commit_step_bg) >= 0
+    # The token before each slot's first kept token: committed earlier, or (causal run)
+    # kept in this commit right before it; a block's first slot follows the last block.
+    first_kept = keep_bt & lay.first_live_bt(r)
+    seen = shift_right(before_bt, True)
+    if causal_run:
+      seen = seen | shift_right(keep_bt, True)
+    anchored_bs = ~(first_kept & ~seen).reshape(b, lay.n_slots, lay.k).any(-1)
+    rank = jnp.cumsum(keep_bt, axis=-1) - 1
+    r = r.replace(early_bs=jnp.where(kept_bs, ~anchored_bs, r.early_bs),
+                  cache_at_bg=_write_block(lay, r, r.cache_at_bg, keep_bt,
+                                           r.length_b[:, None] + rank))
   if lay.verify:
     succ_bt = r.succ_bt if succ_bt is None else succ_bt
     after = lay.canvas_bt(r) + 1
@@ -234,29 +347,17 @@ def commit(lay: _Layout, r: Rows, keep_bt, tokens_bt, decided_bs, eos_b, succ_bt
     # Past the last generated index, and for tokens not kept, nothing is written.
     dest = jnp.where(keep_bt, after, r.next_bg.shape[1])
     r = r.replace(next_bg=r.next_bg.at[rows, dest].set(succ_bt, mode="drop"))
-  # The current block is one row of the [B, blocks, block] view of the generated
-  # area, so an elementwise select writes it (no gather and scatter per commit).
-  put = ((jnp.arange(lay.n_blocks)[None] == r.block_b[:, None])[:, :, None]
-         & keep_bt[:, None, :])
-
-  def write(x_bg, value):
-    return jnp.where(put, value, x_bg.reshape(b, lay.n_blocks, lay.blk)).reshape(b, -1)
-
-  tokens_bg = write(r.tokens_bg, tokens_bt[:, None, :])
-  commit_step_bg = write(r.commit_step_bg, r.counters.steps_b[:, None, None])
+  tokens_bg = _write_block(lay, r, r.tokens_bg, keep_bt, tokens_bt)
+  commit_step_bg = _write_block(lay, r, r.commit_step_bg, keep_bt,
+                                r.counters.steps_b[:, None, None])
   ones = jnp.ones((b,), bool)
   nfe_b = r.counters.nfe_b()
   counters = r.counters.add(ones, steps_b=1).add_step_tpf(ones, n_b, nfe_b - r.step_nfe_b)
+  r = r.replace(length_b=r.length_b + n_b, tokens_bg=tokens_bg, commit_step_bg=commit_step_bg,
+                step_nfe_b=nfe_b, counters=counters)
   # A finished block moves the row to the next one, unless an EOS ended the text
   # (later blocks are never generated) or it was the last block.
-  block_done = decided_bs.all(-1)
-  finish = block_done & (eos_b | (r.block_b == lay.n_blocks - 1))
-  advance = block_done & ~finish
-  return r.replace(
-      phase_b=jnp.where(finish, DONE, PLAN), length_b=r.length_b + n_b, tokens_bg=tokens_bg,
-      commit_step_bg=commit_step_bg, block_b=r.block_b + advance.astype(jnp.int32),
-      decided_bs=jnp.where(advance[:, None], False, decided_bs), eos_b=eos_b,
-      step_nfe_b=nfe_b, counters=counters)
+  return _end_step(lay, r, decided_bs, eos_b, knobs)
 
 
 def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
@@ -264,8 +365,12 @@ def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   (tau_s), or the single best one."""
   undecided = ~r.decided_bs
   b = undecided.shape[0]
-  # A slot's score is the probability of its FIRST token only (un-noised softmax).
-  score = jnp.where(undecided, out.p_pick_bn[:, ::lay.k], -1.0)
+  # A slot's score is the probability of its FIRST token only (un-noised softmax): with
+  # re-masking, its first undecided one.
+  first = (out.p_pick_bn[:, ::lay.k] if not lay.remask else
+           jnp.where(lay.first_live_bt(r), out.p_pick_bn, 0.0).reshape(
+               b, lay.n_slots, lay.k).sum(-1))
+  score = jnp.where(undecided, first, -1.0)
   over = undecided & (score > knobs.slot_threshold)
   best = jax.nn.one_hot(jnp.argmax(score, axis=-1), lay.n_slots, dtype=bool)
   chosen = jnp.where(over.any(-1, keepdims=True), over, best)
@@ -278,7 +383,7 @@ def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
     canvas = lay.canvas_bt(r)
     rows = jnp.arange(b)[:, None]
     left_done = (canvas == 0) | (r.commit_step_bg[rows, jnp.maximum(canvas - 1, 0)] >= 0)
-    check = lay.first_t[None] & lay.per_token(chosen) & left_done & knobs.boundary_check
+    check = lay.first_live_bt(r) & lay.per_token(chosen) & left_done & knobs.boundary_check
     kept = r.next_bg[rows, canvas]
     counters = counters.add(jnp.ones((b,), bool),
                             corrected_b=(check & (kept != draft)).sum(-1))
@@ -294,36 +399,42 @@ def global_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
   b = r.phase_b.shape[0]
   r = r.replace(counters=r.counters.add(jnp.ones((b,), bool), global_verify_b=1))
   chosen_bt = lay.per_token(r.chosen_bs)
+  live = lay.live_bt(r)  # re-masking: a slot's committed prefix is not fed (None: none)
+  fed_bt = _and(chosen_bt, live)
+  first_bt = lay.first_live_bt(r)
   if lay.verify:
     # Every token whose predecessor in the concatenation is its positional one (the
     # token before it in its slot, or the last token of the chosen slot to its left) is
     # verified against the causal argmax there; a first token after a gap stands.
     prev_pick = shift_right(out.pick_bn, -1)
-    checkable = ~lay.first_t[None] | (shift_right(chosen_bt, False) & knobs.boundary_check)
+    checkable = ~first_bt | (shift_right(fed_bt, False) & knobs.boundary_check)
     accepted_bt = ~checkable | verified(knobs, r.draft_bt, out.p_prev_bn, prev_pick)
   else:
     # In the concatenation a non-first token's predecessor is the token before it
     # (same slot, also chosen); first tokens are accepted unconditionally.
-    accepted_bt = lay.first_t[None] | (out.p_prev_bn > knobs.token_threshold)
-  first_reject = first_true(chosen_bt & ~accepted_bt)
-  prefix_bt = chosen_bt & (lay.t[None] < first_reject[:, None])
+    accepted_bt = first_bt | (out.p_prev_bn > knobs.token_threshold)
+  if lay.remask:
+    accepted_bt = accepted_bt | ~live  # a committed prefix counts as accepted
+  first_reject = first_true(fed_bt & ~accepted_bt)
+  prefix_bt = fed_bt & (lay.t[None] < first_reject[:, None])
   eos_bt = r.draft_bt == knobs.eos_id
   gv_eos = (prefix_bt & eos_bt).any(-1)
   first_eos = first_true(prefix_bt & eos_bt)
-  whole_bs = r.chosen_bs & (prefix_bt | ~chosen_bt).reshape(b, lay.n_slots, lay.k).all(-1)
+  whole_bs = r.chosen_bs & (prefix_bt | ~fed_bt).reshape(b, lay.n_slots, lay.k).all(-1)
   gv_whole = ~gv_eos & whole_bs.any(-1)
 
   # EOS in the prefix: the chosen slots up to and including the EOS token; every slot
   # at or after the EOS slot is removed; earlier undecided ones remain.
   slot_s = jnp.arange(lay.n_slots)[None]
   eos_slot = (first_eos // lay.k)[:, None]
-  keep_eos = chosen_bt & (lay.t[None] <= first_eos[:, None])
+  keep_eos = fed_bt & (lay.t[None] <= first_eos[:, None])
   decided_eos = r.decided_bs | (r.chosen_bs & (slot_s < eos_slot)) | (slot_s >= eos_slot)
   # One commit for both outcomes: up to the EOS where the prefix holds one, else the
   # whole leading slots.
-  committed = commit(lay, r, jnp.where(gv_eos[:, None], keep_eos, lay.per_token(whole_bs)),
+  committed = commit(lay, r, jnp.where(gv_eos[:, None], keep_eos,
+                                       _and(lay.per_token(whole_bs), live)),
                      r.draft_bt, jnp.where(gv_eos[:, None], decided_eos, r.decided_bs | whole_bs),
-                     r.eos_b | gv_eos, succ_bt=out.pick_bn)
+                     r.eos_b | gv_eos, knobs, succ_bt=out.pick_bn, causal_run=True)
   # Parallel infill: every chosen slot starts from its own accepted prefix.
   accepted = chosen_bt & prefix_within_slot(accepted_bt, lay.k)
   draft, extra = r.draft_bt, {}
@@ -336,7 +447,8 @@ def global_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
                                               dtype=bool))
     own = accepted & first_slot
     fix = first_slot & ~own & (lay.t[None] == first_reject[:, None])
-    accepted = jnp.where(first_slot, own | fix, chosen_bt & lay.first_t[None])
+    later = first_bt if live is None else first_bt | ~live  # from its first (live) token
+    accepted = jnp.where(first_slot, own | fix, chosen_bt & later)
     draft = jnp.where(fix, prev_pick, draft)
     extra = dict(succ_bt=out.pick_bn,
                  stale_bs=fix.reshape(b, lay.n_slots, lay.k).any(-1),
@@ -370,7 +482,7 @@ def infill_draft(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Ro
 
 def _infill_outcome(lay: _Layout, r: Rows, knobs: Knobs):
   """(kept tokens, decided slots, eos) when the infill ends."""
-  chosen_bt = lay.per_token(r.chosen_bs)
+  chosen_bt = _and(lay.per_token(r.chosen_bs), lay.live_bt(r))
   keep = chosen_bt & (lay.t[None] <= first_true(chosen_bt & (r.draft_bt == knobs.eos_id))
                       [:, None])
   return keep, r.decided_bs | r.chosen_bs | r.removed_bs, r.eos_b | r.infill_eos_b
@@ -413,8 +525,8 @@ def infill_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
   # position, mark it fully accepted, drop every later slot. Undecided slots before
   # it stay undecided and are still decoded.
   slot_s = jnp.arange(lay.n_slots)[None]
-  eos_slot_bs = r.chosen_bs & (accepted & (r.draft_bt == knobs.eos_id)).reshape(
-      b, lay.n_slots, lay.k).any(-1)
+  eos_slot_bs = r.chosen_bs & _and(accepted & (r.draft_bt == knobs.eos_id),
+                                   lay.live_bt(r)).reshape(b, lay.n_slots, lay.k).any(-1)
   has_eos = eos_slot_bs.any(-1)
   eos_slot = jnp.where(has_eos, jnp.argmax(eos_slot_bs, -1), lay.n_slots)
   after = slot_s > eos_slot[:, None]
@@ -434,7 +546,7 @@ def infill_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
   keep, decided, eos = _infill_outcome(lay, r, knobs)
   n_slots_kept = keep.reshape(b, lay.n_slots, lay.k).any(-1).sum(-1)
   recompute = knobs.recompute_kv & (n_slots_kept >= 2)
-  done = commit(lay, r, keep, r.draft_bt, decided, eos)
+  done = commit(lay, r, keep, r.draft_bt, decided, eos, knobs)
   go_on = r.replace(phase_b=next_phase)
   if lay.verify:
     # Straight to another verify (no draft left to fill): it feeds the stale slots.
@@ -449,8 +561,91 @@ def recompute(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   b = r.phase_b.shape[0]
   r = r.replace(counters=r.counters.add(jnp.ones((b,), bool), recompute_b=1))
   keep, decided, eos = _infill_outcome(lay, r, knobs)
-  return commit(lay, r, keep, r.draft_bt, decided, eos,
+  return commit(lay, r, keep, r.draft_bt, decided, eos, knobs,
                 succ_bt=out.pick_bn if lay.verify else None)
+
+
+# --- sub-slot re-masking (decode.remask) --------------------------------------------------
+
+
+def recheck(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
+  """A re-check's outcome, in rows whose pass fed one (`recheck_slot_b` >= 0): the token
+  before the slot and the slot's tokens up to the first whose probability there is at
+  most tau_remask are committed again, their K/V from this pass; from that token on the
+  slot is masked again (undecided, a shorter slot). A re-check pass of its own
+  (phase RECHECK) then moves the row on as a step's end does."""
+  b = r.phase_b.shape[0]
+  on = r.recheck_slot_b >= 0
+  s_b = r.recheck_slot_b[:, None]
+  in_slot = on[:, None] & (lay.slot_t[None] == s_b)
+  ok = out.p_prev_bn > knobs.remask_threshold
+  keep_slot = in_slot & prefix_within_slot(ok | ~in_slot, lay.k)
+  kept_n = keep_slot.sum(-1).astype(jnp.int32)
+  kept = keep_slot | (on[:, None] & (lay.t[None] == s_b * lay.k - 1))
+  dropped = in_slot & ~keep_slot
+  masked_again = on & (kept_n < lay.k)
+  slot_s = jnp.arange(lay.n_slots)[None]
+  this = on[:, None] & (slot_s == s_b)
+  rank = jnp.cumsum(kept, axis=-1) - 1
+  cache_at = _write_block(lay, r, r.cache_at_bg, kept, r.length_b[:, None] + rank)
+  changes = {}
+  if lay.verify:
+    dest = jnp.where(kept, lay.canvas_bt(r) + 1, r.next_bg.shape[1])
+    changes = dict(next_bg=r.next_bg.at[jnp.arange(b)[:, None], dest].set(out.pick_bn,
+                                                                             mode="drop"))
+  r = r.replace(
+      length_b=r.length_b + kept.sum(-1).astype(jnp.int32),
+      cache_at_bg=_write_block(lay, r, cache_at, dropped, -1),
+      commit_step_bg=_write_block(lay, r, r.commit_step_bg, dropped, -1),
+      decided_bs=r.decided_bs & ~(this & masked_again[:, None]),
+      start_bs=jnp.where(this & masked_again[:, None], kept_n[:, None], r.start_bs),
+      early_bs=r.early_bs & ~this, rechecked_bs=r.rechecked_bs | this,
+      recheck_slot_b=jnp.full((b,), -1, jnp.int32),
+      counters=r.counters.add(on, remasked_b=masked_again,
+                              remasked_tokens_b=jnp.where(masked_again, lay.k - kept_n, 0)),
+      **changes)
+  # A pass of its own ends like a step: the row's block has a slot to decode again, or it
+  # moves on (or awaits another re-check).
+  alone = r.phase_b == RECHECK
+  moved_on = _end_step(lay, r, r.decided_bs, r.eos_b, knobs)
+  return passes.select([(alone & masked_again, r.replace(phase_b=jnp.full((b,), PLAN))),
+                        (alone, moved_on)], r)
+
+
+def start_recheck(lay: _Layout, r: Rows, cache: KVCache, knobs: Knobs) -> tuple[Rows, KVCache]:
+  """Starts the leftmost waiting re-check of each row about to plan (or in RECHECK): the
+  slot's and its left neighbour's last token's entries leave the cache (the last live
+  entries move into their places), so that the next pass feeds them again."""
+  b = r.phase_b.shape[0]
+  cand = _recheck_candidates(lay, r, knobs)
+  go = ((r.phase_b == PLAN) | (r.phase_b == RECHECK)) & (r.recheck_slot_b < 0) & cand.any(-1)
+  target = jnp.where(go, first_true(cand), -1).astype(jnp.int32)
+  n = lay.k + 1
+  # The removed tokens' block positions (the neighbour's last, then the slot) and entries.
+  pos_bn = target[:, None] * lay.k - 1 + jnp.arange(n)[None]
+  at_bt = lay.block_view(r, r.cache_at_bg)
+  holes = jnp.take_along_axis(at_bt, jnp.clip(pos_bn, 0, lay.blk - 1), axis=1)
+  new_len = r.length_b - jnp.where(go, n, 0)
+  # The last n live entries that are not removed move into the removed ones below them.
+  tail = new_len[:, None] + jnp.arange(n)[None]
+  tail_hole = (tail[:, :, None] == holes[:, None, :]).any(-1)
+  src = jnp.take_along_axis(tail, jnp.argsort(tail_hole, axis=1, stable=True), axis=1)
+  low = jnp.take_along_axis(holes, jnp.argsort(holes >= new_len[:, None], axis=1, stable=True),
+                            axis=1)
+  moves = go[:, None] & (jnp.arange(n)[None] < (~tail_hole).sum(-1, keepdims=True))
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, n))
+  k, v, positions = cache.take_entries(rows, src)
+  cache = cache.write(rows, jnp.where(moves, low, cache.max_len), k, v, positions)
+  # Each moved token's entry index follows it; the removed tokens have none until the
+  # re-check commits them again.
+  gone = _write_block(lay, r, r.cache_at_bg,
+                      go[:, None] & (lay.t[None] >= target[:, None] * lay.k - 1)
+                      & (lay.t[None] < (target[:, None] + 1) * lay.k), -1)
+  match = moves[:, None, :] & (gone[:, :, None] == src[:, None, :])
+  cache_at = jnp.where(match.any(-1), jnp.where(match, low[:, None, :], 0).sum(-1), gone)
+  r = r.replace(length_b=new_len, cache_at_bg=cache_at,
+                recheck_slot_b=jnp.where(go, target, r.recheck_slot_b))
+  return r, cache.replace(length_b=new_len)
 
 
 # --- left to right ------------------------------------------------------------------------
@@ -550,6 +745,11 @@ def _empty_rows(spec: Spec, b: int, pad_id) -> Rows:
     extra = dict(next_bg=jnp.zeros((b, spec.gen_length), jnp.int32),
                  succ_bt=jnp.zeros((b, blk), jnp.int32),
                  stale_bs=jnp.zeros((b, n_slots), bool))
+  if spec.remask:
+    extra.update(start_bs=jnp.zeros((b, n_slots), jnp.int32),
+                 early_bs=jnp.zeros((b, n_slots), bool),
+                 rechecked_bs=jnp.zeros((b, n_slots), bool), recheck_slot_b=zi - 1,
+                 cache_at_bg=jnp.full((b, spec.gen_length), -1, jnp.int32))
   return Rows(
       phase_b=zi + FREE, length_b=zi, prompt_len_b=zi, key_b2=jnp.zeros((b, 2), jnp.uint32),
       tokens_bg=jnp.full((b, spec.gen_length), pad_id, jnp.int32),
@@ -562,8 +762,14 @@ def _empty_rows(spec: Spec, b: int, pad_id) -> Rows:
       counters=DecodeCounters.zeros(b), **extra)
 
 
+def cache_length(spec: Spec, width: int) -> int:
+  """KV entries a row holds: its prompt and generated tokens (with re-masking, a
+  re-check feeds a slot and the token before it again: k + 1 more, briefly)."""
+  return width + spec.gen_length + (spec.slot_size + 1 if spec.remask else 0)
+
+
 def init(model, spec: Spec, rows: int, width: int) -> State:
-  cache = KVCache.init(model.config, rows, width + spec.gen_length, chunk=spec.kv_chunk)
+  cache = KVCache.init(model.config, rows, cache_length(spec, width), chunk=spec.kv_chunk)
   pad = 0 if model.config.pad_token_id is None else model.config.pad_token_id
   r = _empty_rows(spec, rows, pad)
   return State(passes=jnp.zeros((), jnp.int32), cache=cache, rows=r)
@@ -597,18 +803,27 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
     lay = _Layout(spec)
     phase = r.phase_b
     keep_bt, _, _ = _infill_outcome(lay, r, knobs)
+    planned = plan_feed(lay, r, knobs)
+    cases = []
+    if spec.remask:
+      # A re-check rides on the plan pass where the row plans next (its tokens seen by
+      # the plan's masks as committed context), else it has a pass of its own.
+      again = recheck_feed(lay, r, knobs)
+      planned = passes.select([(r.recheck_slot_b >= 0, passes.merge(planned, again))], planned)
+      cases = [(phase == RECHECK, again)]
     feed = passes.select(
-        [(phase == PLAN, plan_feed(lay, r, knobs)),
+        [(phase == PLAN, planned),
          (phase == GLOBAL, global_verify_feed(lay, r, knobs)),
          (phase == DRAFT, infill_draft_feed(lay, r, knobs)),
          (phase == VERIFY, infill_verify_feed(lay, r, knobs)),
-         (phase == RECOMPUTE, recompute_feed(lay, r, keep_bt))],
+         (phase == RECOMPUTE, recompute_feed(lay, r, keep_bt))] + cases,
         passes.Feed.empty(b, lay.blk))
   n = feed.fed_bn.shape[1]
   keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), n, knobs.temperature)
   cache, out = passes.run_pass(model, st.cache, feed, widths(spec),
                                temperature=knobs.temperature, keys_bn2=keys,
-                               vocab_chunk=spec.vocab_chunk)
+                               vocab_chunk=spec.vocab_chunk,
+                               context_group=RECHECK_GROUP if spec.remask else None)
   if spec.left_to_right:
     new = passes.select([(r.phase_b == LTR_PLAN, ltr_plan(spec, r, out, knobs)),
                          (r.phase_b == LTR_AR, ltr_ar(spec, r, out, knobs))], r)
@@ -619,6 +834,10 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
          (phase == DRAFT, infill_draft(lay, r, out, knobs)),
          (phase == VERIFY, infill_verify(lay, r, out, knobs)),
          (phase == RECOMPUTE, recompute(lay, r, out, knobs))], r)
+  if spec.remask:
+    new = recheck(lay, new.replace(counters=new.counters.add(phase == RECHECK, recheck_b=1)),
+                  out, knobs)
+    new, cache = start_recheck(lay, new, cache, knobs)
   cache = cache.replace(length_b=new.length_b)
   return State(passes=st.passes + 1, cache=cache, rows=new)
 

@@ -11,7 +11,9 @@
    interrupted run resumes from the trainer's checkpoints; a finished stage
    (the base included) is skipped (`stages`).
 2. With `config.select.enabled`, chooses ReFusion's decode settings per task
-   on the validation split (`scoring.select_settings`).
+   on the validation split (`scoring.select_settings`), once for each searched
+   row (`settings.searched_rows`: the plain decoder, and each "Past the paper"
+   row with its own model or options).
 3. Scores every decoder row on the held-out problems, each result cached in
    `W/results/<row>.json` (`scoring.evaluate_rows`).
 4. Writes `W/table.md` and `W/speed_accuracy.png` (`report`) and prints the
@@ -51,12 +53,16 @@ def run(config, workdir: str, log=print) -> dict:
   models = scoring.TrainedModels(workdir)
   chosen = None
   if settings.select_enabled(config):
-    chosen = scoring.select_settings(config, workdir, trained, models, tokenizer, log)
-    config = settings.with_task_settings(config, chosen)
-    row_configs = settings.row_decode_configs(config)
+    chosen = {row: scoring.select_settings(config, workdir, trained, models, tokenizer, log,
+                                           row=row)
+              for row in settings.searched_rows(config)}
+    row_configs = settings.row_decode_configs(config, chosen)
+    if "ReFusion" in chosen:  # what the sweep and the report's settings line start from
+      config = settings.with_task_settings(config, chosen["ReFusion"])
   results = scoring.evaluate_rows(config, workdir, row_configs, trained, models, tokenizer, log)
   when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-  table = report.render_table(config, results, trained, when, scoring.machine(), base)
+  table = report.render_table(config, results, trained, when, scoring.machine(), base,
+                              chosen=chosen)
   fileio.write_text_atomic(os.path.join(workdir, TABLE_FILE), table)
   report.write_speed_accuracy_plot(results, os.path.join(workdir, PLOT_FILE))
   sweep = None

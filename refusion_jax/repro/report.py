@@ -140,6 +140,23 @@ def targets(results: Mapping[str, dict]) -> list[tuple[str, str, bool | None]]:
   out.append(("KV reuse faster than recomputation at <= 0.5 point cost",
               f"{_fmt(r, 2)}x, {_fmt(g, 1)} points lower",
               None if r is None or g is None else (r > 1.0 and g <= 0.5)))
+  # Past the paper: the best parallel ReFusion row against its own model decoded left to
+  # right (at >= 2.5 tokens per forward), and against the ARM.
+  parallel = [(n, OWN_L2R[n]) for n in results if n in OWN_L2R and OWN_L2R[n] in results]
+  if parallel:
+    fast = [(gap(n, l2r), n) for n, l2r in parallel
+            if _avg(results[n], "tokens_per_forward") >= 2.5]
+    g, name = min(fast) if fast else (None, None)
+    out.append(("Past the paper: a parallel ReFusion row within 3 points of its model "
+                "decoded left to right, at >= 2.5 tokens per forward",
+                "none at >= 2.5 tokens per forward" if name is None else
+                f"{name}: {-g:+.1f} points against {OWN_L2R[name]}, "
+                f"{_avg(results[name], 'tokens_per_forward'):.2f} tokens per forward",
+                None if name is None else g <= 3.0))
+  if parallel and REFERENCE_ROW in results:
+    g, name = min((gap(n, REFERENCE_ROW), n) for n, _ in parallel)
+    out.append(("Past the paper: a parallel ReFusion row within 6 points of ARM",
+                f"{name}: {-g:+.1f} points against ARM", g <= 6.0))
   return out
 
 
@@ -158,8 +175,31 @@ def _mean_engine_speed(r: dict, task_names: list[str]) -> float | None:
   return (sum(engine) / len(engine)) if all(e is not None for e in engine) else None
 
 
+def _settings_lines(config, chosen: Mapping[str, Mapping] | None) -> list[str]:
+  """ReFusion's (k, b, tau_s, tau_t) per task: each searched row's, or as configured."""
+  def per_task(tasks):
+    return "; ".join(f"{t} {d['slot_size']}, {d['block_size']}, {d['slot_threshold']:g}, "
+                     f"{d['token_threshold']:g}" for t, d in tasks.items())
+
+  if not settings.select_enabled(config) or not chosen:
+    tasks = {t: config.decode.tasks[t] for t in tasks_lib.TASKS}
+    return ["- ReFusion settings per task (k, b, tau_s, tau_t), as configured: "
+            + per_task({t: dict(d) for t, d in tasks.items()})]
+  how = (f"chosen on the validation split ({os.path.basename(config.select.data)}; each of "
+         f"{', '.join(settings.SWEEP_PARAMS)} in turn over config.sweep_grid, best accuracy, "
+         "ties to more tokens per forward)")
+  lines = []
+  for row, tasks in chosen.items():
+    users = [n for n in config.eval.rows if settings.ROWS[n].settings_of == row]
+    lines.append(f"- {' / '.join(users)} settings per task (k, b, tau_s, tau_t), {how}: "
+                 + per_task(tasks))
+    how = "its own search"
+  return lines
+
+
 def _preamble(config, results: Mapping[str, dict], trained: Mapping[str, dict], when: str,
-              here: Mapping, base: Mapping | None) -> list[str]:
+              here: Mapping, base: Mapping | None,
+              chosen: Mapping[str, Mapping] | None = None) -> list[str]:
   """The lines above the tables: date, machine, base, training budget, problems, settings."""
   task_names = list(tasks_lib.TASKS)
   budget = next(iter(trained.values()))["budget"]
@@ -202,15 +242,7 @@ def _preamble(config, results: Mapping[str, dict], trained: Mapping[str, dict], 
       f"at batch 1, greedy, compile excluded, fastest of {config.eval.speed_repeats} "
       "decodes per problem; tokens counted up to and including EOS; "
       f"gen_length {config.decode.gen_length}",
-      "- ReFusion settings per task (k, b, tau_s, tau_t), "
-      + ("chosen on the validation split "
-         f"({os.path.basename(config.select.data)}; each of "
-         f"{', '.join(settings.SWEEP_PARAMS)} in turn "
-         "over config.sweep_grid, best accuracy, ties to more tokens per forward): "
-         if settings.select_enabled(config) else "as configured: ")
-      + "; ".join(f"{t} {d.slot_size}, {d.block_size}, {d.slot_threshold:g}, "
-                  f"{d.token_threshold:g}" for t, d in
-                  ((t, config.decode.tasks[t]) for t in task_names))]
+      *_settings_lines(config, chosen)]
 
 
 def table2_lines(results: Mapping[str, dict]) -> list[str]:
@@ -240,13 +272,61 @@ def table2_lines(results: Mapping[str, dict]) -> list[str]:
   return lines
 
 
+# Past the paper (ALGORITHM.md): (row, the row it adds one lever to, the lever).
+LEVERS = (
+    ("ReFusion-verify", "ReFusion", "verified infill"),
+    ("ReFusion-BL", "ReFusion", "the boundary label (training)"),
+    ("ReFusion-BL-verify", "ReFusion-BL", "verified infill with the boundary check"),
+    ("ReFusion-BL-verify", "ReFusion", "both: boundary label + verified infill"),
+    ("ReFusion-BL-remask", "ReFusion-BL-verify", "sub-slot re-masking"),
+)
+# Each parallel ReFusion row and its own model's left-to-right row.
+OWN_L2R = {"ReFusion": "ReFusion-L2R", "ReFusion-recompute-KV": "ReFusion-L2R",
+           "ReFusion-verify": "ReFusion-L2R", "ReFusion-BL": "ReFusion-BL-L2R",
+           "ReFusion-BL-verify": "ReFusion-BL-L2R", "ReFusion-BL-remask": "ReFusion-BL-L2R"}
+
+
+def past_the_paper_lines(results: Mapping[str, dict]) -> list[str]:
+  """What each "Past the paper" lever moved: accuracy and speed, row against row."""
+  levers = [(row, base, lever) for row, base, lever in LEVERS
+            if row in results and base in results]
+  if not levers:
+    return []
+  lines = ["", "## Past the paper: what each lever moved (ALGORITHM.md \"Past the paper\")", "",
+           "| Lever | from -> to | accuracy (points) | tokens per forward | tokens/s |",
+           "|---|---|---|---|---|"]
+  for row, base, lever in levers:
+    a, b = results[row]["average"], results[base]["average"]
+    tps = (_fmt(a["tokens_per_sec"] / b["tokens_per_sec"], 2) + "x"
+           if a["tokens_per_sec"] and b["tokens_per_sec"] else "n/a")
+    lines.append(f"| {lever} | {base} -> {row} | {b['accuracy']:.1f} -> {a['accuracy']:.1f} "
+                 f"({a['accuracy'] - b['accuracy']:+.1f}) | {b['tokens_per_forward']:.2f} -> "
+                 f"{a['tokens_per_forward']:.2f} | {tps} |")
+  rows = [(n, OWN_L2R[n]) for n in results if n in OWN_L2R and OWN_L2R[n] in results]
+  if rows:
+    lines += ["", "| Parallel decoder | accuracy | - its model left to right (points) | "
+              "- ARM (points) | tokens per forward | corrected tokens per answer |",
+              "|---|---|---|---|---|---|"]
+    ref = results.get(REFERENCE_ROW)
+    for name, l2r in rows:
+      a = results[name]["average"]
+      arm = f"{a['accuracy'] - ref['average']['accuracy']:+.1f}" if ref else "n/a"
+      corrected = results[name]["average"].get("corrected_per_answer")
+      lines.append(f"| {name} | {a['accuracy']:.1f} | "
+                   f"{a['accuracy'] - results[l2r]['average']['accuracy']:+.1f} ({l2r}) | "
+                   f"{arm} | {a['tokens_per_forward']:.2f} | {_fmt(corrected, 2)} |")
+  return lines
+
+
 def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict],
-                 when: str, here: Mapping, base: Mapping | None = None) -> str:
-  """The markdown report; `base` is the stage-1 marker (None: models trained from scratch)."""
+                 when: str, here: Mapping, base: Mapping | None = None,
+                 chosen: Mapping[str, Mapping] | None = None) -> str:
+  """The markdown report; `base` is the stage-1 marker (None: models trained from scratch);
+  `chosen` each searched row's settings (`pipeline.run`)."""
   task_names = list(tasks_lib.TASKS)
   header = "| Decoder | " + " | ".join(task_names) + " | Avg |"
   rule = "|---" * (len(task_names) + 2) + "|"
-  lines = _preamble(config, results, trained, when, here, base) + ["", header, rule]
+  lines = _preamble(config, results, trained, when, here, base, chosen) + ["", header, rule]
   lines += _decoder_rows(
       results, task_names, lambda m: f"{m['accuracy']:.1f} / {_fmt(m['tokens_per_sec'])}",
       lambda r: f"{_with_interval(r)} / {_fmt(r['average']['tokens_per_sec'])}")
@@ -275,6 +355,7 @@ def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict
       lines.append(f"| {name} | {d:+.1f} | {_fmt(speed, 2)}x |")
 
   lines += table2_lines(results)
+  lines += past_the_paper_lines(results)
   lines += ["", "## Targets (TARGETS.md)", "", "| Target | Measured | Met |", "|---|---|---|"]
   for target, measured, met in targets(results):
     lines.append(f"| {target} | {measured} | {'n/a' if met is None else 'yes' if met else 'no'} |")

@@ -141,35 +141,43 @@ def evaluate_rows(config, workdir: str, row_configs: Mapping[str, Mapping[str, D
 
 
 def select_settings(config, workdir: str, trained: Mapping[str, dict], models: TrainedModels,
-                    tokenizer, log=print) -> dict[str, dict]:
-  """{task: {slot_size, block_size, slot_threshold, token_threshold}} for ReFusion.
+                    tokenizer, log=print, row: str = "ReFusion") -> dict[str, dict]:
+  """{task: {slot_size, block_size, slot_threshold, token_threshold}} for ReFusion row `row`.
 
   The paper's Table 5 picks them per benchmark; here they are picked on the
-  validation split, never on the test split. Coordinate search: each
-  parameter of SWEEP_PARAMS in turn takes every value of `config.sweep_grid`
-  with the others at the settings chosen so far, and each task keeps the value
-  with the highest validation accuracy, ties going to the higher tokens per
-  forward. Accuracy only (batched), no timing; every evaluation is cached in
-  W/results/select.
+  validation split, never on the test split, for the row's own model and options
+  (`settings.ROWS[row]`). Coordinate search: each parameter of SWEEP_PARAMS in
+  turn takes every value of `config.sweep_grid` with the others at the settings
+  chosen so far, and each task keeps the value with the highest validation
+  accuracy, ties going to the higher tokens per forward. Accuracy only (batched),
+  no timing; every evaluation is cached in W/results/select (the "ReFusion" row's)
+  or W/results/select/<row>.
   """
+  spec = settings.ROWS[row]
+  options = dict(spec.options)
   valid = _problem_set(config, workdir, tokenizer, config.select.data, config.select.per_task,
-                       "refusion")
+                       spec.model)
   chosen = {t: {k: config.decode.tasks[t][k] for k in settings.TASK_SETTINGS}
             for t in tasks_lib.TASKS}
+  folder = os.path.join(workdir, RESULTS_DIR, SELECT_DIR)
+  if row != "ReFusion":
+    folder = os.path.join(folder, row)
+  extra = {} if row == "ReFusion" else {"row": row}
   for param in settings.SWEEP_PARAMS:
     per_value = {}
     for value in tuple(config.sweep_grid[param]):
-      configs = {t: settings.refusion_decode_config(config, t, **{**chosen[t], param: value})
+      configs = {t: settings.refusion_decode_config(config, t, **{**chosen[t], param: value},
+                                                    **options)
                  for t in tasks_lib.TASKS}
-      key = _key(config, valid, configs, trained["refusion"], select=param, value=value,
-                 batch_size=config.eval.batch_size)
-      log(f"[reproduce] choosing on the validation split: {param}={value}")
+      key = _key(config, valid, configs, trained[spec.model], select=param, value=value,
+                 batch_size=config.eval.batch_size, **extra)
+      log(f"[reproduce] choosing {row}'s settings on the validation split: {param}={value}")
 
       def run(configs=configs, param=param, value=value):
-        return _evaluate(config, models.get("refusion"), tokenizer, valid, configs,
-                         f"valid {param}={value}", speed_per_task=0)
+        return _evaluate(config, models.get(spec.model), tokenizer, valid, configs,
+                         f"valid {row} {param}={value}", speed_per_task=0)
 
-      path = os.path.join(workdir, RESULTS_DIR, SELECT_DIR, f"{param}={value}.json")
+      path = os.path.join(folder, f"{param}={value}.json")
       per_value[value] = _cached_or_run(path, key, run, log)["per_task"]
     for t in tasks_lib.TASKS:
       chosen[t][param] = max(per_value, key=lambda v, t=t: (per_value[v][t]["accuracy"],

@@ -1,10 +1,18 @@
 """What a reproduction config asks for, and whether it is well-formed.
 
-The decoder rows of the table, the decode settings of every row and task,
-the sweep points, and `validate(config)`: every check of the config (the
-shipped base's SHA-256 included) before anything is trained, loaded or
-compiled. Decode settings are built by `row_decode_configs` alone, so a
-setting that DecodeConfig refuses is reported with its row and task.
+The models a run can train (`MODELS`), the decoder rows of the table, the
+decode settings of every row and task, the sweep points, and
+`validate(config)`: every check of the config (the shipped base's SHA-256
+included) before anything is trained, loaded or compiled. Decode settings are
+built by `row_decode_configs` alone, so a setting that DecodeConfig refuses is
+reported with its row and task.
+
+ReFusion rows take their per-task settings (slot size, block size, tau_s,
+tau_t) from a validation search (`scoring.select_settings`): a row with
+options of its own that change which settings decode best (verification, a
+model trained with the boundary label) is searched with them; the ablations
+of one decoder (left to right, recomputed KV) take the settings of the row
+they ablate (`Row.settings_of`).
 """
 
 from __future__ import annotations
@@ -17,7 +25,6 @@ from typing import Callable, Mapping
 
 import ml_collections
 
-from refusion_jax import objective
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.checks import is_int, is_real, require
 from refusion_jax.config import DecodeConfig
@@ -33,12 +40,28 @@ SWEEP_PARAMS = ("slot_size", "block_size", "slot_threshold", "token_threshold")
 # Decoder rows and their decode settings.
 
 
+# The models a reproduction can train (config.models): name -> (objective, the train.*
+# fields it sets). Each is fine-tuned from the same base on the same samples.
+MODELS = {
+    "arm": ("arm", {}),
+    "mdm": ("mdm", {}),
+    "bd3lm": ("bd3lm", {}),
+    "refusion": ("refusion", {}),
+    # ReFusion with the boundary label (ALGORITHM.md "Past the paper").
+    "refusion_bl": ("refusion", {"boundary_label": True}),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
   name: str
-  model: str  # which trained model it decodes (an objective)
+  model: str  # which trained model it decodes (a key of MODELS)
   description: str
   build: Callable[[ml_collections.ConfigDict, str], DecodeConfig]  # (config, task) -> settings
+  # ReFusion rows: the row whose validation search gives this row's per-task settings (its
+  # own name: it is searched, with `options`); None: not a ReFusion row.
+  settings_of: str | None = None
+  options: tuple = ()  # (field, value) DecodeConfig changes on top of the task settings
 
 
 def refusion_decode_config(config, task: str, **changes) -> DecodeConfig:
@@ -68,6 +91,15 @@ def _ar_decode_config(config) -> DecodeConfig:
   return DecodeConfig(method="ar", gen_length=g, slot_size=g, block_size=g)
 
 
+def _refusion_row(name: str, model: str, description: str, settings_of: str | None = None,
+                  **options) -> Row:
+  return Row(name, model, description,
+             lambda c, t: refusion_decode_config(c, t, **options),
+             settings_of=settings_of or name, options=tuple(sorted(options.items())))
+
+
+# What each "Past the paper" row switches on (the report names the lever each moves).
+_VERIFY = dict(verify="correct")
 ROWS: dict[str, Row] = {row.name: row for row in (
     Row("ARM-AR", "arm", "ARM, greedy left-to-right decoding with a KV cache",
         lambda c, t: _ar_decode_config(c)),
@@ -77,23 +109,43 @@ ROWS: dict[str, Row] = {row.name: row for row in (
         lambda c, t: _mdm_decode_config(c, c.decode.mdm_threshold)),
     Row("BD3LM", "bd3lm", "BD3-LM, block diffusion with a KV cache, Fast-dLLM threshold "
         "in each block", lambda c, t: _bd3lm_decode_config(c)),
-    Row("ReFusion", "refusion", "ReFusion, plan-and-infill", refusion_decode_config),
-    Row("ReFusion-L2R", "refusion", "ReFusion model decoded left to right, one slot per "
-        "step, no drafting", lambda c, t: refusion_decode_config(c, t, left_to_right=True)),
-    Row("ReFusion-recompute-KV", "refusion", "ReFusion, KV of infilled slots recomputed "
-        "instead of reused (paper's Table 8)",
-        lambda c, t: refusion_decode_config(c, t, recompute_kv=True)),
+    _refusion_row("ReFusion", "refusion", "ReFusion, plan-and-infill"),
+    _refusion_row("ReFusion-L2R", "refusion", "ReFusion model decoded left to right, one "
+                  "slot per step, no drafting", settings_of="ReFusion", left_to_right=True),
+    _refusion_row("ReFusion-recompute-KV", "refusion", "ReFusion, KV of infilled slots "
+                  "recomputed instead of reused (paper's Table 8)", settings_of="ReFusion",
+                  recompute_kv=True),
+    # Past the paper (ALGORITHM.md): each lever alone, then together.
+    _refusion_row("ReFusion-verify", "refusion", "ReFusion, verified infill: the causal "
+                  "argmax replaces the first failing draft (slot-first tokens unchecked: "
+                  "this model never learnt the slot boundary)", boundary_check=False,
+                  **_VERIFY),
+    _refusion_row("ReFusion-BL", "refusion_bl", "ReFusion trained with the boundary label, "
+                  "the release's decoder"),
+    _refusion_row("ReFusion-BL-verify", "refusion_bl", "ReFusion trained with the boundary "
+                  "label, verified infill with the boundary check", **_VERIFY),
+    _refusion_row("ReFusion-BL-L2R", "refusion_bl", "ReFusion trained with the boundary "
+                  "label, decoded left to right", settings_of="ReFusion-BL-verify",
+                  left_to_right=True),
 )}
 
 
-def row_decode_configs(config) -> dict[str, dict[str, DecodeConfig]]:
-  """{row: {task: DecodeConfig}} for config.eval.rows; raises naming the row and task."""
+def row_decode_configs(config, chosen: Mapping[str, Mapping] | None = None
+                       ) -> dict[str, dict[str, DecodeConfig]]:
+  """{row: {task: DecodeConfig}} for config.eval.rows; raises naming the row and task.
+
+  `chosen` {searched row: {task: settings}}: a ReFusion row decodes at the settings chosen
+  for its `settings_of` row where there are some, else at config.decode.tasks."""
   configs = {}
   for name in config.eval.rows:
     configs[name] = {}
+    row = ROWS[name]
+    row_config = config
+    if chosen and row.settings_of in chosen:
+      row_config = with_task_settings(config, chosen[row.settings_of])
     for task in tasks_lib.TASKS:
       try:
-        configs[name][task] = ROWS[name].build(config, task)
+        configs[name][task] = row.build(row_config, task)
       except (TypeError, ValueError) as e:
         raise ValueError(f"decode settings of row {name!r}, task {task!r} "
                          f"(config.decode / config.decode.tasks.{task}): {e}") from None
@@ -142,6 +194,17 @@ def select_enabled(config) -> bool:
   return bool(config.get("select", {}).get("enabled", False))
 
 
+def searched_rows(config) -> list[str]:
+  """The rows whose settings a validation search chooses: each ReFusion row's
+  `settings_of`, in the order config.eval.rows first needs them."""
+  out = []
+  for name in config.eval.rows:
+    of = ROWS[name].settings_of
+    if of is not None and of not in out:
+      out.append(of)
+  return out
+
+
 def _sha256(path: str) -> str:
   digest = hashlib.sha256()
   with open(path, "rb") as f:
@@ -175,10 +238,9 @@ def check_pretrained_base(folder: str) -> str:
 def validate(config) -> dict[str, dict[str, DecodeConfig]]:
   """Checks the reproduction fields; returns {row: {task: DecodeConfig}}."""
   models = tuple(config.models)
-  unknown = [m for m in models if m not in objective.OBJECTIVES]
+  unknown = [m for m in models if m not in MODELS]
   if not models or unknown:
-    raise ValueError(f"config.models={models!r}: each must be one of "
-                     f"{sorted(objective.OBJECTIVES)}")
+    raise ValueError(f"config.models={models!r}: each must be one of {sorted(MODELS)}")
   steps, epochs = config.train.num_train_steps, config.train.num_epochs
   require(is_int(steps) and (steps > 0 or (steps == 0 and is_int(epochs) and epochs > 0)),
           "train.num_train_steps", steps, "a positive int (the models train for the same "
@@ -201,9 +263,11 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
   for name in rows:
     if name not in ROWS:
       raise ValueError(f"config.eval.rows: unknown row {name!r}; known: {list(ROWS)}")
-    if ROWS[name].model not in models:
-      raise ValueError(f"config.eval.rows: row {name!r} needs the {ROWS[name].model!r} model, "
-                       f"which config.models={models!r} does not train")
+    for needed in (ROWS[name].model, ROWS[ROWS[name].settings_of].model
+                   if ROWS[name].settings_of else None):
+      if needed is not None and needed not in models:
+        raise ValueError(f"config.eval.rows: row {name!r} needs the {needed!r} model, "
+                         f"which config.models={models!r} does not train")
   if not os.path.isfile(config.eval.data):
     raise ValueError(f"config.eval.data={config.eval.data!r} is not a file")
   for field in ("batch_size", "prompt_bucket", "speed_repeats"):
@@ -217,8 +281,9 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
     raise ValueError(f"config.decode.tasks has no settings for task(s) {missing}")
   configs = row_decode_configs(config)
   if select_enabled(config):
-    if "refusion" not in models:
-      raise ValueError("config.select.enabled=true needs the 'refusion' model in config.models")
+    if not searched_rows(config):
+      raise ValueError("config.select.enabled=true chooses ReFusion rows' settings; "
+                       "config.eval.rows has none")
     if not os.path.isfile(config.select.data):
       raise ValueError(f"config.select.data={config.select.data!r} is not a file")
     if os.path.abspath(config.select.data) == os.path.abspath(config.eval.data):

@@ -79,10 +79,14 @@ def base_train_config(config, workdir: str) -> ml_collections.ConfigDict:
 
 
 def train_config(config, model_name: str, workdir: str) -> ml_collections.ConfigDict:
-  """config.train with the model's objective and attention set (and, with a base, its init)."""
+  """config.train with the model's objective, attention and own fields set
+  (`settings.MODELS`; with a base, its init)."""
   c = _common_train_config(config, workdir)
-  c.objective = model_name
-  c.model.attention = objective.attention_for(model_name)
+  objective_name, changes = settings.MODELS[model_name]
+  c.objective = objective_name
+  c.model.attention = objective.attention_for(objective_name)
+  for field, value in changes.items():
+    c[field] = value
   if settings.has_base(config):
     c.init_from_hf = base_init_dir(config, workdir)
     # The HF export holds weights and config.json only; the vocabulary is the bundled one.
@@ -184,6 +188,11 @@ def train_models(config, workdir: str, log=print, restart: bool = False) -> dict
   started from another base and is discarded.
   """
   budget = train_budget(config)
-  return {name: train_stage(name, train_config(config, name, workdir), budget,
+
+  def own(name):  # a model's own train.* fields are part of its budget
+    changes = settings.MODELS[name][1]
+    return {**budget, "changes": dict(changes)} if changes else budget
+
+  return {name: train_stage(name, train_config(config, name, workdir), own(name),
                             model_dir(workdir, name), log, restart=restart)[0]
           for name in config.models}

@@ -114,3 +114,69 @@ def test_bad_options_fail_before_compiling(model, fields, needle):
   with pytest.raises(ValueError, match=needle):
     engine.Decoder(model, dc).generate(ids, lens)
   assert refusion.compiled_cache_size() == size
+
+
+# ----------------------------------------------------------------------------
+# Sub-slot re-masking (decode.remask).
+
+# The oracle's context grows by the ghosts of re-checked entries: a wider full call.
+_REMASK_WIDTH = 80
+
+
+def test_remasking_matches_the_oracle(model):
+  start = time.time()
+  rs = np.random.RandomState(13)
+  branches = collections.Counter()
+  n_cases = remasked = 0
+  compiled_before = refusion.compiled_cache_size()
+  for p, g, k, blk in ((6, 16, 4, 16), (6, 16, 2, 8)):
+    for verify in ("off", "correct"):
+      for tau_s, tau_t, tau_r in ((0.0, 0.3, 0.5), (0.5, 0.6, 0.3), (0.2, 0.1, 0.8),
+                                  (0.0, 0.9, 0.95)):
+        prompts = _random_prompts(rs, 3, p)
+        ids, lens = _pad(prompts, p)
+        dc = DecodeConfig(gen_length=g, slot_size=k, block_size=blk, slot_threshold=tau_s,
+                          token_threshold=tau_t, verify=verify, remask=True,
+                          remask_threshold=tau_r, recompute_kv=bool(rs.rand() < 0.3))
+        out = jax.device_get(refusion.generate(model, ids, lens, dc))
+        for row, prompt in enumerate(prompts):
+          result = Oracle(model, dc, branches, width=_REMASK_WIDTH).decode(prompt)
+          _check_row(out, row, result, f"row {row}: prompt={prompt} {dc}")
+          remasked += result[2]["remasked"]
+          n_cases += 1
+  print(f"\n{n_cases} re-masking cases, {remasked} slots masked again, branches: "
+        f"{dict(branches)}, {time.time() - start:.1f}s")
+  for branch in ("remask_early_slot", "remask_recheck_rides_on_plan", "remask_recheck_pass",
+                 "remask_masked_again", "remask_shorter_slot", "remask_kept_whole",
+                 "infill_of_a_remasked_slot", "first_token_checked_in_remasked_slot",
+                 "eos_in_global_verify", "eos_in_infill"):
+    assert branches[branch] > 0, f"branch {branch} never happened: {dict(branches)}"
+  # Verification on or off is static (two programs per group); thresholds are traced.
+  assert refusion.compiled_cache_size() - compiled_before <= 4
+
+
+def test_remasking_that_keeps_everything_is_the_release_decoder(model):
+  """tau_remask = 0 keeps every token it re-checks: the release's tokens, plus the
+  re-check passes; a row's tokens and counters are the same alone as in a batch."""
+  rs = np.random.RandomState(14)
+  prompts = _random_prompts(rs, 6, 6)
+  ids, lens = _pad(prompts, 6)
+  dc = DecodeConfig(gen_length=16, slot_size=4, block_size=16, slot_threshold=0.0,
+                    token_threshold=0.3)
+  release = jax.device_get(refusion.generate(model, ids, lens, dc))
+  kept = jax.device_get(refusion.generate(model, ids, lens, dc.replace(
+      remask=True, remask_threshold=0.0)))
+  np.testing.assert_array_equal(kept.tokens_bg, release.tokens_bg)
+  c = kept.counters
+  assert int(c.recheck_b.sum()) > 0 and int(c.remasked_b.sum()) == 0
+  np.testing.assert_array_equal(c.nfe_b() - c.recheck_b, release.counters.nfe_b())
+  masked = jax.device_get(refusion.generate(model, ids, lens, dc.replace(
+      remask=True, remask_threshold=0.9)))
+  assert int(masked.counters.remasked_b.sum()) > 0
+  for row in range(len(prompts)):
+    one_ids, one_lens = _pad([prompts[row]], 6)
+    one = jax.device_get(refusion.generate(model, one_ids, one_lens, dc.replace(
+        remask=True, remask_threshold=0.9)))
+    np.testing.assert_array_equal(masked.tokens_bg[row], one.tokens_bg[0])
+    for name, value in masked.counters.as_dict().items():
+      assert int(value[row]) == int(one.counters.as_dict()[name][0]), (row, name)
