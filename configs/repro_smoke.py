@@ -36,5 +36,8 @@ def get_config():
   c.sweep_grid.slot_threshold = (0.5, 0.9)
   c.sweep_grid.token_threshold = (0.2, 0.4)
   c.sweep_grid.per_task = 1  # problems per task per sweep point
+  # The paper's rows and one "Past the paper" row (its own model and validation search).
+  c.eval.rows = ("ARM-AR", "MDM-LLaDA", "MDM-FastdLLM", "BD3LM", "ReFusion", "ReFusion-L2R",
+                 "ReFusion-recompute-KV", "ReFusion-BL-verify")
   c.progress_bar = False  # quiet test output
   return c

@@ -82,7 +82,8 @@ def get_config():
   c.eval.prompt_bucket = 16  # prompts padded to one width, a multiple of this
   c.eval.rows = ("ARM-AR", "MDM-LLaDA", "MDM-FastdLLM", "BD3LM", "ReFusion", "ReFusion-L2R",
                  "ReFusion-recompute-KV", "ReFusion-verify", "ReFusion-BL",
-                 "ReFusion-BL-verify", "ReFusion-BL-L2R")  # decoders (repro.settings.ROWS)
+                 "ReFusion-BL-verify", "ReFusion-BL-L2R",
+                 "ReFusion-BL-remask")  # decoders in the table (repro.settings.ROWS)
 
   # Decoding.
   c.decode = ml_collections.ConfigDict()

@@ -40,6 +40,12 @@ def get_config():
   c.decode.mdm_steps = ml_collections.config_dict.placeholder(int)
   c.decode.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   c.decode.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
+  # ReFusion past the paper (docs/ALGORITHM.md; off = the release): "correct" / "exact" check
+  # drafts against the causal argmax a pass computed and correct the first that fails
+  c.decode.verify = "off"
+  c.decode.boundary_check = True  # with verify: slot-first tokens too (a train.boundary_label model)
+  c.decode.remask = False  # re-check a slot committed before its left neighbour, mask its tail again
+  c.decode.remask_threshold = 0.5  # tau_remask: masked again from the first token at most this
   c.decode.ignore_eos = False  # EOS ends nothing: every answer is gen_length tokens (load tests)
   # KV entries attention reads at a time, up to the longest row's live part (0: the whole
   # buffer at once; unset: 64 on CPU, 512 on TPU, 0 on GPU)

@@ -489,9 +489,13 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   rules = sharding.ShardingRules()
   decoder = engine.Decoder(_abstract_sharded_model(mc, mesh, rules), decode_config)
   chip, chips = tpu_slice.chip, len(devices)
+  options = ", ".join(o for o in (f"verify={decode_config.verify}"
+                                   if decode_config.verify != "off" else "",
+                                   "remask" if decode_config.remask else "") if o)
   log(f"{decode_config.method} decode of {source}: {mc.num_params() / 1e9:.3g}B parameters "
       f"({mc.param_dtype}, {'scanned' if mc.scan_layers else 'unrolled'} layers), mesh {sizes}, "
-      f"{batch} rows, prompts of {prompt_len}, {decode_config.gen_length} generated")
+      f"{batch} rows, prompts of {prompt_len}, {decode_config.gen_length} generated"
+      + (f" ({options})" if options else ""))
   entries = []
   for name in programs:
     with sharding.use_mesh(mesh, rules):
@@ -501,7 +505,8 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
     del compiled
   result = {"model": source, "params": mc.num_params(), "mesh": sizes,
             "method": decode_config.method, "batch": batch, "prompt_len": prompt_len,
-            "gen_length": decode_config.gen_length, "scan_layers": mc.scan_layers,
+            "gen_length": decode_config.gen_length, "verify": decode_config.verify,
+            "remask": decode_config.remask, "scan_layers": mc.scan_layers,
             "kv_chunk": decoder.spec.kv_chunk, "programs": entries,
             "flops_source": "hand count per chip: 2 x matmul params per token + attention",
             "pass_width": None, "flops": None, "bytes": None, "estimated_s": None,

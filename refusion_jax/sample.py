@@ -284,6 +284,10 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
     results.append({"prompt": label, "tokens": tokens, "text": text, "nfe": nfe,
                     "tokens_per_forward": n / nfe if nfe else 0.0,
                     "tpf_paper": res.counters["tpf_paper_b"], "seconds": res.seconds})
+    if decode_config.verify != "off" or decode_config.remask:
+      # What the options past the paper did, and the passes they cost.
+      results[-1].update({k: int(res.counters[f"{k}_b"]) for k in (
+          "corrected", "refresh", "recheck", "remasked", "remasked_tokens")})
     steps = res.commit_steps
     if c.trace or c.trace_html:
       pieces = trace.token_pieces(tokens, None if tokenizer is None else tokenizer.decode)

@@ -267,12 +267,17 @@ def test_a_pass_reading_the_cache_in_chunks_compiles_and_counts_a_full_buffer(
   # decode.kv_chunk=8 over a 16 + 16 entry cache: attention's loop over the live prefix
   # (a traced trip count) compiles for the TPU, and the traffic estimate counts it at
   # every chunk of a full buffer, so a pass still reads every weight and the cache.
+  # ReFusion's row program compiles here with the "Past the paper" options on (verified
+  # infill and re-masking: the KV buffer's entries moved within it).
+  options = (["--config.decode.verify=correct", "--config.decode.remask=true"]
+             if method == "refusion" else [])
   done, r = _aot("--program=decode", f"--topology={TOPOLOGY}", f"--model={small_model}",
                  *DECODE, f"--config.decode.method={method}", "--config.decode.kv_chunk=8",
                  "--decode_programs=run" if method == "refusion" else "--decode_programs=generate",
-                 "--pass_widths=2")
+                 "--pass_widths=2", *options)
   assert done.returncode == 0, done.stderr[-2000:]
   assert r["kv_chunk"] == 8 and r["fits"] is True
+  assert (r["verify"], r["remask"]) == (("correct", True) if options else ("off", False))
   mc = config_lib.tiny(**SMALL)
   weights = (mc.num_params() - mc.vocab_size * mc.hidden_size) * 4
   cache = 2 * mc.num_layers * 4 * mc.num_kv_heads * (16 + 16) * mc.head_dim * 4

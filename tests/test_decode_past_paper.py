@@ -180,3 +180,33 @@ def test_remasking_that_keeps_everything_is_the_release_decoder(model):
     np.testing.assert_array_equal(masked.tokens_bg[row], one.tokens_bg[0])
     for name, value in masked.counters.as_dict().items():
       assert int(value[row]) == int(one.counters.as_dict()[name][0]), (row, name)
+
+
+def test_server_buckets_of_other_methods_drop_the_options():
+  """A server whose default decode verifies and re-masks still serves AR and MDM buckets:
+  the options belong to ReFusion's buckets only."""
+  from refusion_jax.serve import scheduler  # pylint: disable=import-outside-toplevel
+  default = DecodeConfig(gen_length=16, slot_size=4, block_size=8, verify="exact",
+                         remask=True, remask_threshold=0.2)
+  parsed = scheduler.parse_buckets("ar:16, mdm:16:4:8, refusion:32:4:8", default)
+  assert [(d.method, d.verify, d.remask) for d in parsed] == [
+      ("refusion", "exact", True), ("ar", "off", False), ("mdm", "off", False),
+      ("refusion", "exact", True)]
+  assert parsed[-1].remask_threshold == 0.2
+
+
+def test_the_options_reach_every_entry_point_config():
+  """sample's and serve's configs (configs/sample.py), the benchmark configs and lmeval's
+  model args all carry the options, off by default."""
+  from configs import sample as sample_config  # pylint: disable=import-outside-toplevel
+  from configs.eval import common as eval_common  # pylint: disable=import-outside-toplevel
+  from refusion_jax.lmeval import model as lm_model  # pylint: disable=import-outside-toplevel
+  for decode in (sample_config.get_config().decode, eval_common.decode_fields()):
+    dc = DecodeConfig(**decode.to_dict())
+    assert (dc.verify, dc.boundary_check, dc.remask, dc.remask_threshold) == (
+        "off", True, False, 0.5)
+    assert DecodeConfig(**{**decode.to_dict(), "verify": "exact", "remask": True}).remask
+  import inspect  # pylint: disable=import-outside-toplevel
+  params = inspect.signature(lm_model.RefusionLM.__init__).parameters
+  assert all(params[n].default == d for n, d in (("verify", "off"), ("boundary_check", True),
+                                                 ("remask", False), ("remask_threshold", 0.5)))

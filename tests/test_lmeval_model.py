@@ -83,6 +83,14 @@ def test_model_args_and_generative_only(model_dir):
   assert precise.decode_config.matmul_precision == "highest"
   with pytest.raises(ValueError, match="decode.matmul_precision must be one of"):
     cls(model_dir, matmul_precision="fp64")
+  options = cls.create_from_arg_string(
+      f"model_dir={model_dir},gen_length=16,slot_size=4,block_size=8,verify=exact,"
+      "boundary_check=false,remask=true,remask_threshold=0.25", {})
+  dc = options.decode_config
+  assert (dc.verify, dc.boundary_check, dc.remask, dc.remask_threshold) == (
+      "exact", False, True, 0.25)
+  with pytest.raises(ValueError, match="decode.verify must be one of"):
+    cls(model_dir, verify="always")
   with pytest.raises(ValueError, match=r"unknown model arg\(s\) \['slots'\]"):
     cls(model_dir, slots=3)
   with pytest.raises(ValueError, match="batch_size='auto' is not supported"):

@@ -26,7 +26,7 @@ from refusion_jax.training import trainer as trainer_lib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TASKS = list(tasks_lib.TASKS)
-ROWS = list(settings.ROWS)
+ROWS = list(repro_smoke.get_config().eval.rows)
 CELL = re.compile(r"^\*{0,2}(\d+\.\d)(?: \[(\d+\.\d), (\d+\.\d)\])? / (\d+\.\d|n/a)\*{0,2}$")
 
 
@@ -123,9 +123,15 @@ def test_pipeline_writes_every_artefact(smoke_run):
     assert all(float(c.strip("*")) > 0 for c in tpf[name])
   assert "Date:" in table and "Machine:" in table and "Training (each of" in table
   # The header states the base stage's budget and that the four models share it.
-  assert ("- Base (stage 1, shared: all of arm, mdm, bd3lm, refusion start from this one model): "
-          "causal ARM, 4 steps x 8 rows x 64 tokens = 2,048 tokens") in table
-  assert "Training (each of arm, mdm, bd3lm, refusion, fine-tuned from the base" in table
+  assert ("- Base (stage 1, shared: all of arm, mdm, bd3lm, refusion, refusion_bl start from "
+          "this one model): causal ARM, 4 steps x 8 rows x 64 tokens = 2,048 tokens") in table
+  assert ("Training (each of arm, mdm, bd3lm, refusion, refusion_bl, fine-tuned from the base"
+          in table)
+  # The "Past the paper" row and what its levers moved.
+  levers = _table_section(table, "## Past the paper")
+  assert "both: boundary label + verified infill" in levers
+  assert first["trained"]["refusion_bl"]["budget"]["changes"] == {"boundary_label": True}
+  assert "changes" not in first["trained"]["refusion"]["budget"]
 
   # Results JSON: well-formed, and the table shows exactly its numbers.
   for name in ROWS:
@@ -290,6 +296,10 @@ def test_bad_settings_fail_before_training(tmp_path):
     _run(tmp_path, **{"eval.rows": ("ARM-AR", "GPT")})
   with pytest.raises(ValueError, match="needs the 'mdm' model"):
     _run(tmp_path, models=("arm", "refusion"))
+  with pytest.raises(ValueError, match="row 'ReFusion-BL-verify' needs the 'refusion_bl' model"):
+    _run(tmp_path, models=("arm", "mdm", "bd3lm", "refusion"))
+  with pytest.raises(ValueError, match=r"config.models=\('arm', 'gpt'\): each must be one of"):
+    _run(tmp_path, models=("arm", "gpt"))
   with pytest.raises(ValueError, match=r"config.decode.tasks.sort\): decode.block_size=16 must be "
                      "a multiple of decode.slot_size=3"):
     _run(tmp_path, **{"decode.tasks.sort.slot_size": 3})
@@ -357,8 +367,10 @@ def test_targets_and_rows_in_the_report():
   verdicts = {t: met for t, _, met in report.targets(results)}
   # 3.5x ARM at 1.5 points lower; 35x and 17.5x the MDMs; 4.5 tokens/forward; Table 2:
   # within 6 points at >= 3 tokens/forward, MDMs and BD3-LM above 10%; reuse 1.17x faster
-  # than recompute and 0.5 points *better*.
-  assert list(verdicts.values()) == [True, True, False, True, True, True, True, True, True]
+  # than recompute and 0.5 points *better*; past the paper: 18.5 points above its model left
+  # to right at 4.5 tokens/forward, 1.5 below ARM.
+  assert list(verdicts.values()) == [True, True, False, True, True, True, True, True, True,
+                                     True, True]
   results["ReFusion"] = _fake_result(87.5, 350.0, 4.5)  # 2.5 points below ARM
   assert report.targets(results)[0][2] is False
   assert report.targets(results)[4][2] is True  # but within Table 2's 6 points
@@ -404,6 +416,44 @@ def test_targets_and_rows_in_the_report():
       "–", "–", "–", "–", "52.9", "-12.8", "–"]
 
 
+def test_past_the_paper_section_names_what_each_lever_moved():
+  results = {"ARM-AR": _fake_result(90.0, 100.0, 1.0),
+             "ReFusion": _fake_result(60.0, 300.0, 2.6),
+             "ReFusion-L2R": _fake_result(75.0, 90.0, 1.0),
+             "ReFusion-verify": _fake_result(76.0, 270.0, 2.4),
+             "ReFusion-BL": _fake_result(61.0, 240.0, 2.7),
+             "ReFusion-BL-verify": _fake_result(83.0, 300.0, 2.7),
+             "ReFusion-BL-L2R": _fake_result(85.0, 90.0, 1.0)}
+  results["ReFusion-BL-verify"]["average"]["corrected_per_answer"] = 1.25
+  table = report.render_table(
+      repro_smoke.get_config(), results,
+      {"arm": {"budget": {"steps": 4, "global_batch_size": 8, "seq_len": 96, "tokens": 3072},
+               "num_params": 1000, "seconds": 1.0}},
+      "2026-01-01", {"platform": "Linux", "processor": "x86_64", "cpus": 2, "jax": "0",
+                     "backend": "cpu", "python": "3"})
+  levers = _table_section(table, "## Past the paper")
+  assert levers["verified infill"] == ["ReFusion -> ReFusion-verify", "60.0 -> 76.0 (+16.0)",
+                                       "2.60 -> 2.40", "0.90x"]
+  assert levers["the boundary label (training)"] == [
+      "ReFusion -> ReFusion-BL", "60.0 -> 61.0 (+1.0)", "2.60 -> 2.70", "0.80x"]
+  assert levers["both: boundary label + verified infill"][1] == "60.0 -> 83.0 (+23.0)"
+  assert "sub-slot re-masking" not in levers  # no row for it in this run
+  lines = table.splitlines()
+  start = lines.index("| Parallel decoder | accuracy | - its model left to right (points) | "
+                      "- ARM (points) | tokens per forward | corrected tokens per answer |")
+  rows = _table_section("\n".join(lines[start - 1:]), "")
+  assert rows["ReFusion-BL-verify"] == ["83.0", "-2.0 (ReFusion-BL-L2R)", "-7.0", "2.70", "1.25"]
+  assert rows["ReFusion-verify"] == ["76.0", "+1.0 (ReFusion-L2R)", "-14.0", "2.40", "n/a"]
+  targets = {t: (m, met) for t, m, met in report.targets(results)}
+  # The closest to its own left-to-right decode at >= 2.5 tokens per forward (ReFusion-verify
+  # decodes 2.4), and the closest to ARM.
+  assert targets["Past the paper: a parallel ReFusion row within 3 points of its model "
+                 "decoded left to right, at >= 2.5 tokens per forward"] == (
+      "ReFusion-BL-verify: -2.0 points against ReFusion-BL-L2R, 2.70 tokens per forward", True)
+  assert targets["Past the paper: a parallel ReFusion row within 6 points of ARM"] == (
+      "ReFusion-BL-verify: -7.0 points against ARM", False)
+
+
 def test_average_accuracy_interval_is_a_bootstrap_over_problems():
   # Tasks of different sizes and accuracies, as right/wrong outcomes per problem.
   outcomes = {t: np.arange(n) < k for t, n, k in zip(TASKS, (30, 30, 12, 50, 30, 8, 40),
@@ -433,7 +483,8 @@ def test_average_accuracy_interval_is_a_bootstrap_over_problems():
 
 def test_refusion_settings_are_chosen_on_the_validation_split(smoke_run):
   workdir, first, _ = smoke_run
-  chosen = first["chosen"]
+  assert list(first["chosen"]) == ["ReFusion", "ReFusion-BL-verify"]
+  chosen = first["chosen"]["ReFusion"]
   assert set(chosen) == set(TASKS)
   config = repro_smoke.get_config()
   # Oracle: redo the coordinate search from the cached validation results.
@@ -463,6 +514,22 @@ def test_refusion_settings_are_chosen_on_the_validation_split(smoke_run):
   for t in TASKS:
     assert {k: decode[t][k] for k in chosen[t]} == chosen[t]
   assert "chosen on the validation split (tiny_valid.jsonl" in first["table"]
+  # A row with options of its own is searched with them, on its own model, in its own
+  # folder, and decodes at what it chose.
+  bl = first["chosen"]["ReFusion-BL-verify"]
+  folder = os.path.join(workdir, scoring.RESULTS_DIR, scoring.SELECT_DIR, "ReFusion-BL-verify")
+  for param in settings.SWEEP_PARAMS:
+    for value in config.sweep_grid[param]:
+      with open(os.path.join(folder, f"{param}={value}.json")) as f:
+        result = json.load(f)
+      assert result["key"]["model"] == first["trained"]["refusion_bl"]
+      assert all(d["verify"] == "correct" for d in result["decode"].values())
+  with open(os.path.join(workdir, scoring.RESULTS_DIR, "ReFusion-BL-verify.json")) as f:
+    decode = json.load(f)["decode"]
+  for t in TASKS:
+    assert {k: decode[t][k] for k in bl[t]} == bl[t] and decode[t]["verify"] == "correct"
+  assert "ReFusion-BL-verify settings per task (k, b, tau_s, tau_t), its own search" in (
+      first["table"])
 
 
 def test_select_refuses_the_test_split():

@@ -78,21 +78,29 @@ def _single_decode(model, method, ids, **decode):
 @pytest.mark.parametrize("method, which", [("ar", "causal"), ("mdm", "bidir"),
                                            ("refusion", "causal")])
 def test_prompts_file_batch(models, tmp_path, method, which):
+  """Through the engine: (ReFusion with both "Past the paper" options on, which the
+  release's decoder meets in the server's tests) what one exact-length decode gives."""
   model_dir, _, model = models[which]
+  options = ({"decode.verify": "correct", "decode.remask": True} if method == "refusion"
+             else {})
   prompts = [[5, 6, 7, 8], [40, 41], [100, 7, 9, 30, 31, 200, 201], [17]]
   path = tmp_path / "prompts.jsonl"
   path.write_text("\n".join(json.dumps({"prompt_ids": p}) for p in prompts[:3])
                   + "\n\n" + json.dumps({"query": "hello"}) + "\n")
   out_path = tmp_path / "out.json"
   c = _config(model_dir, prompts_file=str(path), output_json=str(out_path),
-              **{"decode.method": method, "batch_size": 2})
+              **{"decode.method": method, "batch_size": 2, **options})
   results = sample.run(c)
   assert json.loads(out_path.read_text()) == results
   _check_results(results, 4, 16)
   # The tiny-shaped model falls back to the bundled tokenizer: text is decoded.
   assert all(isinstance(r["text"], str) for r in results)
   # Padding to the bucket (16) and batching with longer prompts changes nothing.
-  assert results[1]["tokens"] == _single_decode(model, method, prompts[1])
+  assert results[1]["tokens"] == _single_decode(
+      model, method, prompts[1], **{k.split(".")[1]: v for k, v in options.items()})
+  # With the options on, each result says what they did.
+  counted = {"corrected", "refresh", "recheck", "remasked", "remasked_tokens"}
+  assert all((counted <= set(r)) == bool(options) for r in results)
 
 
 def test_cli_prompt_ids_to_stdout_with_trace(models, tmp_path):

@@ -28,6 +28,12 @@ def decode_fields(method: str = "refusion", gen_length: int = 512, slot_size: in
   d.mdm_steps = placeholder(int)  # MDM: Dream's linear schedule of this many steps in all
   d.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   d.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
+  # ReFusion past the paper (docs/ALGORITHM.md; off = the release): "correct" / "exact" check
+  # drafts against the causal argmax a pass computed and correct the first that fails
+  d.verify = "off"
+  d.boundary_check = True  # with verify: slot-first tokens too (a train.boundary_label model)
+  d.remask = False  # re-check a slot committed before its left neighbour, mask its tail again
+  d.remask_threshold = 0.5  # tau_remask: masked again from the first token at most this
   # KV entries attention reads at a time, up to the longest row's live part (0: the whole
   # buffer at once; unset: 64 on CPU, 512 on TPU, 0 on GPU)
   d.kv_chunk = placeholder(int)

@@ -148,7 +148,8 @@ class RefusionLM(LM):
                mdm_tokens_per_step: int = 1, mdm_threshold: float | None = None,
                mdm_ranking: str = "confidence", mdm_steps: int | None = None,
                left_to_right: bool = False, recompute_kv: bool = False,
-               ignore_eos: bool = False, kv_chunk: int | str | None = None,
+               verify: str = "off", boundary_check: bool = True, remask: bool = False,
+               remask_threshold: float = 0.5, ignore_eos: bool = False, kv_chunk: int | str | None = None,
                matmul_precision: str | None = None, batch_size: int | str = 1,
                enable_thinking: bool = True, seed: int = 0,
                progress: bool = True, max_batch_size: Any = None, device: Any = None,
@@ -160,7 +161,7 @@ class RefusionLM(LM):
                        "model_dir, tokenizer_dir, method, gen_length, slot_size, block_size, "
                        "slot_threshold, token_threshold, temperature, mdm_tokens_per_step, "
                        "mdm_threshold, mdm_ranking, mdm_steps, left_to_right, recompute_kv, "
-                       "ignore_eos, kv_chunk, matmul_precision, batch_size, enable_thinking, "
+                       "verify, boundary_check, remask, remask_threshold, ignore_eos, kv_chunk, matmul_precision, batch_size, enable_thinking, "
                        "seed, progress")
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
       raise ValueError("refusion_jax: batch_size='auto' is not supported; give the number of "
@@ -180,6 +181,9 @@ class RefusionLM(LM):
         mdm_steps=_unless_none(mdm_steps, _as_int, "mdm_steps"),
         left_to_right=_as_bool(left_to_right, "left_to_right"),
         recompute_kv=_as_bool(recompute_kv, "recompute_kv"),
+        verify=str(verify), boundary_check=_as_bool(boundary_check, "boundary_check"),
+        remask=_as_bool(remask, "remask"),
+        remask_threshold=_as_float(remask_threshold, "remask_threshold"),
         ignore_eos=_as_bool(ignore_eos, "ignore_eos"),
         kv_chunk=_unless_none(kv_chunk, _as_int, "kv_chunk"),
         matmul_precision=_unless_none(matmul_precision, lambda v, _: str(v), "matmul_precision"))

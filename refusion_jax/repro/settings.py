@@ -127,6 +127,10 @@ ROWS: dict[str, Row] = {row.name: row for row in (
     _refusion_row("ReFusion-BL-L2R", "refusion_bl", "ReFusion trained with the boundary "
                   "label, decoded left to right", settings_of="ReFusion-BL-verify",
                   left_to_right=True),
+    _refusion_row("ReFusion-BL-remask", "refusion_bl", "ReFusion trained with the boundary "
+                  "label, verified infill and sub-slot re-masking (tau_remask 0.5)",
+                  settings_of="ReFusion-BL-verify", remask=True, remask_threshold=0.5,
+                  **_VERIFY),
 )}
 
 

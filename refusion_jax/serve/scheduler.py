@@ -108,12 +108,13 @@ def parse_buckets(text: str, default: DecodeConfig) -> list[DecodeConfig]:
     try:
       if parts[0] == "ar" and len(parts) == 2:
         dc = default.replace(method="ar", gen_length=int(parts[1]), slot_size=int(parts[1]),
-                             block_size=int(parts[1]), left_to_right=False, recompute_kv=False)
+                             block_size=int(parts[1]), left_to_right=False, recompute_kv=False,
+                             verify="off", remask=False)
       elif len(parts) == 4:
         dc = default.replace(method=parts[0], gen_length=int(parts[1]),
                              slot_size=int(parts[2]), block_size=int(parts[3]))
         if dc.method != "refusion":
-          dc = dc.replace(left_to_right=False, recompute_kv=False)
+          dc = dc.replace(left_to_right=False, recompute_kv=False, verify="off", remask=False)
       else:
         raise ValueError("expected method:gen_length:slot_size:block_size (ar: ar:gen_length)")
     except ValueError as e:
