@@ -622,11 +622,11 @@ def test_infill_eos_drops_later_slots_and_commit_ends_the_block():
   assert _np(new.tokens_bg)[:3] == [1, 9, PAD]
   # commit: a finished block moves on; the last block (or an EOS) finishes the row.
   c = refusion.commit(_LAY, _row(), jnp.asarray([[True] * 6]), jnp.asarray([[1] * 6]),
-                      jnp.asarray([[True] * 3]), jnp.asarray([False]))
+                      jnp.asarray([[True] * 3]), jnp.asarray([False]), _KNOBS)
   assert int(c.block_b[0]) == 1 and _np(c.decided_bs) == [False] * 3
   assert int(c.phase_b[0]) == refusion.PLAN and int(c.length_b[0]) == 11
   last = refusion.commit(_LAY, _row(block_b=1), jnp.asarray([[True] * 6]), jnp.asarray([[1] * 6]),
-                         jnp.asarray([[True] * 3]), jnp.asarray([False]))
+                         jnp.asarray([[True] * 3]), jnp.asarray([False]), _KNOBS)
   assert int(last.phase_b[0]) == engine.DONE
 
 

@@ -40,7 +40,7 @@ def test_verified_decoding_matches_the_oracle(model):
   compiled_before = refusion.compiled_cache_size()
   for p, g, k, blk in _GROUPS:
     for mode in ("correct", "exact"):
-      for tau_s, tau_t in ((0.0, 0.9), (0.5, 0.3), (0.9, 0.05), (0.3, 0.6)):
+      for tau_s, tau_t in ((0.0, 0.9), (0.5, 0.3), (0.9, 0.05)):
         prompts = _random_prompts(rs, 4, p)
         ids, lens = _pad(prompts, p)
         dc = DecodeConfig(gen_length=g, slot_size=k, block_size=blk, slot_threshold=tau_s,
@@ -78,7 +78,7 @@ def test_exact_verification_with_one_slot_per_block_is_greedy_ar(model):
   assert lengths.min() < g and lengths.max() == g  # some answers end at EOS
   for k in (2, 4):
     for ltr in (False, True):
-      for tau_t in (0.0, 0.5, 1.0):
+      for tau_t in (0.0, 1.0):
         dc = DecodeConfig(gen_length=g, slot_size=k, block_size=k, slot_threshold=0.5,
                           token_threshold=tau_t, verify="exact", left_to_right=ltr)
         out = jax.device_get(refusion.generate(model, ids, lens, dc))
@@ -131,8 +131,7 @@ def test_remasking_matches_the_oracle(model):
   compiled_before = refusion.compiled_cache_size()
   for p, g, k, blk in ((6, 16, 4, 16), (6, 16, 2, 8)):
     for verify in ("off", "correct"):
-      for tau_s, tau_t, tau_r in ((0.0, 0.3, 0.5), (0.5, 0.6, 0.3), (0.2, 0.1, 0.8),
-                                  (0.0, 0.9, 0.95)):
+      for tau_s, tau_t, tau_r in ((0.0, 0.3, 0.5), (0.5, 0.6, 0.3), (0.2, 0.1, 0.8)):
         prompts = _random_prompts(rs, 3, p)
         ids, lens = _pad(prompts, p)
         dc = DecodeConfig(gen_length=g, slot_size=k, block_size=blk, slot_threshold=tau_s,

@@ -184,8 +184,9 @@ def test_base_stage_is_exported_and_every_model_starts_from_it(smoke_run):
   import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
   want = _flat(nnx.to_pure_dict(nnx.state(base_model, nnx.Param)))
   inits = first["inits"]
-  assert [d for d, _, _ in inits] == [hf_dir] * 4
-  assert [c.attention for _, c, _ in inits] == ["causal", "bidirectional", "causal", "causal"]
+  assert [d for d, _, _ in inits] == [hf_dir] * 5
+  assert [c.attention for _, c, _ in inits] == ["causal", "bidirectional", "causal", "causal",
+                                                "causal"]
   for _, _, got in inits:
     assert set(got) == set(want)
     for path, value in want.items():

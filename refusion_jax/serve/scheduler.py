@@ -111,10 +111,11 @@ def parse_buckets(text: str, default: DecodeConfig) -> list[DecodeConfig]:
                              block_size=int(parts[1]), left_to_right=False, recompute_kv=False,
                              verify="off", remask=False)
       elif len(parts) == 4:
+        # ReFusion's ablations and options belong to ReFusion's buckets only.
+        own = {} if parts[0] == "refusion" else dict(left_to_right=False, recompute_kv=False,
+                                                     verify="off", remask=False)
         dc = default.replace(method=parts[0], gen_length=int(parts[1]),
-                             slot_size=int(parts[2]), block_size=int(parts[3]))
-        if dc.method != "refusion":
-          dc = dc.replace(left_to_right=False, recompute_kv=False, verify="off", remask=False)
+                             slot_size=int(parts[2]), block_size=int(parts[3]), **own)
       else:
         raise ValueError("expected method:gen_length:slot_size:block_size (ar: ar:gen_length)")
     except ValueError as e:
