@@ -235,6 +235,7 @@ def main(argv=None):
           f"{r['remasked']:.2f} | {r['ms_pass']:.3f} ({r['ms_pass'] / ref['ms_pass']:.2f}x) | "
           f"{r['tps1']:.0f} ({r['tps1'] / ref['tps1']:.2f}x) | {r['tpse']:.0f} "
           f"({r['tpse'] / ref['tpse']:.2f}x) |")
+  return rows
 
 
 if __name__ == "__main__":

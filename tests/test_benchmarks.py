@@ -61,6 +61,24 @@ def test_decode_speed_compares_identical_work(capsys):
   assert "refusion: batch 2 / batch 1 tokens/s" in capsys.readouterr().out
 
 
+def test_decode_options_runs_each_option_side_by_side(capsys):
+  from benchmarks import decode_options  # pylint: disable=import-outside-toplevel
+  rows = decode_options.main(["--options=release,verify+remask", "--prompts=3", "--rows=2",
+                              "--repeats=1", "--prompt_len=8", "--gen_length=8",
+                              "--slot_size=4", "--block_size=8", "--slot_threshold=0.0"])
+  by = {r["name"]: r for r in rows}
+  assert list(by) == ["release", "verify+remask"]
+  assert by["release"]["corrected"] == by["release"]["remasked"] == 0
+  assert by["release"]["kinds"]["recheck_b"] == 0
+  for r in rows:
+    assert r["acc"] is None and r["tpf"] > 0 and r["ms_pass"] > 0 and r["tpse"] > 0
+  out = capsys.readouterr().out
+  assert "| release | n/a |" in out and "(1.00x)" in out
+  with pytest.raises(SystemExit):
+    decode_options.parse_args(["--options=fast"])
+  assert "unknown 'fast'" in capsys.readouterr().err
+
+
 def test_decode_speed_needs_batch_sizes_that_divide_the_largest(capsys):
   from benchmarks import decode_speed  # pylint: disable=import-outside-toplevel
   with pytest.raises(SystemExit):

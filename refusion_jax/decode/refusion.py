@@ -105,8 +105,9 @@ class Rows:
   step_nfe_b: jax.Array  # nfe when the step began (for the paper's TPF)
   counters: DecodeCounters
   # Verified infill only (Spec.verify; None otherwise).
-  next_bg: jax.Array | None = None  # causal argmax for generated index c, from the pass that
-  #                                   committed c - 1 (c = 0: the prompt's prefill)
+  after_bg: jax.Array | None = None  # the causal argmax after each generated index, from
+  #                                    the pass that committed it (its next token's prediction)
+  after_prompt_b: jax.Array | None = None  # the same after the prompt (from its prefill)
   succ_bt: jax.Array | None = None  # the causal argmax after each token of the block, from
   #                                   the latest pass that fed it (what commit keeps)
   stale_bs: jax.Array | None = None  # the slot holds a corrected token whose K/V are not
@@ -342,11 +343,7 @@ def commit(lay: _Layout, r: Rows, keep_bt, tokens_bt, decided_bs, eos_b, knobs: 
                                            r.length_b[:, None] + rank))
   if lay.verify:
     succ_bt = r.succ_bt if succ_bt is None else succ_bt
-    after = lay.canvas_bt(r) + 1
-    rows = jnp.arange(b)[:, None]
-    # Past the last generated index, and for tokens not kept, nothing is written.
-    dest = jnp.where(keep_bt, after, r.next_bg.shape[1])
-    r = r.replace(next_bg=r.next_bg.at[rows, dest].set(succ_bt, mode="drop"))
+    r = r.replace(after_bg=_write_block(lay, r, r.after_bg, keep_bt, succ_bt))
   tokens_bg = _write_block(lay, r, r.tokens_bg, keep_bt, tokens_bt)
   commit_step_bg = _write_block(lay, r, r.commit_step_bg, keep_bt,
                                 r.counters.steps_b[:, None, None])
@@ -382,9 +379,10 @@ def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
     # argmax, kept from the pass that committed it, instead of its masked draft.
     canvas = lay.canvas_bt(r)
     rows = jnp.arange(b)[:, None]
-    left_done = (canvas == 0) | (r.commit_step_bg[rows, jnp.maximum(canvas - 1, 0)] >= 0)
+    before = jnp.maximum(canvas - 1, 0)
+    left_done = (canvas == 0) | (r.commit_step_bg[rows, before] >= 0)
     check = lay.first_live_bt(r) & lay.per_token(chosen) & left_done & knobs.boundary_check
-    kept = r.next_bg[rows, canvas]
+    kept = jnp.where(canvas == 0, r.after_prompt_b[:, None], r.after_bg[rows, before])
     counters = counters.add(jnp.ones((b,), bool),
                             corrected_b=(check & (kept != draft)).sum(-1))
     draft = jnp.where(check, kept, draft)
@@ -590,9 +588,7 @@ def recheck(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   cache_at = _write_block(lay, r, r.cache_at_bg, kept, r.length_b[:, None] + rank)
   changes = {}
   if lay.verify:
-    dest = jnp.where(kept, lay.canvas_bt(r) + 1, r.next_bg.shape[1])
-    changes = dict(next_bg=r.next_bg.at[jnp.arange(b)[:, None], dest].set(out.pick_bn,
-                                                                             mode="drop"))
+    changes = dict(after_bg=_write_block(lay, r, r.after_bg, kept, out.pick_bn))
   r = r.replace(
       length_b=r.length_b + kept.sum(-1).astype(jnp.int32),
       cache_at_bg=_write_block(lay, r, cache_at, dropped, -1),
@@ -696,7 +692,7 @@ def ltr_plan(spec: Spec, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   if spec.verify:
     # The first-token check: the previous token's causal argmax (fed at entry 0 of this
     # pass; the first slot's from the prompt's prefill) instead of the masked draft.
-    causal = jnp.where(r.block_b > 0, out.pick_bn[:, 0], r.next_bg[:, 0])
+    causal = jnp.where(r.block_b > 0, out.pick_bn[:, 0], r.after_prompt_b)
     causal = jnp.where(knobs.boundary_check, causal, first)
     r = r.replace(counters=r.counters.add(ones, corrected_b=causal != first))
     first = causal
@@ -742,7 +738,7 @@ def _empty_rows(spec: Spec, b: int, pad_id) -> Rows:
   zi, zb = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
   extra = {}
   if spec.verify:
-    extra = dict(next_bg=jnp.zeros((b, spec.gen_length), jnp.int32),
+    extra = dict(after_bg=jnp.zeros((b, spec.gen_length), jnp.int32), after_prompt_b=zi,
                  succ_bt=jnp.zeros((b, blk), jnp.int32),
                  stale_bs=jnp.zeros((b, n_slots), bool))
   if spec.remask:
@@ -785,7 +781,7 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
     # The prompt's causal next-token argmax: the first slot's first-token check.
     first = heads.token_stats(last_ad[:, None], model.unembed(), jnp.zeros((a, 1), jnp.int32),
                               vocab_chunk=spec.vocab_chunk).pick_bt[:, 0]
-    fresh = fresh.replace(next_bg=fresh.next_bg.at[:, 0].set(first))
+    fresh = fresh.replace(after_prompt_b=first)
   fresh = fresh.replace(counters=fresh.counters.add(jnp.ones((a,), bool), prefill_b=1))
   rows = engine.set_rows(st.rows, fresh, rows_a)
   return st.replace(cache=cache, rows=rows)
