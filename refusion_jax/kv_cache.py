@@ -123,18 +123,28 @@ class KVCache:
     return self.write(rows_bt, dest_bt, chunk_k_lbtkh, chunk_v_lbtkh,
                       positions_bt).replace(length_b=length)
 
-  def take_entries(self, rows_bt, src_bt) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Entries `src_bt[b, t]` of rows `rows_bt[b, t]` as `(k_lbtkh, v_lbtkh, positions_bt)`,
-    K/V in `write`'s `[layers, B, T, kv_heads, head_dim]` layout (indices clipped)."""
+  def move_entries(self, rows_bt, src_bt, dest_bt) -> "KVCache":
+    """Copies entry `src_bt[b, t]` of row `rows_bt[b, t]` to entry `dest_bt[b, t]` of the
+    same row (K, V and position), in place; an out-of-range destination (e.g. `max_len`)
+    is dropped. Every source is read before any destination is written. A stacked
+    buffer is moved a layer at a time in a loop: one gather and scatter over every layer
+    at once makes XLA copy the buffer (measured: +1.2 GiB a chip for Qwen3-8B's 16 rows
+    of 1536 entries on v5litepod-8)."""
     src = jnp.clip(src_bt, 0, self.max_len - 1)
     if self.stacked:
-      # Advanced indices split by a slice put their dimensions first: `[B, T, L, K, H]`.
-      k = jnp.moveaxis(self.k[:, rows_bt, :, src], 2, 0)
-      v = jnp.moveaxis(self.v[:, rows_bt, :, src], 2, 0)
+      def layer(i, kv):
+        k, v = kv
+        return (k.at[i, rows_bt, :, dest_bt].set(k[i, rows_bt, :, src], mode="drop"),
+                v.at[i, rows_bt, :, dest_bt].set(v[i, rows_bt, :, src], mode="drop"))
+      k, v = jax.lax.fori_loop(0, self.num_layers, layer, (self.k, self.v))
     else:
-      k = jnp.stack([buf[rows_bt, :, src] for buf in self.k])
-      v = jnp.stack([buf[rows_bt, :, src] for buf in self.v])
-    return k, v, self.positions_bs[rows_bt, src]
+      k = tuple(buf.at[rows_bt, :, dest_bt].set(buf[rows_bt, :, src], mode="drop")
+                for buf in self.k)
+      v = tuple(buf.at[rows_bt, :, dest_bt].set(buf[rows_bt, :, src], mode="drop")
+                for buf in self.v)
+    positions = self.positions_bs.at[rows_bt, dest_bt].set(self.positions_bs[rows_bt, src],
+                                                           mode="drop")
+    return self.replace(k=k, v=v, positions_bs=positions)
 
   def write(self, rows_bt, dest_bt, k_lbtkh, v_lbtkh, positions_bt=None) -> "KVCache":
     """Writes chunk entry `(b, t)` (K/V in the model's `[layers, B, T, kv_heads,

@@ -125,7 +125,11 @@ def test_loss_and_gradients_equal_the_unrolled_model(objective_name, remat):
     # Each finished block's K/V written inside the scan, in the next block's first pass.
     DecodeConfig(method="bd3lm", gen_length=12, block_size=4, slot_size=4,
                  mdm_tokens_per_step=2),
-], ids=lambda dc: dc.method)
+    # Verified infill and re-masking: entries moved within the stacked buffer.
+    DecodeConfig(method="refusion", gen_length=16, slot_size=4, block_size=16,
+                 slot_threshold=0.0, token_threshold=0.2, verify="correct", remask=True,
+                 remask_threshold=0.9),
+], ids=lambda dc: dc.method + ("-options" if dc.remask else ""))
 def test_decoded_tokens_equal_the_unrolled_model(dc):
   attention = "bidirectional" if dc.method == "mdm" else "causal"
   unrolled, scanned = _pair(attention=attention)
@@ -139,6 +143,8 @@ def test_decoded_tokens_equal_the_unrolled_model(dc):
   for name, value in a.counters.as_dict().items():
     np.testing.assert_array_equal(np.asarray(b.counters.as_dict()[name]), np.asarray(value),
                                   err_msg=name)
+  if dc.remask:
+    assert int(np.asarray(a.counters.remasked_b).sum()) > 0
 
 
 def test_sharded_scanned_model_equals_unsharded():

@@ -630,8 +630,7 @@ def start_recheck(lay: _Layout, r: Rows, cache: KVCache, knobs: Knobs) -> tuple[
                             axis=1)
   moves = go[:, None] & (jnp.arange(n)[None] < (~tail_hole).sum(-1, keepdims=True))
   rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, n))
-  k, v, positions = cache.take_entries(rows, src)
-  cache = cache.write(rows, jnp.where(moves, low, cache.max_len), k, v, positions)
+  cache = cache.move_entries(rows, src, jnp.where(moves, low, cache.max_len))
   # Each moved token's entry index follows it; the removed tokens have none until the
   # re-check commits them again.
   gone = _write_block(lay, r, r.cache_at_bg,
