@@ -106,5 +106,8 @@ def get_config():
   c.sweep_grid.per_task = 10  # problems per task (accuracy and batch-1 speed)
 
   c.seed = 0  # decode rng (only used at temperature > 0)
+  # Compiled programs kept here and loaded by a rerun: "auto" ($JAX_COMPILATION_CACHE_DIR,
+  # else ~/.cache/refusion_jax/jax), a folder, or "" (none)
+  c.compile_cache_dir = "auto"
   c.progress_bar = True  # tqdm bars for training, evaluation and the sweep
   return c

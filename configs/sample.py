@@ -21,6 +21,9 @@ def get_config():
   c.prompt_bucket = 64  # prompt length is padded up to a multiple of this (reuses the program)
   c.seed = 0  # sampling rng (only used when decode.temperature > 0)
   c.warmup = False  # compile every engine program first, so "seconds" excludes compilation
+  # Compiled programs kept here and loaded by the next run of the same shapes: "auto"
+  # ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/refusion_jax/jax), a folder, or "" (none)
+  c.compile_cache_dir = "auto"
 
   c.decode = ml_collections.ConfigDict()
   c.decode.method = "refusion"  # "refusion", "ar", "mdm" (a bidirectional model) or "bd3lm"

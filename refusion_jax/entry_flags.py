@@ -225,6 +225,8 @@ def run_program(main: Callable[[list[str]], object], program: str,
       return parse_flags(argv)
 
   def wrapped(argv):
+    from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
+    runtime.quiet_tpu_probe()  # no libtpu start-up errors where no TPU is
     with errors_reported(program, user_errors):
       return main(argv)
 

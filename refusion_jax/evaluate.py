@@ -288,6 +288,8 @@ def summary_lines(result: dict) -> list[str]:
 
 def run_synthetic(c) -> dict:
   """The bundled suite (`configs/eval/synthetic.py`): prints a summary, writes results.json."""
+  from refusion_jax import packaged  # pylint: disable=import-outside-toplevel
+  c.model_dir = packaged.model_dir(c.model_dir)  # a shipped model's short name: its folder
   if not c.model_dir or not os.path.isdir(c.model_dir):
     raise ValueError(f"--config.model_dir={c.model_dir!r} is not a folder")
   if not c.data or not os.path.isfile(c.data):
@@ -334,6 +336,11 @@ def main(argv: Sequence[str]) -> dict:
   if c is None:
     raise ValueError("--config=configs/eval/<benchmark>.py is required (mmlu_pro, arc_c, "
                      "gsm8k, math, gpqa, humaneval, mbpp, or synthetic for the bundled suite)")
+  from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
+  cache = c.get("compile_cache_dir", runtime.AUTO)
+  runtime.check_compile_cache(cache)
+  runtime.quiet_tpu_probe()  # no libtpu start-up errors where no TPU is
+  runtime.use_compile_cache(cache)
   if c.benchmark == "synthetic":
     return run_synthetic(c)
   from refusion_jax.lmeval import run  # pylint: disable=import-outside-toplevel

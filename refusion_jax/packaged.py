@@ -1,19 +1,20 @@
 """What the package carries besides its code, and how command lines name it.
 
-The package ships the tiny tokenizer, the bundled task data and a tiny pretrained Qwen3
-base (`refusion_jax/assets/`), and an installed wheel (`pip install .`) also carries the
+The package ships the tiny tokenizer, the bundled task data, a tiny pretrained Qwen3
+base and the ReFusion model fine-tuned from it (`refusion_jax/assets/`), and an installed wheel (`pip install .`) also carries the
 repository's `configs/` folder, as `refusion_jax/configs`. So the README's commands work
 outside a checkout too:
 
   python -m refusion_jax.sample --config=configs/sample.py \\
-      --config.model_dir=base_tiny --config.decode.method=ar --config.prompt="copy 4230"
+      --config.model_dir=refusion_tiny --config.prompt="copy 4230"
 
 - `--config=configs/NAME.py` (any entry point) reads `configs/NAME.py` in the working
   directory when it is there (a checkout: the files you edit), else the installed
   package's copy (`config_file`). The config files import each other as `configs.X`;
   with the package's copy, `configs` is the package's (`use_packaged_configs`).
-- `--config.model_dir=base_tiny` (sample) names the shipped base when the working
-  directory has no folder of that name (`model_dir`); its path is `BASE_TINY_DIR`.
+- `--config.model_dir=base_tiny` (sample, serve, evaluate) names the shipped base when
+  the working directory has no folder of that name (`model_dir`); its path is
+  `BASE_TINY_DIR`. `refusion_tiny` names the shipped ReFusion model (`REFUSION_TINY_DIR`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ import urllib.request
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 BASE_TINY_DIR = os.path.join(ASSETS_DIR, "base_tiny")  # the shipped pretrained base (HF layout)
+# The shipped ReFusion model: the base fine-tuned with ReFusion's objective and the boundary
+# label (configs/refusion_tiny.py, launch/train_refusion_tiny.sh; HF layout).
+REFUSION_TINY_DIR = os.path.join(ASSETS_DIR, "refusion_tiny")
 # Short names of the shipped model folders, for --config.model_dir.
-SHIPPED_MODELS = {"base_tiny": BASE_TINY_DIR}
+SHIPPED_MODELS = {"base_tiny": BASE_TINY_DIR, "refusion_tiny": REFUSION_TINY_DIR}
 
 _CONFIGS = "configs"  # the repository's config folder, and the package that holds it
 

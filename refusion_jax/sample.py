@@ -44,7 +44,7 @@ import ml_collections
 from ml_collections import config_flags
 
 from refusion_jax import config as config_lib
-from refusion_jax import entry_flags, fileio, packaged, trace
+from refusion_jax import entry_flags, fileio, packaged, runtime, trace
 from refusion_jax.config import DecodeConfig, ModelConfig, tiny
 
 # JAX, the model and the decoder are imported where they are used: every check of the
@@ -78,6 +78,7 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
   for name in ("batch_size", "prompt_bucket"):
     if not isinstance(c[name], int) or c[name] <= 0:
       raise ValueError(f"--config.{name} must be a positive int, got {c[name]!r}")
+  runtime.check_compile_cache(c.get("compile_cache_dir", runtime.AUTO))
   for name in ("output_json", "trace_html"):
     path = c[name]
     if path and path != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -251,6 +252,7 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
 
   import jax  # pylint: disable=import-outside-toplevel
   from refusion_jax.decode import engine as engine_lib  # pylint: disable=import-outside-toplevel
+  runtime.use_compile_cache(c.get("compile_cache_dir", runtime.AUTO))  # before any compile
   t0 = time.perf_counter()
   model_config, model = load_model(c.model_dir, c.get("scan_layers"))  # its layer layout
   _log(f"[sample] loaded {c.model_dir} ({model_config.num_layers} layers, d="

@@ -249,19 +249,23 @@ print(json.dumps({
                                  "(a HF or refusion_jax model folder)"), done.stderr[-3000:]
 
 
-def test_installed_sample_decodes_with_the_shipped_base(installed):
+@pytest.mark.parametrize("shipped, flags", [
+    # The README's first sample: the shipped ReFusion model, the default method and settings.
+    ("refusion_tiny", ()),
+    # The shipped base (a causal ARM pretrained on the bundled tasks), decoded as one.
+    ("base_tiny", ("--config.decode.method=ar", "--config.decode.gen_length=32")),
+])
+def test_installed_sample_decodes_with_a_shipped_model(installed, shipped, flags):
   cwd = installed[3]
-  out = os.path.join(cwd, "sample.json")
+  out = os.path.join(cwd, f"sample_{shipped}.json")
   done = _run(installed, "-m", "refusion_jax.sample", "--config=configs/sample.py",
-              "--config.model_dir=base_tiny", "--config.prompt=copy 4230",
-              "--config.decode.method=ar", "--config.decode.gen_length=32",
+              f"--config.model_dir={shipped}", "--config.prompt=copy 4230", *flags,
               f"--config.output_json={out}")
   assert done.returncode == 0, done.stderr[-3000:]
   venv = os.path.dirname(os.path.dirname(installed[0]))
-  assert f"[sample] loaded {venv}{os.sep}" in done.stderr  # the wheel's base_tiny
+  assert f"[sample] loaded {venv}{os.sep}" in done.stderr  # the wheel's copy
   with open(out, encoding="utf-8") as f:
     (result,) = json.load(f)
-  # The shipped base (a causal ARM pretrained on the bundled tasks) copies the digits.
   assert result["text"] == "4230", result
 
 

@@ -58,6 +58,9 @@ def benchmark_config(name: str) -> ml_collections.ConfigDict:
   c.batch_size = 1  # engine rows; the paper times batch 1 (answers do not depend on it)
   c.enable_thinking = True  # chat template argument (the release evaluates with thinking on)
   c.seed = 0  # decode rng (only used when decode.temperature > 0)
+  # Compiled programs kept here and loaded by the next run of the same shapes: "auto"
+  # ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/refusion_jax/jax), a folder, or "" (none)
+  c.compile_cache_dir = "auto"
   c.distributed = False  # jax.distributed.initialize() first; processes split the requests
   c.progress = True  # progress bars on stderr
   c.sandbox_allow_network = False  # code benchmarks: run samples WITHOUT a network namespace

@@ -25,5 +25,8 @@ def get_config():
   c.speed_per_task = 20  # problems per task timed at batch 1 (0 = no timing)
   c.speed_repeats = 5  # decodes per timed problem, the fastest counted
   c.seed = 0  # rng for temperature > 0
+  # Compiled programs kept here and loaded by the next run of the same shapes: "auto"
+  # ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/refusion_jax/jax), a folder, or "" (none)
+  c.compile_cache_dir = "auto"
   c.decode = common.decode_fields(gen_length=128, slot_size=8, block_size=32)
   return c

@@ -28,7 +28,7 @@ import datetime
 import os
 import time
 
-from refusion_jax import fileio
+from refusion_jax import fileio, runtime
 from refusion_jax.repro import report, scoring, settings, stages
 from refusion_jax.training import settings as train_settings
 
@@ -44,6 +44,7 @@ def run(config, workdir: str, log=print) -> dict:
     raise ValueError("--workdir is required")
   workdir = os.path.abspath(workdir)
   row_configs = settings.validate(config)
+  runtime.use_compile_cache(config.get("compile_cache_dir", runtime.AUTO))
   os.makedirs(workdir, exist_ok=True)
   t0 = time.perf_counter()
   base, new_base = stages.train_base(config, workdir, log)

@@ -25,6 +25,7 @@ from typing import Callable, Mapping
 
 import ml_collections
 
+from refusion_jax import runtime
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.checks import is_int, is_real, require
 from refusion_jax.config import DecodeConfig
@@ -274,6 +275,8 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
                          f"which config.models={models!r} does not train")
   if not os.path.isfile(config.eval.data):
     raise ValueError(f"config.eval.data={config.eval.data!r} is not a file")
+  runtime.check_compile_cache(config.get("compile_cache_dir", runtime.AUTO),
+                              "config.compile_cache_dir")
   for field in ("batch_size", "prompt_bucket", "speed_repeats"):
     value = config.eval[field]
     require(is_int(value) and value > 0, f"eval.{field}", value, "a positive int")

@@ -105,33 +105,21 @@ def parse_admit_widths(text, width: int) -> tuple[int, ...]:
 
 
 def check_compile_cache(folder) -> None:
-  """`--config.compile_cache_dir`: "" or a folder that is (or can be made) a directory."""
-  if not isinstance(folder, str):
-    raise ValueError(f"--config.compile_cache_dir must be a folder path (\"\": none), got "
-                     f"{folder!r}")
-  if folder and os.path.exists(folder) and not os.path.isdir(folder):
-    raise ValueError(f"--config.compile_cache_dir={folder!r} is a file, not a folder")
-  if folder and not os.path.isdir(folder):
-    parent = os.path.dirname(os.path.abspath(folder))
-    while not os.path.exists(parent):
-      parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-      raise ValueError(f"--config.compile_cache_dir={folder!r} cannot be made: {parent!r} "
-                       "is not a folder this process may write to")
+  """`--config.compile_cache_dir`: "", "auto" or a folder that is (or can be made) a
+  directory (`runtime.check_compile_cache`)."""
+  from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
+  runtime.check_compile_cache(folder)
 
 
 def use_compile_cache(folder: str) -> None:
   """Keeps every program this process compiles in `folder` (JAX's persistent
-  compilation cache, however quickly the program compiled) and loads those found
-  there instead of compiling them. Call it before the process compiles anything:
-  JAX opens its cache once. "" leaves JAX's own setting (JAX_COMPILATION_CACHE_DIR)."""
-  if not folder:
-    return
-  import jax  # pylint: disable=import-outside-toplevel
-  os.makedirs(folder, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", folder)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  compilation cache, however quickly the program compiled; "auto": the user's cache
+  folder, `runtime.use_compile_cache`) and loads those found there instead of
+  compiling them. Call it before the process compiles anything: JAX opens its cache
+  once. "" leaves JAX's own setting (JAX_COMPILATION_CACHE_DIR)."""
+  if folder:
+    from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
+    runtime.use_compile_cache(folder)
 
 
 def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):

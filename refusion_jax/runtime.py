@@ -1,0 +1,110 @@
+"""What an entry point sets up in its process before JAX starts a backend.
+
+**No TPU probe where no TPU is.** JAX starts its TPU backend whenever libtpu
+is installed (`requirements-tpu.txt` installs it everywhere, for `aot`): on a
+machine without a TPU, libtpu then prints its initialisation errors ("Failed
+to find host bounds for accelerator type", "unexpected worker hostname", a
+source location trace) before JAX falls back to the CPU. `quiet_tpu_probe`
+looks for accelerators the way JAX's own checks do before it starts anything
+(a Google PCI device, `/dev/accel*` or `/dev/vfio/N` for a TPU; `/dev/nvidia*`,
+`/dev/dxg` or `/dev/kfd` for a GPU) and, when the machine has none, sets
+`jax_platforms` to "cpu" (what JAX would fall back to). A TPU VM or a GPU
+machine is left as it is, as is any process where JAX_PLATFORMS (or
+JAX_FORCE_TPU_INIT) is set. `aot` never calls it: it loads libtpu to compile.
+
+**A persistent compilation cache.** `compile_cache_dir` (sample, evaluate,
+reproduce, serve): "auto" (the default) keeps compiled programs in
+`$JAX_COMPILATION_CACHE_DIR` when that is set, else under the user's cache
+folder (`$XDG_CACHE_HOME/refusion_jax/jax`, `~/.cache/refusion_jax/jax`); a
+folder keeps them there; "" keeps none. A second run of the same shapes loads
+its programs instead of compiling them. Every program is kept, however quickly
+it compiled.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+
+AUTO = "auto"
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def _has_tpu() -> bool:
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    try:
+      with open(vendor, encoding="ascii") as f:
+        if f.read().strip() == _GOOGLE_PCI_VENDOR:
+          return True
+    except OSError:
+      continue
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def _has_gpu() -> bool:
+  return any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg",
+                                        "/dev/kfd"))
+
+
+def quiet_tpu_probe() -> bool:
+  """Sets `jax_platforms` to "cpu" when libtpu is installed and this machine has no
+  accelerator (module docstring); returns whether it did. Call it before anything
+  asks JAX for a device."""
+  if os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ:
+    return False
+  try:
+    installed = importlib.util.find_spec("libtpu") is not None
+  except (ImportError, ValueError):
+    installed = False
+  if not installed or _has_tpu() or _has_gpu():
+    return False
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.config.jax_platforms:
+    return False
+  jax.config.update("jax_platforms", "cpu")
+  return True
+
+
+def default_cache_dir() -> str:
+  """Where "auto" keeps compiled programs."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "refusion_jax", "jax")
+
+
+def check_compile_cache(folder, flag: str = "--config.compile_cache_dir") -> None:
+  """`folder`: "auto", "" or a folder that is (or can be made) a directory."""
+  if not isinstance(folder, str):
+    raise ValueError(f"{flag} must be a folder path, \"auto\" or \"\" (none), got {folder!r}")
+  if folder == AUTO:
+    folder = default_cache_dir()
+  if folder and os.path.exists(folder) and not os.path.isdir(folder):
+    raise ValueError(f"{flag}={folder!r} is a file, not a folder")
+  if folder and not os.path.isdir(folder):
+    parent = os.path.dirname(os.path.abspath(folder))
+    while not os.path.exists(parent):
+      parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+      raise ValueError(f"{flag}={folder!r} cannot be made: {parent!r} is not a folder this "
+                       "process may write to")
+
+
+def use_compile_cache(folder: str) -> str:
+  """Keeps every program this process compiles in `folder` ("auto": `default_cache_dir`)
+  and loads those found there instead of compiling them; "" turns JAX's cache off.
+  Call it before the process compiles anything: JAX opens its cache once. Returns
+  the folder used ("" for none)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if folder == AUTO:
+    folder = default_cache_dir()
+  if not folder:
+    jax.config.update("jax_enable_compilation_cache", False)
+    return ""
+  os.makedirs(folder, exist_ok=True)
+  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_compilation_cache_dir", folder)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return folder
