@@ -8,7 +8,8 @@ source location trace) before JAX falls back to the CPU. `quiet_tpu_probe`
 looks for accelerators the way JAX's own checks do before it starts anything
 (a Google PCI device, `/dev/accel*` or `/dev/vfio/N` for a TPU; `/dev/nvidia*`,
 `/dev/dxg` or `/dev/kfd` for a GPU) and, when the machine has none, sets
-`jax_platforms` to "cpu" (what JAX would fall back to). A TPU VM or a GPU
+`jax_platforms` to "cpu" (what JAX would fall back to), for this process and
+the ones it starts (JAX_PLATFORMS). A TPU VM or a GPU
 machine is left as it is, as is any process where JAX_PLATFORMS (or
 JAX_FORCE_TPU_INIT) is set. `aot` never calls it: it loads libtpu to compile.
 
@@ -63,6 +64,9 @@ def quiet_tpu_probe() -> bool:
   if jax.config.jax_platforms:
     return False
   jax.config.update("jax_platforms", "cpu")
+  # The processes this one starts (the server's engine process, evaluation workers)
+  # look no further either.
+  os.environ["JAX_PLATFORMS"] = "cpu"
   return True
 
 

@@ -109,3 +109,19 @@ def test_the_shipped_refusion_model_matches_its_checksum():
   with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
     config = json.load(f)
   assert config["mask_token_id"] is not None  # a ReFusion model: it plans with masks
+
+
+@pytest.mark.skipif(ACCELERATOR or not LIBTPU,
+                    reason="needs libtpu installed on a machine without accelerators")
+def test_processes_an_entry_point_starts_look_no_further_either():
+  """The server's engine process and other children start JAX themselves."""
+  code = ("from refusion_jax import runtime; import subprocess, sys; "
+          "assert runtime.quiet_tpu_probe(); "
+          "child = subprocess.run([sys.executable, '-c', 'import jax; print(jax.devices())'], "
+          "capture_output=True, text=True); print(child.stdout); "
+          "sys.stderr.write(child.stderr)")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=300, env=_env())
+  assert done.returncode == 0, done.stderr
+  assert "CpuDevice" in done.stdout
+  assert not any(n in done.stderr for n in LIBTPU_NOISE), done.stderr
