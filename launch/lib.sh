@@ -34,6 +34,23 @@ run() {
   if [ "${dry:-0}" = 1 ]; then quote_all "$@"; echo; else "$@"; fi
 }
 
+# workdir_args DEFAULT_WORKDIR ARG...: a training script's arguments (--workdir=DIR,
+# --dry-run, then -- and the trainer's own flags) into the caller's workdir, dry and extra.
+workdir_args() {
+  # shellcheck disable=SC2034  # workdir, dry, extra: the caller's
+  workdir="$1" dry=0 extra=()
+  shift
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --workdir=*) workdir="${1#*=}" ;;
+      --dry-run) dry=1 ;;
+      --) shift; extra=("$@"); break ;;
+      *) die "unknown argument $1" ;;
+    esac
+    shift
+  done
+}
+
 # only_for FLAG SUBCOMMAND...: FLAG belongs to these subcommands; any other stops here
 # (uses the caller's $sub and die).
 only_for() {

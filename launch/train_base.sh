@@ -8,21 +8,11 @@
 # resume (rerun after an interruption), the HF export, the copy into the
 # package with model.safetensors.sha256 and the training log (metrics.jsonl). --dry-run prints the commands.
 set -euo pipefail
-workdir="runs/base_tiny" dry=0
-extra=()
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --workdir=*) workdir="${1#*=}" ;;
-    --dry-run) dry=1 ;;
-    --) shift; extra=("$@"); break ;;
-    *) echo "train_base.sh: unknown argument $1" >&2; exit 2 ;;
-  esac
-  shift
-done
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 # shellcheck source=launch/lib.sh
-source "$root/launch/lib.sh"  # quote, quote_all, run (--dry-run)
+source "$root/launch/lib.sh"  # workdir_args, run (--dry-run), die
+workdir_args "runs/base_tiny" "$@"
 if [ "$dry" = 0 ]; then
   bash launch/setup_env.sh >/dev/null
 fi

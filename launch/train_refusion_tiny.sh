@@ -9,21 +9,11 @@
 #
 # Rerun after an interruption: training resumes. --dry-run prints the commands.
 set -euo pipefail
-workdir="runs/refusion_tiny" dry=0
-extra=()
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --workdir=*) workdir="${1#*=}" ;;
-    --dry-run) dry=1 ;;
-    --) shift; extra=("$@"); break ;;
-    *) echo "train_refusion_tiny.sh: unknown argument $1" >&2; exit 2 ;;
-  esac
-  shift
-done
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 # shellcheck source=launch/lib.sh
-source "$root/launch/lib.sh"  # quote, quote_all, run (--dry-run)
+source "$root/launch/lib.sh"  # workdir_args, run (--dry-run), die
+workdir_args "runs/refusion_tiny" "$@"
 if [ "$dry" = 0 ]; then
   bash launch/setup_env.sh >/dev/null
 fi

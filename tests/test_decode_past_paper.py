@@ -32,6 +32,18 @@ def model():
   return _make_model(eos_id=_EOS_ID, num_layers=2)
 
 
+def _batch_against_oracle(model, dc, prompts, pad_to, branches, **oracle):
+  """Decodes `prompts` (padded to `pad_to`) as one batch and checks each row against its
+  own single-prompt oracle (`oracle`: its own arguments); returns the oracle's results."""
+  ids, lens = _pad(prompts, pad_to)
+  out = jax.device_get(refusion.generate(model, ids, lens, dc))
+  results = []
+  for row, prompt in enumerate(prompts):
+    results.append(Oracle(model, dc, branches, **oracle).decode(prompt))
+    _check_row(out, row, results[-1], f"row {row}: prompt={prompt} {dc}")
+  return results
+
+
 def test_verified_decoding_matches_the_oracle(model):
   start = time.time()
   rs = np.random.RandomState(11)
@@ -41,17 +53,11 @@ def test_verified_decoding_matches_the_oracle(model):
   for p, g, k, blk in _GROUPS:
     for mode in ("correct", "exact"):
       for tau_s, tau_t in ((0.0, 0.9), (0.5, 0.3), (0.9, 0.05)):
-        prompts = _random_prompts(rs, 4, p)
-        ids, lens = _pad(prompts, p)
         dc = DecodeConfig(gen_length=g, slot_size=k, block_size=blk, slot_threshold=tau_s,
                           token_threshold=tau_t, verify=mode,
                           boundary_check=bool(rs.rand() < 0.7),
                           recompute_kv=bool(rs.rand() < 0.3))
-        # The prompts as one batch: each row must equal its own single-prompt oracle.
-        out = jax.device_get(refusion.generate(model, ids, lens, dc))
-        for row, prompt in enumerate(prompts):
-          result = Oracle(model, dc, branches).decode(prompt)
-          _check_row(out, row, result, f"row {row}: prompt={prompt} {dc}")
+        for result in _batch_against_oracle(model, dc, _random_prompts(rs, 4, p), p, branches):
           eos_hits += result[1] < g
           n_cases += 1
   print(f"\n{n_cases} verified cases, {eos_hits} ended by EOS, branches: {dict(branches)}, "
@@ -132,15 +138,11 @@ def test_remasking_matches_the_oracle(model):
   for p, g, k, blk in ((6, 16, 4, 16), (6, 16, 2, 8)):
     for verify in ("off", "correct"):
       for tau_s, tau_t, tau_r in ((0.0, 0.3, 0.5), (0.5, 0.6, 0.3), (0.2, 0.1, 0.8)):
-        prompts = _random_prompts(rs, 3, p)
-        ids, lens = _pad(prompts, p)
         dc = DecodeConfig(gen_length=g, slot_size=k, block_size=blk, slot_threshold=tau_s,
                           token_threshold=tau_t, verify=verify, remask=True,
                           remask_threshold=tau_r, recompute_kv=bool(rs.rand() < 0.3))
-        out = jax.device_get(refusion.generate(model, ids, lens, dc))
-        for row, prompt in enumerate(prompts):
-          result = Oracle(model, dc, branches, width=_REMASK_WIDTH).decode(prompt)
-          _check_row(out, row, result, f"row {row}: prompt={prompt} {dc}")
+        for result in _batch_against_oracle(model, dc, _random_prompts(rs, 3, p), p, branches,
+                                            width=_REMASK_WIDTH):
           remasked += result[2]["remasked"]
           n_cases += 1
   print(f"\n{n_cases} re-masking cases, {remasked} slots masked again, branches: "

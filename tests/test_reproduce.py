@@ -357,6 +357,16 @@ def _fake_result(acc, tps, tpf):
                       "tpf_paper": tpf + 1.0}}
 
 
+def _render(results):
+  """The report of `results` from a fake run (one trained model, a fixed date and machine)."""
+  return report.render_table(
+      repro_smoke.get_config(), results,
+      {"arm": {"budget": {"steps": 4, "global_batch_size": 8, "seq_len": 96, "tokens": 3072},
+               "num_params": 1000, "seconds": 1.0}},
+      "2026-01-01", {"platform": "Linux", "processor": "x86_64", "cpus": 2, "jax": "0",
+                     "backend": "cpu", "python": "3"})
+
+
 def test_targets_and_rows_in_the_report():
   results = {"ARM-AR": _fake_result(90.0, 100.0, 1.0),
              "MDM-LLaDA": _fake_result(60.0, 10.0, 1.0),
@@ -378,12 +388,7 @@ def test_targets_and_rows_in_the_report():
   results["ReFusion"] = _fake_result(83.5, 350.0, 4.5)  # 6.5 points below
   assert report.targets(results)[4][2] is False
   results["ReFusion"] = _fake_result(87.5, 350.0, 4.5)
-  table = report.render_table(
-      repro_smoke.get_config(), results,
-      {"arm": {"budget": {"steps": 4, "global_batch_size": 8, "seq_len": 96, "tokens": 3072},
-               "num_params": 1000, "seconds": 1.0}},
-      "2026-01-01", {"platform": "Linux", "processor": "x86_64", "cpus": 2, "jax": "0",
-                     "backend": "cpu", "python": "3"})
+  table = _render(results)
   main = _table_section(table, "# ReFusion in miniature")
   for name, r in results.items():
     lo, hi = report.accuracy_interval(r)
@@ -406,12 +411,7 @@ def test_targets_and_rows_in_the_report():
                                                        "-12.8", "–"]
   assert t2["ReFusion (ReFusion)"] == ["87.5", "-2.5", "4.50", "3.50x", "59.9", "-5.8", "1.75x"]
   del results["BD3LM"]
-  table = report.render_table(
-      repro_smoke.get_config(), results,
-      {"arm": {"budget": {"steps": 4, "global_batch_size": 8, "seq_len": 96, "tokens": 3072},
-               "num_params": 1000, "seconds": 1.0}},
-      "2026-01-01", {"platform": "Linux", "processor": "x86_64", "cpus": 2, "jax": "0",
-                     "backend": "cpu", "python": "3"})
+  table = _render(results)
   t2 = _table_section(table, "## Table 2 in miniature")
   assert t2["BD3-LMs retrained (block 8): missing (no row BD3LM in this run)"] == [
       "–", "–", "–", "–", "52.9", "-12.8", "–"]
@@ -426,12 +426,7 @@ def test_past_the_paper_section_names_what_each_lever_moved():
              "ReFusion-BL-verify": _fake_result(83.0, 300.0, 2.7),
              "ReFusion-BL-L2R": _fake_result(85.0, 90.0, 1.0)}
   results["ReFusion-BL-verify"]["average"]["corrected_per_answer"] = 1.25
-  table = report.render_table(
-      repro_smoke.get_config(), results,
-      {"arm": {"budget": {"steps": 4, "global_batch_size": 8, "seq_len": 96, "tokens": 3072},
-               "num_params": 1000, "seconds": 1.0}},
-      "2026-01-01", {"platform": "Linux", "processor": "x86_64", "cpus": 2, "jax": "0",
-                     "backend": "cpu", "python": "3"})
+  table = _render(results)
   levers = _table_section(table, "## Past the paper")
   assert levers["verified infill"] == ["ReFusion -> ReFusion-verify", "60.0 -> 76.0 (+16.0)",
                                        "2.60 -> 2.40", "0.90x"]
