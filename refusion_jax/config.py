@@ -23,12 +23,45 @@ ATTENTION_IMPLS = ("xla", "splash", "cudnn")
 # The decode engine's compiled programs (decode/engine.py): a whole decode, an
 # admission into free rows, and a run of passes.
 DECODE_PROGRAMS = ("generate", "admit", "run")
-# Decoder families: Qwen3 normalises q and k per head; Qwen2 / Qwen2.5 has no q/k norm
-# and biases on the q, k and v projections; Dream (Dream-7B) is Qwen2.5's layout with
-# bidirectional attention whose logits are shifted by one (ALGORITHM.md "Baselines").
-MODEL_TYPES = ("qwen3", "qwen2", "dream")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """What a decoder family changes in the shared pre-norm block (RMSNorm, RoPE from
+  position ids, grouped-query attention, SwiGLU), as data: one model, one HF table.
+
+  Attributes:
+    hf_model_type: its `model_type` in a HF config.json.
+    architecture: its `architectures` entry.
+    qk_norm: q and k RMS-normalised per head.
+    qkv_bias: biases on the q, k and v projections.
+    shift_logits: the prediction for token i is the output at position i-1.
+    attention: the attention the family has ("bidirectional": always; None: either,
+      set by the objective).
+  """
+
+  hf_model_type: str
+  architecture: str
+  qk_norm: bool = False
+  qkv_bias: bool = False
+  shift_logits: bool = False
+  attention: str | None = None
+
+
+# Decoder families (ALGORITHM.md "Baselines" and "Table 1's baselines"): Qwen3
+# normalises q and k per head; Qwen2 / Qwen2.5 has biases on the q, k and v projections;
+# Dream (Dream-7B) is Qwen2.5's layout, bidirectional, logits shifted by one; Llama
+# (Llama-3 / 3.1) is the plain block (3.1: the "llama3" RoPE scaling).
+FAMILIES = {
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True),
+    "dream": Family("Dream", "DreamModel", qkv_bias=True, shift_logits=True,
+                    attention="bidirectional"),
+    "llama": Family("llama", "LlamaForCausalLM"),
+}
+MODEL_TYPES = tuple(FAMILIES)
 # Each family's `model_type` in a HF config.json (Dream's folders say "Dream").
-HF_MODEL_TYPES = {"qwen3": "qwen3", "qwen2": "qwen2", "dream": "Dream"}
+HF_MODEL_TYPES = {name: f.hf_model_type for name, f in FAMILIES.items()}
 # Dtypes by name; jax.numpy's types are looked up when asked for, so that reading and
 # checking a config (the command lines do it first) does not load JAX.
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -36,7 +69,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shapes and constants of a Qwen3 or Qwen2 decoder (and ReFusion's special tokens)."""
+  """Shapes and constants of a decoder of one of `FAMILIES` (and ReFusion's special tokens)."""
 
   vocab_size: int
   hidden_size: int
@@ -59,9 +92,17 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   pad_token_id: int | None = None
-  # MODEL_TYPES: "qwen3" (q/k norm), "qwen2" (q/k/v biases) or "dream" (Qwen2's layout,
-  # bidirectional, the prediction for token i read from position i-1: `shift_logits`)
+  # MODEL_TYPES (FAMILIES): "qwen3" (q/k norm), "qwen2" (q/k/v biases), "dream" (Qwen2's
+  # layout, bidirectional, the prediction for token i read from position i-1:
+  # `shift_logits`) or "llama" (neither)
   model_type: str = "qwen3"
+  # Llama 3.1's "llama3" RoPE scaling (0: none): frequencies whose wavelength exceeds
+  # original_max_positions / low_freq_factor are divided by the factor, those below
+  # original_max_positions / high_freq_factor kept, the ones between interpolated.
+  rope_scaling_factor: float = 0.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 0
 
   def __post_init__(self):
     if isinstance(self.remat, bool):  # model_config.json files written before the policies
@@ -73,9 +114,22 @@ class ModelConfig:
     if self.model_type not in MODEL_TYPES:
       raise ValueError(f"ModelConfig.model_type must be one of {MODEL_TYPES}, got "
                        f"{self.model_type!r}")
-    if self.model_type == "dream" and self.attention != "bidirectional":
-      raise ValueError(f"ModelConfig.model_type='dream' needs attention='bidirectional' "
-                       f"(Dream attends both ways), got attention={self.attention!r}")
+    needs = FAMILIES[self.model_type].attention
+    if needs is not None and self.attention != needs:
+      raise ValueError(f"ModelConfig.model_type={self.model_type!r} needs attention={needs!r} "
+                       f"(the family attends both ways), got attention={self.attention!r}")
+    if self.rope_scaling_factor:
+      if not self.rope_scaling_factor >= 1.0:
+        raise ValueError(f"ModelConfig.rope_scaling_factor must be >= 1 (0: no scaling), got "
+                         f"{self.rope_scaling_factor!r}")
+      if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+        raise ValueError(f"ModelConfig.rope_low_freq_factor={self.rope_low_freq_factor} and "
+                         f"rope_high_freq_factor={self.rope_high_freq_factor} must satisfy "
+                         "0 < low < high")
+      if (not isinstance(self.rope_original_max_positions, int)
+          or self.rope_original_max_positions <= 0):
+        raise ValueError(f"ModelConfig.rope_original_max_positions must be a positive int "
+                         f"with rope scaling, got {self.rope_original_max_positions!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, got "
                        f"{self.attention_impl!r}")
@@ -120,20 +174,24 @@ class ModelConfig:
     return getattr(jnp, self.param_dtype)
 
   @property
+  def family(self) -> Family:
+    return FAMILIES[self.model_type]
+
+  @property
   def qk_norm(self) -> bool:
     """Whether q and k are RMS-normalised per head (Qwen3)."""
-    return self.model_type == "qwen3"
+    return self.family.qk_norm
 
   @property
   def qkv_bias(self) -> bool:
     """Whether the q, k and v projections carry biases (Qwen2, Dream)."""
-    return self.model_type in ("qwen2", "dream")
+    return self.family.qkv_bias
 
   @property
   def shift_logits(self) -> bool:
     """Whether the prediction for token i is the output at position i-1 (Dream; position
     0 reads its own): a decoder reads the hidden state one column to the left."""
-    return self.model_type == "dream"
+    return self.family.shift_logits
 
   @property
   def num_groups(self) -> int:
@@ -214,6 +272,24 @@ def dream_7b(**overrides) -> ModelConfig:
   return qwen2_5_7b(**base)
 
 
+# Llama-3's tokenizer: <|begin_of_text|>, <|end_of_text|>, <|eot_id|> (the end of an
+# Instruct model's turn, its generation_config's first EOS).
+LLAMA3_BOS_ID, LLAMA3_EOS_ID, LLAMA3_EOT_ID = 128000, 128001, 128009
+
+
+def llama3_8b(**overrides) -> ModelConfig:
+  """Llama-3-8B(-Instruct)'s shapes (Table 1's AR row); Llama-3.1-8B adds the llama3
+  RoPE scaling (factor 8, low 1, high 4, original 8192) and 131072 positions."""
+  base = dict(
+      vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+      head_dim=128, mlp_dim=14336, rope_theta=500_000.0, rms_eps=1e-5,
+      tie_embeddings=False, max_position_embeddings=8192, dtype="bfloat16",
+      param_dtype="bfloat16", mask_token_id=None, bos_token_id=LLAMA3_BOS_ID,
+      eos_token_id=LLAMA3_EOT_ID, pad_token_id=None, model_type="llama")
+  base.update(overrides)
+  return ModelConfig(**base)
+
+
 # A refusion_jax model folder's config (beside its params/; see checkpoint.py).
 MODEL_CONFIG_FILE = "model_config.json"
 
@@ -256,7 +332,7 @@ def tiny(**overrides) -> ModelConfig:
 
 
 PRESETS = {"qwen3_8b": qwen3_8b, "qwen3_0_6b": qwen3_0_6b, "qwen2_5_7b": qwen2_5_7b,
-           "dream_7b": dream_7b, "tiny": tiny}
+           "dream_7b": dream_7b, "llama3_8b": llama3_8b, "tiny": tiny}
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:
@@ -265,23 +341,40 @@ def get_preset(name: str, **overrides) -> ModelConfig:
   return PRESETS[name](**overrides)
 
 
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-  # transformers 5.x moved the RoPE settings into `rope_parameters`.
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+
+
+def _rope(hf: Mapping[str, Any], where: str) -> dict:
+  """ModelConfig's RoPE fields from a config.json: `rope_theta`, and Llama 3.1's
+  "llama3" scaling, in transformers 4.x (`rope_theta`, `rope_scaling`) or 5.x
+  (`rope_parameters`) layout. Any other scaling is one error naming it."""
   params = hf.get("rope_parameters")
-  if isinstance(params, Mapping):
-    if params.get("rope_type", "default") not in ("default", None):
-      raise ValueError(
-          f"config.json: rope_parameters.rope_type={params.get('rope_type')!r} is not "
-          "supported (only plain RoPE)")
-    if "rope_theta" in params:
-      return float(params["rope_theta"])
-  scaling = hf.get("rope_scaling")
-  if isinstance(scaling, Mapping) and scaling.get("rope_type", scaling.get("type")) not in (
-      "default", None):
-    raise ValueError(f"config.json: rope_scaling={dict(scaling)!r} is not supported")
-  if "rope_theta" in hf:
-    return float(hf["rope_theta"])
-  return 10_000.0
+  scaling = params if isinstance(params, Mapping) else hf.get("rope_scaling")
+  out = {}
+  if isinstance(params, Mapping) and "rope_theta" in params:
+    out["rope_theta"] = float(params["rope_theta"])
+  elif "rope_theta" in hf:
+    out["rope_theta"] = float(hf["rope_theta"])
+  else:
+    out["rope_theta"] = 10_000.0
+  kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, Mapping) else None
+  if kind in ("default", None):
+    return out
+  key = "rope_parameters" if scaling is params else "rope_scaling"
+  if kind != "llama3":
+    raise ValueError(f"{where}: {key}.rope_type={kind!r} is not supported (plain RoPE, or "
+                     "Llama 3.1's 'llama3')")
+  missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+  if missing:
+    raise ValueError(f"{where}: {key} has rope_type 'llama3' but lacks {missing} (Llama "
+                     "3.1's folders give factor 8, low_freq_factor 1, high_freq_factor 4, "
+                     "original_max_position_embeddings 8192)")
+  out.update(rope_scaling_factor=float(scaling["factor"]),
+             rope_low_freq_factor=float(scaling["low_freq_factor"]),
+             rope_high_freq_factor=float(scaling["high_freq_factor"]),
+             rope_original_max_positions=int(scaling["original_max_position_embeddings"]))
+  return out
 
 
 def _first_id(value):
@@ -293,9 +386,10 @@ def _first_id(value):
 def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
   """Builds a ModelConfig from a HF `config.json` (a path, a folder or a dict).
 
-  `model_type` "qwen3", "qwen2" (Qwen2 and Qwen2.5) or "Dream" (Dream-7B: Qwen2.5's
-  layout, bidirectional, logits shifted by one; its `mask_token_id` is required); any
-  other family is one error naming it and the supported ones. Reads transformers
+  `model_type` "qwen3", "qwen2" (Qwen2 and Qwen2.5), "Dream" (Dream-7B: Qwen2.5's
+  layout, bidirectional, logits shifted by one; its `mask_token_id` is required) or
+  "llama" (Llama-3, and 3.1 with its "llama3" RoPE scaling); any other family is one
+  error naming it and the supported ones. Reads transformers
   4.x (`rope_theta`) and 5.x (`rope_parameters`) layouts, and the `mask_token_id`
   that ReFusion checkpoints carry. Keys it does not use (`auto_map`, ...) are ignored.
   """
@@ -336,7 +430,7 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
       num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
       head_dim=int(hf.get("head_dim") or hidden // num_heads),
       mlp_dim=int(hf["intermediate_size"]),
-      rope_theta=_rope_theta(hf),
+      **_rope(hf, where),
       rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
@@ -348,8 +442,14 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
       pad_token_id=_first_id(hf.get("pad_token_id")),
       model_type=model_type,
   )
-  if model_type == "qwen3" and hf.get("attention_bias"):
-    raise ValueError(f"{where}: attention_bias=true is not supported by the Qwen3 backbone")
+  if model_type in ("qwen3", "llama") and hf.get("attention_bias"):
+    raise ValueError(f"{where}: attention_bias=true is not supported by the "
+                     f"{hf_model_type} backbone")
+  if hf.get("mlp_bias"):
+    raise ValueError(f"{where}: mlp_bias=true is not supported (no MLP biases)")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU "
+                     "with silu)")
   if model_type == "dream":
     # Dream attends both ways; it decodes by unmasking, so its mask token is required.
     kwargs["attention"] = "bidirectional"
@@ -370,10 +470,6 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
   return ModelConfig(**kwargs)
 
 
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "dream": "DreamModel"}
-
-
 def to_hf_config(config: ModelConfig) -> dict:
   """The HF `config.json` dict (transformers 4.x layout, which 5.x also reads).
 
@@ -382,7 +478,7 @@ def to_hf_config(config: ModelConfig) -> dict:
   Dream's own configuration_dream.py and modeling_dream.py, which are not written.
   """
   hf = {
-      "architectures": [_ARCHITECTURES[config.model_type]],
+      "architectures": [config.family.architecture],
       "model_type": HF_MODEL_TYPES[config.model_type],
       "vocab_size": config.vocab_size,
       "hidden_size": config.hidden_size,
@@ -393,7 +489,11 @@ def to_hf_config(config: ModelConfig) -> dict:
       "intermediate_size": config.mlp_dim,
       "hidden_act": "silu",
       "rope_theta": config.rope_theta,
-      "rope_scaling": None,
+      "rope_scaling": None if not config.rope_scaling_factor else {
+          "rope_type": "llama3", "factor": config.rope_scaling_factor,
+          "low_freq_factor": config.rope_low_freq_factor,
+          "high_freq_factor": config.rope_high_freq_factor,
+          "original_max_position_embeddings": config.rope_original_max_positions},
       "rms_norm_eps": config.rms_eps,
       "tie_word_embeddings": config.tie_embeddings,
       "max_position_embeddings": config.max_position_embeddings,

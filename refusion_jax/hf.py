@@ -1,7 +1,7 @@
-"""Hugging Face Qwen3 / Qwen2 / Dream checkpoints (config.json + safetensors) <-> our NNX model.
+"""Hugging Face Qwen3 / Qwen2 / Dream / Llama checkpoints (config.json + safetensors) <-> our NNX model.
 
-`load` reads a transformers `Qwen3ForCausalLM` or `Qwen2ForCausalLM` (Qwen2.5)
-folder, or a Dream-7B one (`model_type` "Dream": Qwen2.5's tensor names and
+`load` reads a transformers `Qwen3ForCausalLM`, `Qwen2ForCausalLM` (Qwen2.5) or
+`LlamaForCausalLM` (Llama-3 / 3.1) folder, or a Dream-7B one (`model_type` "Dream": Qwen2.5's tensor names and
 shapes, read as a bidirectional model whose logits are shifted by one,
 `ModelConfig.shift_logits`; its config.json's `mask_token_id` is required)
 (one `model.safetensors`
@@ -372,7 +372,7 @@ def read_config(directory: str) -> ModelConfig:
 
 def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = None,
          dtype=None, scan_layers: bool = False):
-  """Loads a HF Qwen3, Qwen2 / Qwen2.5 or Dream checkpoint folder. Returns `(config, model)`.
+  """Loads a HF Qwen3, Qwen2 / Qwen2.5, Dream or Llama checkpoint folder. Returns `(config, model)`.
 
   Args:
     directory: folder with `config.json` and `model.safetensors` (or shards

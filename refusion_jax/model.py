@@ -1,9 +1,9 @@
-"""Qwen3 (and Qwen2 / Qwen2.5) decoder in Flax NNX.
+"""The decoder of every family (Qwen3, Qwen2 / Qwen2.5, Dream, Llama) in Flax NNX.
 
-`ModelConfig.model_type` picks the family: Qwen3 normalises q and k per head,
-Qwen2 has no q/k norm and adds biases to the q, k and v projections (Dream is
-Qwen2's layers, bidirectional, its logits read shifted by one); all else
-is shared. ReFusion changes no layer of either; what matters here is that
+`ModelConfig.model_type` picks the family (`config.FAMILIES`, data, not code):
+Qwen3 normalises q and k per head, Qwen2 adds biases to the q, k and v
+projections (Dream is Qwen2's layers, bidirectional, its logits read shifted by
+one), Llama has neither (3.1: the "llama3" RoPE scaling); all else is shared. ReFusion changes no layer of either; what matters here is that
 
 * RoPE is applied from explicit **position ids** (training inputs are
   permuted and the KV cache is kept in commit order, so the array index is not
@@ -114,10 +114,30 @@ class RMSNorm(nnx.Module):
     return self.scale[...].astype(dtype) * x32.astype(dtype)
 
 
-def rope(x_btnh, positions_bt, theta: float):
-  """Rotary embedding (Qwen3's half-split layout) at the given true positions."""
-  head_dim = x_btnh.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def rope_frequencies(config: ModelConfig) -> jax.Array:
+  """RoPE's `[head_dim / 2]` inverse frequencies, float32: theta^(-2i / head_dim), with
+  Llama 3.1's "llama3" scaling where the config has it (`rope_scaling_factor` > 0):
+  wavelengths longer than original_max / low_freq_factor divided by the factor,
+  shorter than original_max / high_freq_factor kept, the ones between interpolated
+  linearly in original_max / wavelength."""
+  h = config.head_dim
+  inv = 1.0 / (config.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  factor = config.rope_scaling_factor
+  if not factor:
+    return inv
+  low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+  old = float(config.rope_original_max_positions)
+  wavelength = 2.0 * jnp.pi / inv
+  smooth = (old / wavelength - low) / (high - low)
+  between = (wavelength >= old / high) & (wavelength <= old / low)
+  scaled = jnp.where(wavelength > old / low, inv / factor, inv)
+  return jnp.where(between, (1.0 - smooth) * inv / factor + smooth * inv, scaled)
+
+
+def rope(x_btnh, positions_bt, config: ModelConfig):
+  """Rotary embedding (the half-split layout of Qwen3 and Llama) at the given true
+  positions, at the config's frequencies (`rope_frequencies`)."""
+  inv_freq = rope_frequencies(config)
   angles_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq
   angles_bth = jnp.concatenate([angles_bth, angles_bth], axis=-1)
   cos = jnp.cos(angles_bth)[:, :, None, :]
@@ -270,8 +290,8 @@ class Attention(nnx.Module):
       v = v + self.v_bias[...].astype(dtype)
     if self.config.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q = rope(q, positions_bt, self.config.rope_theta)
-    k = rope(k, positions_bt, self.config.rope_theta)
+    q = rope(q, positions_bt, self.config)
+    k = rope(k, positions_bt, self.config)
     q = sharding.constrain(q, ("batch", "seq", "q_heads", "head_dim"))
     k = sharding.constrain(k, ("batch", "seq", "kv_heads", "head_dim"))
     v = sharding.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))

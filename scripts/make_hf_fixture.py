@@ -1,4 +1,4 @@
-"""Builds the tiny Hugging Face Qwen3 / Qwen2 / Dream fixture of tests/test_{model,hf,dream}.py.
+"""Builds the tiny Hugging Face Qwen3 / Qwen2 / Dream / Llama fixture of tests/test_{model,hf,dream}.py.
 
 Needs torch + transformers, which refusion_jax itself does not depend on, so it
 runs in its own environment (no hub access needed):
@@ -13,6 +13,9 @@ writes, under tests/fixtures/hf_tiny/:
   tied/    tied input/output embeddings, 2 heads over 1 kv head, RoPE theta 1e4
   qwen2_gqa/, qwen2_tied/   the same two shapes as Qwen2ForCausalLM (Qwen2.5's layout:
            q/k/v biases, no q/k norm)
+  llama_gqa/, llama31/   LlamaForCausalLM (Llama-3's layout), the second with Llama
+           3.1's "llama3" RoPE scaling; golden.npz also holds `logits_perm_bf16`
+           (the model run in bfloat16)
            each with config.json + model.safetensors (float32) + golden.npz
            (`input_ids`, `positions_seq` / `logits_seq`: ordinary positions,
            `positions_perm` / `logits_perm`: randomly permuted position ids with
@@ -78,6 +81,22 @@ MODELS = {
                        rms_norm_eps=1e-6, tie_word_embeddings=True,
                        max_position_embeddings=256, use_sliding_window=False,
                        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
+    # Llama (Llama-3's layout: no biases, no q/k norm, untied head, rope theta 500000),
+    # and Llama 3.1's "llama3" RoPE scaling with a small original context, so that the
+    # scaled, interpolated and kept frequencies all occur at head_dim 16.
+    "llama_gqa": dict(vocab_size=120, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      max_position_embeddings=256, attention_bias=False, mlp_bias=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500_000.0}),
+    "llama31": dict(vocab_size=112, hidden_size=64, intermediate_size=80,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                    head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    max_position_embeddings=256, attention_bias=False, mlp_bias=False,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0,
+                                     "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 32}),
     "dream": dict(vocab_size=152, hidden_size=64, intermediate_size=96,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -86,7 +105,8 @@ MODELS = {
 }
 # name -> (family, seed); the seeds of the first two predate the Qwen2 models.
 FAMILY = {"gqa": ("qwen3", 100), "tied": ("qwen3", 101), "qwen2_gqa": ("qwen2", 102),
-          "qwen2_tied": ("qwen2", 103), "dream": ("dream", 104)}
+          "qwen2_tied": ("qwen2", 103), "dream": ("dream", 104), "llama_gqa": ("llama", 105),
+          "llama31": ("llama", 106)}
 # What Dream's config.json adds to Qwen2's (Dream-v0's keys; the ids fit the tiny vocab).
 DREAM_CONFIG = {"architectures": ["DreamModel"], "model_type": "Dream",
                 "auto_map": {"AutoConfig": "configuration_dream.DreamConfig",
@@ -97,16 +117,20 @@ SCHEDULES = ((8, 8), (8, 4), (8, 16), (16, 8), (64, 64), (256, 256), (512, 512),
              (512, 128), (512, 1024), (1024, 512), (128, 32))
 
 
+_CLASSES = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "dream": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}
+
+
 def model_class(name: str):
-  family, _ = FAMILY[name]
-  return (transformers.Qwen3ForCausalLM if family == "qwen3" else
-          transformers.Qwen2ForCausalLM)
+  return _CLASSES[FAMILY[name][0]][1]
 
 
 def build_model(name: str, seed: int):
   torch.manual_seed(seed)
   family, _ = FAMILY[name]
-  config_class = transformers.Qwen3Config if family == "qwen3" else transformers.Qwen2Config
+  config_class = _CLASSES[family][0]
   cfg = config_class(**MODELS[name], dtype="float32")
   model = model_class(name)(cfg).eval()
   with torch.no_grad():
@@ -276,6 +300,31 @@ CONFIG_VARIANTS = {
         "transformers_version": "4.46.2", "use_cache": True, "use_sliding_window": False,
         "vocab_size": 152064,
     },
+    # Llama-3-8B-Instruct's and Llama-3.1-8B-Instruct's config.json keys (from their
+    # published cards; the checkpoints were never loaded here).
+    "llama3_8b_instruct.json": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128009,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "llama",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.0.dev0", "use_cache": True, "vocab_size": 128256,
+    },
+    "llama31_8b_instruct.json": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 128256,
+    },
     "refusion.json": {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151671,
         "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
@@ -312,9 +361,19 @@ def make_fixture(out_dir: str, only=None) -> None:
       default = model(input_ids=torch.from_numpy(ids_bt).long()).logits.numpy()
     assert np.abs(default - logits_seq).max() < 1e-5
     logits_perm = logits_of(model, ids_bt, positions_perm)
+    extra = {}
+    if family == "llama":
+      # The same model in bfloat16 (weights and activations), as Llama-3 ships.
+      with torch.no_grad():
+        bf16 = model.to(torch.bfloat16)
+        extra["logits_perm_bf16"] = bf16(
+            input_ids=torch.from_numpy(ids_bt).long(),
+            position_ids=torch.from_numpy(positions_perm).long(),
+            attention_mask=torch.ones(ids_bt.shape, dtype=torch.long),
+            use_cache=False).logits.float().numpy()
     np.savez_compressed(
         os.path.join(folder, "golden.npz"), input_ids=ids_bt, positions_seq=positions_seq,
-        logits_seq=logits_seq, positions_perm=positions_perm, logits_perm=logits_perm)
+        logits_seq=logits_seq, positions_perm=positions_perm, logits_perm=logits_perm, **extra)
     print(f"wrote {folder}: {sum(p.numel() for p in model.parameters())} params")
   configs = os.path.join(out_dir, "configs")
   os.makedirs(configs, exist_ok=True)

@@ -71,8 +71,8 @@ def test_from_hf_config_errors(tmp_path):
     config_lib.from_hf_config(tmp_path)
   with pytest.raises(ValueError, match=r"missing field\(s\) \['hidden_size'"):
     config_lib.from_hf_config({"vocab_size": 10})
-  with pytest.raises(ValueError, match="model_type='llama'"):
-    config_lib.from_hf_config({"model_type": "llama"})
+  with pytest.raises(ValueError, match="model_type='mistral'"):
+    config_lib.from_hf_config({"model_type": "mistral"})
   with pytest.raises(ValueError, match="rope_type='yarn'"):
     config_lib.from_hf_config({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 8,
                                "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -17,14 +17,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from refusion_jax import checkpoint, config as config_lib, hf, sample, sharding
+from refusion_jax.model import Qwen3
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ("gqa", "tied", "qwen2_gqa", "qwen2_tied")  # Qwen3 and Qwen2 (Qwen2.5) layouts
+# Qwen3, Qwen2 (Qwen2.5) and Llama (Llama-3; llama31: 3.1's RoPE scaling) layouts.
+NAMES = ("gqa", "tied", "qwen2_gqa", "qwen2_tied", "llama_gqa", "llama31")
 
 
 def _tensors(folder):
@@ -213,9 +216,64 @@ def test_from_hf_config_variants():
   assert config_lib.to_hf_config(q25)["architectures"] == ["Qwen2ForCausalLM"]
 
 
+@pytest.mark.parametrize("name", ["llama_gqa", "llama31"])
+def test_llama_in_bfloat16_matches_transformers_in_bfloat16(name):
+  # transformers' LlamaForCausalLM run in bfloat16 (weights and activations), as Llama-3
+  # ships: ours in bfloat16 is as close to it as it is to its own float32 logits.
+  folder = os.path.join(FIXTURES, name)
+  _, model = hf.load(folder, dtype="bfloat16")
+  golden = np.load(os.path.join(folder, "golden.npz"))
+  ours = np.asarray(model(golden["input_ids"], golden["positions_perm"])).astype(np.float32)
+  theirs = golden["logits_perm_bf16"]
+  assert np.abs(ours - theirs).max() <= 0.05
+  assert np.abs(theirs - golden["logits_perm"]).max() <= 0.05
+
+
+def test_llama31_rope_scaling_is_read_and_matters():
+  folder = os.path.join(FIXTURES, "llama31")
+  config, model = hf.load(folder)
+  assert (config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
+          config.rope_original_max_positions) == (8.0, 1.0, 4.0, 32)
+  # The oracle shows it: the same weights without the scaling give other logits.
+  plain = Qwen3(config.replace(rope_scaling_factor=0.0), rngs=nnx.Rngs(0))
+  nnx.update(plain, nnx.state(model))
+  golden = np.load(os.path.join(folder, "golden.npz"))
+  assert np.abs(_logits(plain, golden) - golden["logits_perm"]).max() > 0.1
+  assert np.abs(_logits(model, golden) - golden["logits_perm"]).max() <= 1e-4
+  # Written back in transformers 4.x's layout (rope_scaling), read back the same.
+  hf_config = config_lib.to_hf_config(config)
+  assert hf_config["rope_scaling"] == {
+      "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 32}
+  assert hf_config["architectures"] == ["LlamaForCausalLM"]
+  assert config_lib.from_hf_config(hf_config) == config
+
+
+def test_llama3_and_31_config_files_are_the_presets():
+  configs = os.path.join(FIXTURES, "configs")
+  l3 = config_lib.from_hf_config(os.path.join(configs, "llama3_8b_instruct.json"))
+  assert l3 == config_lib.llama3_8b()
+  assert round(l3.num_params() / 1e9, 2) == 8.03  # Llama-3-8B's model card
+  l31 = config_lib.from_hf_config(os.path.join(configs, "llama31_8b_instruct.json"))
+  assert l31 == config_lib.llama3_8b(
+      rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+      rope_original_max_positions=8192, max_position_embeddings=131072,
+      eos_token_id=config_lib.LLAMA3_EOS_ID)
+  assert not l31.qk_norm and not l31.qkv_bias and not l31.shift_logits
+
+
 @pytest.mark.parametrize("changes, message", [
-    ({"model_type": "llama"},
-     r"model_type='llama' is not supported; supported: qwen3, qwen2, Dream"),
+    ({"model_type": "mistral"},
+     r"model_type='mistral' is not supported; supported: qwen3, qwen2, Dream, llama"),
+    ({"model_type": "llama", "attention_bias": True}, r"attention_bias=true"),
+    ({"model_type": "llama", "mlp_bias": True}, r"mlp_bias=true"),
+    ({"model_type": "llama", "hidden_act": "gelu"}, r"hidden_act='gelu'"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     r"rope_scaling.rope_type='yarn' is not supported"),
+    # A Llama-3.1 folder whose rope scaling lost its keys.
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     r"rope_scaling has rope_type 'llama3' but lacks \['low_freq_factor', "
+     r"'high_freq_factor', 'original_max_position_embeddings'\]"),
     ({"model_type": "qwen2", "use_sliding_window": True}, r"use_sliding_window=true"),
     ({"model_type": "qwen3", "attention_bias": True}, r"attention_bias=true"),
 ])

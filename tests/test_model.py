@@ -19,7 +19,8 @@ from refusion_jax.kv_cache import KVCache
 from refusion_jax.model import Qwen3, attend
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
-NAMES = ("gqa", "tied", "qwen2_gqa", "qwen2_tied")  # Qwen3 and Qwen2 (Qwen2.5) layouts
+# Qwen3, Qwen2 (Qwen2.5) and Llama (Llama-3; llama31: 3.1's RoPE scaling) layouts.
+NAMES = ("gqa", "tied", "qwen2_gqa", "qwen2_tied", "llama_gqa", "llama31")
 
 
 @pytest.fixture(scope="module", params=NAMES)
