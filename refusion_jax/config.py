@@ -38,6 +38,8 @@ class Family:
     shift_logits: the prediction for token i is the output at position i-1.
     attention: the attention the family has ("bidirectional": always; None: either,
       set by the objective).
+    tensor_names: its checkpoint's tensor names (hf.py's tables): "hf", transformers'
+      Llama / Qwen names, or "llada", LLaDA's own.
   """
 
   hf_model_type: str
@@ -46,18 +48,21 @@ class Family:
   qkv_bias: bool = False
   shift_logits: bool = False
   attention: str | None = None
+  tensor_names: str = "hf"
 
 
 # Decoder families (ALGORITHM.md "Baselines" and "Table 1's baselines"): Qwen3
 # normalises q and k per head; Qwen2 / Qwen2.5 has biases on the q, k and v projections;
 # Dream (Dream-7B) is Qwen2.5's layout, bidirectional, logits shifted by one; Llama
-# (Llama-3 / 3.1) is the plain block (3.1: the "llama3" RoPE scaling).
+# (Llama-3 / 3.1) is the plain block (3.1: the "llama3" RoPE scaling); LLaDA (LLaDA-8B)
+# is Llama's block without a causal mask, under its own tensor names and config keys.
 FAMILIES = {
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True),
     "dream": Family("Dream", "DreamModel", qkv_bias=True, shift_logits=True,
                     attention="bidirectional"),
     "llama": Family("llama", "LlamaForCausalLM"),
+    "llada": Family("llada", "LLaDAModelLM", attention="bidirectional", tensor_names="llada"),
 }
 MODEL_TYPES = tuple(FAMILIES)
 # Each family's `model_type` in a HF config.json (Dream's folders say "Dream").
@@ -290,6 +295,25 @@ def llama3_8b(**overrides) -> ModelConfig:
   return ModelConfig(**base)
 
 
+# LLaDA-8B's tokenizer: <|startoftext|>, <|endoftext|> (EOS and pad), <|mdm_mask|>, and
+# <|eot_id|> (the end of an Instruct turn).
+LLADA_BOS_ID, LLADA_EOS_ID, LLADA_MASK_ID, LLADA_EOT_ID = 126080, 126081, 126336, 126348
+
+
+def llada_8b(**overrides) -> ModelConfig:
+  """LLaDA-8B(-Instruct)'s shapes (Table 1's MDM row): Llama's block without a causal
+  mask and without GQA, its own tensor names (`model_type="llada"`)."""
+  base = dict(
+      vocab_size=126464, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+      head_dim=128, mlp_dim=12288, rope_theta=500_000.0, rms_eps=1e-5,
+      tie_embeddings=False, max_position_embeddings=4096, dtype="bfloat16",
+      param_dtype="bfloat16", attention="bidirectional", mask_token_id=LLADA_MASK_ID,
+      bos_token_id=LLADA_BOS_ID, eos_token_id=LLADA_EOS_ID, pad_token_id=LLADA_EOS_ID,
+      model_type="llada")
+  base.update(overrides)
+  return ModelConfig(**base)
+
+
 # A refusion_jax model folder's config (beside its params/; see checkpoint.py).
 MODEL_CONFIG_FILE = "model_config.json"
 
@@ -332,7 +356,7 @@ def tiny(**overrides) -> ModelConfig:
 
 
 PRESETS = {"qwen3_8b": qwen3_8b, "qwen3_0_6b": qwen3_0_6b, "qwen2_5_7b": qwen2_5_7b,
-           "dream_7b": dream_7b, "llama3_8b": llama3_8b, "tiny": tiny}
+           "dream_7b": dream_7b, "llama3_8b": llama3_8b, "llada_8b": llada_8b, "tiny": tiny}
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:
@@ -405,6 +429,8 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
     if not isinstance(hf, dict):
       raise ValueError(f"{where}: expected a JSON object, got {type(hf).__name__}")
   hf_model_type = hf.get("model_type") or "qwen3"
+  if hf_model_type == "llada":
+    hf = _llada_as_common(hf, where)
   ours = {theirs: name for name, theirs in HF_MODEL_TYPES.items()}
   if hf_model_type not in ours:
     raise ValueError(f"{where}: model_type={hf_model_type!r} is not supported; supported: "
@@ -450,9 +476,13 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU "
                      "with silu)")
+  if FAMILIES[model_type].attention:
+    kwargs["attention"] = FAMILIES[model_type].attention
+  if model_type == "llada" and kwargs["mask_token_id"] is None:
+    raise ValueError(f"{where}: model_type='llada' needs mask_token_id (126336 in "
+                     "LLaDA-8B's config.json), found none")
   if model_type == "dream":
     # Dream attends both ways; it decodes by unmasking, so its mask token is required.
-    kwargs["attention"] = "bidirectional"
     if kwargs["mask_token_id"] is None:
       raise ValueError(f"{where}: model_type='Dream' needs mask_token_id (151666 in "
                        "Dream-v0's config.json), found none")
@@ -463,11 +493,47 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
   # Ids that fall outside a resized vocabulary are dropped rather than kept wrong.
   for name in ("mask_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
     if name not in overrides and kwargs[name] is not None and kwargs[name] >= kwargs["vocab_size"]:
-      if model_type == "dream" and name == "mask_token_id":
-        raise ValueError(f"{where}: mask_token_id={kwargs[name]} is outside Dream's "
+      if model_type in ("dream", "llada") and name == "mask_token_id":
+        raise ValueError(f"{where}: mask_token_id={kwargs[name]} is outside the "
                          f"vocabulary of {kwargs['vocab_size']} rows")
       kwargs[name] = None
   return ModelConfig(**kwargs)
+
+
+# LLaDA's config.json (its OLMo-derived LLaDAConfig): what its keys must say for the
+# block to be Llama's, and how the others map to transformers' names.
+_LLADA_FIXED = {"block_type": "llama", "activation_type": "silu", "include_bias": False,
+                "include_qkv_bias": False, "layer_norm_type": "rms", "rope": True,
+                "alibi": False, "attention_layer_norm": False, "scale_logits": False,
+                "input_emb_norm": False, "bias_for_layer_norm": False}
+_LLADA_KEYS = {"d_model": "hidden_size", "n_layers": "num_hidden_layers",
+               "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+               "mlp_hidden_size": "intermediate_size", "weight_tying": "tie_word_embeddings",
+               "max_sequence_length": "max_position_embeddings"}
+
+
+def _llada_as_common(hf: Mapping[str, Any], where: str) -> dict:
+  """A LLaDA config.json under transformers' key names (`from_hf_config` reads those),
+  every key that makes its block other than Llama's refused by name."""
+  wrong = {k: hf[k] for k, want in _LLADA_FIXED.items() if k in hf and hf[k] != want}
+  if wrong:
+    raise ValueError(f"{where}: model_type='llada' with {wrong}: only LLaDA's Llama block "
+                     f"({_LLADA_FIXED}) is supported")
+  missing = [k for k in ("d_model", "n_layers", "n_heads", "mlp_hidden_size", "vocab_size")
+             if k not in hf]
+  if missing:
+    raise ValueError(f"{where}: missing field(s) {missing} (LLaDA's config.json names)")
+  vocab = hf.get("embedding_size") or hf["vocab_size"]
+  if vocab != hf["vocab_size"]:
+    raise ValueError(f"{where}: embedding_size={hf['embedding_size']} differs from "
+                     f"vocab_size={hf['vocab_size']}; not supported")
+  out = {k: v for k, v in hf.items() if k not in _LLADA_KEYS}
+  out.update({theirs: hf[ours] for ours, theirs in _LLADA_KEYS.items() if ours in hf})
+  out["num_key_value_heads"] = hf.get("n_kv_heads") or hf["n_heads"]
+  out["hidden_act"] = "silu"
+  out["dtype"] = {"amp_bf16": "bfloat16", "amp_fp16": "float16"}.get(hf.get("precision"),
+                                                                     hf.get("torch_dtype"))
+  return out
 
 
 def to_hf_config(config: ModelConfig) -> dict:
@@ -507,6 +573,17 @@ def to_hf_config(config: ModelConfig) -> dict:
     value = getattr(config, ours)
     if value is not None:
       hf[theirs] = value
+  if config.model_type == "llada":
+    # LLaDA's own keys (its folders run with its remote code, which is not written).
+    llada = {ours: hf[theirs] for ours, theirs in _LLADA_KEYS.items()}
+    llada.update(_LLADA_FIXED, architectures=hf["architectures"], model_type="llada",
+                 vocab_size=config.vocab_size, embedding_size=config.vocab_size,
+                 rope_theta=config.rope_theta, rms_norm_eps=config.rms_eps,
+                 precision={"bfloat16": "amp_bf16", "float16": "amp_fp16"}.get(
+                     config.param_dtype, config.param_dtype),
+                 **{k: hf[k] for k in ("mask_token_id", "bos_token_id", "eos_token_id",
+                                       "pad_token_id") if k in hf})
+    return llada
   return hf
 
 

@@ -1,7 +1,8 @@
 """Hugging Face Qwen3 / Qwen2 / Dream / Llama checkpoints (config.json + safetensors) <-> our NNX model.
 
 `load` reads a transformers `Qwen3ForCausalLM`, `Qwen2ForCausalLM` (Qwen2.5) or
-`LlamaForCausalLM` (Llama-3 / 3.1) folder, or a Dream-7B one (`model_type` "Dream": Qwen2.5's tensor names and
+`LlamaForCausalLM` (Llama-3 / 3.1) folder, a LLaDA-8B one (its own tensor names,
+`_LLADA_TABLE`, and config keys, `config.from_hf_config`), or a Dream-7B one (`model_type` "Dream": Qwen2.5's tensor names and
 shapes, read as a bidirectional model whose logits are shifted by one,
 `ModelConfig.shift_logits`; its config.json's `mask_token_id` is required)
 (one `model.safetensors`
@@ -142,9 +143,37 @@ _TABLE = (
     ("model.norm.weight", ("final_norm", "scale"), "norm"),
     ("lm_head.weight", ("lm_head",), "lm_head"),
 )
-_REGEXES = tuple(
-    (re.compile(re.escape(name).replace(re.escape("{i}"), r"(\d+)") + r"\Z"), path, kind)
-    for name, path, kind in _TABLE)
+# LLaDA's own names for the same tensors (LLaDA-8B's OLMo-derived code): attn_out is
+# o_proj, ff_proj the gate, ff_out in a block the down projection and at the top the head.
+_LLADA_TABLE = (
+    ("model.transformer.wte.weight", ("embed",), "embed"),
+    ("model.transformer.blocks.{i}.attn_norm.weight", ("layers", "{i}", "input_norm", "scale"),
+     "norm"),
+    ("model.transformer.blocks.{i}.q_proj.weight", ("layers", "{i}", "attn", "q_proj"), "q_proj"),
+    ("model.transformer.blocks.{i}.k_proj.weight", ("layers", "{i}", "attn", "k_proj"),
+     "kv_proj"),
+    ("model.transformer.blocks.{i}.v_proj.weight", ("layers", "{i}", "attn", "v_proj"),
+     "kv_proj"),
+    ("model.transformer.blocks.{i}.attn_out.weight", ("layers", "{i}", "attn", "o_proj"),
+     "o_proj"),
+    ("model.transformer.blocks.{i}.ff_norm.weight", ("layers", "{i}", "post_attn_norm", "scale"),
+     "norm"),
+    ("model.transformer.blocks.{i}.ff_proj.weight", ("layers", "{i}", "mlp", "gate_proj"),
+     "mlp_in"),
+    ("model.transformer.blocks.{i}.up_proj.weight", ("layers", "{i}", "mlp", "up_proj"),
+     "mlp_in"),
+    ("model.transformer.blocks.{i}.ff_out.weight", ("layers", "{i}", "mlp", "down_proj"),
+     "mlp_out"),
+    ("model.transformer.ln_f.weight", ("final_norm", "scale"), "norm"),
+    ("model.transformer.ff_out.weight", ("lm_head",), "lm_head"),
+)
+# Each family's table (`config.Family.tensor_names`); the embedding comes first in each.
+_TABLES = {"hf": _TABLE, "llada": _LLADA_TABLE}
+_EMBED_NAMES = tuple(table[0][0] for table in _TABLES.values())
+_REGEXES = {
+    key: tuple((re.compile(re.escape(name).replace(re.escape("{i}"), r"(\d+)") + r"\Z"),
+                path, kind) for name, path, kind in table)
+    for key, table in _TABLES.items()}
 
 
 def _our_path(path: tuple, layer: int | None, scanned: bool) -> tuple[tuple, int | None]:
@@ -161,9 +190,10 @@ def _our_path(path: tuple, layer: int | None, scanned: bool) -> tuple[tuple, int
   return tuple(layer if p == "{i}" else p for p in path), None
 
 
-def _parse_name(hf_name: str, scanned: bool = False):
-  """`(our_path, kind, stacked_index)` for a HF tensor name, or None when no rule matches."""
-  for regex, path, kind in _REGEXES:
+def _parse_name(hf_name: str, scanned: bool = False, table: str = "hf"):
+  """`(our_path, kind, stacked_index)` for a HF tensor name of a family whose names are
+  `table`'s, or None when no rule matches."""
+  for regex, path, kind in _REGEXES[table]:
     m = regex.match(hf_name)
     if m:
       layer = int(m.group(1)) if m.groups() else None
@@ -186,7 +216,7 @@ def _has(kind: str, config: ModelConfig) -> bool:
 def _hf_names(config: ModelConfig):
   """`[(hf_name, our_path, kind, stacked_index)]` for every tensor of `config`, in HF
   file order (`stacked_index` is the layer on a scanned model's stacked axis, else None)."""
-  table = [t for t in _TABLE if _has(t[2], config)]
+  table = [t for t in _TABLES[config.family.tensor_names] if _has(t[2], config)]
   out = [(name, path, kind, None) for name, path, kind in table if "{i}" not in name]
   per_layer = [t for t in table if "{i}" in t[0]]
   layers = []
@@ -356,7 +386,7 @@ def _config(directory: str, tensors: Mapping[str, _Tensor], **overrides) -> Mode
   """config.json with the vocabulary size taken from the embedding tensor's rows
   (ReFusion resizes Qwen3's 151936 rows to 151671 while config.json may keep the old
   value)."""
-  embed = tensors.get("model.embed_tokens.weight")
+  embed = next((tensors[n] for n in _EMBED_NAMES if n in tensors), None)
   if embed is not None and len(embed.shape) == 2:
     overrides["vocab_size"] = embed.shape[0]
   return config_lib.from_hf_config(directory, **overrides)
@@ -405,7 +435,8 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
   if scan_layers:
     overrides["scan_layers"] = True
   config = _config(directory, tensors, **overrides)
-  embed = tensors.get("model.embed_tokens.weight")
+  embed_name = _TABLES[config.family.tensor_names][0][0]
+  embed = tensors.get(embed_name)
 
   graphdef, abstract_state = _abstract_model(config)
   targets = dict(nnx.to_flat_state(abstract_state))
@@ -414,20 +445,19 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
   found: dict[tuple, tuple[_Tensor, str]] = {}
   for name in sorted(tensors):
     t = tensors[name]
-    parsed = _parse_name(name, config.scan_layers)
+    parsed = _parse_name(name, config.scan_layers, config.family.tensor_names)
     if parsed is None:
       if not _IGNORED.fullmatch(name):
-        problems.append(f"unexpected tensor {name!r} (no Qwen3, Qwen2 or Dream parameter has "
-                        "this name)")
+        problems.append(f"unexpected tensor {name!r} (no parameter of a "
+                        f"{config_lib.HF_MODEL_TYPES[config.model_type]} model has this name)")
       continue
     path, kind, index = parsed
     reported.add(name)
     if kind == "lm_head" and config.tie_embeddings:
       if embed is None or not _arrays_equal(t.array(), embed.array()):
         problems.append(
-            "tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' but config.json "
-            "has tie_word_embeddings=true (the head would be silently dropped; set "
-            "tie_word_embeddings=false to keep it)")
+            f"tensor {name!r} differs from {embed_name!r} but config.json ties the "
+            "embeddings (the head would be silently dropped; untie them to keep it)")
       continue
     if not _has(kind, config) and kind != "lm_head":
       problems.append(f"unexpected tensor {name!r} (a {config.model_type} model has none: "

@@ -16,6 +16,9 @@ writes, under tests/fixtures/hf_tiny/:
   llama_gqa/, llama31/   LlamaForCausalLM (Llama-3's layout), the second with Llama
            3.1's "llama3" RoPE scaling; golden.npz also holds `logits_perm_bf16`
            (the model run in bfloat16)
+  llada/   a LLaDA-layout folder: a LlamaForCausalLM saved under LLaDA's tensor names with
+           LLaDA's config.json; golden.npz holds `input_ids` (mask tokens among them)
+           and `logits_bidir` (the Llama run with a full, non-causal mask)
            each with config.json + model.safetensors (float32) + golden.npz
            (`input_ids`, `positions_seq` / `logits_seq`: ordinary positions,
            `positions_perm` / `logits_perm`: randomly permuted position ids with
@@ -97,6 +100,12 @@ MODELS = {
                                      "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0,
                                      "original_max_position_embeddings": 32}),
+    # LLaDA (LLaDA-8B's block: Llama's, no GQA, untied head), run without a causal mask.
+    "llada": dict(vocab_size=128, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=256,
+                  attention_bias=False, mlp_bias=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500_000.0}),
     "dream": dict(vocab_size=152, hidden_size=64, intermediate_size=96,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -106,7 +115,7 @@ MODELS = {
 # name -> (family, seed); the seeds of the first two predate the Qwen2 models.
 FAMILY = {"gqa": ("qwen3", 100), "tied": ("qwen3", 101), "qwen2_gqa": ("qwen2", 102),
           "qwen2_tied": ("qwen2", 103), "dream": ("dream", 104), "llama_gqa": ("llama", 105),
-          "llama31": ("llama", 106)}
+          "llama31": ("llama", 106), "llada": ("llama", 107)}
 # What Dream's config.json adds to Qwen2's (Dream-v0's keys; the ids fit the tiny vocab).
 DREAM_CONFIG = {"architectures": ["DreamModel"], "model_type": "Dream",
                 "auto_map": {"AutoConfig": "configuration_dream.DreamConfig",
@@ -237,6 +246,65 @@ def make_dream(out_dir: str) -> None:
   print(f"wrote {folder}: {sum(p.numel() for p in model.parameters())} params")
 
 
+# transformers' Llama names -> LLaDA's (its OLMo-derived code; see
+# shared/TABLE1-BASELINES.md section 1.2), and the config.json LLaDA-8B writes, for the
+# tiny shapes; the ids fit the tiny vocabulary.
+LLADA_NAMES = (("model.embed_tokens.", "model.transformer.wte."),
+               ("model.norm.", "model.transformer.ln_f."),
+               ("lm_head.", "model.transformer.ff_out."),
+               ("model.layers.", "model.transformer.blocks."),
+               (".self_attn.o_proj.", ".attn_out."), (".self_attn.", "."),
+               (".input_layernorm.", ".attn_norm."),
+               (".post_attention_layernorm.", ".ff_norm."),
+               (".mlp.gate_proj.", ".ff_proj."), (".mlp.up_proj.", ".up_proj."),
+               (".mlp.down_proj.", ".ff_out."))
+LLADA_CONFIG = {
+    "architectures": ["LLaDAModelLM"], "model_type": "llada",
+    "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig",
+                 "AutoModel": "modeling_llada.LLaDAModelLM",
+                 "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"},
+    "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "mlp_hidden_size": 96,
+    "mlp_ratio": 4, "activation_type": "silu", "block_type": "llama", "vocab_size": 128,
+    "embedding_size": 128, "rope": True, "rope_theta": 500000.0, "rope_full_precision": True,
+    "layer_norm_type": "rms", "rms_norm_eps": 1e-5, "layer_norm_with_affine": True,
+    "bias_for_layer_norm": False, "include_bias": False, "include_qkv_bias": False,
+    "weight_tying": False, "scale_logits": False, "alibi": False,
+    "attention_layer_norm": False, "input_emb_norm": False, "max_sequence_length": 256,
+    "attention_dropout": 0.0, "residual_dropout": 0.0, "embedding_dropout": 0.0,
+    "flash_attention": False, "mask_token_id": 126, "eos_token_id": 1, "pad_token_id": 1,
+    "precision": "amp_bf16", "use_cache": False}
+
+
+def llada_name(name: str) -> str:
+  for theirs, ours in LLADA_NAMES:
+    name = name.replace(theirs, ours)
+  return name
+
+
+def make_llada(out_dir: str) -> None:
+  """A LLaDA-layout folder: a random LlamaForCausalLM (MHA) saved under LLaDA's tensor
+  names with LLaDA's config.json; golden.npz holds `input_ids` (mask tokens among them)
+  and `logits_bidir`, the Llama model run with a full (non-causal) mask."""
+  from safetensors.torch import save_file  # pylint: disable=import-outside-toplevel
+  name = "llada"
+  _, seed = FAMILY[name]
+  model = build_model(name, seed=seed)
+  folder = os.path.join(out_dir, name)
+  os.makedirs(folder, exist_ok=True)
+  tensors = {llada_name(k): v.contiguous() for k, v in model.state_dict().items()}
+  save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(LLADA_CONFIG, f, indent=2)
+    f.write("\n")
+  rng = np.random.default_rng(seed - 100)
+  ids_bt = rng.integers(0, MODELS[name]["vocab_size"] - 2, size=(BATCH, SEQ_LEN)).astype(np.int32)
+  ids_bt[:, SEQ_LEN // 2:] = np.where(rng.random((BATCH, SEQ_LEN - SEQ_LEN // 2)) < 0.6,
+                                      LLADA_CONFIG["mask_token_id"], ids_bt[:, SEQ_LEN // 2:])
+  np.savez_compressed(os.path.join(folder, "golden.npz"), input_ids=ids_bt,
+                      logits_bidir=bidirectional_logits(model, ids_bt))
+  print(f"wrote {folder}: {sum(p.numel() for p in model.parameters())} params")
+
+
 def golden_inputs(vocab: int, seed: int):
   rng = np.random.default_rng(seed)
   ids_bt = rng.integers(0, vocab, size=(BATCH, SEQ_LEN)).astype(np.int32)
@@ -325,6 +393,28 @@ CONFIG_VARIANTS = {
         "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 128256,
     },
+    # LLaDA-8B-Instruct's config.json keys (shared/TABLE1-BASELINES.md section 1.1).
+    "llada_8b_instruct.json": {
+        "architectures": ["LLaDAModelLM"], "activation_type": "silu", "alibi": False,
+        "alibi_bias_max": 8.0, "attention_dropout": 0.0, "attention_layer_norm": False,
+        "attention_layer_norm_with_affine": True,
+        "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig",
+                     "AutoModel": "modeling_llada.LLaDAModelLM",
+                     "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"},
+        "bias_for_layer_norm": False, "block_group_size": 1, "block_type": "llama",
+        "d_model": 4096, "embedding_dropout": 0.0, "embedding_size": 126464,
+        "eos_token_id": 126081, "flash_attention": False, "include_bias": False,
+        "include_qkv_bias": False, "init_cutoff_factor": None, "init_device": "meta",
+        "init_fn": "mitchell", "init_std": 0.02, "input_emb_norm": False,
+        "layer_norm_type": "rms", "layer_norm_with_affine": True, "mask_token_id": 126336,
+        "max_sequence_length": 4096, "mlp_hidden_size": 12288, "mlp_ratio": 4,
+        "model_type": "llada", "multi_query_attention": None, "n_heads": 32, "n_kv_heads": 32,
+        "n_layers": 32, "pad_token_id": 126081, "precision": "amp_bf16",
+        "residual_dropout": 0.0, "rms_norm_eps": 1e-05, "rope": True,
+        "rope_full_precision": True, "rope_theta": 500000.0, "scale_logits": False,
+        "transformers_version": "4.46.3", "use_cache": False, "vocab_size": 126464,
+        "weight_tying": False,
+    },
     "refusion.json": {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151671,
         "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
@@ -341,8 +431,8 @@ def make_fixture(out_dir: str, only=None) -> None:
   for name in sorted(MODELS):
     if only and name not in only:
       continue
-    if name == "dream":
-      make_dream(out_dir)
+    if name in ("dream", "llada"):
+      (make_dream if name == "dream" else make_llada)(out_dir)
       continue
     family, seed = FAMILY[name]
     model = build_model(name, seed=seed)
@@ -387,7 +477,7 @@ _OUR_ROUNDTRIP = """
 import sys
 from refusion_jax import hf
 src, dst = sys.argv[1], sys.argv[2]
-config, model = hf.load(src)
+config, model = hf.load(src, dtype="float32")  # the fixtures are float32
 hf.save(config, model, dst)
 """
 
@@ -399,6 +489,19 @@ def check_roundtrip(root: str) -> float:
     if not os.path.isdir(folder):
       raise FileNotFoundError(f"--check_roundtrip: no folder {folder}")
     golden = np.load(os.path.join(FIXTURE_DIR, name, "golden.npz"))
+    if name == "llada":  # under LLaDA's names: renamed back, run as a bidirectional Llama
+      from safetensors.torch import load_file  # pylint: disable=import-outside-toplevel
+      back = {v: k for k, v in ((n, llada_name(n)) for n in
+                                build_model(name, FAMILY[name][1]).state_dict())}
+      state = {back[k]: v for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
+      model = transformers.LlamaForCausalLM(
+          transformers.LlamaConfig(**MODELS[name], dtype="float32")).eval()
+      model.load_state_dict(state)
+      logits = bidirectional_logits(model, golden["input_ids"])
+      delta = float(np.abs(logits - golden["logits_bidir"]).max())
+      worst = max(worst, delta)
+      print(f"{name} bidirectional: transformers on our export, max |delta| = {delta:.3e}")
+      continue
     if name == "dream":  # Dream's layout is Qwen2's: run it as one, both ways
       with open(os.path.join(folder, "config.json")) as f:
         cfg = {k: v for k, v in json.load(f).items()

@@ -111,12 +111,12 @@ def test_other_families_are_refused_in_one_line(tmp_path, family):
   message = str(info.value)
   assert "\n" not in message
   assert message.endswith(f"model_type='{family}' is not supported; supported: "
-                          "qwen3, qwen2, Dream, llama")
+                          "qwen3, qwen2, Dream, llama, llada")
 
 
 @pytest.mark.parametrize("changes, match", [
     (dict(mask_token_id=None), r"model_type='Dream' needs mask_token_id"),
-    (dict(mask_token_id=400), r"mask_token_id=400 is outside Dream's vocabulary of 152"),
+    (dict(mask_token_id=400), r"mask_token_id=400 is outside the vocabulary of 152"),
     (dict(attention_bias=False), r"attention_bias=false, but Dream's q, k and v"),
     (dict(use_sliding_window=True), r"use_sliding_window=true"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), r"rope_type='yarn'"),

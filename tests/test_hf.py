@@ -264,7 +264,7 @@ def test_llama3_and_31_config_files_are_the_presets():
 
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "mistral"},
-     r"model_type='mistral' is not supported; supported: qwen3, qwen2, Dream, llama"),
+     r"model_type='mistral' is not supported; supported: qwen3, qwen2, Dream, llama, llada"),
     ({"model_type": "llama", "attention_bias": True}, r"attention_bias=true"),
     ({"model_type": "llama", "mlp_bias": True}, r"mlp_bias=true"),
     ({"model_type": "llama", "hidden_act": "gelu"}, r"hidden_act='gelu'"),
