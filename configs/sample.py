@@ -38,9 +38,15 @@ def get_config():
   # MDM: which masked positions a step unmasks: "confidence" (LLaDA) or Dream's samplers
   # "maskgit_plus", "topk_margin", "entropy", "origin" (random; needs mdm_steps)
   c.decode.mdm_ranking = "confidence"
-  # MDM: Dream's linear schedule of this many steps in all (a multiple of the blocks;
-  # block_size = gen_length: one canvas, as Dream decodes); unset: mdm_tokens_per_step a step
+  # MDM: a schedule of this many steps in all (a multiple of the blocks; block_size =
+  # gen_length: one canvas, as Dream decodes); unset: mdm_tokens_per_step a step
   c.decode.mdm_steps = ml_collections.config_dict.placeholder(int)
+  # MDM: "llada" (a block's tokens split evenly over its steps) or "dream" (its linear
+  # schedule); unset: LLaDA's with mdm_ranking "confidence", else Dream's
+  c.decode.mdm_schedule = ml_collections.config_dict.placeholder(str)
+  c.decode.mdm_ban_eos = False  # MDM (LLaDA's logits_eos_inf): EOS is never drafted
+  c.decode.mdm_defer_stop = False  # MDM (LLaDA's confidence_eos_eot_inf): EOS / EoT drafts wait
+  c.decode.mdm_cfg_scale = 0.0  # MDM: classifier-free guidance scale (the prompt masked; 0: off)
   c.decode.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   c.decode.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
   # ReFusion past the paper (docs/ALGORITHM.md; off = the release): "correct" / "exact" check

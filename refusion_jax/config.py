@@ -23,6 +23,9 @@ ATTENTION_IMPLS = ("xla", "splash", "cudnn")
 # The decode engine's compiled programs (decode/engine.py): a whole decode, an
 # admission into free rows, and a run of passes.
 DECODE_PROGRAMS = ("generate", "admit", "run")
+# Ids a decoder stops at: EOS and at most this many minus one `ModelConfig.stop_token_ids`
+# (a traced array of this size: one program for every model).
+MAX_STOP_IDS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,9 @@ class Family:
       set by the objective).
     tensor_names: its checkpoint's tensor names (hf.py's tables): "hf", transformers'
       Llama / Qwen names, or "llada", LLaDA's own.
+    stop_token_ids: besides EOS, the ids its released chat models end a response with
+      (`ModelConfig.stop_token_ids` of a folder read from HF; an id outside a smaller
+      vocabulary is left out).
   """
 
   hf_model_type: str
@@ -49,6 +55,7 @@ class Family:
   shift_logits: bool = False
   attention: str | None = None
   tensor_names: str = "hf"
+  stop_token_ids: tuple[int, ...] = ()
 
 
 # Decoder families (ALGORITHM.md "Baselines" and "Table 1's baselines"): Qwen3
@@ -61,8 +68,12 @@ FAMILIES = {
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True),
     "dream": Family("Dream", "DreamModel", qkv_bias=True, shift_logits=True,
                     attention="bidirectional"),
-    "llama": Family("llama", "LlamaForCausalLM"),
-    "llada": Family("llada", "LLaDAModelLM", attention="bidirectional", tensor_names="llada"),
+    # Llama-3-Instruct ends a turn with <|eot_id|> 128009; base models and the first
+    # releases' config.json, with <|end_of_text|> 128001.
+    "llama": Family("llama", "LlamaForCausalLM", stop_token_ids=(128001, 128009)),
+    # LLaDA-8B-Instruct: EOS <|endoftext|> 126081, end of turn <|eot_id|> 126348.
+    "llada": Family("llada", "LLaDAModelLM", attention="bidirectional", tensor_names="llada",
+                    stop_token_ids=(126081, 126348)),
 }
 MODEL_TYPES = tuple(FAMILIES)
 # Each family's `model_type` in a HF config.json (Dream's folders say "Dream").
@@ -108,8 +119,13 @@ class ModelConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_positions: int = 0
+  # Ids besides eos_token_id that end a response (Llama-3-Instruct: <|end_of_text|> with
+  # <|eot_id|> as EOS; LLaDA-Instruct: <|eot_id|>); decoding stops at any of them.
+  stop_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
+    if isinstance(self.stop_token_ids, list):  # read back from model_config.json
+      object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
     if isinstance(self.remat, bool):  # model_config.json files written before the policies
       object.__setattr__(self, "remat", "full" if self.remat else "none")
     if self.remat not in REMAT_POLICIES:
@@ -167,6 +183,12 @@ class ModelConfig:
       if value is not None and not 0 <= value < self.vocab_size:
         raise ValueError(
             f"ModelConfig.{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+    stops = self.stop_token_ids
+    if (not isinstance(stops, tuple) or len(stops) > MAX_STOP_IDS - 1
+        or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.vocab_size
+               for v in stops)):
+      raise ValueError(f"ModelConfig.stop_token_ids must be a tuple of at most "
+                       f"{MAX_STOP_IDS - 1} ids in [0, {self.vocab_size}), got {stops!r}")
 
   @property
   def compute_dtype(self):
@@ -290,7 +312,8 @@ def llama3_8b(**overrides) -> ModelConfig:
       head_dim=128, mlp_dim=14336, rope_theta=500_000.0, rms_eps=1e-5,
       tie_embeddings=False, max_position_embeddings=8192, dtype="bfloat16",
       param_dtype="bfloat16", mask_token_id=None, bos_token_id=LLAMA3_BOS_ID,
-      eos_token_id=LLAMA3_EOT_ID, pad_token_id=None, model_type="llama")
+      eos_token_id=LLAMA3_EOT_ID, pad_token_id=None, model_type="llama",
+      stop_token_ids=(LLAMA3_EOS_ID,))
   base.update(overrides)
   return ModelConfig(**base)
 
@@ -309,7 +332,7 @@ def llada_8b(**overrides) -> ModelConfig:
       tie_embeddings=False, max_position_embeddings=4096, dtype="bfloat16",
       param_dtype="bfloat16", attention="bidirectional", mask_token_id=LLADA_MASK_ID,
       bos_token_id=LLADA_BOS_ID, eos_token_id=LLADA_EOS_ID, pad_token_id=LLADA_EOS_ID,
-      model_type="llada")
+      model_type="llada", stop_token_ids=(LLADA_EOT_ID,))
   base.update(overrides)
   return ModelConfig(**base)
 
@@ -401,6 +424,16 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict:
   return out
 
 
+def _ids(value, where: str) -> list[int]:
+  """An `eos_token_id` field (an id or a list of them) as a list."""
+  if value is None:
+    return []
+  values = value if isinstance(value, (list, tuple)) else [value]
+  if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+    raise ValueError(f"{where}: eos_token_id must be an id or a list of ids, got {value!r}")
+  return list(values)
+
+
 def _first_id(value):
   if isinstance(value, (list, tuple)):
     return int(value[0]) if value else None
@@ -417,6 +450,7 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
   4.x (`rope_theta`) and 5.x (`rope_parameters`) layouts, and the `mask_token_id`
   that ReFusion checkpoints carry. Keys it does not use (`auto_map`, ...) are ignored.
   """
+  generation = {}
   if isinstance(path_or_dict, Mapping):
     hf, where = dict(path_or_dict), "config.json"
   else:
@@ -428,6 +462,11 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
     hf = fileio.read_json(where)
     if not isinstance(hf, dict):
       raise ValueError(f"{where}: expected a JSON object, got {type(hf).__name__}")
+    gen_path = os.path.join(os.path.dirname(where), "generation_config.json")
+    if os.path.isfile(gen_path):
+      generation = fileio.read_json(gen_path)
+      if not isinstance(generation, dict):
+        raise ValueError(f"{gen_path}: expected a JSON object, got {type(generation).__name__}")
   hf_model_type = hf.get("model_type") or "qwen3"
   if hf_model_type == "llada":
     hf = _llada_as_common(hf, where)
@@ -468,6 +507,16 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
       pad_token_id=_first_id(hf.get("pad_token_id")),
       model_type=model_type,
   )
+  # Every EOS config.json and generation_config.json name, and the family's end-of-turn
+  # ids, stop decoding; those outside the vocabulary are left out below.
+  stops = [*_ids(hf.get("eos_token_id"), where), *_ids(generation.get("eos_token_id"), where),
+           *FAMILIES[model_type].stop_token_ids]
+  kwargs["stop_token_ids"] = tuple(dict.fromkeys(
+      v for v in stops if v != kwargs["eos_token_id"] and 0 <= v < kwargs["vocab_size"]))
+  if len(kwargs["stop_token_ids"]) > MAX_STOP_IDS - 1:
+    raise ValueError(f"{where}: {len(kwargs['stop_token_ids']) + 1} end-of-response ids "
+                     f"(eos_token_id {kwargs['eos_token_id']} and {kwargs['stop_token_ids']}); "
+                     f"at most {MAX_STOP_IDS} are supported")
   if model_type in ("qwen3", "llama") and hf.get("attention_bias"):
     raise ValueError(f"{where}: attention_bias=true is not supported by the "
                      f"{hf_model_type} backbone")
@@ -573,6 +622,10 @@ def to_hf_config(config: ModelConfig) -> dict:
     value = getattr(config, ours)
     if value is not None:
       hf[theirs] = value
+  if config.stop_token_ids and config.eos_token_id is not None and config.model_type != "llada":
+    # Every id that ends a response, EOS first (Llama 3.1's and Qwen3's layout; LLaDA's
+    # code reads one id, and its end of turn is the family's, known on the way back in).
+    hf["eos_token_id"] = [config.eos_token_id, *config.stop_token_ids]
   if config.model_type == "llada":
     # LLaDA's own keys (its folders run with its remote code, which is not written).
     llada = {ours: hf[theirs] for ours, theirs in _LLADA_KEYS.items()}
@@ -614,6 +667,9 @@ MATMUL_PRECISIONS = ("default", "high", "highest")
 VERIFY_MODES = ("off", "correct", "exact")
 # DecodeConfig.mdm_ranking: LLaDA's, then Dream's samplers (its generation `alg`).
 MDM_RANKINGS = ("confidence", "maskgit_plus", "topk_margin", "entropy", "origin")
+# DecodeConfig.mdm_schedule: LLaDA's even split of a block's tokens over its steps, Dream's
+# linear schedule.
+MDM_SCHEDULES = ("llada", "dream")
 # The smallest timestep of Dream's schedule (its diffusion_generate's `eps` default).
 MDM_SCHEDULE_EPS = 1e-3
 
@@ -648,12 +704,26 @@ class DecodeConfig:
   # (needs mdm_steps). Static: one program per value.
   mdm_ranking: str = "confidence"
   # MDM: None: mdm_tokens_per_step / mdm_threshold per step, as long as the block lasts.
-  # An int: Dream's linear schedule, mdm_steps // (gen_length / block_size) steps per
-  # block (a multiple is required): timesteps linspace(1, MDM_SCHEDULE_EPS, n + 1), and
+  # An int: n = mdm_steps // (gen_length / block_size) steps per block (a multiple is
+  # required) on mdm_schedule. Dream's: timesteps linspace(1, MDM_SCHEDULE_EPS, n + 1), and
   # step i (t, s = ts[i], ts[i+1]) unmasks int(m * (1 - s/t)) of the block's m masked
   # positions, all that are left at its last step. block_size = gen_length decodes the
   # whole canvas at once, as Dream's diffusion_generate with steps = mdm_steps. Static.
   mdm_steps: int | None = None
+  # MDM: how mdm_steps share a block's tokens (MDM_SCHEDULES). "llada": each of the n steps
+  # of a block unmasks floor(m / n) of its m masked tokens and the first m % n steps one
+  # more (LLaDA's generate); "dream": Dream's linear schedule above. None: "llada" with
+  # mdm_ranking "confidence" (LLaDA's sampler), "dream" with Dream's. Static.
+  mdm_schedule: str | None = None
+  # MDM, LLaDA's two flags (traced): mdm_ban_eos (its logits_eos_inf) never drafts EOS;
+  # mdm_defer_stop (its confidence_eos_eot_inf) scores a position whose draft is EOS or a
+  # stop id at 0 and the others under the softmax without those columns, so they wait to
+  # the block's last steps (at temperature > 0 only the stop ids, as LLaDA's code does).
+  mdm_ban_eos: bool = False
+  mdm_defer_stop: bool = False
+  # MDM: classifier-free guidance (LLaDA's cfg_scale s, traced): logits = cond + s (cond -
+  # uncond), uncond the same canvas with the prompt masked (a second forward). 0: off.
+  mdm_cfg_scale: float = 0.0
   # ReFusion ablations (exact definitions in decode/refusion.py). left_to_right:
   # one slot per step in position order, first token from a plan pass, the rest
   # one AR pass per token; no drafting or verification, thresholds unused.
@@ -717,6 +787,7 @@ class DecodeConfig:
     if self.mdm_threshold is not None and not 0.0 <= self.mdm_threshold <= 1.0:
       raise ValueError(f"decode.mdm_threshold must lie in [0, 1], got {self.mdm_threshold!r}")
     self._check_mdm_ranking()
+    self._check_llada_options()
     if self.temperature < 0:
       raise ValueError(f"decode.temperature must be >= 0, got {self.temperature!r}")
     if not isinstance(self.ignore_eos, bool):
@@ -790,10 +861,40 @@ class DecodeConfig:
     if self.mdm_threshold is not None and self.mdm_ranking != "confidence":
       raise ValueError(f"decode.mdm_threshold compares a token's probability; it needs "
                        f"decode.mdm_ranking='confidence', got {self.mdm_ranking!r}")
+    if self.mdm_ranking == "origin" and self.mdm_schedule == "llada":
+      raise ValueError("decode.mdm_ranking='origin' reveals positions with the probabilities "
+                       "of Dream's schedule; it needs decode.mdm_schedule='dream' (or None)")
+
+  def _check_llada_options(self) -> None:
+    """mdm_schedule, mdm_ban_eos, mdm_defer_stop and mdm_cfg_scale (MDM only)."""
+    if self.mdm_schedule is not None and self.mdm_schedule not in MDM_SCHEDULES:
+      raise ValueError(f"decode.mdm_schedule must be one of {MDM_SCHEDULES} or None (by "
+                       f"mdm_ranking), got {self.mdm_schedule!r}")
+    for name in ("mdm_ban_eos", "mdm_defer_stop"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"decode.{name} must be a bool, got {getattr(self, name)!r}")
+    s = self.mdm_cfg_scale
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0:
+      raise ValueError(f"decode.mdm_cfg_scale must be a number >= 0 (0: no guidance), got {s!r}")
+    if self.mdm_defer_stop and self.mdm_ranking != "confidence":
+      raise ValueError(f"decode.mdm_defer_stop scores a draft by its probability; it needs "
+                       f"decode.mdm_ranking='confidence', got {self.mdm_ranking!r}")
+    on = [name for name in ("mdm_ban_eos", "mdm_defer_stop") if getattr(self, name)]
+    on += ["mdm_cfg_scale"] if s else []
+    if on and self.method != "mdm":
+      raise ValueError(f"decode.{', decode.'.join(on)}: LLaDA's sampler options need "
+                       f"decode.method='mdm', got {self.method!r}")
+
+  @property
+  def mdm_schedule_on(self) -> str:
+    """`mdm_schedule` resolved: "llada" for the "confidence" ranking, else "dream"."""
+    if self.mdm_schedule is not None:
+      return self.mdm_schedule
+    return "llada" if self.mdm_ranking == "confidence" else "dream"
 
   @property
   def mdm_steps_per_block(self) -> int | None:
-    """Steps of Dream's schedule per block (None: no schedule)."""
+    """Steps of the schedule per block (None: no schedule)."""
     return None if self.mdm_steps is None else self.mdm_steps // self.num_blocks
 
   def kv_chunk_on(self, platform: str, rows: int | None = None) -> int:

@@ -33,6 +33,9 @@ from refusion_jax import fileio
 
 BOS_TOKEN = "<|beginoftext|>"
 MASK_TOKEN = "<|mask|>"
+# Mask tokens found by name in a folder that does not name its own: Dream's and ReFusion's,
+# LLaDA's.
+_KNOWN_MASKS = (MASK_TOKEN, "<|mdm_mask|>")
 TINY_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets",
                                   "tiny_tokenizer")
 
@@ -89,8 +92,10 @@ class Tokenizer:
   """A HF `tokenizers` tokenizer plus ReFusion's special tokens and chat template."""
 
   def __init__(self, hf_tokenizer: tokenizers.Tokenizer, *, eos_token: str, pad_token: str,
-               chat_template: str | None, source: str = "<memory>"):
-    """Wraps `hf_tokenizer`, adding `<|beginoftext|>` and `<|mask|>` when missing.
+               chat_template: str | None, source: str = "<memory>",
+               bos_token: str | None = None, mask_token: str | None = None):
+    """Wraps `hf_tokenizer`; a backbone without its own begin token (Qwen3, Qwen2.5)
+    gains ReFusion's `<|beginoftext|>` and `<|mask|>` where missing.
 
     Args:
       hf_tokenizer: the backbone's tokenizer; it is modified in place.
@@ -99,16 +104,29 @@ class Tokenizer:
       chat_template: Jinja2 source of the chat template, or None (then
         `apply_chat_template` raises).
       source: where the tokenizer came from, for error messages.
+      bos_token: the folder's own begin token (Llama-3: `<|begin_of_text|>`, LLaDA:
+        `<|startoftext|>`, Dream: `<|beginoftext|>`), or None: ReFusion's.
+      mask_token: the folder's own mask token, or None: `<|mask|>` (Dream, ReFusion) or
+        `<|mdm_mask|>` (LLaDA) where the vocabulary has one; else ReFusion's `<|mask|>` is
+        added to a folder without its own begin token, and a folder with one (an AR
+        model's, Llama-3's) has no mask (`mask_id` None).
     """
     self._tok = hf_tokenizer
     self.source = source
-    # The order matters: bos then mask, as the ReFusion release appends them.
-    for name in (BOS_TOKEN, MASK_TOKEN):
-      if self._tok.token_to_id(name) is None:
-        self._tok.add_special_tokens(
-            [tokenizers.AddedToken(name, special=True, normalized=False)])
-    self.bos_id = self._require_id(BOS_TOKEN, "bos token")
-    self.mask_id = self._require_id(MASK_TOKEN, "mask token")
+    if mask_token is None:
+      mask_token = next((n for n in _KNOWN_MASKS if self._tok.token_to_id(n) is not None), None)
+    if bos_token is None or bos_token == BOS_TOKEN:
+      bos_token = BOS_TOKEN
+      # The order matters: bos then mask, as the ReFusion release appends them.
+      for name in (BOS_TOKEN, mask_token or MASK_TOKEN):
+        if self._tok.token_to_id(name) is None:
+          self._tok.add_special_tokens(
+              [tokenizers.AddedToken(name, special=True, normalized=False)])
+      mask_token = mask_token or MASK_TOKEN
+    self.bos_token = bos_token
+    self.bos_id = self._require_id(bos_token, "bos_token")
+    self.mask_token = mask_token
+    self.mask_id = None if mask_token is None else self._require_id(mask_token, "mask_token")
     self.eos_token = eos_token
     self.pad_token = pad_token
     self.eos_id = self._require_id(eos_token, "eos_token")
@@ -183,7 +201,9 @@ class Tokenizer:
       template = named["default"]
     if template is not None and not isinstance(template, str):
       raise ValueError(f"{cfg_path}: chat_template must be a string, got {type(template).__name__}")
-    return cls(hf_tokenizer, eos_token=eos, pad_token=pad, chat_template=template, source=path)
+    return cls(hf_tokenizer, eos_token=eos, pad_token=pad, chat_template=template, source=path,
+               bos_token=_token_name(cfg.get("bos_token"), "bos_token", cfg_path),
+               mask_token=_token_name(cfg.get("mask_token"), "mask_token", cfg_path))
 
   @classmethod
   def tiny(cls) -> "Tokenizer":
@@ -310,7 +330,7 @@ class Tokenizer:
         messages=[dict(m) for m in messages],
         add_generation_prompt=bool(add_generation_prompt),
         enable_thinking=bool(enable_thinking),
-        bos_token=BOS_TOKEN, eos_token=self.eos_token, pad_token=self.pad_token)
+        bos_token=self.bos_token, eos_token=self.eos_token, pad_token=self.pad_token)
 
   def encode_prompt(self, query: str, enable_thinking: bool = False) -> list[int]:
     """Ids of a single user turn plus the assistant generation prompt."""
@@ -354,7 +374,9 @@ class Tokenizer:
                       f"but the model's vocab_size is {vocab_size}")
     for field, ours in (("mask_token_id", self.mask_id), ("eos_token_id", self.eos_id)):
       theirs = getattr(model_config, field, None)
-      if theirs is not None and theirs != ours:
+      if theirs is not None and ours is None:
+        problems.append(f"model config {field}={theirs} but the tokenizer has no such token")
+      elif theirs is not None and theirs != ours:
         problems.append(f"model config {field}={theirs} but the tokenizer's is {ours}")
     if problems:
       raise ValueError(f"tokenizer {self.source!r} does not match the model config: "

@@ -296,6 +296,11 @@ def _oracle(model, prompt, dc, key, eos, mask):
         prob = np.float32(1.0 - ts[i + 1] / ts[i]) if i < steps - 1 else np.float32(1.0)
         chosen = [j for j in masked
                   if float(jax.random.uniform(jax.random.fold_in(pass_key, g + j))) < prob]
+      elif dc.mdm_schedule_on == "llada":  # the block's masks at its start, split evenly
+        if i == 0:
+          at_start = len(masked)
+        k = at_start // steps + (1 if i < at_start % steps else 0)
+        chosen = order[:k]
       else:
         k = len(masked) if i == steps - 1 else int(len(masked) * (1.0 - ts[i + 1] / ts[i]))
         chosen = order[:k]
@@ -335,7 +340,8 @@ def _decode_config(**changes):
 
 
 # (ranking, settings): Dream's whole canvas on its schedule, blocks on the schedule, a
-# fixed count per step, and LLaDA's ranking on Dream's schedule.
+# fixed count per step, LLaDA's ranking on its own schedule (an even split: 8 tokens
+# over 4 steps, 2 a step) and on Dream's.
 CASES = [
     ("maskgit_plus", dict(mdm_steps=4)),
     ("topk_margin", dict(mdm_steps=8)),
@@ -345,6 +351,7 @@ CASES = [
     ("origin", dict(block_size=4, mdm_steps=4)),
     ("entropy", dict(block_size=4, mdm_tokens_per_step=2)),
     ("confidence", dict(mdm_steps=4)),
+    ("confidence", dict(mdm_steps=4, mdm_schedule="dream")),
 ]
 
 

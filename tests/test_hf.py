@@ -258,7 +258,9 @@ def test_llama3_and_31_config_files_are_the_presets():
   assert l31 == config_lib.llama3_8b(
       rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
       rope_original_max_positions=8192, max_position_embeddings=131072,
-      eos_token_id=config_lib.LLAMA3_EOS_ID)
+      eos_token_id=config_lib.LLAMA3_EOS_ID, stop_token_ids=(128008, 128009))
+  # Llama 3.1's eos_token_id list [128001, 128008, 128009]: EOS first, the rest stop too.
+  assert config_lib.to_hf_config(l31)["eos_token_id"] == [128001, 128008, 128009]
   assert not l31.qk_norm and not l31.qkv_bias and not l31.shift_logits
 
 

@@ -485,7 +485,7 @@ def _reply(timeout=60.0, **body):
       _decode=lambda ids: "".join(chr(ord("a") + i) for i in ids), timeout=timeout,
       decode_incrementally=True, unsettled_ids=frozenset(),
       scheduler=types.SimpleNamespace(cancel=cancelled.append, delivers_in_loop=True),
-      metrics=app_lib.Metrics(), model_name="m", eos_id=99)
+      metrics=app_lib.Metrics(), model_name="m", stop_ids=frozenset({99}))
   req = protocol.parse({"model": "m", "prompt": "x", "stream": True, **body}, chat=False)
   reply = app_lib._Reply(server, req, [1, 2], "completions", time.perf_counter())  # pylint: disable=protected-access
   reply.job = types.SimpleNamespace(knobs=(0.5, 0.1, 0.0, False))
@@ -837,6 +837,8 @@ def test_models_health_metrics(served):
   assert [m.id for m in models] == ["tiny"]
   assert {(b["method"], b["gen_length"]) for b in models[0].model_extra["buckets"]} == {
       ("refusion", GEN), ("ar", GEN)}
+  # A histogram shows its buckets once it has an observation: one stream for the first token.
+  _complete(_client(served), 0, "refusion", True)
   text = httpx.get(served["url"] + "/metrics").text
   for name in ("refusion_requests_total", "refusion_prompt_tokens_total",
                "refusion_completion_tokens_total", "refusion_forward_passes_total",
@@ -1313,6 +1315,7 @@ def test_served_passes_ran_over_fewer_rows(served_thread):
   sched = served_thread["server"].scheduler
   assert sched.row_counts == (1, 2, 3)
   _complete(_client(served_thread), 5, "refusion", False)
+  _sixteen_concurrent_streams(served_thread)  # whichever tests ran on this server before
   used = sum((lane.batch.runs_by_rows for lane in sched._lanes.values()),  # pylint: disable=protected-access
              collections.Counter())
   assert used[1] > 0 and used[ROWS] > 0, used

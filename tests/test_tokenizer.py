@@ -405,3 +405,99 @@ def test_tokenizer_pickles_with_its_chat_template(tiny):
   clone = pickle.loads(pickle.dumps(tiny))
   assert clone.encode_prompt("sort 3 1 2") == tiny.encode_prompt("sort 3 1 2")
   assert clone.eos_id == tiny.eos_id and clone.vocab_size == tiny.vocab_size
+
+
+# ------------------------------------------- Llama-3 and LLaDA's special tokens
+
+# Llama-3-8B-Instruct's template as released in April 2024 appended the assistant
+# header always; today's (here) only under add_generation_prompt; LLaDA's is the former.
+_LLAMA_TURNS = ("{%- for message in messages %}{%- set content = '<|start_header_id|>' + "
+                "message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + "
+                "'<|eot_id|>' %}{%- if loop.index0 == 0 %}{%- set content = bos_token + content "
+                "%}{%- endif %}{{- content }}{%- endfor %}")
+LLAMA3_TEMPLATE = (_LLAMA_TURNS + "{%- if add_generation_prompt %}{{- '<|start_header_id|>"
+                   "assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+LLADA_TEMPLATE = _LLAMA_TURNS + "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+
+
+def _word_level_dir(path, specials: dict[int, str], cfg: dict):
+  """A tokenizer folder: a word-level vocabulary of a few words, then `specials` at their ids."""
+  import tokenizers
+  words = ["[UNK]", "hello", "world", "user", "assistant", "\n\n", "2", "+", "=", "4"]
+  vocab = {w: i for i, w in enumerate(words)}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(
+      tokenizers.Regex(r"\n\n|[0-9+=]|[a-z]+"), behavior="isolated")
+  for i in range(len(words), max(specials) + 1):
+    name = specials.get(i, f"<|reserved_{i}|>")
+    tok.add_special_tokens([tokenizers.AddedToken(name, special=True, normalized=False)])
+  path.mkdir(parents=True)
+  tok.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+  return path
+
+
+LLAMA3_SPECIALS = {10: "<|begin_of_text|>", 11: "<|end_of_text|>", 12: "<|start_header_id|>",
+                   13: "<|end_header_id|>", 14: "<|eot_id|>"}
+LLADA_SPECIALS = {10: "<|startoftext|>", 11: "<|endoftext|>", 12: "<|start_header_id|>",
+                  13: "<|end_header_id|>", 14: "<|eot_id|>", 15: "<|mdm_mask|>"}
+
+
+def test_llama3_folder_keeps_its_own_begin_token_and_has_no_mask(tmp_path):
+  path = _word_level_dir(tmp_path / "llama", LLAMA3_SPECIALS, {
+      "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+      "chat_template": LLAMA3_TEMPLATE})
+  tok = Tokenizer.from_dir(path)
+  # Nothing added: ReFusion's tokens belong to backbones without a begin token.
+  assert tok.vocab_size == 15 and tok.bos_id == 10 and tok.eos_id == 14
+  assert tok.mask_id is None and tok.mask_token is None
+  messages = [{"role": "user", "content": " hello world "}]
+  text = tok.apply_chat_template(messages, add_generation_prompt=True)
+  assert text == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhello world"
+                  "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+  assert tok.apply_chat_template(messages, add_generation_prompt=False) == (
+      "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhello world<|eot_id|>")
+  # One begin token: the template emits it, encode adds none.
+  assert tok.encode_prompt("hello") == [10, 12, 3, 13, 5, 1, 14, 12, 4, 13, 5]
+  # A model with a mask id cannot use it; one without can.
+  llama = config_lib.ModelConfig(vocab_size=15, hidden_size=8, mlp_dim=8,
+                                 num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
+                                 eos_token_id=14, model_type="llama")
+  tok.check_compatible(llama)
+  with pytest.raises(ValueError, match="mask_token_id=9 but the tokenizer has no such token"):
+    tok.check_compatible(llama.replace(mask_token_id=9))
+
+
+def test_llada_folder_finds_its_mask_and_always_appends_the_assistant_header(tmp_path):
+  path = _word_level_dir(tmp_path / "llada", LLADA_SPECIALS, {
+      "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
+      "chat_template": LLADA_TEMPLATE})
+  tok = Tokenizer.from_dir(path)
+  assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.mask_id) == (16, 10, 11, 15)
+  assert tok.mask_token == "<|mdm_mask|>" and tok.bos_token == "<|startoftext|>"
+  messages = [{"role": "user", "content": "2+2="}]
+  golden = ("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n2+2=<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n")
+  assert tok.apply_chat_template(messages, add_generation_prompt=True) == golden
+  assert tok.apply_chat_template(messages, add_generation_prompt=False) == golden
+  assert tok.encode_prompt("2+2=") == [10, 12, 3, 13, 5, 6, 7, 6, 8, 14, 12, 4, 13, 5]
+  # A mask named in tokenizer_config.json wins over the one found by name.
+  cfg = json.loads((path / "tokenizer_config.json").read_text())
+  (path / "tokenizer_config.json").write_text(json.dumps(dict(cfg, mask_token="<|eot_id|>")))
+  assert Tokenizer.from_dir(path).mask_id == 14
+  (path / "tokenizer_config.json").write_text(json.dumps(dict(cfg, mask_token="<|nope|>")))
+  with pytest.raises(ValueError, match="mask_token '<\\|nope\\|>' is not in the vocabulary"):
+    Tokenizer.from_dir(path)
+  import pickle
+  clone = pickle.loads(pickle.dumps(tok))
+  assert clone.encode_prompt("hello") == tok.encode_prompt("hello") and clone.mask_id == 15
+
+
+def test_a_folder_naming_refusions_begin_token_gains_refusions_mask(tmp_path):
+  # Dream and ReFusion checkpoints name <|beginoftext|> as bos; a base Qwen3 folder names none.
+  path = _word_level_dir(tmp_path / "r", {10: "<|endoftext|>"}, {
+      "bos_token": "<|beginoftext|>", "eos_token": "<|endoftext|>"})
+  tok = Tokenizer.from_dir(path)
+  assert (tok.bos_id, tok.mask_id, tok.eos_id, tok.vocab_size) == (11, 12, 10, 13)
+  path = _word_level_dir(tmp_path / "q", {10: "<|endoftext|>"}, {"eos_token": "<|endoftext|>"})
+  assert Tokenizer.from_dir(path).mask_id == 12

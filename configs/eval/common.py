@@ -25,7 +25,11 @@ def decode_fields(method: str = "refusion", gen_length: int = 512, slot_size: in
   d.mdm_threshold = placeholder(float)  # MDM (Fast-dLLM): unmask every token above it
   d.mdm_ranking = "confidence"  # MDM: "confidence" (LLaDA) or Dream's "maskgit_plus",
   #   "topk_margin", "entropy", "origin" (decode/mdm.py)
-  d.mdm_steps = placeholder(int)  # MDM: Dream's linear schedule of this many steps in all
+  d.mdm_steps = placeholder(int)  # MDM: a schedule of this many steps in all
+  d.mdm_schedule = placeholder(str)  # MDM: "llada" or "dream" (unset: by mdm_ranking)
+  d.mdm_ban_eos = False  # MDM (LLaDA's logits_eos_inf): EOS is never drafted
+  d.mdm_defer_stop = False  # MDM (LLaDA's confidence_eos_eot_inf): EOS / EoT drafts wait
+  d.mdm_cfg_scale = 0.0  # MDM: classifier-free guidance scale (0: off)
   d.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   d.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
   # ReFusion past the paper (docs/ALGORITHM.md; off = the release): "correct" / "exact" check

@@ -76,7 +76,7 @@ def _emit(spec: Spec, r: Rows, token_b, active_b, knobs: Knobs) -> Rows:
   steps = r.commit_step_bg.at[rows, index].set(
       jnp.where(active_b, r.n_b, r.commit_step_bg[rows, index]))
   n_b = r.n_b + active_b.astype(jnp.int32)
-  done = active_b & ((token_b == knobs.eos_id) | (n_b >= spec.gen_length))
+  done = active_b & (knobs.is_stop(token_b) | (n_b >= spec.gen_length))
   counters = r.counters.add(active_b, ar_b=1, steps_b=1).add_step_tpf(active_b, active_b,
                                                                       active_b)
   return r.replace(tokens_bg=tokens, commit_step_bg=steps, n_b=n_b, counters=counters,

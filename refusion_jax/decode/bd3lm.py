@@ -176,7 +176,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
 
   block_tokens_bt = _block_of(gen_bg, r.block_b, blk)
   block_done_b = active_b & jnp.all(decided_bt | chosen_bt, axis=1)
-  eos_b = jnp.any(block_tokens_bt == knobs.eos_id, axis=1)  # every token decided when done
+  eos_b = jnp.any(knobs.is_stop(block_tokens_bt), axis=1)  # every token decided when done
   finish_b = block_done_b & (eos_b | (r.block_b == n_blocks - 1))
   advance_b = block_done_b & ~finish_b
   counters = r.counters.add(active_b, plan_b=1, steps_b=1).add_step_tpf(

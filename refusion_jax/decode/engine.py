@@ -53,7 +53,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from refusion_jax import sharding
-from refusion_jax.config import DECODE_PROGRAMS, DecodeConfig
+from refusion_jax.config import DECODE_PROGRAMS, MAX_STOP_IDS, DecodeConfig
 from refusion_jax.decode import common, heads
 from refusion_jax.kv_cache import KVCache
 
@@ -73,7 +73,9 @@ class Spec:
   kv_chunk: int = 0  # DecodeConfig.kv_chunk as resolved for the platform (KVCache.chunk)
   matmul_precision: str | None = None  # DecodeConfig.matmul_precision as resolved (None: JAX's)
   mdm_ranking: str = "confidence"  # DecodeConfig.mdm_ranking (MDM only)
-  mdm_steps_per_block: int = 0  # Dream's schedule: steps per block (0: none; MDM only)
+  mdm_steps_per_block: int = 0  # a schedule's steps per block (0: none; MDM only)
+  mdm_schedule: str = ""  # DecodeConfig.mdm_schedule_on with a schedule ("" without one)
+  mdm_cfg: bool = False  # DecodeConfig.mdm_cfg_scale > 0 (a second, unconditional forward)
   verify: bool = False  # DecodeConfig.verify != "off" (ReFusion only; "exact" is a knob)
   remask: bool = False  # DecodeConfig.remask (ReFusion only)
 
@@ -94,6 +96,18 @@ class Knobs:
   verify_exact: jax.Array = False  # DecodeConfig.verify == "exact" (with Spec.verify)
   boundary_check: jax.Array = True  # DecodeConfig.boundary_check (with Spec.verify)
   remask_threshold: jax.Array = 0.5  # DecodeConfig.remask_threshold (with Spec.remask)
+  # ModelConfig.stop_token_ids, padded with -1 to MAX_STOP_IDS - 1 (all -1 under ignore_eos)
+  stop_ids: jax.Array = flax.struct.field(
+      default_factory=lambda: np.full((MAX_STOP_IDS - 1,), -1, np.int32))
+  # MDM, LLaDA's flags (DecodeConfig.mdm_ban_eos, mdm_defer_stop) and guidance scale
+  mdm_ban_eos: jax.Array = False
+  mdm_defer_stop: jax.Array = False
+  cfg_scale: jax.Array = 0.0
+
+  def is_stop(self, tokens):
+    """Where `tokens` end a response: EOS or one of the other stop ids."""
+    tokens = jnp.asarray(tokens)
+    return (tokens == self.eos_id) | (tokens[..., None] == self.stop_ids).any(-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +146,11 @@ def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_
   if dc.method == "ar":
     return Spec("ar", g, g, g, False, vocab_chunk, kv_chunk, mp)
   if dc.method == "mdm":  # no KV cache
+    steps = dc.mdm_steps_per_block or 0
     return Spec("mdm", g, dc.block_size, dc.block_size, False, vocab_chunk, 0, mp,
-                mdm_ranking=dc.mdm_ranking, mdm_steps_per_block=dc.mdm_steps_per_block or 0)
+                mdm_ranking=dc.mdm_ranking, mdm_steps_per_block=steps,
+                mdm_schedule=dc.mdm_schedule_on if steps and dc.mdm_ranking != "origin" else "",
+                mdm_cfg=dc.mdm_cfg_scale > 0)
   if dc.method == "bd3lm":  # blocks only: no slots
     return Spec("bd3lm", g, dc.block_size, dc.block_size, False, vocab_chunk, kv_chunk, mp)
   verify = dc.verify != "off"
@@ -151,6 +168,16 @@ def precision(spec: Spec):
   return jax.default_matmul_precision(spec.matmul_precision)
 
 
+def stop_ids_of(model_config, decode_config: DecodeConfig) -> np.ndarray:
+  """`Knobs.stop_ids`: the model's stop ids besides EOS, padded with -1 (none under
+  `ignore_eos`)."""
+  out = np.full((MAX_STOP_IDS - 1,), -1, np.int32)
+  if not decode_config.ignore_eos:
+    ids = tuple(getattr(model_config, "stop_token_ids", ()))
+    out[:len(ids)] = ids
+  return out
+
+
 def knobs_of(model_config, decode_config: DecodeConfig) -> Knobs:
   dc = decode_config
   return Knobs(
@@ -163,10 +190,14 @@ def knobs_of(model_config, decode_config: DecodeConfig) -> Knobs:
       mask_id=jnp.int32(-1 if model_config.mask_token_id is None else model_config.mask_token_id),
       eos_id=jnp.int32(-1 if model_config.eos_token_id is None or dc.ignore_eos
                        else model_config.eos_token_id),
+      stop_ids=jnp.asarray(stop_ids_of(model_config, dc)),
       pad_id=jnp.int32(0 if model_config.pad_token_id is None else model_config.pad_token_id),
       verify_exact=jnp.bool_(dc.verify == "exact"),
       boundary_check=jnp.bool_(dc.boundary_check),
-      remask_threshold=jnp.float32(dc.remask_threshold))
+      remask_threshold=jnp.float32(dc.remask_threshold),
+      mdm_ban_eos=jnp.bool_(dc.mdm_ban_eos),
+      mdm_defer_stop=jnp.bool_(dc.mdm_defer_stop),
+      cfg_scale=jnp.float32(dc.mdm_cfg_scale))
 
 
 def raw_key(rng) -> jax.Array:

@@ -89,9 +89,16 @@ def _column_noise(keys_bt2, cols_c):
   return jax.vmap(one)(keys_bt2.reshape(b * t, -1)).reshape(b, t, cols.shape[0])
 
 
+def _member(cols_c, ids):
+  """`[C]` whether each column is one of `ids` (an id or a 1-D array of them; -1 never
+  matches a column)."""
+  ids = jnp.atleast_1d(jnp.asarray(ids))
+  return (cols_c[..., None] == ids).any(-1)
+
+
 def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
-                keys_bt2=None, banned_id=None, vocab_chunk: int = DEFAULT_VOCAB_CHUNK
-                ) -> TokenStats:
+                keys_bt2=None, banned_id=None, unscored_ids=None,
+                vocab_chunk: int = DEFAULT_VOCAB_CHUNK) -> TokenStats:
   """Per-token pick and probabilities from hidden states `[B, T, D]`.
 
   Args:
@@ -104,8 +111,12 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
       the plain argmax. Traced: a new temperature does not recompile.
     temperature: traced float scalar.
     keys_bt2: raw uint32 PRNG key per token (needed when `sample_bt` is given).
-    banned_id: a token id never picked, whose probability mass is removed
-      before the softmax (MDM never drafts the mask token). Static or traced.
+    banned_id: a token id (or a 1-D array of ids, -1 for none) never picked, whose
+      probability mass is removed before the softmax (MDM never drafts the mask
+      token). Static or traced.
+    unscored_ids: ids (a 1-D array, -1 for none; traced) left out of the softmax that
+      `p_pick_bt` and `p_given_bt` are taken under; a pick or given token among them
+      has probability 0 (LLaDA's `confidence_eos_eot_inf`). They can still be picked.
     vocab_chunk: the most vocabulary columns reduced at a time (static); fewer for
       a pass of many tokens (`chunk_columns`).
   """
@@ -119,7 +130,7 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
 
   def chunk_terms(logits_btc, cols_c, start, with_noise):
     if banned_id is not None:
-      logits_btc = jnp.where(cols_c[None, None] == banned_id, -jnp.inf, logits_btc)
+      logits_btc = jnp.where(_member(cols_c, banned_id)[None, None], -jnp.inf, logits_btc)
     score = logits_btc
     if with_noise:
       noise = _noise(keys_bt2, start, logits_btc.shape[-1])
@@ -139,6 +150,8 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
     def reduce_all(with_noise):
       logits_b, score = chunk_terms(logits, cols, 0, with_noise)
       pick = jnp.argmax(score, axis=-1).astype(jnp.int32)
+      if unscored_ids is not None:
+        logits_b = jnp.where(_member(cols, unscored_ids)[None, None], -jnp.inf, logits_b)
       lse = jax.nn.logsumexp(logits_b, axis=-1)
       pick_logit = jnp.take_along_axis(logits_b, pick[..., None], axis=-1)[..., 0]
       given_logit = jnp.take_along_axis(logits_b, given_bt[..., None], axis=-1)[..., 0]
@@ -164,12 +177,14 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
       logits = unembed.group_logits(h_btd, groups, start, vocab_chunk).reshape(b, t, -1)
       logits = jnp.where(fresh[None, None], logits, -jnp.inf)
       if banned_id is not None:
-        logits = jnp.where(cols[None, None] == banned_id, -jnp.inf, logits)
+        logits = jnp.where(_member(cols, banned_id)[None, None], -jnp.inf, logits)
       score = logits
       if with_noise:
         noise = _column_noise(keys_bt2, cols)
         score = jnp.where(sample_bt[..., None], logits * inv_t + noise, logits)
         score = jnp.where(fresh[None, None], score, -jnp.inf)
+      if unscored_ids is not None:  # the pick above may be one; the softmax below leaves them out
+        logits = jnp.where(_member(cols, unscored_ids)[None, None], -jnp.inf, logits)
       c_max = logits.max(-1)
       new_m = jnp.maximum(m, c_max)
       safe_m = jnp.where(jnp.isfinite(new_m), new_m, 0.0)
@@ -257,7 +272,7 @@ def sampler_stats(h_btd, unembed, *, temperature, keys_bt2, banned_id=None,
         logits = unembed.logits(h_btd)
       else:
         logits = unembed.group_logits(h_btd, groups, start, chunk).reshape(b, t, -1)
-      keep = fresh if banned_id is None else fresh & (cols != banned_id)
+      keep = fresh if banned_id is None else fresh & ~_member(cols, banned_id)
       z = jnp.where(keep[None, None], logits * scale, -jnp.inf)
       score = z
       if with_noise:

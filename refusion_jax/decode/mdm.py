@@ -33,12 +33,26 @@ rows: its count uses the batch's mean number of masks; the schedule is
 computed in float64 here (float32 there: the counts agree for every setting
 checked, docs/DESIGN.md "Dream"); the mask token is never drafted.
 
+LLaDA's sampler (`mdm_schedule="llada"`, the default with confidence ranking and
+`mdm_steps`; ALGORITHM.md "Table 1's baselines"): step i of a block unmasks
+`m // n` of its m masked positions, one more for the first `m % n` steps
+(`llada_counts`); steps that would unmask nothing (n > m) are not run. Its
+options: `mdm_ban_eos` (EOS never drafted), `mdm_defer_stop` (at temperature 0
+EOS, at any temperature the model's stop ids, score confidence 0: they are
+committed last in their block), `mdm_cfg_scale` s > 0 (classifier-free guidance:
+a second canvas with the prompt masked runs in the same forward, and the
+hidden state read is `h_cond + s (h_cond - h_uncond)`, which gives LLaDA's
+logits because the head is linear). At temperature > 0 the draft is the
+Gumbel-max sample of `logits / T` in float32; LLaDA draws `exp(l) / (-log u)^T`
+in float64, the same distribution (docs/DESIGN.md "LLaDA").
+
 A model with `ModelConfig.shift_logits` (Dream) predicts token i at position
 i-1: the pass reads the hidden state one column to the left of each generated
 position (a prompt has at least one token, so that column exists).
 
-EOS rule: a row stops as soon as it has a decided EOS and every position
-before its first decided EOS is decided too (that EOS is then final: nothing
+EOS rule (EOS or any of the model's stop ids, `Knobs.stop_ids`): a row stops as
+soon as it has a decided EOS and every position before its first decided EOS is
+decided too (that EOS is then final: nothing
 before it can still change). Its response is the tokens up to and including
 that EOS; later positions are discarded (pad id, commit step -1) and not
 counted. Without an EOS a row stops after its last block.
@@ -136,10 +150,17 @@ def reveal_uniforms_bg(key_b2, pass_b, g: int):
   return jax.vmap(row)(key_b2, pass_b)
 
 
-def first_eos_b(tokens_bg, decided_bg, eos: int):
-  """(index of the first decided EOS, or G; whether it is final)."""
+@functools.lru_cache(maxsize=None)
+def llada_counts(masked: int, steps: int) -> tuple[int, ...]:
+  """Tokens each of `steps` steps unmasks from `masked` masked positions on LLaDA's
+  schedule: `masked // steps` each, one more for the first `masked % steps` steps."""
+  return tuple(masked // steps + (i < masked % steps) for i in range(steps))
+
+
+def first_eos_b(tokens_bg, decided_bg, knobs: Knobs):
+  """(index of the first decided EOS or stop id, or G; whether it is final)."""
   g = tokens_bg.shape[1]
-  is_eos_bg = decided_bg & (tokens_bg == eos)
+  is_eos_bg = decided_bg & knobs.is_stop(tokens_bg)
   first_b = jnp.where(is_eos_bg.any(axis=1), jnp.argmax(is_eos_bg, axis=1), g)
   before_bg = jnp.arange(g)[None, :] < first_b[:, None]
   final_b = (first_b < g) & jnp.all(decided_bg | ~before_bg, axis=1)
@@ -190,21 +211,36 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
   # Padding queries keep their own key so that no softmax row is empty.
   attn_bll = key_live_bl[:, None, :] | jnp.eye(total, dtype=bool)[None]
   positions_bl = jnp.broadcast_to(cols_l[None].astype(jnp.int32), (b, total))
-  h_bld, _, _ = model.forward_hidden(seq_bl, positions_bl, None, attn_bll)
   # A shifted model (Dream) predicts each position from the column to its left.
   read_col_bg = gen_col_bg - 1 if model.config.shift_logits else gen_col_bg
-  h_bgd = jnp.take_along_axis(h_bld, read_col_bg[:, :, None], axis=1)
+  if spec.mdm_cfg:
+    # Guidance: the same canvas with its prompt masked, in the same forward. The logits
+    # are linear in the final hidden state, so cond + s (cond - uncond) is taken there.
+    uncond_bl = jnp.where(cols_l[None] < r.prompt_len_b[:, None], knobs.mask_id, seq_bl)
+    h2, _, _ = model.forward_hidden(
+        jnp.concatenate([seq_bl, uncond_bl]), jnp.concatenate([positions_bl, positions_bl]),
+        None, jnp.concatenate([attn_bll, attn_bll]))
+    h_c, h_u = (jnp.take_along_axis(h, read_col_bg[:, :, None], axis=1) for h in (h2[:b], h2[b:]))
+    h_bgd = h_c + jnp.asarray(knobs.cfg_scale, h_c.dtype) * (h_c - h_u)
+  else:
+    h_bld, _, _ = model.forward_hidden(seq_bl, positions_bl, None, attn_bll)
+    h_bgd = jnp.take_along_axis(h_bld, read_col_bg[:, :, None], axis=1)
   nfe_b = r.counters.nfe_b()
   keys = engine.pass_keys(r.key_b2, nfe_b, g, knobs.temperature)
+  # LLaDA's flags: EOS never drafted; EOS (greedy only) and the stop ids scored 0.
+  banned = jnp.stack([knobs.mask_id, jnp.where(knobs.mdm_ban_eos, knobs.eos_id, -1)])
+  eos_unscored = jnp.where(knobs.temperature > 0, -1, knobs.eos_id)
+  unscored = jnp.where(knobs.mdm_defer_stop,
+                       jnp.concatenate([eos_unscored[None], knobs.stop_ids]), -1)
   if spec.mdm_ranking == "confidence":
     stats = heads.token_stats(h_bgd, model.unembed(), jnp.zeros((b, g), jnp.int32),
                               sample_bt=jnp.ones((b, g), bool), temperature=knobs.temperature,
-                              keys_bt2=keys, banned_id=knobs.mask_id,
+                              keys_bt2=keys, banned_id=banned, unscored_ids=unscored,
                               vocab_chunk=spec.vocab_chunk)
     draft_bg, conf_bg = stats.pick_bt, stats.p_pick_bt
   else:  # Dream's samplers: scores under the softmax at the temperature
     stats = heads.sampler_stats(h_bgd, model.unembed(), temperature=knobs.temperature,
-                                keys_bt2=keys, banned_id=knobs.mask_id,
+                                keys_bt2=keys, banned_id=banned,
                                 vocab_chunk=spec.vocab_chunk)
     draft_bg = stats.pick_bt
     conf_bg = {"maskgit_plus": stats.p_pick_bt, "topk_margin": stats.margin_bt,
@@ -219,9 +255,10 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
     chosen_bg = candidate_bg & (reveal_uniforms_bg(r.key_b2, nfe_b, g) < p_b[:, None])
   else:
     rank_bg = confidence_rank_bg(conf_bg, candidate_bg)
-    if n:  # Dream's schedule: a count per step of the block
-      count_b = jnp.asarray(schedule_counts(spec.block_size, n), jnp.int32)[
-          jnp.minimum(r.block_step_b, n - 1)]
+    if n:  # a schedule: a count per step of the block
+      counts = (llada_counts if spec.mdm_schedule == "llada" else schedule_counts)(
+          spec.block_size, n)
+      count_b = jnp.asarray(counts, jnp.int32)[jnp.minimum(r.block_step_b, n - 1)]
       chosen_bg = candidate_bg & (rank_bg < count_b[:, None])
     else:
       chosen_bg = candidate_bg & jnp.where(knobs.mdm_threshold >= 0,
@@ -234,7 +271,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
   next_block_b = active_b & ~block_left_b
   block_b = r.block_b + next_block_b.astype(jnp.int32)
   block_step_b = jnp.where(next_block_b, 0, r.block_step_b + active_b.astype(jnp.int32))
-  _, eos_final_b = first_eos_b(gen_bg, decided_bg, knobs.eos_id)
+  _, eos_final_b = first_eos_b(gen_bg, decided_bg, knobs)
   done_b = active_b & (eos_final_b | (block_b >= g // spec.block_size))
   counters = r.counters.add(active_b, plan_b=1, steps_b=1).add_step_tpf(
       active_b, chosen_bg.sum(-1), active_b)
@@ -247,7 +284,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
 def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
   r = st.rows
   g = spec.gen_length
-  first_b, _ = first_eos_b(r.gen_bg, r.decided_bg, knobs.eos_id)
+  first_b, _ = first_eos_b(r.gen_bg, r.decided_bg, knobs)
   length_b = jnp.minimum(first_b + 1, g).astype(jnp.int32)
   kept_bg = jnp.arange(g)[None, :] < length_b[:, None]
   tokens_bg = jnp.where(kept_bg & r.decided_bg, r.gen_bg, knobs.pad_id)

@@ -290,7 +290,7 @@ def _recheck_candidates(lay: _Layout, r: Rows, knobs: Knobs) -> jax.Array:
   done_bt = lay.block_view(r, r.commit_step_bg) >= 0
   whole_bs = done_bt.reshape(b, lay.n_slots, lay.k).all(-1)
   left_bs = jnp.concatenate([jnp.zeros((b, 1), bool), whole_bs[:, :-1]], 1)
-  eos_bt = done_bt & (lay.block_view(r, r.tokens_bg) == knobs.eos_id)
+  eos_bt = done_bt & knobs.is_stop(lay.block_view(r, r.tokens_bg))
   eos_upto_bs = jnp.cumsum(eos_bt.reshape(b, lay.n_slots, lay.k).any(-1), -1) > 0
   return r.early_bs & ~r.rechecked_bs & whole_bs & left_bs & ~eos_upto_bs
 
@@ -415,7 +415,7 @@ def global_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
     accepted_bt = accepted_bt | ~live  # a committed prefix counts as accepted
   first_reject = first_true(fed_bt & ~accepted_bt)
   prefix_bt = fed_bt & (lay.t[None] < first_reject[:, None])
-  eos_bt = r.draft_bt == knobs.eos_id
+  eos_bt = knobs.is_stop(r.draft_bt)
   gv_eos = (prefix_bt & eos_bt).any(-1)
   first_eos = first_true(prefix_bt & eos_bt)
   whole_bs = r.chosen_bs & (prefix_bt | ~fed_bt).reshape(b, lay.n_slots, lay.k).all(-1)
@@ -481,7 +481,7 @@ def infill_draft(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Ro
 def _infill_outcome(lay: _Layout, r: Rows, knobs: Knobs):
   """(kept tokens, decided slots, eos) when the infill ends."""
   chosen_bt = _and(lay.per_token(r.chosen_bs), lay.live_bt(r))
-  keep = chosen_bt & (lay.t[None] <= first_true(chosen_bt & (r.draft_bt == knobs.eos_id))
+  keep = chosen_bt & (lay.t[None] <= first_true(chosen_bt & knobs.is_stop(r.draft_bt))
                       [:, None])
   return keep, r.decided_bs | r.chosen_bs | r.removed_bs, r.eos_b | r.infill_eos_b
 
@@ -523,7 +523,7 @@ def infill_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
   # position, mark it fully accepted, drop every later slot. Undecided slots before
   # it stay undecided and are still decoded.
   slot_s = jnp.arange(lay.n_slots)[None]
-  eos_slot_bs = r.chosen_bs & _and(accepted & (r.draft_bt == knobs.eos_id),
+  eos_slot_bs = r.chosen_bs & _and(accepted & knobs.is_stop(r.draft_bt),
                                    lay.live_bt(r)).reshape(b, lay.n_slots, lay.k).any(-1)
   has_eos = eos_slot_bs.any(-1)
   eos_slot = jnp.where(has_eos, jnp.argmax(eos_slot_bs, -1), lay.n_slots)
@@ -702,7 +702,7 @@ def ltr_plan(spec: Spec, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
       round_b=jnp.zeros((b,), jnp.int32),
       # One step per slot, every token of it one pass: its TPF is 1.
       counters=r.counters.add(ones, plan_b=1, steps_b=1).add_step_tpf(ones, ones, ones))
-  return _ltr_next_slot(spec, r, spec.slot_size == 1, first == knobs.eos_id)
+  return _ltr_next_slot(spec, r, spec.slot_size == 1, knobs.is_stop(first))
 
 
 def ltr_ar(spec: Spec, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
@@ -715,7 +715,7 @@ def ltr_ar(spec: Spec, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
       length_b=r.length_b + 1, tokens_bg=r.tokens_bg.at[rows, index].set(nxt),
       commit_step_bg=r.commit_step_bg.at[rows, index].set(r.counters.steps_b - 1),
       round_b=r.round_b + 1, counters=r.counters.add(jnp.ones((b,), bool), ar_b=1))
-  return _ltr_next_slot(spec, r, r.round_b + 1 >= spec.slot_size, nxt == knobs.eos_id)
+  return _ltr_next_slot(spec, r, r.round_b + 1 >= spec.slot_size, knobs.is_stop(nxt))
 
 
 # --- the row program ----------------------------------------------------------------------
@@ -844,7 +844,7 @@ def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
   r = st.rows
   g = spec.gen_length
   committed = r.commit_step_bg >= 0
-  eos_at = committed & (r.tokens_bg == knobs.eos_id)
+  eos_at = committed & knobs.is_stop(r.tokens_bg)
   length = jnp.where(eos_at.any(-1), first_true(eos_at) + 1, g).astype(jnp.int32)
   within = jnp.arange(g)[None] < length[:, None]
   tokens = jnp.where(within & committed, r.tokens_bg, knobs.pad_id)

@@ -147,6 +147,8 @@ class RefusionLM(LM):
                token_threshold: float = 0.4, temperature: float = 0.0,
                mdm_tokens_per_step: int = 1, mdm_threshold: float | None = None,
                mdm_ranking: str = "confidence", mdm_steps: int | None = None,
+               mdm_schedule: str | None = None, mdm_ban_eos: bool = False,
+               mdm_defer_stop: bool = False, mdm_cfg_scale: float = 0.0,
                left_to_right: bool = False, recompute_kv: bool = False,
                verify: str = "off", boundary_check: bool = True, remask: bool = False,
                remask_threshold: float = 0.5, ignore_eos: bool = False, kv_chunk: int | str | None = None,
@@ -160,7 +162,8 @@ class RefusionLM(LM):
       raise ValueError(f"refusion_jax: unknown model arg(s) {sorted(unknown)}; known: "
                        "model_dir, tokenizer_dir, method, gen_length, slot_size, block_size, "
                        "slot_threshold, token_threshold, temperature, mdm_tokens_per_step, "
-                       "mdm_threshold, mdm_ranking, mdm_steps, left_to_right, recompute_kv, "
+                       "mdm_threshold, mdm_ranking, mdm_steps, mdm_schedule, mdm_ban_eos, "
+                       "mdm_defer_stop, mdm_cfg_scale, left_to_right, recompute_kv, "
                        "verify, boundary_check, remask, remask_threshold, ignore_eos, kv_chunk, matmul_precision, batch_size, enable_thinking, "
                        "seed, progress")
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
@@ -179,6 +182,10 @@ class RefusionLM(LM):
         mdm_threshold=_unless_none(mdm_threshold, _as_float, "mdm_threshold"),
         mdm_ranking=str(mdm_ranking),
         mdm_steps=_unless_none(mdm_steps, _as_int, "mdm_steps"),
+        mdm_schedule=_unless_none(mdm_schedule, lambda v, _: str(v), "mdm_schedule"),
+        mdm_ban_eos=_as_bool(mdm_ban_eos, "mdm_ban_eos"),
+        mdm_defer_stop=_as_bool(mdm_defer_stop, "mdm_defer_stop"),
+        mdm_cfg_scale=_as_float(mdm_cfg_scale, "mdm_cfg_scale"),
         left_to_right=_as_bool(left_to_right, "left_to_right"),
         recompute_kv=_as_bool(recompute_kv, "recompute_kv"),
         verify=str(verify), boundary_check=_as_bool(boundary_check, "boundary_check"),

@@ -88,7 +88,10 @@ class Server:
     self.timeout = request_timeout_s
     self.metrics = metrics
     self.vocab_size = scheduler.model_config.vocab_size
-    self.eos_id = scheduler.model_config.eos_token_id
+    config = scheduler.model_config
+    # The ids an answer ends at (EOS and the model's other stop ids: finish_reason "stop").
+    self.stop_ids = frozenset(([] if config.eos_token_id is None else [config.eos_token_id])
+                              + list(getattr(config, "stop_token_ids", ())))
     # No text longer than this fits the prompt width: refused without encoding it.
     self.text_limit = None if tokenizer is None else tokenizer.longest_text(scheduler.width)
     # A stream's update decodes a window of its tokens, not the whole prefix (TextStream).
@@ -348,7 +351,7 @@ class _Reply:
 
   def _finish_reason(self, tokens: list[int]) -> str:
     ignore_eos = self.job.knobs[3]
-    if self.text.stopped or (tokens and tokens[-1] == self.s.eos_id and not ignore_eos):
+    if self.text.stopped or (tokens and tokens[-1] in self.s.stop_ids and not ignore_eos):
       return "stop"
     return "length"
 
