@@ -47,6 +47,11 @@ def get_config():
   c.decode.mdm_ban_eos = False  # MDM (LLaDA's logits_eos_inf): EOS is never drafted
   c.decode.mdm_defer_stop = False  # MDM (LLaDA's confidence_eos_eot_inf): EOS / EoT drafts wait
   c.decode.mdm_cfg_scale = 0.0  # MDM: classifier-free guidance scale (the prompt masked; 0: off)
+  # MDM, Fast-dLLM: its "prefix" or "dual" KV cache (unset: none); with a cache, a full pass
+  # also every N steps of a block (0: at block starts only); the factor rule's f (unset: off)
+  c.decode.mdm_cache = ml_collections.config_dict.placeholder(str)
+  c.decode.mdm_cache_refresh = 0
+  c.decode.mdm_factor = ml_collections.config_dict.placeholder(float)
   c.decode.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   c.decode.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
   # ReFusion past the paper (docs/ALGORITHM.md; off = the release): "correct" / "exact" check

@@ -231,9 +231,10 @@ def cached_pass_flops(mc: ModelConfig, rows: int, width: int, cache_len: int) ->
           + rows * attention_flops(mc, width, cache_len + width))
 
 
-def canvas_pass_flops(mc: ModelConfig, rows: int, canvas: int, gen_length: int) -> int:
-  """One MDM pass: the whole canvas through the layers, logits for the response only."""
-  return (2 * layer_matmul_params(mc) * rows * canvas + 2 * head_params(mc) * rows * gen_length
+def canvas_pass_flops(mc: ModelConfig, rows: int, canvas: int, scored: int) -> int:
+  """One MDM pass: the whole canvas through the layers, logits for the `scored` positions
+  only (the current block's)."""
+  return (2 * layer_matmul_params(mc) * rows * canvas + 2 * head_params(mc) * rows * scored
           + rows * attention_flops(mc, canvas, canvas))
 
 
@@ -491,7 +492,9 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   chip, chips = tpu_slice.chip, len(devices)
   options = ", ".join(o for o in (f"verify={decode_config.verify}"
                                    if decode_config.verify != "off" else "",
-                                   "remask" if decode_config.remask else "") if o)
+                                   "remask" if decode_config.remask else "",
+                                   f"{decode_config.mdm_cache} cache"
+                                   if decode_config.mdm_cache else "") if o)
   log(f"{decode_config.method} decode of {source}: {mc.num_params() / 1e9:.3g}B parameters "
       f"({mc.param_dtype}, {'scanned' if mc.scan_layers else 'unrolled'} layers), mesh {sizes}, "
       f"{batch} rows, prompts of {prompt_len}, {decode_config.gen_length} generated"
@@ -506,6 +509,7 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   result = {"model": source, "params": mc.num_params(), "mesh": sizes,
             "method": decode_config.method, "batch": batch, "prompt_len": prompt_len,
             "gen_length": decode_config.gen_length, "verify": decode_config.verify,
+            "mdm_cache": decode_config.mdm_cache,
             "remask": decode_config.remask, "scan_layers": mc.scan_layers,
             "kv_chunk": decoder.spec.kv_chunk, "programs": entries,
             "flops_source": "hand count per chip: 2 x matmul params per token + attention",
@@ -525,16 +529,44 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   per_pass = []
   if decode_config.method == "mdm":
     canvas = prompt_len + decode_config.gen_length
-    state = engine.abstract_state(decoder, batch, prompt_len)
+    # The full canvas pass: every step without a cache, a block's first with Fast-dLLM's
+    # (compiled from the program without one: a step with a cache holds both passes).
+    plain = engine.Decoder(decoder.model, decode_config.replace(
+        mdm_cache=None, mdm_cache_refresh=0))
+    state = engine.abstract_state(plain, batch, prompt_len)
     with sharding.use_mesh(mesh, rules):
-      lowered = step_jit.lower(decoder.graphdef, decoder.params, state, knobs, spec=decoder.spec)
+      lowered = step_jit.lower(plain.graphdef, plain.params, state, knobs, spec=plain.spec)
     compiled, seconds = compile_program(lowered, f"one mdm pass ({canvas} tokens per row)")
     nbytes = hbm_traffic(compiled)
-    flops = canvas_pass_flops(mc, batch, canvas, decode_config.gen_length) / chips
+    flops = canvas_pass_flops(mc, batch, canvas, decode_config.block_size) / chips
     per_pass.append({"width": canvas, "bytes": nbytes, "bytes_floor": weight_bytes,
                      "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
                      "xla_flops": xla_flops(compiled), "compile_s": seconds})
     top = per_pass[0]
+    if decode_config.mdm_cache:
+      # Fast-dLLM's cached pass: the block (dual) or the block and all after it (prefix,
+      # the gen_length-wide feed of the first block) over the canvas's cached K/V.
+      width = (decode_config.gen_length if decode_config.mdm_cache == "prefix"
+               else decode_config.block_size)
+      cache = _cache_shapes(mc, batch, canvas, mesh, rules, decoder.spec.kv_chunk)
+      kv_bytes = per_chip_bytes((cache.k, cache.v))
+      kv_chunk = decoder.spec.kv_chunk
+      kv_trips = -(-canvas // kv_chunk) if 0 < kv_chunk < canvas else 1
+      replicated = NamedSharding(mesh, PartitionSpec())
+      shape = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=replicated)  # noqa: E731
+      with sharding.use_mesh(mesh, rules):
+        lowered = pass_jit.lower(
+            decoder.graphdef, decoder.params, cache, shape((batch, width), jnp.int32),
+            shape((batch, width), jnp.int32), shape((batch, width, 2), jnp.uint32),
+            shape((), jnp.float32), width=width, vocab_chunk=decoder.spec.vocab_chunk)
+      compiled, seconds = compile_program(
+          lowered, f"one {decode_config.mdm_cache}-cached mdm pass ({width} tokens per row)")
+      nbytes = hbm_traffic(compiled, kv_trips)
+      flops = cached_pass_flops(mc, batch, width, canvas) / chips
+      per_pass.append({"width": width, "bytes": nbytes, "bytes_floor": weight_bytes + kv_bytes,
+                       "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
+                       "xla_flops": xla_flops(compiled), "compile_s": seconds})
+      top = per_pass[1]
   else:
     if decode_config.method == "ar":
       widest = 1

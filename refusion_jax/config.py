@@ -670,6 +670,8 @@ MDM_RANKINGS = ("confidence", "maskgit_plus", "topk_margin", "entropy", "origin"
 # DecodeConfig.mdm_schedule: LLaDA's even split of a block's tokens over its steps, Dream's
 # linear schedule.
 MDM_SCHEDULES = ("llada", "dream")
+# DecodeConfig.mdm_cache: Fast-dLLM's prefix cache and dual cache.
+MDM_CACHES = ("prefix", "dual")
 # The smallest timestep of Dream's schedule (its diffusion_generate's `eps` default).
 MDM_SCHEDULE_EPS = 1e-3
 
@@ -724,6 +726,19 @@ class DecodeConfig:
   # MDM: classifier-free guidance (LLaDA's cfg_scale s, traced): logits = cond + s (cond -
   # uncond), uncond the same canvas with the prompt masked (a second forward). 0: off.
   mdm_cfg_scale: float = 0.0
+  # MDM: Fast-dLLM's approximate KV cache (MDM_CACHES; static). None: every step feeds the
+  # whole canvas. Otherwise a row's first step in each block is a full pass that caches
+  # every position's K/V (and decodes); its later steps in the block feed "prefix": the
+  # block and every position after it, attending to the cached K/V of the positions
+  # before the block; "dual": the block alone, attending to the cached K/V of every other
+  # position. mdm_cache_refresh (traced): a full pass also every this many steps of a
+  # block (0: at block starts only, as Fast-dLLM; 1: every step, no cache in effect).
+  mdm_cache: str | None = None
+  mdm_cache_refresh: int = 0
+  # MDM: Fast-dLLM's factor rule (traced): with the block's masked positions' confidences
+  # sorted c_1 >= c_2 >= ..., unmask the n most confident for the largest n with
+  # (n + 1)(1 - c_n) < f (the first always). None: off.
+  mdm_factor: float | None = None
   # ReFusion ablations (exact definitions in decode/refusion.py). left_to_right:
   # one slot per step in position order, first token from a plan pass, the rest
   # one AR pass per token; no drafting or verification, thresholds unused.
@@ -757,7 +772,7 @@ class DecodeConfig:
   # its rows hold. 0: the whole buffer in one product. None: per platform
   # (KV_CHUNK_AUTO; 0 on GPUs, where each trip of the loop waits for the host) and,
   # offline, per row count (KV_CHUNK_AUTO_MIN_ROWS: a CPU decodes one row over the
-  # whole buffer). Static: one program per value. MDM passes have no cache and ignore it.
+  # whole buffer). Static: one program per value. MDM reads it only with mdm_cache.
   kv_chunk: int | None = None
   # Precision of float32 matrix products in decoding (jax.default_matmul_precision):
   # "default", "high" or "highest". None: per platform (MATMUL_PRECISION_AUTO: "highest"
@@ -788,6 +803,7 @@ class DecodeConfig:
       raise ValueError(f"decode.mdm_threshold must lie in [0, 1], got {self.mdm_threshold!r}")
     self._check_mdm_ranking()
     self._check_llada_options()
+    self._check_fastdllm_options()
     if self.temperature < 0:
       raise ValueError(f"decode.temperature must be >= 0, got {self.temperature!r}")
     if not isinstance(self.ignore_eos, bool):
@@ -884,6 +900,36 @@ class DecodeConfig:
     if on and self.method != "mdm":
       raise ValueError(f"decode.{', decode.'.join(on)}: LLaDA's sampler options need "
                        f"decode.method='mdm', got {self.method!r}")
+
+  def _check_fastdllm_options(self) -> None:
+    """mdm_cache, mdm_cache_refresh and mdm_factor (MDM only)."""
+    if self.mdm_cache is not None and self.mdm_cache not in MDM_CACHES:
+      raise ValueError(f"decode.mdm_cache must be one of {MDM_CACHES} or None (no cache), "
+                       f"got {self.mdm_cache!r}")
+    r = self.mdm_cache_refresh
+    if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+      raise ValueError(f"decode.mdm_cache_refresh must be an int >= 0 (0: at block starts "
+                       f"only), got {r!r}")
+    if r and self.mdm_cache is None:
+      raise ValueError(f"decode.mdm_cache_refresh={r} refreshes a cache; decode.mdm_cache is "
+                       "None (set 'prefix' or 'dual')")
+    f = self.mdm_factor
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0):
+      raise ValueError(f"decode.mdm_factor must be a number > 0 or None, got {f!r}")
+    on = (["mdm_cache"] if self.mdm_cache else []) + (["mdm_factor"] if f is not None else [])
+    if on and self.method != "mdm":
+      raise ValueError(f"decode.{', decode.'.join(on)}: Fast-dLLM's options need "
+                       f"decode.method='mdm', got {self.method!r}")
+    if f is not None and (self.mdm_threshold is not None or self.mdm_steps is not None):
+      raise ValueError(f"decode.mdm_factor={f} and decode.mdm_threshold="
+                       f"{self.mdm_threshold} / decode.mdm_steps={self.mdm_steps} are rules for "
+                       "how many tokens a step unmasks; set one")
+    if f is not None and self.mdm_ranking != "confidence":
+      raise ValueError(f"decode.mdm_factor compares tokens' probabilities; it needs "
+                       f"decode.mdm_ranking='confidence', got {self.mdm_ranking!r}")
+    if self.mdm_cache and self.mdm_cfg_scale:
+      raise ValueError("decode.mdm_cache with decode.mdm_cfg_scale > 0: classifier-free "
+                       "guidance runs without a cache (Fast-dLLM has no guidance)")
 
   @property
   def mdm_schedule_on(self) -> str:

@@ -64,9 +64,11 @@ def decode_runs(small_model):
   runs = {}
   for method, extra in (("refusion", ["--pass_widths=1,2"]),
                         ("ar", ["--decode_programs=generate", "--pass_widths="]),
-                        ("mdm", ["--decode_programs=generate,run"])):
+                        ("mdm", ["--decode_programs=generate,run"]),
+                        ("mdm-dual", ["--decode_programs=run", "--config.decode.mdm_cache=dual",
+                                      "--config.decode.mdm_threshold=0.9"])):
     runs[method] = _aot("--program=decode", f"--topology={TOPOLOGY}", f"--model={small_model}",
-                        *DECODE, f"--config.decode.method={method}", *extra)
+                        *DECODE, f"--config.decode.method={method.split('-')[0]}", *extra)
   return runs
 
 
@@ -231,16 +233,17 @@ def test_train_flops_count_recomputation():
 # --- decoding ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm", "mdm-dual"])
 def test_every_decode_method_compiles_and_fits(decode_runs, method):
   done, r = decode_runs[method]
   assert done.returncode == 0, done.stderr[-2000:]
-  assert r["program"] == "decode" and r["method"] == method and r["fits"] is True
+  assert r["program"] == "decode" and r["method"] == method.split("-")[0] and r["fits"] is True
   names = {"refusion": ["generate", "admit", "run"], "ar": ["generate"],
-           "mdm": ["generate", "run"]}[method]
+           "mdm": ["generate", "run"], "mdm-dual": ["run"]}[method]
   assert [p["name"] for p in r["programs"]] == names
-  # decode.kv_chunk unset: the TPU's default (MDM passes have no cache).
+  # decode.kv_chunk unset: the TPU's default (MDM passes have no cache but Fast-dLLM's).
   assert r["kv_chunk"] == (0 if method == "mdm" else config_lib.KV_CHUNK_AUTO["tpu"])
+  assert r["mdm_cache"] == ("dual" if method == "mdm-dual" else None)
   assert all(p["total"] > 0 and p["compile_s"] > 0 for p in r["programs"])
   assert r["per_chip_gib"] == pytest.approx(max(p["total"] for p in r["programs"]) / 2**30)
   mc = config_lib.tiny(**SMALL)
@@ -248,10 +251,11 @@ def test_every_decode_method_compiles_and_fits(decode_runs, method):
   # --mesh=4,1,1: every chip holds every weight and the whole cache.
   weights = (mc.num_params() - mc.vocab_size * mc.hidden_size) * f32  # less the input embedding
   cache = 2 * mc.num_layers * 4 * mc.num_kv_heads * (16 + 16) * mc.head_dim * f32
-  widths = {"refusion": [1, 2, 8], "ar": [1], "mdm": [16 + 16]}[method]
+  # Fast-dLLM's dual cache: the full canvas pass, then the block (8) over the cache.
+  widths = {"refusion": [1, 2, 8], "ar": [1], "mdm": [16 + 16], "mdm-dual": [16 + 16, 8]}[method]
   assert [p["width"] for p in r["per_pass"]] == widths
   for p in r["per_pass"]:
-    floor = weights if method == "mdm" else weights + cache
+    floor = weights if p["width"] == 16 + 16 and method.startswith("mdm") else weights + cache
     assert p["bytes_floor"] == floor
     # A pass reads every weight and (cached methods) the whole buffer, and little more.
     assert floor <= p["bytes"] <= 3 * floor, p

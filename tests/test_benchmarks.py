@@ -79,6 +79,22 @@ def test_decode_options_runs_each_option_side_by_side(capsys):
   assert "unknown 'fast'" in capsys.readouterr().err
 
 
+def test_mdm_cache_compares_the_caches_with_no_cache(capsys):
+  from benchmarks import mdm_cache  # pylint: disable=import-outside-toplevel
+  rows = mdm_cache.main(["--caches=dual", "--refresh=1", "--prompts=2", "--rows=2",
+                         "--repeats=1", "--prompt_len=8", "--gen_length=8", "--block_size=4"])
+  by = {r["name"]: r for r in rows}
+  assert list(by) == ["none", "dual", "dual/refresh 1"]
+  # Refreshed every step, the dual cache is the decoder without one.
+  assert by["none"]["same"] == by["dual/refresh 1"]["same"] == 100.0
+  assert by["none"]["fulls"] == 0 and by["dual"]["fulls"] == 2  # a full pass per block
+  assert by["dual/refresh 1"]["fulls"] == by["dual/refresh 1"]["nfe"]
+  assert "| dual | n/a |" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    mdm_cache.parse_args(["--caches=triple"])
+  assert "unknown 'triple'" in capsys.readouterr().err
+
+
 def test_decode_speed_needs_batch_sizes_that_divide_the_largest(capsys):
   from benchmarks import decode_speed  # pylint: disable=import-outside-toplevel
   with pytest.raises(SystemExit):

@@ -30,6 +30,9 @@ def decode_fields(method: str = "refusion", gen_length: int = 512, slot_size: in
   d.mdm_ban_eos = False  # MDM (LLaDA's logits_eos_inf): EOS is never drafted
   d.mdm_defer_stop = False  # MDM (LLaDA's confidence_eos_eot_inf): EOS / EoT drafts wait
   d.mdm_cfg_scale = 0.0  # MDM: classifier-free guidance scale (0: off)
+  d.mdm_cache = placeholder(str)  # MDM (Fast-dLLM): "prefix" or "dual" KV cache
+  d.mdm_cache_refresh = 0  # with mdm_cache: a full pass also every N steps of a block
+  d.mdm_factor = placeholder(float)  # MDM (Fast-dLLM): factor rule f
   d.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   d.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
   # ReFusion past the paper (docs/ALGORITHM.md; off = the release): "correct" / "exact" check

@@ -37,7 +37,8 @@ class DecodeCounters:
   # ReFusion's verified infill (decode.verify): tokens a causal argmax replaced (a draft
   # that failed, or a slot's first token that its left neighbour's prediction corrected),
   # and infill verify passes a row ran only to feed corrected tokens (their K/V; counted
-  # in verify_b too).
+  # in verify_b too). MDM with Fast-dLLM's cache: refresh_b counts its full passes
+  # (counted in plan_b too).
   corrected_b: jax.Array = 0
   refresh_b: jax.Array = 0
   # Sub-slot re-masking (decode.remask): passes run only to re-check a slot (a re-check

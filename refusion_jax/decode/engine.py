@@ -76,6 +76,7 @@ class Spec:
   mdm_steps_per_block: int = 0  # a schedule's steps per block (0: none; MDM only)
   mdm_schedule: str = ""  # DecodeConfig.mdm_schedule_on with a schedule ("" without one)
   mdm_cfg: bool = False  # DecodeConfig.mdm_cfg_scale > 0 (a second, unconditional forward)
+  mdm_cache: str = ""  # DecodeConfig.mdm_cache ("" without one)
   verify: bool = False  # DecodeConfig.verify != "off" (ReFusion only; "exact" is a knob)
   remask: bool = False  # DecodeConfig.remask (ReFusion only)
 
@@ -103,6 +104,9 @@ class Knobs:
   mdm_ban_eos: jax.Array = False
   mdm_defer_stop: jax.Array = False
   cfg_scale: jax.Array = 0.0
+  # MDM, Fast-dLLM's (DecodeConfig.mdm_factor, -1: off; mdm_cache_refresh)
+  mdm_factor: jax.Array = -1.0
+  cache_refresh: jax.Array = 0
 
   def is_stop(self, tokens):
     """Where `tokens` end a response: EOS or one of the other stop ids."""
@@ -145,12 +149,13 @@ def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_
   kv_chunk, mp = dc.kv_chunk_on(platform), dc.matmul_precision_on(platform)
   if dc.method == "ar":
     return Spec("ar", g, g, g, False, vocab_chunk, kv_chunk, mp)
-  if dc.method == "mdm":  # no KV cache
+  if dc.method == "mdm":  # a KV cache only with Fast-dLLM's
     steps = dc.mdm_steps_per_block or 0
-    return Spec("mdm", g, dc.block_size, dc.block_size, False, vocab_chunk, 0, mp,
+    return Spec("mdm", g, dc.block_size, dc.block_size, False, vocab_chunk,
+                kv_chunk if dc.mdm_cache else 0, mp,
                 mdm_ranking=dc.mdm_ranking, mdm_steps_per_block=steps,
                 mdm_schedule=dc.mdm_schedule_on if steps and dc.mdm_ranking != "origin" else "",
-                mdm_cfg=dc.mdm_cfg_scale > 0)
+                mdm_cfg=dc.mdm_cfg_scale > 0, mdm_cache=dc.mdm_cache or "")
   if dc.method == "bd3lm":  # blocks only: no slots
     return Spec("bd3lm", g, dc.block_size, dc.block_size, False, vocab_chunk, kv_chunk, mp)
   verify = dc.verify != "off"
@@ -197,7 +202,9 @@ def knobs_of(model_config, decode_config: DecodeConfig) -> Knobs:
       remask_threshold=jnp.float32(dc.remask_threshold),
       mdm_ban_eos=jnp.bool_(dc.mdm_ban_eos),
       mdm_defer_stop=jnp.bool_(dc.mdm_defer_stop),
-      cfg_scale=jnp.float32(dc.mdm_cfg_scale))
+      cfg_scale=jnp.float32(dc.mdm_cfg_scale),
+      mdm_factor=jnp.float32(-1.0 if dc.mdm_factor is None else dc.mdm_factor),
+      cache_refresh=jnp.int32(dc.mdm_cache_refresh))
 
 
 def raw_key(rng) -> jax.Array:

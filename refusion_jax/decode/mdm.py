@@ -4,8 +4,8 @@ The canvas of row b is its prompt followed by `gen_length` mask tokens at
 positions `prompt_len_b[b] + i`; columns past that are padding, hidden from
 every query by the attention mask. The response area is split into blocks of
 `block_size` decoded left to right. Every step re-runs the whole canvas with
-bidirectional attention (no KV cache) and unmasks masked tokens of the row's
-current block:
+bidirectional attention (no KV cache, unless Fast-dLLM's below) and unmasks masked
+tokens of the row's current block:
 
 * `mdm_threshold is None` (LLaDA, low-confidence remasking): the
   `mdm_tokens_per_step` most confident ones (fewer when fewer are left);
@@ -57,14 +57,33 @@ before it can still change). Its response is the tokens up to and including
 that EOS; later positions are discarded (pad id, commit step -1) and not
 counted. Without an EOS a row stops after its last block.
 
+Fast-dLLM (`mdm_cache`, `mdm_factor`; ALGORITHM.md "Table 1's baselines"). The factor
+rule unmasks, of the block's masked positions sorted by confidence c_1 >= c_2 >= ...,
+the largest n with (n + 1)(1 - c_n) < f (`factor_counts_b`, as Fast-dLLM's code scans
+it). With a cache, a row's first step in a block (and, with `mdm_cache_refresh` N, every
+N-th) is a full pass over the canvas that also writes the K/V of the columns the cache
+keeps into the row's `KVCache` (compacted; attention does not care where an entry sits):
+"prefix" the columns before the block, "dual" every live column but the block's. Its
+other steps are cached passes: "prefix" feeds the block and every column after it (a
+static width of `gen_length`, padded past the canvas), "dual" the block alone; the fed
+columns attend to each other both ways and to the row's cache. A step runs the full
+pass under a `lax.cond` when some row needs it and the cached pass when some row needs
+that, so each row advances one pass per step whatever its neighbours do. A shifted model
+(Dream) cannot read its block's first position in a cached pass (the column before the
+block is not fed): as Fast-dLLM's Dream variant, a block's full first pass decodes that
+position alone. Logits are computed for the current block's positions only (the only
+candidates), with or without a cache.
+
 Counters: `plan_b` counts denoising passes (one per step while the row is
-active), `prefill_b` is 0 (there is no separate prompt pass).
+active), `refresh_b` the full passes of a row with a cache (counted in `plan_b` too),
+`prefill_b` is 0 (there is no separate prompt pass).
 
 A row program of `engine`: admission writes the prompt and the masks into
 the row's canvas; each pass re-runs every canvas. Whether the fixed count or
-the threshold rule applies, the count, the threshold and the temperature are
-traced knobs (one program for LLaDA and Fast-dLLM settings); the ranking and
-the schedule's steps are static (`engine.Spec`: one program each).
+the threshold or the factor rule applies, the count, the threshold, the factor, the
+refresh interval and the temperature are traced knobs (one program for LLaDA and
+Fast-dLLM settings); the ranking, the schedule's steps, guidance and the cache are
+static (`engine.Spec`: one program each).
 """
 
 from __future__ import annotations
@@ -80,6 +99,7 @@ from refusion_jax.config import MDM_SCHEDULE_EPS, DecodeConfig, ModelConfig
 from refusion_jax.decode import engine, heads
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
+from refusion_jax.kv_cache import KVCache
 
 DENOISE = FIRST_PHASE
 
@@ -102,6 +122,9 @@ class Rows:
 class State:
   passes: jax.Array
   rows: Rows
+  # Fast-dLLM (Spec.mdm_cache): per row, K/V of the canvas columns its last full pass
+  # kept, compacted in column order; None without a cache.
+  cache: KVCache | None = None
 
 
 def confidence_rank_bg(conf_bg, candidate_bg):
@@ -180,7 +203,10 @@ def _empty_rows(spec: Spec, b: int, width: int, mask_id) -> Rows:
 def init(model, spec: Spec, rows: int, width: int) -> State:
   mask = model.config.mask_token_id
   r = _empty_rows(spec, rows, width, -1 if mask is None else mask)
-  return State(passes=jnp.zeros((), jnp.int32), rows=r)
+  cache = None
+  if spec.mdm_cache:
+    cache = KVCache.init(model.config, rows, width + spec.gen_length, chunk=spec.kv_chunk)
+  return State(passes=jnp.zeros((), jnp.int32), rows=r, cache=cache)
 
 
 def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: Knobs) -> State:
@@ -195,11 +221,47 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
   return st.replace(rows=rows)
 
 
+def factor_counts_b(conf_bg, candidate_bg, rank_bg, factor):
+  """Fast-dLLM's factor rule: with the candidates' confidences sorted c_1 >= c_2 >= ...,
+  the largest n with (n + 1)(1 - c_n) < factor, at least 1 (0 without candidates). As
+  Fast-dLLM's code scans it: the count stops before the first rank i >= 2 whose confidence
+  is below 1 - factor / (i + 1), except that a first failure at the last rank keeps all."""
+  b, g = conf_bg.shape
+  n_b = candidate_bg.sum(axis=1)
+  rows_bg = jnp.broadcast_to(jnp.arange(b)[:, None], (b, g))
+  sorted_bg = jnp.full((b, g), -jnp.inf, conf_bg.dtype).at[
+      rows_bg, jnp.where(candidate_bg, rank_bg, g)].set(conf_bg, mode="drop")
+  i = jnp.arange(g)[None, :]  # 0-based rank: the (i + 1)-th
+  fail_bg = (i >= 1) & (i < n_b[:, None]) & (sorted_bg < 1.0 - factor / (i + 2.0))
+  first_b = jnp.where(fail_bg.any(axis=1), jnp.argmax(fail_bg, axis=1), n_b)
+  return jnp.where(first_b >= n_b - 1, n_b, first_b)
+
+
+def _cache_plan(spec: Spec, r: Rows, knobs: Knobs, start_b, cols_l, key_live_bl):
+  """Fast-dLLM: which active rows run a full pass this step (a block's first step, or
+  every `cache_refresh` steps), and which canvas columns the cache then keeps."""
+  active_b = r.phase_b == DENOISE
+  every = knobs.cache_refresh
+  refresh_b = active_b & ((r.block_step_b == 0)
+                          | ((every > 0) & (r.block_step_b % jnp.maximum(every, 1) == 0)))
+  before_bl = cols_l[None] < start_b[:, None]
+  if spec.mdm_cache == "prefix":  # the positions before the block
+    keep_bl = before_bl
+  else:  # "dual": every live position but the block's
+    keep_bl = key_live_bl & (before_bl | (cols_l[None] >= start_b[:, None] + spec.block_size))
+  return refresh_b, keep_bl
+
+
 def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
-  """One denoising pass over every canvas; each active row unmasks in its block."""
+  """One denoising pass for every active row; each unmasks in its block.
+
+  Without a cache the pass is over every canvas. With Fast-dLLM's cache a row takes a
+  full pass (caching its K/V) at a block's first step and a cached pass otherwise; a
+  step runs the full pass when some row needs one and the cached pass when some row
+  needs that, so each row advances one pass per step whatever the others do."""
   r = st.rows
   b, p = r.prompt_bp.shape
-  g = spec.gen_length
+  g, bs = spec.gen_length, spec.block_size
   total = p + g
   active_b = r.phase_b == DENOISE
   cols_l = jnp.arange(total)
@@ -207,12 +269,22 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
   rows_bg = jnp.broadcast_to(jnp.arange(b)[:, None], (b, g))
   seq_bl = jnp.concatenate([r.prompt_bp, jnp.full((b, g), knobs.pad_id, jnp.int32)], axis=1)
   seq_bl = seq_bl.at[rows_bg, gen_col_bg].set(r.gen_bg)
-  key_live_bl = cols_l[None] < (r.prompt_len_b + g)[:, None]
+  live_end_b = r.prompt_len_b + g
+  key_live_bl = cols_l[None] < live_end_b[:, None]
   # Padding queries keep their own key so that no softmax row is empty.
   attn_bll = key_live_bl[:, None, :] | jnp.eye(total, dtype=bool)[None]
   positions_bl = jnp.broadcast_to(cols_l[None].astype(jnp.int32), (b, total))
+  # The current block: response positions blk_gen_bj, canvas columns from start_b (a
+  # finished row's block index runs past the canvas: clipped; it chooses nothing).
+  blk_b = jnp.minimum(r.block_b, g // bs - 1)
+  blk_gen_bj = blk_b[:, None] * bs + jnp.arange(bs)[None, :]
+  start_b = r.prompt_len_b + blk_b * bs
   # A shifted model (Dream) predicts each position from the column to its left.
-  read_col_bg = gen_col_bg - 1 if model.config.shift_logits else gen_col_bg
+  shift = 1 if model.config.shift_logits else 0
+  read_full_bj = start_b[:, None] + jnp.arange(bs)[None, :] - shift
+  take = lambda h_bld, col_bj: jnp.take_along_axis(h_bld, col_bj[:, :, None], axis=1)
+  refresh_b = jnp.zeros((b,), bool)
+  cache = st.cache
   if spec.mdm_cfg:
     # Guidance: the same canvas with its prompt masked, in the same forward. The logits
     # are linear in the final hidden state, so cond + s (cond - uncond) is taken there.
@@ -220,31 +292,73 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
     h2, _, _ = model.forward_hidden(
         jnp.concatenate([seq_bl, uncond_bl]), jnp.concatenate([positions_bl, positions_bl]),
         None, jnp.concatenate([attn_bll, attn_bll]))
-    h_c, h_u = (jnp.take_along_axis(h, read_col_bg[:, :, None], axis=1) for h in (h2[:b], h2[b:]))
-    h_bgd = h_c + jnp.asarray(knobs.cfg_scale, h_c.dtype) * (h_c - h_u)
-  else:
+    h_c, h_u = take(h2[:b], read_full_bj), take(h2[b:], read_full_bj)
+    h_bjd = h_c + jnp.asarray(knobs.cfg_scale, h_c.dtype) * (h_c - h_u)
+  elif not spec.mdm_cache:
     h_bld, _, _ = model.forward_hidden(seq_bl, positions_bl, None, attn_bll)
-    h_bgd = jnp.take_along_axis(h_bld, read_col_bg[:, :, None], axis=1)
+    h_bjd = take(h_bld, read_full_bj)
+  else:
+    refresh_b, keep_bl = _cache_plan(spec, r, knobs, start_b, cols_l, key_live_bl)
+    cached_b = active_b & ~refresh_b
+    d = model.config.hidden_size
+    zeros = jnp.zeros((b, bs, d), model.config.compute_dtype)
+
+    def full(cache):
+      # The whole canvas, its K/V written into the cache as it goes (the kept columns of
+      # the refreshing rows, compacted: attention does not care where an entry sits).
+      keep = keep_bl & refresh_b[:, None]
+      dest = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, cache.max_len)
+      rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, total))
+      lengths = cache.length_b
+      h_bld, cache = model.forward_hidden(
+          seq_bl, positions_bl, cache.replace(length_b=jnp.zeros_like(lengths)), attn_bll,
+          write_bt=(rows, dest))
+      lengths = jnp.where(refresh_b, keep.sum(axis=1).astype(jnp.int32), lengths)
+      return take(h_bld, read_full_bj), cache.replace(length_b=lengths)
+
+    def cached():
+      # "prefix": the block and every position after it (a static width of g, padded past
+      # the canvas); "dual": the block alone. Both attend to the cache too.
+      width = g if spec.mdm_cache == "prefix" else bs
+      cols_bu = start_b[:, None] + jnp.arange(width)[None, :]
+      live_bu = cols_bu < live_end_b[:, None]
+      cols_bu = jnp.minimum(cols_bu, total - 1)
+      ids_bu = jnp.where(live_bu, jnp.take_along_axis(seq_bl, cols_bu, axis=1), knobs.pad_id)
+      mask_buu = (live_bu[:, None, :] & live_bu[:, :, None]) | jnp.eye(width, dtype=bool)[None]
+      h_bud, _, _ = model.forward_hidden(ids_bu, cols_bu.astype(jnp.int32), cache, mask_buu)
+      # The block's first position under a shift reads the column before the block,
+      # which is not fed: it was decided by the block's full pass (Dream's variant).
+      read_bj = jnp.broadcast_to(jnp.maximum(jnp.arange(bs) - shift, 0)[None], (b, bs))
+      return take(h_bud, read_bj)
+
+    h_full, cache = jax.lax.cond(refresh_b.any(), full, lambda c: (zeros, c), cache)
+    h_cached = jax.lax.cond(cached_b.any(), cached, lambda: zeros)
+    h_bjd = jnp.where(refresh_b[:, None, None], h_full, h_cached)
   nfe_b = r.counters.nfe_b()
-  keys = engine.pass_keys(r.key_b2, nfe_b, g, knobs.temperature)
+  keys = jnp.take_along_axis(engine.pass_keys(r.key_b2, nfe_b, g, knobs.temperature),
+                             blk_gen_bj[:, :, None], axis=1)
   # LLaDA's flags: EOS never drafted; EOS (greedy only) and the stop ids scored 0.
   banned = jnp.stack([knobs.mask_id, jnp.where(knobs.mdm_ban_eos, knobs.eos_id, -1)])
   eos_unscored = jnp.where(knobs.temperature > 0, -1, knobs.eos_id)
   unscored = jnp.where(knobs.mdm_defer_stop,
                        jnp.concatenate([eos_unscored[None], knobs.stop_ids]), -1)
   if spec.mdm_ranking == "confidence":
-    stats = heads.token_stats(h_bgd, model.unembed(), jnp.zeros((b, g), jnp.int32),
-                              sample_bt=jnp.ones((b, g), bool), temperature=knobs.temperature,
+    stats = heads.token_stats(h_bjd, model.unembed(), jnp.zeros((b, bs), jnp.int32),
+                              sample_bt=jnp.ones((b, bs), bool), temperature=knobs.temperature,
                               keys_bt2=keys, banned_id=banned, unscored_ids=unscored,
                               vocab_chunk=spec.vocab_chunk)
-    draft_bg, conf_bg = stats.pick_bt, stats.p_pick_bt
+    draft_bj, conf_bj = stats.pick_bt, stats.p_pick_bt
   else:  # Dream's samplers: scores under the softmax at the temperature
-    stats = heads.sampler_stats(h_bgd, model.unembed(), temperature=knobs.temperature,
+    stats = heads.sampler_stats(h_bjd, model.unembed(), temperature=knobs.temperature,
                                 keys_bt2=keys, banned_id=banned,
                                 vocab_chunk=spec.vocab_chunk)
-    draft_bg = stats.pick_bt
-    conf_bg = {"maskgit_plus": stats.p_pick_bt, "topk_margin": stats.margin_bt,
+    draft_bj = stats.pick_bt
+    conf_bj = {"maskgit_plus": stats.p_pick_bt, "topk_margin": stats.margin_bt,
                "entropy": stats.neg_entropy_bt, "origin": stats.p_pick_bt}[spec.mdm_ranking]
+  # Back to response positions (only the block's are ever candidates).
+  rows_bj = jnp.broadcast_to(jnp.arange(b)[:, None], (b, bs))
+  draft_bg = jnp.zeros((b, g), jnp.int32).at[rows_bj, blk_gen_bj].set(draft_bj)
+  conf_bg = jnp.full((b, g), -jnp.inf, conf_bj.dtype).at[rows_bj, blk_gen_bj].set(conf_bj)
 
   block_of_g = jnp.arange(g) // spec.block_size
   in_block_bg = block_of_g[None, :] == r.block_b[:, None]
@@ -261,9 +375,17 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
       count_b = jnp.asarray(counts, jnp.int32)[jnp.minimum(r.block_step_b, n - 1)]
       chosen_bg = candidate_bg & (rank_bg < count_b[:, None])
     else:
-      chosen_bg = candidate_bg & jnp.where(knobs.mdm_threshold >= 0,
-                                           (conf_bg > knobs.mdm_threshold) | (rank_bg == 0),
-                                           rank_bg < knobs.mdm_tokens_per_step)
+      factor_b = factor_counts_b(conf_bg, candidate_bg, rank_bg, knobs.mdm_factor)
+      chosen_bg = candidate_bg & jnp.where(
+          knobs.mdm_factor > 0, rank_bg < factor_b[:, None],
+          jnp.where(knobs.mdm_threshold >= 0, (conf_bg > knobs.mdm_threshold) | (rank_bg == 0),
+                    rank_bg < knobs.mdm_tokens_per_step))
+  if spec.mdm_cache and shift:
+    # Dream's variant: a block's full first pass decodes its first position only.
+    first_bg = refresh_b[:, None] & (r.block_step_b == 0)[:, None] & (
+        jnp.arange(g)[None, :] == blk_b[:, None] * bs)
+    chosen_bg = jnp.where((refresh_b & (r.block_step_b == 0))[:, None], candidate_bg & first_bg,
+                          chosen_bg)
   gen_bg = jnp.where(chosen_bg, draft_bg, r.gen_bg)
   decided_bg = r.decided_bg | chosen_bg
   commit_step_bg = jnp.where(chosen_bg, r.counters.steps_b[:, None], r.commit_step_bg)
@@ -273,12 +395,12 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
   block_step_b = jnp.where(next_block_b, 0, r.block_step_b + active_b.astype(jnp.int32))
   _, eos_final_b = first_eos_b(gen_bg, decided_bg, knobs)
   done_b = active_b & (eos_final_b | (block_b >= g // spec.block_size))
-  counters = r.counters.add(active_b, plan_b=1, steps_b=1).add_step_tpf(
-      active_b, chosen_bg.sum(-1), active_b)
+  counters = r.counters.add(active_b, plan_b=1, steps_b=1).add(
+      refresh_b, refresh_b=1).add_step_tpf(active_b, chosen_bg.sum(-1), active_b)
   r = r.replace(phase_b=jnp.where(done_b, DONE, r.phase_b), gen_bg=gen_bg, decided_bg=decided_bg,
                 commit_step_bg=commit_step_bg, block_b=block_b, block_step_b=block_step_b,
                 counters=counters)
-  return State(passes=st.passes + 1, rows=r)
+  return State(passes=st.passes + 1, rows=r, cache=cache)
 
 
 def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:

@@ -149,6 +149,8 @@ class RefusionLM(LM):
                mdm_ranking: str = "confidence", mdm_steps: int | None = None,
                mdm_schedule: str | None = None, mdm_ban_eos: bool = False,
                mdm_defer_stop: bool = False, mdm_cfg_scale: float = 0.0,
+               mdm_cache: str | None = None, mdm_cache_refresh: int = 0,
+               mdm_factor: float | None = None,
                left_to_right: bool = False, recompute_kv: bool = False,
                verify: str = "off", boundary_check: bool = True, remask: bool = False,
                remask_threshold: float = 0.5, ignore_eos: bool = False, kv_chunk: int | str | None = None,
@@ -163,7 +165,8 @@ class RefusionLM(LM):
                        "model_dir, tokenizer_dir, method, gen_length, slot_size, block_size, "
                        "slot_threshold, token_threshold, temperature, mdm_tokens_per_step, "
                        "mdm_threshold, mdm_ranking, mdm_steps, mdm_schedule, mdm_ban_eos, "
-                       "mdm_defer_stop, mdm_cfg_scale, left_to_right, recompute_kv, "
+                       "mdm_defer_stop, mdm_cfg_scale, mdm_cache, mdm_cache_refresh, mdm_factor, "
+                       "left_to_right, recompute_kv, "
                        "verify, boundary_check, remask, remask_threshold, ignore_eos, kv_chunk, matmul_precision, batch_size, enable_thinking, "
                        "seed, progress")
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
@@ -186,6 +189,9 @@ class RefusionLM(LM):
         mdm_ban_eos=_as_bool(mdm_ban_eos, "mdm_ban_eos"),
         mdm_defer_stop=_as_bool(mdm_defer_stop, "mdm_defer_stop"),
         mdm_cfg_scale=_as_float(mdm_cfg_scale, "mdm_cfg_scale"),
+        mdm_cache=_unless_none(mdm_cache, lambda v, _: str(v), "mdm_cache"),
+        mdm_cache_refresh=_as_int(mdm_cache_refresh, "mdm_cache_refresh"),
+        mdm_factor=_unless_none(mdm_factor, _as_float, "mdm_factor"),
         left_to_right=_as_bool(left_to_right, "left_to_right"),
         recompute_kv=_as_bool(recompute_kv, "recompute_kv"),
         verify=str(verify), boundary_check=_as_bool(boundary_check, "boundary_check"),

@@ -97,6 +97,13 @@ def bucket_of(dc: DecodeConfig) -> Bucket:
   return Bucket(dc.method, dc.gen_length, dc.slot_size, dc.block_size)
 
 
+# ReFusion's ablations and options belong to ReFusion's buckets only, LLaDA's and
+# Fast-dLLM's to MDM's.
+_REFUSION_OFF = dict(left_to_right=False, recompute_kv=False, verify="off", remask=False)
+_MDM_OFF = dict(mdm_ban_eos=False, mdm_defer_stop=False, mdm_cfg_scale=0.0, mdm_cache=None,
+                mdm_cache_refresh=0, mdm_factor=None)
+
+
 def parse_buckets(text: str, default: DecodeConfig) -> list[DecodeConfig]:
   """`method:gen_length[:slot_size:block_size]` entries, comma-separated, as decode
   configs (the default's other fields); the default's own shape comes first."""
@@ -108,12 +115,10 @@ def parse_buckets(text: str, default: DecodeConfig) -> list[DecodeConfig]:
     try:
       if parts[0] == "ar" and len(parts) == 2:
         dc = default.replace(method="ar", gen_length=int(parts[1]), slot_size=int(parts[1]),
-                             block_size=int(parts[1]), left_to_right=False, recompute_kv=False,
-                             verify="off", remask=False)
+                             block_size=int(parts[1]), **_REFUSION_OFF, **_MDM_OFF)
       elif len(parts) == 4:
-        # ReFusion's ablations and options belong to ReFusion's buckets only.
-        own = {} if parts[0] == "refusion" else dict(left_to_right=False, recompute_kv=False,
-                                                     verify="off", remask=False)
+        own = {**({} if parts[0] == "refusion" else _REFUSION_OFF),
+               **({} if parts[0] == "mdm" else _MDM_OFF)}
         dc = default.replace(method=parts[0], gen_length=int(parts[1]),
                              slot_size=int(parts[2]), block_size=int(parts[3]), **own)
       else:
