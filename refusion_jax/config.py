@@ -640,7 +640,7 @@ def to_hf_config(config: ModelConfig) -> dict:
   return hf
 
 
-DECODE_METHODS = ("refusion", "ar", "mdm", "bd3lm")
+DECODE_METHODS = ("refusion", "ar", "mdm", "bd3lm", "d2f")
 
 
 # decode.kv_chunk=None by platform. CPU: a pass at 16 rows took 0.54-0.91x the time
@@ -685,10 +685,11 @@ class DecodeConfig:
   made of slots of `slot_size` tokens.
   """
 
-  method: str = "refusion"  # "refusion", "ar", "mdm" or "bd3lm" (block diffusion)
+  # "refusion", "ar", "mdm", "bd3lm" (block diffusion) or "d2f" (discrete diffusion forcing)
+  method: str = "refusion"
   gen_length: int = 128  # response tokens to generate (upper bound; EOS stops earlier)
   slot_size: int = 8  # k: tokens per slot
-  block_size: int = 32  # b: tokens per serial block (multiple of slot_size; bd3lm: any)
+  block_size: int = 32  # b: tokens per serial block (multiple of slot_size; bd3lm, d2f: any)
   slot_threshold: float = 0.9  # tau_s: plan picks slots whose first-token prob exceeds it
   token_threshold: float = 0.4  # tau_t: verification accepts tokens whose AR prob exceeds it
   temperature: float = 0.0  # 0 = greedy; > 0 adds Gumbel noise to drafts / samples
@@ -739,6 +740,17 @@ class DecodeConfig:
   # sorted c_1 >= c_2 >= ..., unmask the n most confident for the largest n with
   # (n + 1)(1 - c_n) < f (the first always). None: off.
   mdm_factor: float | None = None
+  # D2F (method "d2f", ALGORITHM.md "Table 1's baselines"; traced, each in (0, 1]): a block
+  # of masks is appended once the last block's decoded fraction reaches d2f_add_threshold
+  # (tau_add); a block is fully activated once its predecessor's reaches d2f_act_threshold
+  # (tau_act); every active block commits its masked tokens above d2f_conf_threshold
+  # (tau_conf), a fully activated one at least its most confident. d2f_window (static):
+  # blocks in flight at most (not yet in the KV cache), the widest pass d2f_window *
+  # block_size tokens; a block is appended only while fewer are in flight.
+  d2f_add_threshold: float = 0.1
+  d2f_act_threshold: float = 0.95
+  d2f_conf_threshold: float = 0.9
+  d2f_window: int = 4
   # ReFusion ablations (exact definitions in decode/refusion.py). left_to_right:
   # one slot per step in position order, first token from a plan pass, the rest
   # one AR pass per token; no drafting or verification, thresholds unused.
@@ -787,7 +799,7 @@ class DecodeConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"decode.{name} must be a positive int, got {value!r}")
-    if self.method != "bd3lm" and self.block_size % self.slot_size:  # bd3lm has no slots
+    if self.method not in ("bd3lm", "d2f") and self.block_size % self.slot_size:  # no slots
       raise ValueError(
           f"decode.block_size={self.block_size} must be a multiple of "
           f"decode.slot_size={self.slot_size}")
@@ -804,6 +816,7 @@ class DecodeConfig:
     self._check_mdm_ranking()
     self._check_llada_options()
     self._check_fastdllm_options()
+    self._check_d2f_options()
     if self.temperature < 0:
       raise ValueError(f"decode.temperature must be >= 0, got {self.temperature!r}")
     if not isinstance(self.ignore_eos, bool):
@@ -930,6 +943,16 @@ class DecodeConfig:
     if self.mdm_cache and self.mdm_cfg_scale:
       raise ValueError("decode.mdm_cache with decode.mdm_cfg_scale > 0: classifier-free "
                        "guidance runs without a cache (Fast-dLLM has no guidance)")
+
+  def _check_d2f_options(self) -> None:
+    """The D2F thresholds (each in (0, 1]) and window."""
+    for name in ("d2f_add_threshold", "d2f_act_threshold", "d2f_conf_threshold"):
+      t = getattr(self, name)
+      if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
+        raise ValueError(f"decode.{name} must lie in (0, 1], got {t!r}")
+    w = self.d2f_window
+    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+      raise ValueError(f"decode.d2f_window must be a positive int (blocks in flight), got {w!r}")
 
   @property
   def mdm_schedule_on(self) -> str:

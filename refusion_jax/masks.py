@@ -54,6 +54,22 @@ def prefix_causal_btt(length_b: jax.Array, t: int) -> jax.Array:
   return _with_diagonal(causal_tt(t)[None] & valid_bt[:, None, :])
 
 
+def block_causal_btt(prompt_len_b: jax.Array, block: int, t: int) -> jax.Array:
+  """D2F's block-causal attention over rows `[prompt, blocks of `block`...]` of length t:
+  a prompt query sees the prompt; a query in response block j sees the prompt, the blocks
+  before j and all of block j. `prompt_len_b` may be an int (then `[t, t]`)."""
+  q = jnp.arange(t)
+  plen = jnp.asarray(prompt_len_b)
+  block_of = jnp.where(q >= plen[..., None], (q - plen[..., None]) // block, -1)
+  bq, bk = block_of[..., :, None], block_of[..., None, :]
+  return jnp.where(bq < 0, bk < 0, bk <= bq)
+
+
+def block_causal_tt(prompt_len: int, block: int, t: int) -> jax.Array:
+  """`block_causal_btt` for one prompt length: `[t, t]`."""
+  return block_causal_btt(jnp.asarray(prompt_len), block, t)
+
+
 def subset_causal_btt(member_bt: jax.Array) -> jax.Array:
   """Causal attention among the member tokens only, in chunk (position) order.
 

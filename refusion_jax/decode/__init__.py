@@ -1,4 +1,4 @@
-"""Decoders: ReFusion's plan-and-infill and the AR, MDM and BD3-LM baselines.
+"""Decoders: ReFusion's plan-and-infill and the AR, MDM, BD3-LM and D2F baselines.
 
 Every decoder is a row program of `engine` (one protocol, one registry, one
 token picker in `heads`, one pass builder in `passes`). Entry points:
@@ -7,5 +7,5 @@ per-method `generate` functions.
 """
 
 from refusion_jax.decode import (  # noqa: F401  (registers)
-    autoregressive, bd3lm, engine, mdm, refusion)
+    autoregressive, bd3lm, d2f, engine, mdm, refusion)
 from refusion_jax.decode.engine import Decoder, Engine, generate  # noqa: F401

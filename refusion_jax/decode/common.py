@@ -76,12 +76,19 @@ def checked_prompts(model, prompt_ids_bp, prompt_len_b, decode_config,
   return ids, lens
 
 
-def prefill_rows(model, cache: KVCache, ids_ap, lens_a, rows_a) -> tuple[KVCache, jax.Array]:
+def prefill_rows(model, cache: KVCache, ids_ap, lens_a, rows_a, bidirectional: bool = False
+                 ) -> tuple[KVCache, jax.Array]:
   """Prefills prompts into cache rows `rows_a` (index B: dropped); returns the cache
-  and the final hidden state at each prompt's last token `[A, D]`."""
+  and the final hidden state at each prompt's last token `[A, D]`. `bidirectional`:
+  every prompt token sees the whole prompt (D2F's prompt), else the ones before it."""
   a, p = ids_ap.shape
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (a, p))
-  h, k, v = model.forward_hidden(ids_ap, positions, None, masks.prefix_causal_btt(lens_a, p))
+  if bidirectional:
+    live = jnp.arange(p)[None] < lens_a[:, None]
+    mask = (live[:, None, :] & live[:, :, None]) | jnp.eye(p, dtype=bool)[None]
+  else:
+    mask = masks.prefix_causal_btt(lens_a, p)
+  h, k, v = model.forward_hidden(ids_ap, positions, None, mask)
   keep = jnp.arange(p)[None] < lens_a[:, None]
   dst = jnp.where(keep, jnp.arange(p)[None], cache.max_len)
   rows_ap = jnp.broadcast_to(rows_a[:, None], (a, p))

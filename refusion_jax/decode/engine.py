@@ -77,6 +77,7 @@ class Spec:
   mdm_schedule: str = ""  # DecodeConfig.mdm_schedule_on with a schedule ("" without one)
   mdm_cfg: bool = False  # DecodeConfig.mdm_cfg_scale > 0 (a second, unconditional forward)
   mdm_cache: str = ""  # DecodeConfig.mdm_cache ("" without one)
+  d2f_window: int = 0  # DecodeConfig.d2f_window (D2F only)
   verify: bool = False  # DecodeConfig.verify != "off" (ReFusion only; "exact" is a knob)
   remask: bool = False  # DecodeConfig.remask (ReFusion only)
 
@@ -107,6 +108,10 @@ class Knobs:
   # MDM, Fast-dLLM's (DecodeConfig.mdm_factor, -1: off; mdm_cache_refresh)
   mdm_factor: jax.Array = -1.0
   cache_refresh: jax.Array = 0
+  # D2F's tau_add, tau_act, tau_conf (DecodeConfig.d2f_*_threshold)
+  d2f_add: jax.Array = 0.1
+  d2f_act: jax.Array = 0.95
+  d2f_conf: jax.Array = 0.9
 
   def is_stop(self, tokens):
     """Where `tokens` end a response: EOS or one of the other stop ids."""
@@ -158,6 +163,9 @@ def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_
                 mdm_cfg=dc.mdm_cfg_scale > 0, mdm_cache=dc.mdm_cache or "")
   if dc.method == "bd3lm":  # blocks only: no slots
     return Spec("bd3lm", g, dc.block_size, dc.block_size, False, vocab_chunk, kv_chunk, mp)
+  if dc.method == "d2f":  # blocks only: no slots
+    return Spec("d2f", g, dc.block_size, dc.block_size, False, vocab_chunk, kv_chunk, mp,
+                d2f_window=min(dc.d2f_window, dc.num_blocks))
   verify = dc.verify != "off"
   if dc.left_to_right:  # blocks play no part left to right
     return Spec("refusion", g, dc.slot_size, g, True, vocab_chunk, kv_chunk, mp, verify=verify)
@@ -204,7 +212,10 @@ def knobs_of(model_config, decode_config: DecodeConfig) -> Knobs:
       mdm_defer_stop=jnp.bool_(dc.mdm_defer_stop),
       cfg_scale=jnp.float32(dc.mdm_cfg_scale),
       mdm_factor=jnp.float32(-1.0 if dc.mdm_factor is None else dc.mdm_factor),
-      cache_refresh=jnp.int32(dc.mdm_cache_refresh))
+      cache_refresh=jnp.int32(dc.mdm_cache_refresh),
+      d2f_add=jnp.float32(dc.d2f_add_threshold),
+      d2f_act=jnp.float32(dc.d2f_act_threshold),
+      d2f_conf=jnp.float32(dc.d2f_conf_threshold))
 
 
 def raw_key(rng) -> jax.Array:
