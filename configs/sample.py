@@ -11,6 +11,7 @@ import ml_collections
 def get_config():
   c = ml_collections.ConfigDict()
   c.model_dir = ""  # HF folder (config.json + safetensors) or a refusion_jax model folder
+  c.adapter_dir = ""  # a PEFT LoRA folder (a D2F adapter) merged into model_dir's weights
   c.scan_layers = ml_collections.config_dict.placeholder(bool)  # layer layout: None = as saved;
   #   true = stacked layers run by a scan (one layer body per program: fast TPU compiles)
   c.tokenizer_dir = ""  # "" = model_dir if it has tokenizer.json, else the bundled tiny one when it fits
@@ -52,6 +53,10 @@ def get_config():
   c.decode.mdm_cache = ml_collections.config_dict.placeholder(str)
   c.decode.mdm_cache_refresh = 0
   c.decode.mdm_factor = ml_collections.config_dict.placeholder(float)
+  c.decode.d2f_add_threshold = 0.1  # D2F tau_add: a block is appended when the last is this decoded
+  c.decode.d2f_act_threshold = 0.95  # D2F tau_act: fully activated when its predecessor is
+  c.decode.d2f_conf_threshold = 0.9  # D2F tau_conf: tokens above it are committed
+  c.decode.d2f_window = 4  # D2F: blocks in flight at most
   c.decode.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   c.decode.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
   # ReFusion past the paper (docs/ALGORITHM.md; off = the release): "correct" / "exact" check

@@ -16,6 +16,7 @@ from configs import sample
 def get_config():
   c = ml_collections.ConfigDict()
   c.model_dir = ""  # HF folder (config.json + safetensors) or a refusion_jax model folder
+  c.adapter_dir = ""  # a PEFT LoRA folder (a D2F adapter) merged into model_dir's weights
   c.scan_layers = ml_collections.config_dict.placeholder(bool)  # layer layout: None = as saved
   c.tokenizer_dir = ""  # "" = model_dir if it has tokenizer.json, else the bundled tiny one when it fits
   c.model_name = ""  # the id clients name in "model" ("" = the model folder's name)

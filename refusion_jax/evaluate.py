@@ -305,7 +305,7 @@ def run_synthetic(c) -> dict:
   problems = read_problems(c.data, tokenizer, per_task=c.per_task)
   from refusion_jax import sample  # pylint: disable=import-outside-toplevel
   tokenizer.check_compatible(sample.read_model_config(c.model_dir))  # before the weights load
-  _, model = sample.load_model(c.model_dir)
+  _, model = sample.load_model(c.model_dir, adapter_dir=c.get("adapter_dir", ""))
   result = evaluate(model, tokenizer, problems, decode_config, batch_size=c.batch_size,
                     speed_per_task=c.speed_per_task, speed_repeats=c.speed_repeats,
                     seed=c.seed, desc=decode_config.method)

@@ -130,12 +130,20 @@ def _model_dirs_below(folder: str, depth: int = 3, most: int = 5) -> list[str]:
   return sorted(found)
 
 
-def load_model(model_dir: str, scan_layers: bool | None = None):
+def load_model(model_dir: str, scan_layers: bool | None = None, adapter_dir: str = ""):
   """`(config, model)` from a refusion_jax model folder or a HF checkpoint folder.
 
   `scan_layers` picks the layer layout (None: a model folder's own, unrolled for
-  a HF folder); decoding gives the same tokens in either.
+  a HF folder); decoding gives the same tokens in either. `adapter_dir`: a PEFT LoRA
+  folder (a D2F adapter) merged into the weights (`lora.merge`; unrolled layers).
   """
+  if adapter_dir:
+    if scan_layers:
+      raise ValueError("an adapter (adapter_dir) merges into unrolled layers; "
+                       "scan_layers=True cannot be combined with it")
+    from refusion_jax import lora  # pylint: disable=import-outside-toplevel
+    config, model = load_model(model_dir, scan_layers=False)
+    return config, lora.merge(model, lora.read_adapter(adapter_dir, config))
   if _is_hf_folder(model_dir):
     from refusion_jax import hf  # pylint: disable=import-outside-toplevel
     return hf.load(model_dir, scan_layers=bool(scan_layers))
@@ -254,7 +262,8 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
   from refusion_jax.decode import engine as engine_lib  # pylint: disable=import-outside-toplevel
   runtime.use_compile_cache(c.get("compile_cache_dir", runtime.AUTO))  # before any compile
   t0 = time.perf_counter()
-  model_config, model = load_model(c.model_dir, c.get("scan_layers"))  # its layer layout
+  model_config, model = load_model(c.model_dir, c.get("scan_layers"),  # its layer layout
+                                   c.get("adapter_dir", ""))
   _log(f"[sample] loaded {c.model_dir} ({model_config.num_layers} layers, d="
        f"{model_config.hidden_size}, vocab {model_config.vocab_size}) in "
        f"{time.perf_counter() - t0:.1f}s")

@@ -70,3 +70,8 @@ def save_tiny_random_model(path: str, seed: int) -> str:
                              head_dim=16, mlp_dim=64, max_position_embeddings=256)
   checkpoint.save_model(path, model_config, Qwen3(model_config, rngs=nnx.Rngs(seed)))
   return path
+
+
+def pytest_configure(config):
+  # qwix 0.1.8 (LoRA) reads flax Variables through attributes flax deprecated.
+  config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:qwix.*")

@@ -33,6 +33,10 @@ def decode_fields(method: str = "refusion", gen_length: int = 512, slot_size: in
   d.mdm_cache = placeholder(str)  # MDM (Fast-dLLM): "prefix" or "dual" KV cache
   d.mdm_cache_refresh = 0  # with mdm_cache: a full pass also every N steps of a block
   d.mdm_factor = placeholder(float)  # MDM (Fast-dLLM): factor rule f
+  d.d2f_add_threshold = 0.1  # D2F tau_add: a block is appended when the last is this decoded
+  d.d2f_act_threshold = 0.95  # D2F tau_act: fully activated when its predecessor is
+  d.d2f_conf_threshold = 0.9  # D2F tau_conf: tokens above it are committed
+  d.d2f_window = 4  # D2F: blocks in flight at most
   d.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
   d.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
   # ReFusion past the paper (docs/ALGORITHM.md; off = the release): "correct" / "exact" check
@@ -57,6 +61,7 @@ def benchmark_config(name: str) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.benchmark = b.name  # which benchmark (refusion_jax/lmeval/benchmarks.py)
   c.model_dir = ""  # required unless `completions`: refusion_jax model folder or HF Qwen3 folder
+  c.adapter_dir = ""  # a PEFT LoRA folder (a D2F adapter) merged into model_dir's weights
   c.tokenizer_dir = ""  # "" = model_dir's tokenizer.json (else the bundled tiny one when it fits)
   c.output_dir = ""  # required: results.json and samples.jsonl are written here
   c.data_dir = ""  # local copies of the hub datasets, DATA_DIR/<owner>/<name>; "" = the HF hub

@@ -17,6 +17,7 @@ def get_config():
   c = ml_collections.ConfigDict()
   c.benchmark = "synthetic"  # the bundled suite (not an lm-eval task)
   c.model_dir = ""  # required: refusion_jax model folder or HF Qwen3 folder
+  c.adapter_dir = ""  # a PEFT LoRA folder (a D2F adapter) merged into model_dir's weights
   c.tokenizer_dir = ""  # "" = the bundled tiny tokenizer
   c.data = train_common.TINY_TEST  # JSONL of {"query": ...} held-out problems
   c.output_dir = ""  # "" = print only; else results.json is written here

@@ -142,7 +142,8 @@ class RefusionLM(LM):
   """A refusion_jax model (ReFusion, AR or MDM decoding) as an lm-eval generative LM."""
 
   def __init__(self, model_dir: str | None = None, *, model=None, tokenizer=None,
-               tokenizer_dir: str = "", method: str = "refusion", gen_length: int = 512,
+               tokenizer_dir: str = "", adapter_dir: str = "", method: str = "refusion",
+               gen_length: int = 512,
                slot_size: int = 32, block_size: int = 128, slot_threshold: float = 0.9,
                token_threshold: float = 0.4, temperature: float = 0.0,
                mdm_tokens_per_step: int = 1, mdm_threshold: float | None = None,
@@ -150,7 +151,9 @@ class RefusionLM(LM):
                mdm_schedule: str | None = None, mdm_ban_eos: bool = False,
                mdm_defer_stop: bool = False, mdm_cfg_scale: float = 0.0,
                mdm_cache: str | None = None, mdm_cache_refresh: int = 0,
-               mdm_factor: float | None = None,
+               mdm_factor: float | None = None, d2f_add_threshold: float = 0.1,
+               d2f_act_threshold: float = 0.95, d2f_conf_threshold: float = 0.9,
+               d2f_window: int = 4,
                left_to_right: bool = False, recompute_kv: bool = False,
                verify: str = "off", boundary_check: bool = True, remask: bool = False,
                remask_threshold: float = 0.5, ignore_eos: bool = False, kv_chunk: int | str | None = None,
@@ -162,10 +165,11 @@ class RefusionLM(LM):
     del max_batch_size, device  # lm-eval passes them to every model; the engine has rows
     if unknown:
       raise ValueError(f"refusion_jax: unknown model arg(s) {sorted(unknown)}; known: "
-                       "model_dir, tokenizer_dir, method, gen_length, slot_size, block_size, "
+                       "model_dir, tokenizer_dir, adapter_dir, method, gen_length, slot_size, block_size, "
                        "slot_threshold, token_threshold, temperature, mdm_tokens_per_step, "
                        "mdm_threshold, mdm_ranking, mdm_steps, mdm_schedule, mdm_ban_eos, "
                        "mdm_defer_stop, mdm_cfg_scale, mdm_cache, mdm_cache_refresh, mdm_factor, "
+                       "d2f_add_threshold, d2f_act_threshold, d2f_conf_threshold, d2f_window, "
                        "left_to_right, recompute_kv, "
                        "verify, boundary_check, remask, remask_threshold, ignore_eos, kv_chunk, matmul_precision, batch_size, enable_thinking, "
                        "seed, progress")
@@ -192,6 +196,10 @@ class RefusionLM(LM):
         mdm_cache=_unless_none(mdm_cache, lambda v, _: str(v), "mdm_cache"),
         mdm_cache_refresh=_as_int(mdm_cache_refresh, "mdm_cache_refresh"),
         mdm_factor=_unless_none(mdm_factor, _as_float, "mdm_factor"),
+        d2f_add_threshold=_as_float(d2f_add_threshold, "d2f_add_threshold"),
+        d2f_act_threshold=_as_float(d2f_act_threshold, "d2f_act_threshold"),
+        d2f_conf_threshold=_as_float(d2f_conf_threshold, "d2f_conf_threshold"),
+        d2f_window=_as_int(d2f_window, "d2f_window"),
         left_to_right=_as_bool(left_to_right, "left_to_right"),
         recompute_kv=_as_bool(recompute_kv, "recompute_kv"),
         verify=str(verify), boundary_check=_as_bool(boundary_check, "boundary_check"),
@@ -208,7 +216,7 @@ class RefusionLM(LM):
         raise ValueError("refusion_jax: model_dir=... is required (a refusion_jax model folder "
                          "or a HF Qwen3 checkpoint folder)")
       from refusion_jax import sample  # pylint: disable=import-outside-toplevel
-      _, model = sample.load_model(str(model_dir))
+      _, model = sample.load_model(str(model_dir), adapter_dir=str(adapter_dir or ""))
     self.model = model
     self.model_dir = model_dir
     if tokenizer is None:

@@ -125,7 +125,8 @@ def _decode_and_score(c, bench, decode_config: DecodeConfig, tm, data_dir):
   from refusion_jax.lmeval import model as model_lib  # pylint: disable=import-outside-toplevel
   task_dict = benchmarks.load_tasks(bench, data_dir=data_dir, tm=tm)
   lm = model_lib.RefusionLM(
-      c.model_dir, tokenizer_dir=c.tokenizer_dir, batch_size=c.batch_size,
+      c.model_dir, tokenizer_dir=c.tokenizer_dir, adapter_dir=c.get("adapter_dir", ""),
+      batch_size=c.batch_size,
       enable_thinking=c.enable_thinking, seed=c.seed, progress=c.progress,
       **dataclasses.asdict(decode_config))
   t0 = time.perf_counter()

@@ -132,7 +132,8 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
   use_compile_cache(c.compile_cache_dir)  # before loading: that may compile already
   configs = decode_configs(c)
   t = time.perf_counter()
-  model_config, model = sample.load_model(c.model_dir, c.get("scan_layers"))
+  model_config, model = sample.load_model(c.model_dir, c.get("scan_layers"),
+                                          c.get("adapter_dir", ""))
   for dc in configs:
     dc.check_fits(model_config, c.max_prompt_len)
   scheduler = sched_lib.Scheduler(model, configs, rows=c.rows, width=c.max_prompt_len,
