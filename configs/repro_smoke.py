@@ -37,7 +37,8 @@ def get_config():
   c.sweep_grid.token_threshold = (0.2, 0.4)
   c.sweep_grid.per_task = 1  # problems per task per sweep point
   # The paper's rows and one "Past the paper" row (its own model and validation search).
-  c.eval.rows = ("ARM-AR", "MDM-LLaDA", "MDM-FastdLLM", "BD3LM", "ReFusion", "ReFusion-L2R",
-                 "ReFusion-recompute-KV", "ReFusion-BL-verify")
+  c.eval.rows = ("ARM-AR", "MDM-LLaDA", "MDM-FastdLLM", "D2F", "BD3LM", "ReFusion",
+                 "ReFusion-L2R", "ReFusion-recompute-KV", "ReFusion-BL-verify")
+  c.distill.steps, c.distill.batch_size, c.distill.seq_len = 2, 4, 48  # D2F: a few steps
   c.progress_bar = False  # quiet test output
   return c

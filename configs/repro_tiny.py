@@ -51,8 +51,19 @@ def get_config():
   c.train.checkpoint.every_steps = 100  # resume points if the run is interrupted
   c.train.bd3lm_block_size = 8  # BD3-LM's blocks (the paper's Table 2); its decoder's too
   # Models to train (repro.settings.MODELS): the four objectives, and ReFusion trained with
-  # the boundary label (ALGORITHM.md "Past the paper").
-  c.models = ("arm", "mdm", "bd3lm", "refusion", "refusion_bl")
+  # the boundary label (ALGORITHM.md "Past the paper"); then made from them
+  # (repro.settings.DISTILLED): "d2f", a D2F adapter distilled from the MDM.
+  c.models = ("arm", "mdm", "bd3lm", "refusion", "refusion_bl", "d2f")
+  # D2F's distillation of the MDM (refusion_jax.distill; configs/d2f_tiny.py's fields,
+  # these on top; its samples are train.data.train_files).
+  c.distill = ml_collections.ConfigDict()
+  c.distill.steps = 600
+  c.distill.batch_size = 16
+  c.distill.seq_len = 64
+  c.distill.block_size = 8  # the MDM's decode block
+  c.distill.lora_rank = 16
+  c.distill.lora_alpha = 16.0
+  c.distill.learning_rate = 1e-3
 
   # The base every model starts from (the paper fine-tunes from a pretrained AR model,
   # Qwen3-8B): the shipped pretrained causal ARM (configs/base_tiny.py, trained once by
@@ -80,7 +91,8 @@ def get_config():
   c.eval.speed_repeats = 5  # decodes per timed problem; the fastest counts (drops load pauses)
   c.eval.batch_size = 15  # rows per batched accuracy decode (30 problems per task: 2 batches)
   c.eval.prompt_bucket = 16  # prompts padded to one width, a multiple of this
-  c.eval.rows = ("ARM-AR", "MDM-LLaDA", "MDM-FastdLLM", "BD3LM", "ReFusion", "ReFusion-L2R",
+  c.eval.rows = ("ARM-AR", "MDM-LLaDA", "MDM-FastdLLM", "MDM-FastdLLM-dual", "D2F", "BD3LM",
+                 "ReFusion", "ReFusion-L2R",
                  "ReFusion-recompute-KV", "ReFusion-verify", "ReFusion-BL",
                  "ReFusion-BL-verify", "ReFusion-BL-L2R",
                  "ReFusion-BL-remask")  # decoders in the table (repro.settings.ROWS)
@@ -91,6 +103,11 @@ def get_config():
   c.decode.mdm_block_size = 8  # MDM semi-autoregressive block (LLaDA-style)
   c.decode.mdm_tokens_per_step = 1  # LLaDA: tokens unmasked per denoising step
   c.decode.mdm_threshold = 0.9  # Fast-dLLM: unmask every token above this confidence
+  # D2F's thresholds (its LLaDA evaluation's tau_act and tau_conf; tau_add its HumanEval and
+  # MATH value); its blocks are the MDM's.
+  c.decode.d2f_add_threshold = 0.1
+  c.decode.d2f_act_threshold = 0.95
+  c.decode.d2f_conf_threshold = 0.9
   c.decode.tasks = ml_collections.ConfigDict()  # ReFusion per task (paper's Table 5)
   for name in tasks.TASKS:
     c.decode.tasks[name] = decode_settings(slot_size=4, block_size=24, slot_threshold=0.9,

@@ -193,11 +193,12 @@ def restore_opt_state(path: str, like):
 # --------------------------------------------------------------------------- the run
 
 
-def check_config(c) -> None:
-  """Every bad field of the config is one ValueError line, before any loading."""
+def check_config(c, need_dirs: bool = True) -> None:
+  """Every bad field of the config is one ValueError line, before any loading
+  (`need_dirs=False`: the folders are filled in later)."""
   if not c.base_dir:
     raise ValueError("--config.base_dir is required: the MDM model folder to adapt")
-  if not os.path.isdir(c.base_dir):
+  if need_dirs and not os.path.isdir(c.base_dir):
     raise ValueError(f"--config.base_dir={c.base_dir!r} is not a folder")
   if not c.output_dir:
     raise ValueError("--config.output_dir is required")

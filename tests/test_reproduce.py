@@ -298,7 +298,11 @@ def test_bad_settings_fail_before_training(tmp_path):
   with pytest.raises(ValueError, match="needs the 'mdm' model"):
     _run(tmp_path, models=("arm", "refusion"))
   with pytest.raises(ValueError, match="row 'ReFusion-BL-verify' needs the 'refusion_bl' model"):
-    _run(tmp_path, models=("arm", "mdm", "bd3lm", "refusion"))
+    _run(tmp_path, models=("arm", "mdm", "bd3lm", "refusion", "d2f"))
+  with pytest.raises(ValueError, match="'d2f' is made from the 'mdm' model"):
+    _run(tmp_path, models=("arm", "bd3lm", "refusion", "refusion_bl", "d2f"))
+  with pytest.raises(ValueError, match="config.distill: --config.steps must be a positive int"):
+    _run(tmp_path, **{"distill.steps": 0})
   with pytest.raises(ValueError, match=r"config.models=\('arm', 'gpt'\): each must be one of"):
     _run(tmp_path, models=("arm", "gpt"))
   with pytest.raises(ValueError, match=r"config.decode.tasks.sort\): decode.block_size=16 must be "

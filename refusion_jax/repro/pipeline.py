@@ -49,21 +49,23 @@ def run(config, workdir: str, log=print) -> dict:
   t0 = time.perf_counter()
   base, new_base = stages.train_base(config, workdir, log)
   trained = stages.train_models(config, workdir, log, restart=new_base)
+  distilled = stages.distill_models(config, workdir, trained, log)
   train_seconds = time.perf_counter() - t0
+  markers = {**trained, **distilled}  # what each row's results are keyed on
   tokenizer = train_settings.load_tokenizer(config.train)
   models = scoring.TrainedModels(workdir)
   chosen = None
   if settings.select_enabled(config):
-    chosen = {row: scoring.select_settings(config, workdir, trained, models, tokenizer, log,
+    chosen = {row: scoring.select_settings(config, workdir, markers, models, tokenizer, log,
                                            row=row)
               for row in settings.searched_rows(config)}
     row_configs = settings.row_decode_configs(config, chosen)
     if "ReFusion" in chosen:  # what the sweep and the report's settings line start from
       config = settings.with_task_settings(config, chosen["ReFusion"])
-  results = scoring.evaluate_rows(config, workdir, row_configs, trained, models, tokenizer, log)
+  results = scoring.evaluate_rows(config, workdir, row_configs, markers, models, tokenizer, log)
   when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
   table = report.render_table(config, results, trained, when, scoring.machine(), base,
-                              chosen=chosen)
+                              chosen=chosen, distilled=distilled)
   fileio.write_text_atomic(os.path.join(workdir, TABLE_FILE), table)
   report.write_speed_accuracy_plot(results, os.path.join(workdir, PLOT_FILE))
   sweep = None
@@ -76,5 +78,6 @@ def run(config, workdir: str, log=print) -> dict:
   log(f"[reproduce] wrote {os.path.join(workdir, TABLE_FILE)} and "
       f"{os.path.join(workdir, PLOT_FILE)}" + (" and the sweep" if sweep else "")
       + f" (training phase {train_seconds:.0f}s, total {time.perf_counter() - t0:.0f}s)")
-  return {"results": results, "trained": trained, "base": base, "table": table,
+  return {"results": results, "trained": trained, "distilled": distilled, "base": base,
+          "table": table,
           "sweep": sweep, "chosen": chosen}

@@ -198,9 +198,22 @@ def _settings_lines(config, chosen: Mapping[str, Mapping] | None) -> list[str]:
   return lines
 
 
+def _distilled_lines(distilled: Mapping[str, dict] | None) -> list[str]:
+  out = []
+  for name, m in (distilled or {}).items():
+    d = m["budget"]["distill"]
+    out.append(f"- Distilled ({name}, from {m['budget']['from']['model']}; D2F's asymmetric "
+               f"distillation, refusion_jax.distill): {m['step']} steps x {d['batch_size']} "
+               f"rows x {d['seq_len']} tokens, LoRA rank {d['lora_rank']} on the attention "
+               f"projections, blocks of {d['block_size']}, lr {d['learning_rate']:g}; final "
+               f"loss {m['final_loss']:.3f}; wall {m['seconds']:.0f}s")
+  return out
+
+
 def _preamble(config, results: Mapping[str, dict], trained: Mapping[str, dict], when: str,
               here: Mapping, base: Mapping | None,
-              chosen: Mapping[str, Mapping] | None = None) -> list[str]:
+              chosen: Mapping[str, Mapping] | None = None,
+              distilled: Mapping[str, dict] | None = None) -> list[str]:
   """The lines above the tables: date, machine, base, training budget, problems, settings."""
   task_names = list(tasks_lib.TASKS)
   budget = next(iter(trained.values()))["budget"]
@@ -233,6 +246,7 @@ def _preamble(config, results: Mapping[str, dict], trained: Mapping[str, dict], 
       *start,
       f"- Training (each of {names}, {how}): {_training_size(budget, trained)}; {params:,} "
       "parameters; wall " + ", ".join(f"{n} {m['seconds']:.0f}s" for n, m in trained.items()),
+      *_distilled_lines(distilled),
       "- Held-out problems per task (accuracy, batched decode): "
       + ", ".join(f"{t} {n}" for t, n in n_acc.items()),
       f"- Noise: [lo, hi] after each average accuracy is a bootstrap "
@@ -321,13 +335,16 @@ def past_the_paper_lines(results: Mapping[str, dict]) -> list[str]:
 
 def render_table(config, results: Mapping[str, dict], trained: Mapping[str, dict],
                  when: str, here: Mapping, base: Mapping | None = None,
-                 chosen: Mapping[str, Mapping] | None = None) -> str:
+                 chosen: Mapping[str, Mapping] | None = None,
+                 distilled: Mapping[str, dict] | None = None) -> str:
   """The markdown report; `base` is the stage-1 marker (None: models trained from scratch);
-  `chosen` each searched row's settings (`pipeline.run`)."""
+  `chosen` each searched row's settings (`pipeline.run`); `distilled` the markers of
+  models made from trained ones (D2F)."""
   task_names = list(tasks_lib.TASKS)
   header = "| Decoder | " + " | ".join(task_names) + " | Avg |"
   rule = "|---" * (len(task_names) + 2) + "|"
-  lines = _preamble(config, results, trained, when, here, base, chosen) + ["", header, rule]
+  lines = _preamble(config, results, trained, when, here, base, chosen, distilled) + [
+      "", header, rule]
   lines += _decoder_rows(
       results, task_names, lambda m: f"{m['accuracy']:.1f} / {_fmt(m['tokens_per_sec'])}",
       lambda r: f"{_with_interval(r)} / {_fmt(r['average']['tokens_per_sec'])}")

@@ -51,6 +51,10 @@ MODELS = {
     # ReFusion with the boundary label (ALGORITHM.md "Past the paper").
     "refusion_bl": ("refusion", {"boundary_label": True}),
 }
+# Models made from a trained one rather than trained from the base: name -> the model they
+# are made from. "d2f": a D2F adapter distilled from the MDM (refusion_jax.distill with
+# config.distill), merged into its weights.
+DISTILLED = {"d2f": "mdm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,15 @@ def _bd3lm_decode_config(config) -> DecodeConfig:
                       mdm_tokens_per_step=d.mdm_tokens_per_step, mdm_threshold=d.mdm_threshold)
 
 
+def _d2f_decode_config(config) -> DecodeConfig:
+  """D2F's pipelined decoder at the MDM's block, its three thresholds."""
+  d = config.decode
+  return DecodeConfig(method="d2f", gen_length=d.gen_length, slot_size=1,
+                      block_size=d.mdm_block_size, d2f_add_threshold=d.d2f_add_threshold,
+                      d2f_act_threshold=d.d2f_act_threshold,
+                      d2f_conf_threshold=d.d2f_conf_threshold)
+
+
 def _ar_decode_config(config) -> DecodeConfig:
   g = config.decode.gen_length
   return DecodeConfig(method="ar", gen_length=g, slot_size=g, block_size=g)
@@ -108,6 +121,11 @@ ROWS: dict[str, Row] = {row.name: row for row in (
         lambda c, t: _mdm_decode_config(c, None)),
     Row("MDM-FastdLLM", "mdm", "MDM, Fast-dLLM threshold decoding",
         lambda c, t: _mdm_decode_config(c, c.decode.mdm_threshold)),
+    Row("MDM-FastdLLM-dual", "mdm", "MDM, Fast-dLLM threshold decoding with its dual "
+        "KV cache (refreshed at each block's first step)",
+        lambda c, t: _mdm_decode_config(c, c.decode.mdm_threshold).replace(mdm_cache="dual")),
+    Row("D2F", "d2f", "MDM with a D2F adapter distilled from it (block-causal), D2F's "
+        "pipelined decoding over an exact KV cache", lambda c, t: _d2f_decode_config(c)),
     Row("BD3LM", "bd3lm", "BD3-LM, block diffusion with a KV cache, Fast-dLLM threshold "
         "in each block", lambda c, t: _bd3lm_decode_config(c)),
     _refusion_row("ReFusion", "refusion", "ReFusion, plan-and-infill"),
@@ -236,6 +254,17 @@ def check_pretrained_base(folder: str) -> str:
   return actual
 
 
+def distill_config(config, base_dir: str, output_dir: str) -> ml_collections.ConfigDict:
+  """refusion_jax.distill's config for a DISTILLED model: configs/d2f_tiny.py's fields
+  with config.distill's on top."""
+  from configs import d2f_tiny  # pylint: disable=import-outside-toplevel
+  c = d2f_tiny.get_config()
+  c.update(config.get("distill", ml_collections.ConfigDict()).to_dict())
+  c.base_dir, c.output_dir = base_dir, output_dir
+  c.train_files = tuple(config.train.data.train_files)
+  return c
+
+
 # ---------------------------------------------------------------------------
 # Validation (before anything is trained, loaded or compiled).
 
@@ -243,9 +272,22 @@ def check_pretrained_base(folder: str) -> str:
 def validate(config) -> dict[str, dict[str, DecodeConfig]]:
   """Checks the reproduction fields; returns {row: {task: DecodeConfig}}."""
   models = tuple(config.models)
-  unknown = [m for m in models if m not in MODELS]
+  unknown = [m for m in models if m not in MODELS and m not in DISTILLED]
   if not models or unknown:
-    raise ValueError(f"config.models={models!r}: each must be one of {sorted(MODELS)}")
+    raise ValueError(f"config.models={models!r}: each must be one of "
+                     f"{sorted(MODELS) + sorted(DISTILLED)}")
+  for name in models:
+    if name in DISTILLED and DISTILLED[name] not in models:
+      raise ValueError(f"config.models: {name!r} is made from the {DISTILLED[name]!r} model, "
+                       f"which config.models={models!r} does not train")
+  if any(m in DISTILLED for m in models):
+    from refusion_jax import distill  # pylint: disable=import-outside-toplevel
+    probe = distill_config(config, "", "")
+    probe.base_dir, probe.output_dir = config.eval.data, "-"  # the fields it fills itself
+    try:
+      distill.check_config(probe, need_dirs=False)
+    except ValueError as e:
+      raise ValueError(f"config.distill: {e}") from None
   steps, epochs = config.train.num_train_steps, config.train.num_epochs
   require(is_int(steps) and (steps > 0 or (steps == 0 and is_int(epochs) and epochs > 0)),
           "train.num_train_steps", steps, "a positive int (the models train for the same "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import math
 import os
 import shutil
@@ -195,4 +196,53 @@ def train_models(config, workdir: str, log=print, restart: bool = False) -> dict
 
   return {name: train_stage(name, train_config(config, name, workdir), own(name),
                             model_dir(workdir, name), log, restart=restart)[0]
-          for name in config.models}
+          for name in config.models if name in settings.MODELS}
+
+
+DISTILL_DIR = "distill"  # W/models/<name>/distill: refusion_jax.distill's output folder
+
+
+def distill_models(config, workdir: str, trained: dict[str, dict], log=print
+                   ) -> dict[str, dict]:
+  """Stage 3: each DISTILLED model of config.models, made from its trained model (a D2F
+  adapter distilled from the MDM and merged into its weights, saved as a model folder);
+  skipped when its marker's budget (the distill settings and the source's marker) holds.
+  {name: marker}."""
+  from refusion_jax import distill, lora  # pylint: disable=import-outside-toplevel
+  out = {}
+  for name in config.models:
+    if name not in settings.DISTILLED:
+      continue
+    source = settings.DISTILLED[name]
+    here = model_dir(workdir, name)
+    dc = settings.distill_config(config, final_model_dir(workdir, source),
+                                 os.path.join(here, DISTILL_DIR))
+    budget = {"distill": {k: v for k, v in dc.to_dict().items()
+                          if k not in ("base_dir", "output_dir")},
+              "from": {"model": source, "budget": trained[source]["budget"],
+                       "step": trained[source]["step"]}}
+    budget = json.loads(json.dumps(budget))  # tuples as lists, as the marker reads back
+    marker_path = os.path.join(here, TRAIN_MARKER)
+    marker = fileio.read_json_or_none(marker_path)
+    final = os.path.join(here, loop.FINAL_MODEL_DIR)
+    if marker and marker.get("budget") == budget and checkpoint.is_model_dir(final):
+      log(f"[reproduce] {name}: already distilled ({marker['step']} steps), skipped")
+      out[name] = marker
+      continue
+    if os.path.isdir(here):
+      shutil.rmtree(here)
+    log(f"[reproduce] distilling {name} from {source}: {dc.steps} steps x {dc.batch_size} "
+        f"rows x {dc.seq_len} tokens, LoRA rank {dc.lora_rank}")
+    t0 = time.perf_counter()
+    result = distill.run(dc, progress=bool(config.get("progress_bar", True)))
+    model_config, model = checkpoint.load_model(final_model_dir(workdir, source))
+    lora.merge(model, lora.read_adapter(result["adapter_dir"], model_config))
+    checkpoint.save_model(final, model_config, model)
+    marker = {"budget": budget, "step": int(result["steps"]),
+              "seconds": time.perf_counter() - t0, "final_loss": result["final_loss"],
+              "samples_per_step": float(dc.batch_size),
+              "num_params": model_config.num_params(),
+              "finished": datetime.datetime.now().isoformat(timespec="seconds")}
+    fileio.write_json_atomic(marker_path, marker)
+    out[name] = marker
+  return out
