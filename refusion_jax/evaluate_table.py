@@ -1,12 +1,15 @@
 """The paper's Tables 1, 2 and 3 from evaluation results files.
 
   python -m refusion_jax.evaluate_table OUT_DIR_OR_results.json ... \\
-      [--table=1|2|3] [--output=table.md] [--baseline=LABEL] [--notpf]
+      [--table=0|1|2|3] [--output=table.md] [--baseline=LABEL] [--notpf]
 
-`--table=1` (the default) tabulates whatever the files hold, as below.
-`--table=2` and `--table=3` lay the files out as the paper's comparisons, every
+`--table=0` (the default) tabulates whatever the files hold, as below.
+`--table=1`, `--table=2` and `--table=3` lay the files out as the paper's tables, every
 row of the paper in its order whether a file fills it or not (an empty one
-reads "missing" with what would fill it): Table 2, the controlled comparison
+reads "missing" with what would fill it). Table 1, the nine systems: rows by method,
+the results' `model_type` and, for an MDM, whether it decoded with Fast-dLLM's rules
+or caches (a threshold, a factor or a cache) or with its own sampler; each row's
+decode settings are listed under the table (`TABLE1`). Table 2, the controlled comparison
 (each model retrained from one base on the same samples), rows by method: ar
 (the retrained Qwen3-8B), mdm (LLaDA), bd3lm (BD3-LMs), refusion; Table 3, the
 Qwen2.5 backbone, rows by method and the results' `model_type` (written by
@@ -17,7 +20,7 @@ are an error naming both. Speed-up is over the table's first row.
 Each input is a `results.json` written by `python -m refusion_jax.evaluate` (or
 the folder holding one: its `--config.output_dir`). One row per (model, method)
 pair, labelled with the model's name, or "NAME (method)" when that name has
-rows for several methods; rows are ordered ar, mdm, bd3lm, refusion (the
+rows for several methods; rows are ordered ar, mdm, bd3lm, d2f, refusion (the
 paper's order, BD3-LM from its Table 2), then by first appearance. Columns are the paper's seven benchmarks in
 its order, each cell "accuracy (%) / tokens per second" with two decimals;
 a benchmark a row lacks is "–". Avg is the mean over the benchmarks the row has
@@ -52,7 +55,7 @@ from refusion_jax import fileio
 BENCHMARKS = ("mmlu_pro", "arc_c", "gsm8k", "math", "gpqa", "humaneval", "mbpp")
 TITLES = {"mmlu_pro": "MMLU-Pro", "arc_c": "ARC-C", "gsm8k": "GSM8K", "math": "MATH",
           "gpqa": "GPQA", "humaneval": "HumanEval", "mbpp": "MBPP"}
-METHODS = ("ar", "mdm", "bd3lm", "refusion")  # also the row order
+METHODS = ("ar", "mdm", "bd3lm", "d2f", "refusion")  # also the row order
 RESULTS_FILE = "results.json"
 MISSING = "–"
 LIMITED = "†"
@@ -290,21 +293,74 @@ PAPER_TABLES = {
 }
 
 
+# Table 1 (the paper's order): (row label, method, model_type or None = any, MDM decoding:
+# "own" = its own sampler, "fast" = Fast-dLLM's threshold, factor or cache, None = any).
+TABLE1 = (
+    ("Llama-3-8B-Instruct", "ar", "llama", None),
+    ("Qwen3-8B", "ar", "qwen3", None),
+    ("LLaDA-8B-Instruct", "mdm", "llada", "own"),
+    ("LLaDA w/ Fast-dLLM", "mdm", "llada", "fast"),
+    ("LLaDA w/ D2F", "d2f", "llada", None),
+    ("Dream-7B-Instruct", "mdm", "dream", "own"),
+    ("Dream w/ Fast-dLLM", "mdm", "dream", "fast"),
+    ("Dream w/ D2F", "d2f", "dream", None),
+    ("ReFusion", "refusion", None, None),
+)
+PAPER_TABLES[1] = ("Table 1: the nine systems", tuple(TABLE1))
+# The decode settings each method's row lists (DecodeConfig fields, when set).
+_SETTINGS = {
+    "ar": ("gen_length",),
+    "mdm": ("gen_length", "block_size", "mdm_steps", "mdm_ranking", "mdm_tokens_per_step",
+            "mdm_threshold", "mdm_factor", "mdm_cache", "mdm_ban_eos", "mdm_defer_stop",
+            "mdm_cfg_scale"),
+    "bd3lm": ("gen_length", "block_size", "mdm_tokens_per_step", "mdm_threshold"),
+    "d2f": ("gen_length", "block_size", "d2f_add_threshold", "d2f_act_threshold",
+            "d2f_conf_threshold"),
+    "refusion": ("gen_length", "slot_size", "block_size", "slot_threshold", "token_threshold",
+                 "verify"),
+}
+_DEFAULT_OFF = {"mdm_steps": None, "mdm_threshold": None, "mdm_factor": None,
+                "mdm_cache": None, "mdm_ban_eos": False, "mdm_defer_stop": False,
+                "mdm_cfg_scale": 0.0, "verify": "off"}
+
+
+def _decode_of(result: Mapping[str, Any]) -> Mapping[str, Any]:
+  settings = result.get("settings")
+  decode = settings.get("decode") if isinstance(settings, Mapping) else None
+  return decode if isinstance(decode, Mapping) else {}
+
+
+def _mdm_kind(result: Mapping[str, Any]) -> str:
+  d = _decode_of(result)
+  fast = any(d.get(k) is not None for k in ("mdm_threshold", "mdm_factor", "mdm_cache"))
+  return "fast" if fast else "own"
+
+
+def settings_line(result: Mapping[str, Any]) -> str:
+  """The decode settings a result ran with that matter to its method (unset ones left
+  out), e.g. `gen_length 512, block_size 32, mdm_threshold 0.9, mdm_cache dual`."""
+  d = _decode_of(result)
+  parts = [f"{k} {d[k]}" for k in _SETTINGS.get(result["method"], ())
+           if k in d and d[k] != _DEFAULT_OFF.get(k, object())]
+  return ", ".join(parts) if parts else "(no decode settings recorded)"
+
+
 def paper_table_markdown(results: Sequence[Mapping[str, Any]], table: int,
                          tpf: bool = True) -> str:
-  """The paper's Table 2 or 3 (`PAPER_TABLES`): every row, filled from `results` or
+  """The paper's Table 1, 2 or 3 (`PAPER_TABLES`): every row, filled from `results` or
   marked missing; the speed-up is over the table's first row when it is filled."""
   if table not in PAPER_TABLES:
-    raise ValueError(f"--table must be 1, 2 or 3, got {table!r}")
+    raise ValueError(f"--table must be 0, 1, 2 or 3, got {table!r}")
   for i, r in enumerate(results):
     check_result(r, _where(r, i) if isinstance(r, dict) else f"result #{i}")
   _check_unique(results)
   title, layout = PAPER_TABLES[table]
   rows: dict[str, dict[str, Mapping[str, Any]]] = {}
   missing = []
-  for label, method, model_type in layout:
+  for label, method, model_type, *kind in layout:
     fits = [r for r in results if r["method"] == method
-            and (model_type is None or r.get("model_type") == model_type)]
+            and (model_type is None or r.get("model_type") == model_type)
+            and (not kind or kind[0] is None or _mdm_kind(r) == kind[0])]
     models = sorted({r["model"] for r in fits})
     if len(models) > 1:
       raise ValueError(f"table {table}, row {label!r}: results of {len(models)} models fill it "
@@ -312,6 +368,9 @@ def paper_table_markdown(results: Sequence[Mapping[str, Any]], table: int,
     rows[label] = {r["benchmark"]: r for r in fits}
     if not fits:
       need = f"method {method}" + (f", model_type {model_type}" if model_type else "")
+      if kind and kind[0]:
+        need += (", decoded with Fast-dLLM's threshold, factor or cache" if kind[0] == "fast"
+                 else ", decoded with its own sampler (no threshold, factor or cache)")
       missing.append(f"{label}: missing (no results file with {need})")
   first = layout[0][0]
   base = first if rows[first] else None
@@ -327,6 +386,15 @@ def paper_table_markdown(results: Sequence[Mapping[str, Any]], table: int,
                      if b in cells and (r := cells[b]).get("limit") is not None]
   if notes:
     lines += [""] + [f"- {n}" for n in notes]
+  if table == 1:
+    lines += ["", "Decode settings of each row:", ""]
+    for name, cells in rows.items():
+      by_settings: dict[str, list[str]] = {}
+      for b in BENCHMARKS:
+        if b in cells:
+          by_settings.setdefault(settings_line(cells[b]), []).append(TITLES[b])
+      for line, benches in by_settings.items():
+        lines.append(f"- {_md(name)} ({', '.join(benches)}): {line}")
   if tpf:
     lines += ["", "## Tokens per forward pass (every pass counted) / the paper's TPF", ""]
     lines += _table(rows, ("tokens_per_forward", "tpf_paper"))
@@ -341,8 +409,8 @@ def define_flags() -> tuple[flags.FlagHolder, ...]:
       flags.DEFINE_string("baseline", None, "Label of the speed-up baseline row (default: the "
                           "one row whose method is ar)."),
       flags.DEFINE_bool("tpf", True, "Add the tokens-per-forward / paper TPF table."),
-      flags.DEFINE_integer("table", 1, "1: every (model, method) the files hold; 2 / 3: the "
-                           "paper's Table 2 / Table 3 rows, a missing one named."),
+      flags.DEFINE_integer("table", 0, "0: every (model, method) the files hold; 1 / 2 / 3: "
+                           "the paper's Table 1 / 2 / 3 rows, a missing one named."),
   )
 
 
@@ -350,15 +418,15 @@ def main(argv: Sequence[str], output: flags.FlagHolder, baseline: flags.FlagHold
          tpf: flags.FlagHolder, table: flags.FlagHolder | None = None) -> None:
   if len(argv) < 2:
     raise app.UsageError("give one or more results.json files or evaluation output folders")
-  which = 1 if table is None else table.value
+  which = 0 if table is None else table.value
   try:
     results = load_results(argv[1:])
-    if which == 1:
+    if which == 0:
       text = table_markdown(results, baseline=baseline.value, tpf=tpf.value)
     else:
       if baseline.value is not None:
-        raise ValueError("--baseline applies to --table=1 (Tables 2 and 3 compare with their "
-                         "first row)")
+        raise ValueError("--baseline applies to --table=0 (the paper's tables compare with "
+                         "their first row)")
       text = paper_table_markdown(results, which, tpf=tpf.value)
     if output.value:
       fileio.write_text_atomic(output.value, text)

@@ -164,7 +164,7 @@ def test_duplicate_names_both_files(tmp_path):
     ({"benchmark": "hellaswag"},
      "field 'benchmark' is 'hellaswag', not one of mmlu_pro, arc_c, gsm8k, math, gpqa, "
      "humaneval, mbpp"),
-    ({"method": "arm"}, "field 'method' is 'arm', not one of ar, mdm, bd3lm, refusion"),
+    ({"method": "arm"}, "field 'method' is 'arm', not one of ar, mdm, bd3lm, d2f, refusion"),
     ({"model": ""}, "field 'model' must be a non-empty string"),
     ({"accuracy": "78.66"}, "field 'accuracy' must be a finite number >= 0, got '78.66'"),
     ({"tokens_per_second": -1.0}, "field 'tokens_per_second' must be a finite number >= 0"),
@@ -299,7 +299,7 @@ def test_paper_table_refuses_two_models_in_one_row_and_a_bad_table():
   with pytest.raises(ValueError, match=r"row 'Qwen3-8B retrained \(AR\)': results of 2 models "
                      r"fill it \(a, b\)"):
     et.paper_table_markdown(results, 2)
-  with pytest.raises(ValueError, match="--table must be 1, 2 or 3, got 4"):
+  with pytest.raises(ValueError, match="--table must be 0, 1, 2 or 3, got 4"):
     et.paper_table_markdown(results, 4)
 
 
@@ -313,4 +313,50 @@ def test_cli_table2(tmp_path):
   assert "BD3-LMs retrained (block diffusion): missing" in proc.stdout
   proc = subprocess.run([sys.executable, "-m", "refusion_jax.evaluate_table", a, "--table=2",
                          "--baseline=arm"], cwd=REPO, capture_output=True, text=True, check=False)
-  assert proc.returncode == 2 and "--baseline applies to --table=1" in proc.stderr
+  assert proc.returncode == 2 and "--baseline applies to --table=0" in proc.stderr
+
+
+def _decoded(benchmark, model, method, acc, tps, model_type, **decode):
+  base = {"method": method, "gen_length": 512, "block_size": 32, "slot_size": 32,
+          "mdm_steps": None, "mdm_threshold": None, "mdm_factor": None, "mdm_cache": None,
+          "mdm_ban_eos": False, "mdm_defer_stop": False, "mdm_cfg_scale": 0.0,
+          "mdm_ranking": "confidence", "mdm_tokens_per_step": 1, "verify": "off",
+          "d2f_add_threshold": 0.1, "d2f_act_threshold": 0.95, "d2f_conf_threshold": 0.9,
+          "slot_threshold": 0.9, "token_threshold": 0.4}
+  return _result(benchmark, model, method, acc, tps, model_type=model_type,
+                 settings={"decode": {**base, **decode}})
+
+
+def test_table1_the_nine_rows_in_the_papers_order_with_their_settings():
+  results = [
+      _decoded("gsm8k", "Qwen3-8B", "ar", 90.0, 30.0, "qwen3"),
+      _decoded("gsm8k", "Meta-Llama-3-8B-Instruct", "ar", 80.0, 40.0, "llama"),
+      _decoded("gsm8k", "LLaDA-8B-Instruct", "mdm", 70.0, 6.0, "llada", mdm_steps=512,
+               block_size=512, mdm_defer_stop=True),
+      _decoded("gsm8k", "LLaDA-8B-Instruct-fast", "mdm", 69.0, 50.0, "llada",
+               mdm_threshold=0.9, mdm_cache="prefix"),
+      _decoded("gsm8k", "LLaDA-D2F", "d2f", 71.0, 60.0, "llada", block_size=64,
+               d2f_add_threshold=0.7),
+      _decoded("gsm8k", "Dream-v0-Instruct-7B", "mdm", 75.0, 9.0, "dream", mdm_steps=512,
+               mdm_ranking="entropy", block_size=512),
+      _decoded("gsm8k", "ReFusion", "refusion", 85.0, 90.0, "qwen3"),
+  ]
+  text = et.paper_table_markdown(results, 1, tpf=False)
+  body = [line.split(" | ")[0][2:] for line in text.splitlines()
+          if line.startswith("| ") and "---" not in line][1:]
+  assert body == ["Llama-3-8B-Instruct", "Qwen3-8B", "LLaDA-8B-Instruct", "LLaDA w/ Fast-dLLM",
+                  "LLaDA w/ D2F", "Dream-7B-Instruct", "Dream w/ Fast-dLLM", "Dream w/ D2F",
+                  "ReFusion"]
+  # Hand-computed speed-ups over the first row (Llama-3, 40 tok/s): ReFusion 90 / 40.
+  assert "| ReFusion | – | – | 85.00 / 90.00 | – | – | – | – | 85.00 / 90.00 (1/7) | 2.25× |" \
+      in text
+  assert ("- Dream w/ Fast-dLLM: missing (no results file with method mdm, model_type dream, "
+          "decoded with Fast-dLLM's threshold, factor or cache)") in text
+  assert "- Dream w/ D2F: missing (no results file with method d2f, model_type dream)" in text
+  assert ("- LLaDA-8B-Instruct (GSM8K): gen_length 512, block_size 512, mdm_steps 512, "
+          "mdm_ranking confidence, mdm_tokens_per_step 1, mdm_defer_stop True") in text
+  assert ("- LLaDA w/ Fast-dLLM (GSM8K): gen_length 512, block_size 32, mdm_ranking "
+          "confidence, mdm_tokens_per_step 1, mdm_threshold 0.9, mdm_cache prefix") in text
+  assert ("- LLaDA w/ D2F (GSM8K): gen_length 512, block_size 64, d2f_add_threshold 0.7, "
+          "d2f_act_threshold 0.95, d2f_conf_threshold 0.9") in text
+  assert "- Qwen3-8B (GSM8K): gen_length 512" in text
