@@ -394,7 +394,7 @@ def decode_model_config(model: str, method: str) -> tuple[ModelConfig, str]:
   else:
     raise ValueError(f"--model={model!r} is neither a preset {sorted(config_lib.PRESETS)} nor "
                      "a folder")
-  if method == "mdm":  # presets and HF config.json do not record it: the MDM baseline's model
+  if method in ("mdm", "d2f"):  # presets and HF config.json do not record it: an MDM
     mc = mc.replace(attention="bidirectional")
   return mc, source
 
@@ -474,7 +474,7 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
 
   from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
-  from refusion_jax.decode import bd3lm, engine, refusion  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import bd3lm, d2f, engine, refusion  # pylint: disable=import-outside-toplevel
   from refusion_jax.training import settings  # pylint: disable=import-outside-toplevel
   pass_jit, step_jit = _jitted()
   mc, source = decode_model_config(model, decode_config.method)
@@ -572,6 +572,8 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
       widest = 1
     elif decode_config.method == "bd3lm":  # a clean block and the next block's masks
       widest = max(bd3lm.widths(decoder.spec))
+    elif decode_config.method == "d2f":  # the blocks in flight, up to the window
+      widest = max(d2f.widths(decoder.spec))
     else:
       widest = max(refusion.widths(decoder.spec))
     max_len = prompt_len + decode_config.gen_length

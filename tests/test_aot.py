@@ -66,7 +66,8 @@ def decode_runs(small_model):
                         ("ar", ["--decode_programs=generate", "--pass_widths="]),
                         ("mdm", ["--decode_programs=generate,run"]),
                         ("mdm-dual", ["--decode_programs=run", "--config.decode.mdm_cache=dual",
-                                      "--config.decode.mdm_threshold=0.9"])):
+                                      "--config.decode.mdm_threshold=0.9"]),
+                        ("d2f", ["--decode_programs=run", "--config.decode.d2f_window=2"])):
     runs[method] = _aot("--program=decode", f"--topology={TOPOLOGY}", f"--model={small_model}",
                         *DECODE, f"--config.decode.method={method.split('-')[0]}", *extra)
   return runs
@@ -233,13 +234,13 @@ def test_train_flops_count_recomputation():
 # --- decoding ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["refusion", "ar", "mdm", "mdm-dual"])
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm", "mdm-dual", "d2f"])
 def test_every_decode_method_compiles_and_fits(decode_runs, method):
   done, r = decode_runs[method]
   assert done.returncode == 0, done.stderr[-2000:]
   assert r["program"] == "decode" and r["method"] == method.split("-")[0] and r["fits"] is True
   names = {"refusion": ["generate", "admit", "run"], "ar": ["generate"],
-           "mdm": ["generate", "run"], "mdm-dual": ["run"]}[method]
+           "mdm": ["generate", "run"], "mdm-dual": ["run"], "d2f": ["run"]}[method]
   assert [p["name"] for p in r["programs"]] == names
   # decode.kv_chunk unset: the TPU's default (MDM passes have no cache but Fast-dLLM's).
   assert r["kv_chunk"] == (0 if method == "mdm" else config_lib.KV_CHUNK_AUTO["tpu"])
@@ -252,7 +253,9 @@ def test_every_decode_method_compiles_and_fits(decode_runs, method):
   weights = (mc.num_params() - mc.vocab_size * mc.hidden_size) * f32  # less the input embedding
   cache = 2 * mc.num_layers * 4 * mc.num_kv_heads * (16 + 16) * mc.head_dim * f32
   # Fast-dLLM's dual cache: the full canvas pass, then the block (8) over the cache.
-  widths = {"refusion": [1, 2, 8], "ar": [1], "mdm": [16 + 16], "mdm-dual": [16 + 16, 8]}[method]
+  # D2F: up to its window of two blocks in flight.
+  widths = {"refusion": [1, 2, 8], "ar": [1], "mdm": [16 + 16], "mdm-dual": [16 + 16, 8],
+            "d2f": [1, 2, 16]}[method]
   assert [p["width"] for p in r["per_pass"]] == widths
   for p in r["per_pass"]:
     floor = weights if p["width"] == 16 + 16 and method.startswith("mdm") else weights + cache
