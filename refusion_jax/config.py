@@ -694,8 +694,8 @@ class DecodeConfig:
   token_threshold: float = 0.4  # tau_t: verification accepts tokens whose AR prob exceeds it
   temperature: float = 0.0  # 0 = greedy; > 0 adds Gumbel noise to drafts / samples
   # MDM baseline: fixed tokens unmasked per step (LLaDA) unless mdm_threshold is set,
-  # in which case every masked token above it is unmasked (Fast-dLLM, at least one).
-  # BD3-LM decodes each block with the same two rules.
+  # in which case every masked token at or above it is unmasked (Fast-dLLM, at least
+  # one). BD3-LM decodes each block with the same two rules (above it, strictly).
   mdm_tokens_per_step: int = 1
   mdm_threshold: float | None = None
   # MDM: which masked positions of the block a step unmasks (MDM_RANKINGS). "confidence"

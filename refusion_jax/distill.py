@@ -13,7 +13,8 @@ U(0, (p_max - p_0) / (blocks - 1)), so the ratios never decrease and stay in
 [p_min, p_max]; tokens are masked independently at their block's ratio, the prompt
 never. The loss at each masked position is the cross-entropy of the student's softmax
 against the teacher's, divided by that position's ratio, averaged over the batch's
-masked positions (`distill_loss`).
+masked positions (`distill_loss`); a model with shifted logits (Dream) is read one
+position left, as it decodes.
 
 Only the adapter trains (the gradient is taken with respect to the LoRA parameters
 alone: the base weights are constants of the step) and only the adapter is saved:
@@ -116,6 +117,11 @@ def distill_loss(student, teacher, tokens_bt, prompt_len_b, response_len_b, rng,
   positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
   s = student(ids_bt, positions, attention_mask_btt=student_mask)
   t = jax.lax.stop_gradient(teacher(ids_bt, positions, attention_mask_btt=teacher_mask))
+  if getattr(student.config, "shift_logits", False):
+    # Dream: token i is read from position i - 1's output (the prompt is never masked, so
+    # position 0's own output is never used).
+    s = jnp.concatenate([s[:, :1], s[:, :-1]], axis=1)
+    t = jnp.concatenate([t[:, :1], t[:, :-1]], axis=1)
   loss, n = loss_from_logits(s, t, masked_bt, p_bt)
   return loss, {"loss": loss, "masked_tokens": n.astype(jnp.float32)}
 
@@ -234,9 +240,6 @@ def run(c, progress: bool = True) -> dict[str, Any]:
   if model_config.attention != "bidirectional":
     raise ValueError(f"{c.base_dir}: D2F adapts an MDM (attention='bidirectional'), got "
                      f"{model_config.attention!r}")
-  if model_config.shift_logits:
-    raise ValueError(f"{c.base_dir}: distilling a model with shifted logits "
-                     f"({model_config.model_type}) is not implemented")
   if model_config.mask_token_id is None or model_config.eos_token_id is None:
     raise ValueError(f"{c.base_dir}: the model config needs mask_token_id and eos_token_id")
   tok_dir = c.tokenizer_dir or (c.base_dir if os.path.isfile(

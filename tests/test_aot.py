@@ -255,7 +255,7 @@ def test_every_decode_method_compiles_and_fits(decode_runs, method):
   # Fast-dLLM's dual cache: the full canvas pass, then the block (8) over the cache.
   # D2F: up to its window of two blocks in flight.
   widths = {"refusion": [1, 2, 8], "ar": [1], "mdm": [16 + 16], "mdm-dual": [16 + 16, 8],
-            "d2f": [1, 2, 16]}[method]
+            "d2f": [1, 2, 4, 8, 16]}[method]
   assert [p["width"] for p in r["per_pass"]] == widths
   for p in r["per_pass"]:
     floor = weights if p["width"] == 16 + 16 and method.startswith("mdm") else weights + cache

@@ -34,8 +34,9 @@ def _config(**overrides):
 
 
 @functools.lru_cache(maxsize=None)
-def _model(eos=None, seed=0):
-  model = Qwen3(_config(eos_token_id=eos), rngs=nnx.Rngs(seed))
+def _model(eos=None, seed=0, shift=False):
+  model = Qwen3(_config(eos_token_id=eos, **({"model_type": "dream"} if shift else {})),
+                rngs=nnx.Rngs(seed))
   nnx.update(model, jax.tree.map(lambda x: x * 3.0, nnx.state(model, nnx.Param)))
   return model
 
@@ -107,7 +108,8 @@ def oracle(model, prompt, block, add, act, conf, window):
       cached += 1
     for j in range(cached, added):
       cand = [i for i in range(j * block, (j + 1) * block) if gen[i] is None]
-      col = lambda i: len(prompt) + i
+      # A shifted model (Dream) reads position i from the output at i - 1.
+      col = lambda i: len(prompt) + i - int(model.config.shift_logits)
       order = sorted(cand, key=lambda i: (-p[col(i)].max(), i))
       chosen = [i for i in order if p[col(i)].max() > conf]
       if complete[j] and not chosen and order:
@@ -143,9 +145,11 @@ CASES = [  # block, tau_add, tau_act, tau_conf, window
 ]
 
 
-@pytest.mark.parametrize("block, add, act, conf, window", CASES)
-def test_d2f_matches_the_plain_oracle(block, add, act, conf, window):
-  model = _model()
+@pytest.mark.parametrize("block, add, act, conf, window, shift",
+                         [c + (False,) for c in CASES]
+                         + [(4, 0.25, 0.75, 0.3, 2, True), (2, 0.5, 0.5, 0.5, 8, True)])
+def test_d2f_matches_the_plain_oracle(block, add, act, conf, window, shift):
+  model = _model(shift=shift)
   tokens, nfe = _decode(model, PROMPTS, block_size=block, d2f_add_threshold=add,
                         d2f_act_threshold=act, d2f_conf_threshold=conf, d2f_window=window)
   for i, prompt in enumerate(PROMPTS):
@@ -193,7 +197,6 @@ def test_bad_thresholds_are_one_line(changes, match):
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(attention="causal"), "needs an MDM"),
-    (dict(model_type="dream"), "shifted logits"),
 ])
 def test_models_d2f_cannot_decode_are_refused(overrides, match):
   model = Qwen3(_config(**overrides), rngs=nnx.Rngs(0))

@@ -60,7 +60,7 @@ def _oracle(model, prompt, per_step, threshold, eos):
       if threshold is None:
         chosen = order[:per_step]
       else:
-        chosen = [i for i in masked if conf[i] > threshold] or order[:1]
+        chosen = [i for i in masked if conf[i] >= threshold] or order[:1]
       for i in chosen:
         gen[i] = int(draft[i])
         steps[i] = passes

@@ -149,3 +149,27 @@ def test_entry_points_merge_an_adapter_at_load(tmp_path):
   assert np.abs(np.asarray(merged(ids, pos)) - np.asarray(base(ids, pos))).max() > 1e-3
   with pytest.raises(ValueError, match="scan_layers=True cannot be combined"):
     sample.load_model(base_dir, scan_layers=True, adapter_dir=str(tmp_path / "ad"))
+
+
+def test_a_shifted_model_distils_reading_each_token_one_position_left(tmp_path):
+  config = config_lib.tiny(num_layers=1, hidden_size=64, mlp_dim=128, num_heads=2,
+                           num_kv_heads=1, head_dim=32, attention="bidirectional",
+                           model_type="dream")
+  model = Qwen3(config, rngs=nnx.Rngs(0))
+  checkpoint.save_model(str(tmp_path / "dream"), config, model)
+  out = distill.run(_config(str(tmp_path / "dream"), tmp_path / "d", steps=2), progress=False)
+  assert os.path.isdir(out["adapter_dir"]) and math.isfinite(out["final_loss"])
+  # The loss reads logits shifted by one: equal to the unshifted loss on logits moved right.
+  tokens = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 12]], jnp.int32)
+  plen, rlen = jnp.asarray([3]), jnp.asarray([5])
+  loss, _ = distill.distill_loss(model, model, tokens, plen, rlen, jax.random.key(0),
+                                 mask_id=3, block_size=2, p_min=0.5, p_max=0.5)
+  ids, masked, p, _ = distill.noise(tokens, plen, rlen, jax.random.key(0), mask_id=3,
+                                    block_size=2, p_min=0.5, p_max=0.5)
+  pos = jnp.arange(8)[None]
+  l_s = model(ids, pos, attention_mask_btt=(masks.block_causal_btt(plen, 2, 8)
+                                            | jnp.eye(8, dtype=bool)[None]))
+  l_t = model(ids, pos, attention_mask_btt=jnp.ones((1, 8, 8), bool))
+  shift = lambda x: jnp.concatenate([x[:, :1], x[:, :-1]], axis=1)
+  want, _ = distill.loss_from_logits(shift(l_s), shift(l_t), masked, p)
+  assert float(loss) == pytest.approx(float(want), rel=1e-5) and float(loss) > 0

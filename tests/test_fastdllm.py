@@ -157,7 +157,7 @@ def _oracle(model, prompt, cache, block, threshold=None, factor=None, per_step=1
       elif factor is not None:
         chosen = order[:factor_count([conf[j] for j in order], factor)]
       elif threshold is not None:
-        chosen = [j for j in order if conf[j] > threshold] or order[:1]
+        chosen = [j for j in order if conf[j] >= threshold] or order[:1]
       else:
         chosen = order[:per_step]
       for j in chosen:

@@ -766,7 +766,7 @@ def test_bad_input_gets_its_4xx_and_the_server_keeps_serving(served):
     _client(served).completions.create(model="nope", prompt="hi")
   r = httpx.post(served["url"] + "/v1/completions", timeout=30,
                  json={"model": "tiny", "prompt": "hi", "method": "bogus"})
-  assert "must be one of refusion, ar, mdm, bd3lm, got 'bogus'" in r.json()["error"]["message"]
+  assert "must be one of refusion, ar, mdm, bd3lm, d2f, got 'bogus'" in r.json()["error"]["message"]
   # A method the path does not take: 405 naming the ones it does (RFC 9110's Allow).
   r = httpx.get(served["url"] + "/v1/completions", timeout=30)
   assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]

@@ -37,10 +37,13 @@ on decoding the blocks in flight after a stop token; the tokens up to it are the
 
 Counters: `plan_b` counts the passes (`nfe_b == steps_b`), `prefill_b` is 1.
 
+A model whose logits are shifted (Dream) reads position i's draft from position i-1's
+output: the first in-flight position's from the last cached token's, kept from the pass
+that cached it (the prompt's last token's, from the prefill), as D2F keeps `last_logits`;
+at temperature > 0 that draft is the one sampled then.
+
 A row program of `engine`: one compiled program per shape; the three thresholds and
-the temperature are traced knobs, `d2f_window` static. A model whose logits are
-shifted (Dream) is refused: its first in-flight position would read the last cached
-token's output, which this decoder does not keep.
+the temperature are traced knobs, `d2f_window` static.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from refusion_jax.config import DecodeConfig, ModelConfig
-from refusion_jax.decode import common, engine, mdm, passes
+from refusion_jax.decode import common, engine, heads, mdm, passes
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.engine import FIRST_PHASE, FREE, DONE, Knobs, Spec
 from refusion_jax.kv_cache import KVCache
@@ -72,6 +75,10 @@ class Rows:
   to_cache_b: jax.Array  # finished blocks after the cached ones, fed (and cached) next
   complete_bk: jax.Array  # fully activated blocks
   stop_seen_b: jax.Array  # a stop token has been committed: no block is appended
+  # A shifted model (Dream): the first uncached position's draft and its probability, read
+  # from the last cached token's output (the prompt's last at first; D2F's last_logits).
+  last_pick_b: jax.Array
+  last_p_b: jax.Array
   counters: DecodeCounters
 
 
@@ -99,7 +106,8 @@ def _empty_rows(spec: Spec, b: int, mask_id) -> Rows:
               gen_bg=jnp.full((b, g), mask_id, jnp.int32), decided_bg=jnp.zeros((b, g), bool),
               commit_step_bg=jnp.full((b, g), -1, jnp.int32), cached_b=zi, added_b=zi,
               to_cache_b=zi, complete_bk=jnp.zeros((b, g // spec.block_size), bool),
-              stop_seen_b=jnp.zeros((b,), bool), counters=DecodeCounters.zeros(b))
+              stop_seen_b=jnp.zeros((b,), bool), last_pick_b=zi,
+              last_p_b=jnp.zeros((b,), jnp.float32), counters=DecodeCounters.zeros(b))
 
 
 def init(model, spec: Spec, rows: int, width: int) -> State:
@@ -112,11 +120,22 @@ def init(model, spec: Spec, rows: int, width: int) -> State:
 
 def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: Knobs) -> State:
   """Prefills each prompt (every token seeing the whole prompt) into its row's cache."""
-  cache, _ = common.prefill_rows(model, st.cache, ids_ap, lens_a, rows_a, bidirectional=True)
+  cache, last_ad = common.prefill_rows(model, st.cache, ids_ap, lens_a, rows_a,
+                                       bidirectional=True)
   a = ids_ap.shape[0]
   fresh = _empty_rows(spec, a, knobs.mask_id).replace(
       phase_b=jnp.full((a,), DENOISE, jnp.int32), length_b=lens_a, prompt_len_b=lens_a,
       key_b2=keys_a2)
+  if model.config.shift_logits:
+    # The prompt's last output predicts the first response token (a key no pass uses).
+    n = spec.d2f_window * spec.block_size
+    keys = engine.pass_keys(keys_a2, jnp.zeros((a,), jnp.int32), n + 1,
+                            knobs.temperature)[:, n:]
+    stats = heads.token_stats(last_ad[:, None], model.unembed(), jnp.zeros((a, 1), jnp.int32),
+                              sample_bt=jnp.ones((a, 1), bool), temperature=knobs.temperature,
+                              keys_bt2=keys, banned_id=knobs.mask_id,
+                              vocab_chunk=spec.vocab_chunk)
+    fresh = fresh.replace(last_pick_b=stats.pick_bt[:, 0], last_p_b=stats.p_pick_bt[:, 0])
   fresh = fresh.replace(counters=fresh.counters.add(jnp.ones((a,), bool), prefill_b=1))
   return st.replace(cache=cache, rows=engine.set_rows(st.rows, fresh, rows_a))
 
@@ -165,10 +184,23 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
                                block_groups=True)
   cached_b = r.cached_b + jnp.where(active_b, r.to_cache_b, 0)
   length_b = r.length_b + jnp.where(active_b, r.to_cache_b * bs, 0).astype(jnp.int32)
+  pick_bn, p_bn = out.pick_bn, out.p_pick_bn
+  last_pick_b, last_p_b = r.last_pick_b, r.last_p_b
+  if model.config.shift_logits:
+    # Entry i's token is read from entry i - 1's output; the first entry's from the last
+    # cached token's, kept. Blocks cached by this pass hand their last output on.
+    pick_bn = jnp.concatenate([r.last_pick_b[:, None], out.pick_bn[:, :-1]], axis=1)
+    p_bn = jnp.concatenate([r.last_p_b[:, None], out.p_pick_bn[:, :-1]], axis=1)
+    last_at = jnp.clip(r.to_cache_b * bs - 1, 0, n - 1)[:, None]
+    handed_b = active_b & (r.to_cache_b > 0)
+    last_pick_b = jnp.where(handed_b, jnp.take_along_axis(out.pick_bn, last_at, 1)[:, 0],
+                            r.last_pick_b)
+    last_p_b = jnp.where(handed_b, jnp.take_along_axis(out.p_pick_bn, last_at, 1)[:, 0],
+                         r.last_p_b)
 
   # 4. Commit, block by block.
   cand_bwt = (fed_bn & ~decided_bn).reshape(b, w, bs)
-  conf_bwt = out.p_pick_bn.reshape(b, w, bs)
+  conf_bwt = p_bn.reshape(b, w, bs)
   rank_bwt = mdm.confidence_rank_bg(conf_bwt.reshape(b * w, bs),
                                     cand_bwt.reshape(b * w, bs)).reshape(b, w, bs)
   complete_bw = jnp.take_along_axis(complete_bk, jnp.minimum(block_bw, k_blocks - 1), axis=1)
@@ -176,11 +208,11 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
                            | (complete_bw[:, :, None] & (rank_bwt == 0)))).reshape(b, n)
   rows_bn = jnp.broadcast_to(jnp.arange(b)[:, None], (b, n))
   put_bn = jnp.where(chosen_bn, gen_pos_bn, g)  # dropped where nothing is committed
-  gen_bg = r.gen_bg.at[rows_bn, put_bn].set(out.pick_bn, mode="drop")
+  gen_bg = r.gen_bg.at[rows_bn, put_bn].set(pick_bn, mode="drop")
   decided_bg = r.decided_bg.at[rows_bn, put_bn].set(True, mode="drop")
   commit_step_bg = r.commit_step_bg.at[rows_bn, put_bn].set(
       jnp.broadcast_to(r.counters.steps_b[:, None], (b, n)), mode="drop")
-  stop_seen_b = r.stop_seen_b | jnp.any(chosen_bn & knobs.is_stop(out.pick_bn), axis=1)
+  stop_seen_b = r.stop_seen_b | jnp.any(chosen_bn & knobs.is_stop(pick_bn), axis=1)
 
   # 5. The finished blocks that follow the cached ones go to the cache next.
   done_bk = jnp.all(decided_bg.reshape(b, k_blocks, bs), axis=-1) & (ks[None] < added_b[:, None])
@@ -198,7 +230,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
                 cached_b=cached_b, added_b=keep(added_b, r.added_b),
                 to_cache_b=keep(to_cache_b, r.to_cache_b),
                 complete_bk=keep(complete_bk, r.complete_bk), stop_seen_b=stop_seen_b,
-                counters=counters)
+                last_pick_b=last_pick_b, last_p_b=last_p_b, counters=counters)
   return State(passes=st.passes + 1, cache=cache.replace(length_b=length_b), rows=r)
 
 
@@ -210,10 +242,6 @@ def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: i
   if config.attention != "bidirectional":
     raise ValueError(f"D2F decoding needs an MDM (ModelConfig.attention='bidirectional') "
                      f"with a D2F adapter, got attention={config.attention!r}")
-  if config.shift_logits:
-    raise ValueError(f"D2F decoding of a model with shifted logits ({config.model_type}) is "
-                     "not implemented: its first position in flight reads the last cached "
-                     "token's output")
   if config.mask_token_id is None:
     raise ValueError("D2F decoding needs ModelConfig.mask_token_id, got None")
   if decode_config.mdm_ranking != "confidence" or decode_config.mdm_steps is not None:

@@ -9,8 +9,9 @@ tokens of the row's current block:
 
 * `mdm_threshold is None` (LLaDA, low-confidence remasking): the
   `mdm_tokens_per_step` most confident ones (fewer when fewer are left);
-* otherwise (Fast-dLLM parallel decoding): every one whose confidence exceeds
-  `mdm_threshold`, and the most confident one when none does.
+* otherwise (Fast-dLLM parallel decoding): every one whose confidence is at least
+  `mdm_threshold` (Fast-dLLM's code compares >=), and the most confident one when none
+  is.
 
 Draft = argmax of the logits (a sample at temperature > 0, i.e. argmax with
 Gumbel noise); confidence = its softmax probability under the plain logits.
@@ -378,7 +379,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
       factor_b = factor_counts_b(conf_bg, candidate_bg, rank_bg, knobs.mdm_factor)
       chosen_bg = candidate_bg & jnp.where(
           knobs.mdm_factor > 0, rank_bg < factor_b[:, None],
-          jnp.where(knobs.mdm_threshold >= 0, (conf_bg > knobs.mdm_threshold) | (rank_bg == 0),
+          jnp.where(knobs.mdm_threshold >= 0, (conf_bg >= knobs.mdm_threshold) | (rank_bg == 0),
                     rank_bg < knobs.mdm_tokens_per_step))
   if spec.mdm_cache and shift:
     # Dream's variant: a block's full first pass decodes its first position only.
