@@ -60,6 +60,26 @@ ROWS = {
         "--config=configs/sample.py", "--config.decode.method=bd3lm",
         "--config.decode.gen_length=512", "--config.decode.block_size=8",
         "--config.decode.slot_size=8", "--batch=16", "--prompt_len=1024", "--scan_layers"],
+    # Table 1's systems (docs/RESULTS.md "Table 1's systems"): Llama-3-8B left to right,
+    # LLaDA-8B with Fast-dLLM's dual cache, LLaDA-8B with D2F (4 blocks of 32 in flight).
+    "8b-decode-llama3-ar-v5litepod-8": [
+        "--program=decode", "--topology=v5litepod-8", "--model=llama3_8b",
+        "--config=configs/sample.py", "--config.decode.method=ar",
+        "--config.decode.gen_length=256", "--batch=16", "--prompt_len=1024",
+        "--decode_programs=generate", "--pass_widths="],
+    "8b-decode-llada-dual-v5litepod-8": [
+        "--program=decode", "--topology=v5litepod-8", "--model=llada_8b",
+        "--config=configs/sample.py", "--config.decode.method=mdm",
+        "--config.decode.gen_length=256", "--config.decode.block_size=32",
+        "--config.decode.slot_size=32", "--config.decode.mdm_threshold=0.9",
+        "--config.decode.mdm_cache=dual", "--batch=16", "--prompt_len=1024",
+        "--decode_programs=run"],
+    "8b-decode-llada-d2f-v5litepod-8": [
+        "--program=decode", "--topology=v5litepod-8", "--model=llada_8b",
+        "--config=configs/sample.py", "--config.decode.method=d2f",
+        "--config.decode.gen_length=256", "--config.decode.block_size=32",
+        "--config.decode.slot_size=1", "--config.decode.d2f_window=4", "--batch=16",
+        "--prompt_len=1024", "--decode_programs=run", "--pass_widths="],
     "tiny-v5litepod-4": ["--program=train", "--config=configs/tiny_refusion.py",
                          "--topology=v5litepod-4"],
 }
