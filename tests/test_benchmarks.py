@@ -430,3 +430,24 @@ def test_decode_commits_reads_a_variants_decode_fields():
       ".", {"kv_chunk": 0, "ignore_eos": True})
   with pytest.raises(ValueError, match="not FIELD=VALUE"):
     decode_commits.parse_variant(".:kv_chunk")
+
+
+def test_order_oracle_scores_every_order_of_each_problem(tmp_path, capsys):
+  from benchmarks import order_oracle as bench  # pylint: disable=import-outside-toplevel
+  from refusion_jax import checkpoint, config as config_lib  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from refusion_jax.model import Qwen3  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                        mlp_dim=64)
+  checkpoint.save_model(str(tmp_path / "m"), cfg, Qwen3(cfg, rngs=nnx.Rngs(0)))
+  rows = bench.main(["--model_dir", str(tmp_path / "m"), "--task_prompts", os.path.join(
+      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "refusion_jax", "assets",
+      "data", "tiny_test.jsonl"), "--per_task", "1", "--gen_length", "8", "--slot_size", "4"])
+  assert rows["all"]["problems"] == 7
+  for r in rows.values():  # the best order is at least any order, the worst at most
+    assert r["worst"] <= r["mean"] <= r["best"] and r["worst"] <= r["ltr"] <= r["best"]
+    assert 1 <= r["distinct"] <= 2
+  assert "| all | 7 |" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    bench.parse_args(["--model_dir", str(tmp_path / "m"), "--task_prompts", __file__,
+                      "--gen_length", "24", "--slot_size", "2"])
