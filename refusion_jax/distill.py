@@ -330,14 +330,20 @@ def run(c, progress: bool = True) -> dict[str, Any]:
   return out
 
 
-def main(argv) -> None:
-  del argv
-  result = run(_CONFIG.value)
+def main(argv, config_flag) -> None:
+  if len(argv) > 1:
+    from absl import app  # pylint: disable=import-outside-toplevel
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  result = run(config_flag.value)
   print(json.dumps(result))
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/d2f_tiny.py")
-  app.run(main)
+
+  from refusion_jax import entry_flags  # pylint: disable=import-outside-toplevel
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", None, "Distillation config file (configs/d2f_tiny.py).", lock_config=True)
+  # Bad settings and inputs (config fields, folders, adapters) are ValueErrors: one line.
+  entry_flags.run_program(lambda argv: main(argv, _CONFIG), "refusion_jax.distill",
+                          user_errors=(ValueError, FileNotFoundError))

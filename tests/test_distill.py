@@ -173,3 +173,18 @@ def test_a_shifted_model_distils_reading_each_token_one_position_left(tmp_path):
   shift = lambda x: jnp.concatenate([x[:, :1], x[:, :-1]], axis=1)
   want, _ = distill.loss_from_logits(shift(l_s), shift(l_t), masked, p)
   assert float(loss) == pytest.approx(float(want), rel=1e-5) and float(loss) > 0
+
+
+def test_the_command_line_reports_a_bad_setting_in_one_line(tmp_path):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "-m", "refusion_jax.distill",
+                         "--config=configs/d2f_tiny.py", f"--config.base_dir={tmp_path}/nope",
+                         f"--config.output_dir={tmp_path}/out"], cwd=repo,
+                        capture_output=True, text=True, check=False,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 2, done.stderr
+  assert done.stderr.strip().splitlines()[-1] == (
+      f"refusion_jax.distill: error: --config.base_dir='{tmp_path}/nope' is not a folder")
+  assert not os.path.exists(tmp_path / "out")  # nothing written
