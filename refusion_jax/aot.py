@@ -527,6 +527,29 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
       jnp.shape(x), jnp.result_type(x), sharding=NamedSharding(mesh, PartitionSpec())),
       decoder.knobs)
   per_pass = []
+  replicated = NamedSharding(mesh, PartitionSpec())
+  kv_chunk = decoder.spec.kv_chunk
+
+  def cached_pass(width: int, max_len: int, what: str) -> dict:
+    """One pass of `width` tokens a row over a `max_len`-entry KV cache, compiled."""
+    cache = _cache_shapes(mc, batch, max_len, mesh, rules, kv_chunk)
+    kv_bytes = per_chip_bytes((cache.k, cache.v))
+    # Attention reads the cache in kv_chunk pieces up to the longest row
+    # (model.attend_live), a loop of traced length: counted here at a full buffer.
+    kv_trips = -(-max_len // kv_chunk) if 0 < kv_chunk < max_len else 1
+    shape = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=replicated)  # noqa: E731
+    with sharding.use_mesh(mesh, rules):
+      lowered = pass_jit.lower(
+          decoder.graphdef, decoder.params, cache, shape((batch, width), jnp.int32),
+          shape((batch, width), jnp.int32), shape((batch, width, 2), jnp.uint32),
+          shape((), jnp.float32), width=width, vocab_chunk=decoder.spec.vocab_chunk)
+    compiled, seconds = compile_program(lowered, what)
+    nbytes = hbm_traffic(compiled, kv_trips)
+    flops = cached_pass_flops(mc, batch, width, max_len) / chips
+    return {"width": width, "bytes": nbytes, "bytes_floor": weight_bytes + kv_bytes,
+            "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
+            "xla_flops": xla_flops(compiled), "compile_s": seconds}
+
   if decode_config.method == "mdm":
     canvas = prompt_len + decode_config.gen_length
     # The full canvas pass: every step without a cache, a block's first with Fast-dLLM's
@@ -548,24 +571,8 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
       # the gen_length-wide feed of the first block) over the canvas's cached K/V.
       width = (decode_config.gen_length if decode_config.mdm_cache == "prefix"
                else decode_config.block_size)
-      cache = _cache_shapes(mc, batch, canvas, mesh, rules, decoder.spec.kv_chunk)
-      kv_bytes = per_chip_bytes((cache.k, cache.v))
-      kv_chunk = decoder.spec.kv_chunk
-      kv_trips = -(-canvas // kv_chunk) if 0 < kv_chunk < canvas else 1
-      replicated = NamedSharding(mesh, PartitionSpec())
-      shape = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=replicated)  # noqa: E731
-      with sharding.use_mesh(mesh, rules):
-        lowered = pass_jit.lower(
-            decoder.graphdef, decoder.params, cache, shape((batch, width), jnp.int32),
-            shape((batch, width), jnp.int32), shape((batch, width, 2), jnp.uint32),
-            shape((), jnp.float32), width=width, vocab_chunk=decoder.spec.vocab_chunk)
-      compiled, seconds = compile_program(
-          lowered, f"one {decode_config.mdm_cache}-cached mdm pass ({width} tokens per row)")
-      nbytes = hbm_traffic(compiled, kv_trips)
-      flops = cached_pass_flops(mc, batch, width, canvas) / chips
-      per_pass.append({"width": width, "bytes": nbytes, "bytes_floor": weight_bytes + kv_bytes,
-                       "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
-                       "xla_flops": xla_flops(compiled), "compile_s": seconds})
+      per_pass.append(cached_pass(width, canvas, f"one {decode_config.mdm_cache}-cached mdm "
+                                                 f"pass ({width} tokens per row)"))
       top = per_pass[1]
   else:
     if decode_config.method == "ar":
@@ -577,31 +584,12 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
     else:
       widest = max(refusion.widths(decoder.spec))
     max_len = prompt_len + decode_config.gen_length
-    kv_chunk = decoder.spec.kv_chunk
-    cache = _cache_shapes(mc, batch, max_len, mesh, rules, kv_chunk)
-    kv_bytes = per_chip_bytes((cache.k, cache.v))
-    # Attention reads the cache in kv_chunk pieces up to the longest row
-    # (model.attend_live), a loop of traced length: counted here at a full buffer.
-    kv_trips = -(-max_len // kv_chunk) if 0 < kv_chunk < max_len else 1
-    replicated = NamedSharding(mesh, PartitionSpec())
     for width in sorted(set(widths) | {widest}):
       if prompt_len + width > max_len:
         log(f"skipping pass width {width}: more than the {decode_config.gen_length} "
             "generated entries of the cache")
         continue
-      shape = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=replicated)  # noqa: E731
-      with sharding.use_mesh(mesh, rules):
-        lowered = pass_jit.lower(
-            decoder.graphdef, decoder.params, cache, shape((batch, width), jnp.int32),
-            shape((batch, width), jnp.int32), shape((batch, width, 2), jnp.uint32),
-            shape((), jnp.float32), width=width, vocab_chunk=decoder.spec.vocab_chunk)
-      compiled, seconds = compile_program(lowered, f"one pass of width {width}")
-      nbytes = hbm_traffic(compiled, kv_trips)
-      flops = cached_pass_flops(mc, batch, width, max_len) / chips
-      per_pass.append({"width": width, "bytes": nbytes, "bytes_floor": weight_bytes + kv_bytes,
-                       "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
-                       "xla_flops": xla_flops(compiled), "compile_s": seconds})
-      del compiled
+      per_pass.append(cached_pass(width, max_len, f"one pass of width {width}"))
     top = next(p for p in per_pass if p["width"] == widest)
   return dict(result, pass_width=top["width"], flops=top["flops"], bytes=top["bytes"],
               estimated_s=top["estimated_s"],

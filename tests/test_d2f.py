@@ -203,3 +203,10 @@ def test_models_d2f_cannot_decode_are_refused(overrides, match):
   with pytest.raises(ValueError, match=match):
     engine.Decoder(model, config_lib.DecodeConfig(method="d2f", gen_length=GEN, block_size=4,
                                                   slot_size=1))
+
+
+def test_mdm_samplers_are_refused():
+  with pytest.raises(ValueError, match="D2F decoding commits by confidence, its three "
+                     "thresholds; decode.mdm_ranking='entropy'"):
+    engine.Decoder(_model(), config_lib.DecodeConfig(method="d2f", gen_length=GEN, block_size=4,
+                                                     slot_size=1, mdm_ranking="entropy"))

@@ -203,12 +203,8 @@ def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: i
                      f"decode.method='mdm'")
   if config.mask_token_id is None:
     raise ValueError("BD3-LM decoding needs ModelConfig.mask_token_id, got None")
-  if decode_config.mdm_ranking != "confidence" or decode_config.mdm_steps is not None:
-    raise ValueError(f"BD3-LM decoding commits by confidence, mdm_tokens_per_step or "
-                     f"mdm_threshold a step; decode.mdm_ranking="
-                     f"{decode_config.mdm_ranking!r} and decode.mdm_steps="
-                     f"{decode_config.mdm_steps!r} are the MDM decoder's (Dream's samplers): "
-                     f"leave them at 'confidence' and None")
+  common.refuse_mdm_samplers(decode_config, "BD3-LM",
+                             "mdm_tokens_per_step or mdm_threshold a step")
   decode_config.check_fits(config, prompt_len)
 
 

@@ -244,11 +244,7 @@ def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: i
                      f"with a D2F adapter, got attention={config.attention!r}")
   if config.mask_token_id is None:
     raise ValueError("D2F decoding needs ModelConfig.mask_token_id, got None")
-  if decode_config.mdm_ranking != "confidence" or decode_config.mdm_steps is not None:
-    raise ValueError(f"D2F decoding commits by confidence and its thresholds; decode."
-                     f"mdm_ranking={decode_config.mdm_ranking!r} and decode.mdm_steps="
-                     f"{decode_config.mdm_steps!r} are the MDM decoder's: leave them at "
-                     "'confidence' and None")
+  common.refuse_mdm_samplers(decode_config, "D2F", "its three thresholds")
   decode_config.check_fits(config, prompt_len)
 
 
