@@ -66,10 +66,13 @@ class Adapter:
     return tuple(p for p in PROJECTIONS if any(k[1] == p for k in self.tensors))
 
 
+# Each projection's tensor kind in hf's name table (its HF layout and ours).
+_KIND_OF = {"q_proj": "q_proj", "k_proj": "kv_proj", "v_proj": "kv_proj", "o_proj": "o_proj"}
+
+
 def _hf_shape(config: ModelConfig, proj: str) -> tuple[int, int]:
   """The HF Linear weight `[out, in]` of one of our projections."""
-  kind = {"q_proj": "q_proj", "k_proj": "kv_proj", "v_proj": "kv_proj", "o_proj": "o_proj"}[proj]
-  return tuple(hf._KINDS[kind].hf_shape(config))  # pylint: disable=protected-access
+  return tuple(hf._KINDS[_KIND_OF[proj]].hf_shape(config))  # pylint: disable=protected-access
 
 
 def _module_names(config: ModelConfig) -> dict[str, str]:
@@ -174,10 +177,9 @@ def merge(model, adapter: Adapter):
   config = model.config
   if config.scan_layers:
     raise ValueError("lora.merge: a model with scanned layers is not supported")
-  kind = {"q_proj": "q_proj", "k_proj": "kv_proj", "v_proj": "kv_proj", "o_proj": "o_proj"}
   for (layer, proj), (a, b) in adapter.tensors.items():
     param = getattr(model.layers[layer].attn, proj)
-    delta = hf._KINDS[kind[proj]].to_ours(  # pylint: disable=protected-access
+    delta = hf._KINDS[_KIND_OF[proj]].to_ours(  # pylint: disable=protected-access
         adapter.scale * (b @ a), config)
     w = param[...]
     param[...] = (jnp.asarray(w, jnp.float32) + jnp.asarray(delta)).astype(w.dtype)
