@@ -165,8 +165,9 @@ def read_adapter(directory: str, config: ModelConfig) -> Adapter:
   return Adapter(rank=rank, alpha=float(alpha), tensors=out, source=directory)
 
 
-def _state_key(layer: int, proj: str) -> tuple:
-  return ("layers", layer, "attn", proj)
+def _lora_key(layer: int, proj: str, factor: str) -> tuple:
+  """The state path of qwix's factor ("a" or "b") of one layer's projection."""
+  return ("layers", layer, "attn", f"{proj}_lora_{factor}")
 
 
 def merge(model, adapter: Adapter):
@@ -242,8 +243,7 @@ def load_into(lora_model, adapter: Adapter) -> None:
   config = lora_model.config
   variables = _lora_vars(lora_model)
   for (layer, proj) in [(i, p) for i in range(config.num_layers) for p in PROJECTIONS]:
-    va = variables[_state_key(layer, proj)[:-1] + (proj + "_lora_a",)]
-    vb = variables[_state_key(layer, proj)[:-1] + (proj + "_lora_b",)]
+    va, vb = variables[_lora_key(layer, proj, "a")], variables[_lora_key(layer, proj, "b")]
     if va.get_value().shape[-1] != adapter.rank:
       raise ValueError(f"LoRA rank {adapter.rank} of {adapter.source!r}, but the model's "
                        f"adapter has rank {va.get_value().shape[-1]}")
@@ -262,9 +262,8 @@ def extract(lora_model, alpha: float) -> Adapter:
   tensors, rank = {}, None
   for layer in range(config.num_layers):
     for proj in PROJECTIONS:
-      key = _state_key(layer, proj)[:-1]
-      qa = np.asarray(variables[key + (proj + "_lora_a",)].get_value(), np.float32)
-      qb = np.asarray(variables[key + (proj + "_lora_b",)].get_value(), np.float32)
+      qa = np.asarray(variables[_lora_key(layer, proj, "a")].get_value(), np.float32)
+      qb = np.asarray(variables[_lora_key(layer, proj, "b")].get_value(), np.float32)
       rank = qa.shape[-1]
       tensors[layer, proj] = _peft_pair(config, proj, qa, qb)
   return Adapter(rank=rank, alpha=float(alpha), tensors=tensors)
