@@ -238,10 +238,9 @@ def factor_counts_b(conf_bg, candidate_bg, rank_bg, factor):
   return jnp.where(first_b >= n_b - 1, n_b, first_b)
 
 
-def _cache_plan(spec: Spec, r: Rows, knobs: Knobs, start_b, cols_l, key_live_bl):
+def _cache_plan(spec: Spec, r: Rows, knobs: Knobs, active_b, start_b, cols_l, key_live_bl):
   """Fast-dLLM: which active rows run a full pass this step (a block's first step, or
   every `cache_refresh` steps), and which canvas columns the cache then keeps."""
-  active_b = r.phase_b == DENOISE
   every = knobs.cache_refresh
   refresh_b = active_b & ((r.block_step_b == 0)
                           | ((every > 0) & (r.block_step_b % jnp.maximum(every, 1) == 0)))
@@ -299,7 +298,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
     h_bld, _, _ = model.forward_hidden(seq_bl, positions_bl, None, attn_bll)
     h_bjd = take(h_bld, read_full_bj)
   else:
-    refresh_b, keep_bl = _cache_plan(spec, r, knobs, start_b, cols_l, key_live_bl)
+    refresh_b, keep_bl = _cache_plan(spec, r, knobs, active_b, start_b, cols_l, key_live_bl)
     cached_b = active_b & ~refresh_b
     d = model.config.hidden_size
     zeros = jnp.zeros((b, bs, d), model.config.compute_dtype)
@@ -383,10 +382,9 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
                     rank_bg < knobs.mdm_tokens_per_step))
   if spec.mdm_cache and shift:
     # Dream's variant: a block's full first pass decodes its first position only.
-    first_bg = refresh_b[:, None] & (r.block_step_b == 0)[:, None] & (
-        jnp.arange(g)[None, :] == blk_b[:, None] * bs)
-    chosen_bg = jnp.where((refresh_b & (r.block_step_b == 0))[:, None], candidate_bg & first_bg,
-                          chosen_bg)
+    block_start_b = refresh_b & (r.block_step_b == 0)
+    first_bg = jnp.arange(g)[None, :] == blk_b[:, None] * bs
+    chosen_bg = jnp.where(block_start_b[:, None], candidate_bg & first_bg, chosen_bg)
   gen_bg = jnp.where(chosen_bg, draft_bg, r.gen_bg)
   decided_bg = r.decided_bg | chosen_bg
   commit_step_bg = jnp.where(chosen_bg, r.counters.steps_b[:, None], r.commit_step_bg)
