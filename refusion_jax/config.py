@@ -775,6 +775,13 @@ class DecodeConfig:
   boundary_check: bool = True
   remask: bool = False
   remask_threshold: float = 0.5
+  # RL rollouts (refusion_jax.rl; ReFusion's parallel decoder, verify and remask off).
+  # sample_drafts (traced): the infill's drafts are drawn at the temperature as the plan's
+  # are (off: argmax, the release), so that every committed token is a draw with a
+  # probability. record (static): each committed token's deciding pass is recorded
+  # (DecodeOutput.trace), which `planning.replay` scores exactly in one forward.
+  sample_drafts: bool = False
+  record: bool = False
   # Every response position is decoded: EOS counts as an ordinary token and ends
   # nothing, so every answer is gen_length tokens (vLLM's `ignore_eos`: a load
   # test with fixed answer lengths). Traced, like the thresholds.
@@ -862,6 +869,18 @@ class DecodeConfig:
       raise ValueError("decode.remask=True re-checks a slot committed before its left "
                        "neighbour; decode.left_to_right=True commits slots in position order, "
                        "so there is none")
+    for name in ("sample_drafts", "record"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"decode.{name} must be a bool, got {getattr(self, name)!r}")
+    if self.record and (self.method != "refusion" or self.left_to_right or on):
+      raise ValueError(
+          "decode.record=True records ReFusion's parallel plan-and-infill (method='refusion', "
+          "left_to_right=False, verify='off', remask=False); got method="
+          f"{self.method!r}, left_to_right={self.left_to_right}, verify={self.verify!r}, "
+          f"remask={self.remask}")
+    if self.sample_drafts and self.method != "refusion":
+      raise ValueError(f"decode.sample_drafts=True samples ReFusion's infill drafts; "
+                       f"decode.method={self.method!r} has none")
 
   def _check_mdm_ranking(self) -> None:
     """`mdm_ranking` and `mdm_steps`, alone and (for method 'mdm') with the other MDM

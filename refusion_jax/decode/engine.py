@@ -80,6 +80,7 @@ class Spec:
   d2f_window: int = 0  # DecodeConfig.d2f_window (D2F only)
   verify: bool = False  # DecodeConfig.verify != "off" (ReFusion only; "exact" is a knob)
   remask: bool = False  # DecodeConfig.remask (ReFusion only)
+  record: bool = False  # DecodeConfig.record (ReFusion only): DecodeOutput.trace
 
 
 @flax.struct.dataclass
@@ -98,6 +99,7 @@ class Knobs:
   verify_exact: jax.Array = False  # DecodeConfig.verify == "exact" (with Spec.verify)
   boundary_check: jax.Array = True  # DecodeConfig.boundary_check (with Spec.verify)
   remask_threshold: jax.Array = 0.5  # DecodeConfig.remask_threshold (with Spec.remask)
+  sample_drafts: jax.Array = False  # DecodeConfig.sample_drafts (ReFusion's infill drafts)
   # ModelConfig.stop_token_ids, padded with -1 to MAX_STOP_IDS - 1 (all -1 under ignore_eos)
   stop_ids: jax.Array = flax.struct.field(
       default_factory=lambda: np.full((MAX_STOP_IDS - 1,), -1, np.int32))
@@ -170,7 +172,7 @@ def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_
   if dc.left_to_right:  # blocks play no part left to right
     return Spec("refusion", g, dc.slot_size, g, True, vocab_chunk, kv_chunk, mp, verify=verify)
   return Spec("refusion", g, dc.slot_size, dc.block_size, False, vocab_chunk, kv_chunk, mp,
-              verify=verify, remask=dc.remask)
+              verify=verify, remask=dc.remask, record=dc.record)
 
 
 def precision(spec: Spec):
@@ -208,6 +210,7 @@ def knobs_of(model_config, decode_config: DecodeConfig) -> Knobs:
       verify_exact=jnp.bool_(dc.verify == "exact"),
       boundary_check=jnp.bool_(dc.boundary_check),
       remask_threshold=jnp.float32(dc.remask_threshold),
+      sample_drafts=jnp.bool_(dc.sample_drafts),
       mdm_ban_eos=jnp.bool_(dc.mdm_ban_eos),
       mdm_defer_stop=jnp.bool_(dc.mdm_defer_stop),
       cfg_scale=jnp.float32(dc.mdm_cfg_scale),
@@ -632,6 +635,7 @@ class PromptResult:
   counters: dict[str, float]  # per-prompt counters (DecodeCounters.as_dict, per row)
   commit_steps: list[int]
   seconds: float  # wall time from its admission to the end of the call that finished it
+  trace: dict | None = None  # decode.record: the row's DecodeOutput.trace as numpy arrays
 
 
 @dataclasses.dataclass
@@ -803,7 +807,9 @@ class Engine:
           results[i] = PromptResult(index=i, tokens=[int(t) for t in out.tokens_bg[r, :n]],
                                     counters=counters,
                                     commit_steps=[int(s) for s in out.commit_step_bg[r, :n]],
-                                    seconds=now - row_start[r])
+                                    seconds=now - row_start[r],
+                                    trace=None if out.trace is None else
+                                    {k: np.array(v[r]) for k, v in out.trace.items()})
           row_prompt[r] = -1
           if progress is not None:
             progress.update(1)

@@ -48,6 +48,12 @@ themselves, and its KV entries are committed instead of the infill's.
 Commits from global verification, and an infill commit of one slot, are causal
 already and are not recomputed. Counted in `recompute_b`.
 
+RL rollouts (`decode.sample_drafts`, `decode.record`): the infill's drafts are drawn at
+the temperature as the plan's are, and each committed token keeps the pass that drafted
+it (the plan of its step, or infill round r with m tokens of its slot kept), its
+probability there, whether its K/V came from one causal run of its step, and each
+step's plan feed (`DecodeOutput.trace`); `planning.replay` scores a rollout from it.
+
 `left_to_right` (ReFusion used as a plain AR model): slots strictly in
 position order over the whole response (blocks and thresholds play no part).
 A slot's first token comes from a plan pass: the previous slot's last token
@@ -118,6 +124,17 @@ class Rows:
   rechecked_bs: jax.Array | None = None  # re-checked once (never again)
   recheck_slot_b: jax.Array | None = None  # the slot whose re-check the next pass feeds (-1: none)
   cache_at_bg: jax.Array | None = None  # cache entry of each committed token (-1: none)
+  # The rollout record only (Spec.record; None otherwise): each token's deciding pass.
+  src_round_bt: jax.Array | None = None  # the step in progress: -1 the plan, r infill round r
+  src_prefix_bt: jax.Array | None = None  # tokens its slot kept in that draft (plan: 0)
+  src_p_bt: jax.Array | None = None  # its probability there (un-noised softmax)
+  src_round_bg: jax.Array | None = None  # the same, of each committed token
+  src_prefix_bg: jax.Array | None = None
+  src_p_bg: jax.Array | None = None
+  chain_bg: jax.Array | None = None  # committed from one causal run of its step (global
+  #                                    verification, recompute_kv), else slot-local K/V
+  plan_fed_ts: jax.Array | None = None  # slots of its block each step's plan fed
+  plan_block_t: jax.Array | None = None  # the block of each step
 
 
 @flax.struct.dataclass
@@ -167,6 +184,7 @@ class _Layout:
     self.first_t = self.offset_t == 0
     self.verify = spec.verify
     self.remask = spec.remask
+    self.record = spec.record
 
   def live_bt(self, r: Rows):
     """Positions of the block outside a re-masked slot's committed prefix (all without
@@ -247,7 +265,8 @@ def infill_draft_feed(lay: _Layout, r: Rows, knobs: Knobs) -> passes.Feed:
   pending_bs = _pending_bt(lay, r).reshape(-1, lay.n_slots, lay.k).any(-1)
   fed = _and(lay.per_token(pending_bs), lay.live_bt(r))
   ids = jnp.where(r.accepted_bt, r.draft_bt, knobs.mask_id)
-  return _feed(lay, r, fed, ids, lay.slot_t[None], jnp.full(fed.shape, -1), sample=False)
+  return _feed(lay, r, fed, ids, lay.slot_t[None], jnp.full(fed.shape, -1),
+               sample=knobs.sample_drafts)
 
 
 def infill_verify_feed(lay: _Layout, r: Rows, knobs: Knobs) -> passes.Feed:
@@ -319,7 +338,7 @@ def _end_step(lay: _Layout, r: Rows, decided_bs, eos_b, knobs: Knobs) -> Rows:
 
 
 def commit(lay: _Layout, r: Rows, keep_bt, tokens_bt, decided_bs, eos_b, knobs: Knobs,
-           succ_bt=None, causal_run: bool = False) -> Rows:
+           succ_bt=None, causal_run: bool = False, kv_chain: bool = False) -> Rows:
   """Commits the kept tokens (a prefix of the staged KV) and ends the step. With
   verification, each kept token's causal argmax (`succ_bt`, default the row's) is kept
   for the generated index after it. With re-masking, a kept slot is marked early when
@@ -344,6 +363,11 @@ def commit(lay: _Layout, r: Rows, keep_bt, tokens_bt, decided_bs, eos_b, knobs: 
   if lay.verify:
     succ_bt = r.succ_bt if succ_bt is None else succ_bt
     r = r.replace(after_bg=_write_block(lay, r, r.after_bg, keep_bt, succ_bt))
+  if lay.record:
+    r = r.replace(src_round_bg=_write_block(lay, r, r.src_round_bg, keep_bt, r.src_round_bt),
+                  src_prefix_bg=_write_block(lay, r, r.src_prefix_bg, keep_bt, r.src_prefix_bt),
+                  src_p_bg=_write_block(lay, r, r.src_p_bg, keep_bt, r.src_p_bt),
+                  chain_bg=_write_block(lay, r, r.chain_bg, keep_bt, kv_chain))
   tokens_bg = _write_block(lay, r, r.tokens_bg, keep_bt, tokens_bt)
   commit_step_bg = _write_block(lay, r, r.commit_step_bg, keep_bt,
                                 r.counters.steps_b[:, None, None])
@@ -386,9 +410,17 @@ def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
     counters = counters.add(jnp.ones((b,), bool),
                             corrected_b=(check & (kept != draft)).sum(-1))
     draft = jnp.where(check, kept, draft)
+  extra = {}
+  if lay.record:
+    # Every draft of this step so far is the plan's; the plan's feed, by step.
+    at_ts = (jnp.arange(r.plan_block_t.shape[1])[None] == r.counters.steps_b[:, None])
+    extra = dict(src_round_bt=jnp.full(draft.shape, -1, jnp.int32),
+                 src_prefix_bt=jnp.zeros(draft.shape, jnp.int32), src_p_bt=out.p_pick_bn,
+                 plan_fed_ts=jnp.where(at_ts[:, :, None], undecided[:, None, :], r.plan_fed_ts),
+                 plan_block_t=jnp.where(at_ts, r.block_b[:, None], r.plan_block_t))
   return r.replace(phase_b=jnp.full((b,), GLOBAL), draft_bt=draft, chosen_bs=chosen,
                    stage_bs=(jnp.cumsum(chosen, -1) - 1).astype(jnp.int32),
-                   counters=counters)
+                   counters=counters, **extra)
 
 
 def global_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
@@ -432,7 +464,8 @@ def global_verify(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> R
   committed = commit(lay, r, jnp.where(gv_eos[:, None], keep_eos,
                                        _and(lay.per_token(whole_bs), live)),
                      r.draft_bt, jnp.where(gv_eos[:, None], decided_eos, r.decided_bs | whole_bs),
-                     r.eos_b | gv_eos, knobs, succ_bt=out.pick_bn, causal_run=True)
+                     r.eos_b | gv_eos, knobs, succ_bt=out.pick_bn, causal_run=True,
+                     kv_chain=True)
   # Parallel infill: every chosen slot starts from its own accepted prefix.
   accepted = chosen_bt & prefix_within_slot(accepted_bt, lay.k)
   draft, extra = r.draft_bt, {}
@@ -473,9 +506,15 @@ def infill_draft(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Ro
   verify_bs = jnp.where((r.round_b == 0)[:, None], r.chosen_bs, pending_bs)
   if lay.verify:
     verify_bs = verify_bs | r.stale_bs
+  extra = {}
+  if lay.record:
+    kept_bt = lay.per_token(r.accepted_bt.reshape(b, lay.n_slots, lay.k).sum(-1))
+    extra = dict(src_round_bt=jnp.where(pending_bt, r.round_b[:, None], r.src_round_bt),
+                 src_prefix_bt=jnp.where(pending_bt, kept_bt, r.src_prefix_bt),
+                 src_p_bt=jnp.where(pending_bt, out.p_pick_bn, r.src_p_bt))
   return r.replace(phase_b=jnp.full((b,), VERIFY),
                    draft_bt=jnp.where(pending_bt, out.pick_bn, r.draft_bt), verify_bs=verify_bs,
-                   counters=r.counters.add(jnp.ones((b,), bool), draft_b=1))
+                   counters=r.counters.add(jnp.ones((b,), bool), draft_b=1), **extra)
 
 
 def _infill_outcome(lay: _Layout, r: Rows, knobs: Knobs):
@@ -560,7 +599,7 @@ def recompute(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   r = r.replace(counters=r.counters.add(jnp.ones((b,), bool), recompute_b=1))
   keep, decided, eos = _infill_outcome(lay, r, knobs)
   return commit(lay, r, keep, r.draft_bt, decided, eos, knobs,
-                succ_bt=out.pick_bn if lay.verify else None)
+                succ_bt=out.pick_bn if lay.verify else None, kv_chain=True)
 
 
 # --- sub-slot re-masking (decode.remask) --------------------------------------------------
@@ -745,6 +784,16 @@ def _empty_rows(spec: Spec, b: int, pad_id) -> Rows:
                  early_bs=jnp.zeros((b, n_slots), bool),
                  rechecked_bs=jnp.zeros((b, n_slots), bool), recheck_slot_b=zi - 1,
                  cache_at_bg=jnp.full((b, spec.gen_length), -1, jnp.int32))
+  if spec.record:
+    g, steps = spec.gen_length, spec.gen_length // spec.slot_size
+    extra.update(src_round_bt=jnp.zeros((b, blk), jnp.int32),
+                 src_prefix_bt=jnp.zeros((b, blk), jnp.int32),
+                 src_p_bt=jnp.zeros((b, blk), jnp.float32),
+                 src_round_bg=jnp.zeros((b, g), jnp.int32),
+                 src_prefix_bg=jnp.zeros((b, g), jnp.int32),
+                 src_p_bg=jnp.zeros((b, g), jnp.float32), chain_bg=jnp.zeros((b, g), bool),
+                 plan_fed_ts=jnp.zeros((b, steps, n_slots), bool),
+                 plan_block_t=jnp.full((b, steps), -1, jnp.int32))
   return Rows(
       phase_b=zi + FREE, length_b=zi, prompt_len_b=zi, key_b2=jnp.zeros((b, 2), jnp.uint32),
       tokens_bg=jnp.full((b, spec.gen_length), pad_id, jnp.int32),
@@ -849,8 +898,14 @@ def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
   within = jnp.arange(g)[None] < length[:, None]
   tokens = jnp.where(within & committed, r.tokens_bg, knobs.pad_id)
   counters = r.counters.replace(tokens_b=(within & committed).sum(-1).astype(jnp.int32))
+  trace = None
+  if spec.record:
+    # Every committed token, past the text's end too: each shaped what came after it.
+    trace = dict(tokens=r.tokens_bg, step=r.commit_step_bg, round=r.src_round_bg,
+                 prefix=r.src_prefix_bg, p=r.src_p_bg, chain=r.chain_bg,
+                 plan_fed=r.plan_fed_ts, plan_block=r.plan_block_t, prompt_len=r.prompt_len_b)
   return DecodeOutput(tokens_bg=tokens, length_b=length, counters=counters,
-                      commit_step_bg=jnp.where(within, r.commit_step_bg, -1))
+                      commit_step_bg=jnp.where(within, r.commit_step_bg, -1), trace=trace)
 
 
 def validate(model_config, decode_config: DecodeConfig, prompt_len: int) -> None:

@@ -1,0 +1,93 @@
+"""Exact log-probabilities of ReFusion's parallel decode (refusion_jax.planning.replay):
+the one-forward training layout of a recorded rollout against the decoder's own
+probabilities and against each deciding pass run alone; the record and the sampled
+drafts leave the release's tokens alone when off."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import engine
+from refusion_jax.planning import replay
+from tests.test_order_oracle import MASK, PROMPTS, _model
+
+GEN, K, BLOCK = 24, 4, 12
+
+
+def _rollouts(model, temperature=1.0, **kw):
+  dc = DecodeConfig(gen_length=GEN, slot_size=K, block_size=BLOCK, temperature=temperature,
+                    sample_drafts=True, record=True, **kw)
+  run = engine.Decoder(model, dc, method="refusion").engine(rows=2).run(
+      PROMPTS, rng=jax.random.PRNGKey(3))
+  return [replay.layout(p, r.trace, K, BLOCK, MASK) for p, r in zip(PROMPTS, run.results)], run
+
+
+@pytest.mark.parametrize("thresholds, recompute", [((0.9, 0.9), False), ((0.2, 0.3), True),
+                                                   ((0.0, 0.0), False)])
+def test_one_forward_equals_the_decoder_and_each_pass_alone(thresholds, recompute):
+  model = _model()
+  lays, run = _rollouts(model, slot_threshold=thresholds[0], token_threshold=thresholds[1],
+                        recompute_kv=recompute)
+  batch = replay.pack(lays)
+  lp = np.asarray(replay.logprobs(model, batch, 1.0))
+  kinds = set()
+  for i, (lay, res) in enumerate(zip(lays, run.results)):
+    got = lp[i][batch["valid"][i]]
+    # Every committed token is scored once, the text's included.
+    assert set(lay.index.tolist()) >= set(range(len(res.tokens)))
+    np.testing.assert_allclose(got, np.log(lay.p_recorded), atol=1e-5)
+    np.testing.assert_allclose(got, replay.logprobs_stepwise(model, lay, 1.0), atol=1e-5)
+    t = res.trace
+    kinds |= {("draft" if r >= 0 else "plan", bool(c))
+              for r, c, s in zip(t["round"], t["chain"], t["step"]) if s >= 0}
+  # Each kind of deciding pass and committed K/V the layout tells apart occurs here.
+  want = {(0.9, 0.9): {("draft", False), ("plan", False)},
+          (0.2, 0.3): {("draft", False), ("draft", True), ("plan", False), ("plan", True)},
+          (0.0, 0.0): {("plan", True)}}[thresholds]
+  assert kinds == want
+
+
+def test_at_a_temperature_and_the_gradient():
+  model = _model()
+  lays, _ = _rollouts(model, temperature=0.7, slot_threshold=0.5, token_threshold=0.5)
+  batch = replay.pack(lays)
+  lp = np.asarray(replay.logprobs(model, batch, 0.7))
+  np.testing.assert_allclose(lp[0][batch["valid"][0]],
+                             replay.logprobs_stepwise(model, lays[0], 0.7), atol=1e-5)
+  graphdef, params = nnx.split(model, nnx.Param)
+
+  def total(p):
+    return replay.logprobs(nnx.merge(graphdef, p), batch, 0.7).sum()
+
+  grads = jax.grad(total)(params)
+  norms = [float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(grads)]
+  assert all(np.isfinite(norms)) and max(norms) > 0
+
+
+def test_options_off_keep_the_release_tokens():
+  model = _model()
+  base = dict(gen_length=GEN, slot_size=K, block_size=BLOCK, slot_threshold=0.5,
+              token_threshold=0.5)
+  for temperature in (0.0, 0.8):
+    outs = []
+    for extra in ({}, {"record": True}, {"sample_drafts": temperature == 0.0}):
+      dc = DecodeConfig(temperature=temperature, **base, **extra)
+      out = engine.Decoder(model, dc, method="refusion").engine(rows=2).run(
+          PROMPTS, rng=jax.random.PRNGKey(1))
+      outs.append([r.tokens for r in out.results])
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_bad_input():
+  with pytest.raises(ValueError, match="decode.record=True records ReFusion's parallel"):
+    DecodeConfig(gen_length=GEN, slot_size=K, block_size=BLOCK, record=True, verify="correct")
+  with pytest.raises(ValueError, match="sample_drafts=True samples ReFusion"):
+    DecodeConfig(method="mdm", gen_length=GEN, slot_size=K, block_size=BLOCK, sample_drafts=True)
+  model = _model()
+  lays, run = _rollouts(model)
+  with pytest.raises(ValueError, match="4-token prompt, not this one of 3"):
+    replay.layout([1, 2, 3], run.results[0].trace, K, BLOCK, MASK)
+  with pytest.raises(ValueError, match="the batch holds"):
+    replay.pack(lays, width=8)
