@@ -166,9 +166,10 @@ def pack(layouts, width: int | None = None, tokens: int | None = None,
   return out
 
 
-def logprobs(model, batch: dict, temperature: float = 1.0):
+def logprobs(model, batch: dict, temperature: float = 1.0, entropy: bool = False):
   """Per-token log-probabilities `[B, T]` of a packed batch (0 where not valid), in one
-  forward of `model` (jittable)."""
+  forward of `model` (jittable); with `entropy`, also each scored distribution's entropy
+  `[B, T]` (nats)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   mask_id = model.config.mask_token_id
@@ -180,7 +181,12 @@ def logprobs(model, batch: dict, temperature: float = 1.0):
   read = read.astype(jnp.float32).at[:, :, mask_id].set(-jnp.inf) / temperature
   lp = jax.nn.log_softmax(read, axis=-1)
   out = jnp.take_along_axis(lp, jnp.asarray(batch["targets"])[:, :, None], axis=-1)[..., 0]
-  return jnp.where(jnp.asarray(batch["valid"]), out, 0.0)
+  valid = jnp.asarray(batch["valid"])
+  out = jnp.where(valid, out, 0.0)
+  if not entropy:
+    return out
+  ent = -jnp.sum(jnp.where(jnp.isfinite(lp), jnp.exp(lp) * lp, 0.0), axis=-1)
+  return out, jnp.where(valid, ent, 0.0)
 
 
 def logprobs_stepwise(model, x: Layout, temperature: float = 1.0) -> list[float]:

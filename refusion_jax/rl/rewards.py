@@ -1,0 +1,123 @@
+"""Verifiable rewards for RL: a completion's text against its example, in [0, 1].
+
+Kinds (`--config.reward`):
+
+* `tasks`: the bundled tasks' exact match (`refusion_jax.tasks.score`; rows `{"query"}`).
+* `gsm8k`: the last number of the completion equals the number after `####` in the
+  row's `answer` (lm-eval's gsm8k "flexible-extract", commas and a trailing period
+  dropped).
+* `math`: the last `\\boxed{...}` of the completion is equivalent to the row's `answer`
+  (or the boxed part of its `solution`) under lm-eval's Minerva MATH normalisation.
+* `humaneval` / `mbpp`: the row's tests pass on the completion, run by the sandbox
+  (`refusion_jax.lmeval.sandbox`: a subprocess with time and memory limits and no
+  network, never in the trainer's process); rows as the benchmarks' (`prompt`, `test`,
+  `entry_point`; `test_list`, `test_setup_code`).
+
+`score_all` never raises for a bad completion: a reward that raises, or does not return
+within its time limit, is a zero and one logged line; only a broken setup (the sandbox
+cannot run here) stops the run, before any rollout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+KINDS = ("tasks", "gsm8k", "math", "humaneval", "mbpp")
+_NUMBER = re.compile(r"-?[$0-9.,]{1,}")
+
+
+def _number(text: str) -> str | None:
+  found = [m for m in _NUMBER.findall(text) if any(ch.isdigit() for ch in m)]
+  if not found:
+    return None
+  return found[-1].replace(",", "").replace("$", "").rstrip(".")
+
+
+def gsm8k_reward(row: Mapping[str, Any], text: str) -> float:
+  gold = str(row["answer"]).split("####")[-1].strip()
+  got = _number(text)
+  return float(got is not None and got == _number(gold))
+
+
+def math_reward(row: Mapping[str, Any], text: str) -> float:
+  from lm_eval.tasks.minerva_math import utils  # pylint: disable=import-outside-toplevel
+  boxed = utils.last_boxed_only_string(text)
+  if boxed is None:
+    return 0.0
+  gold = row.get("answer")
+  if gold is None:
+    gold = utils.remove_boxed(utils.last_boxed_only_string(row["solution"]))
+  got = utils.normalize_final_answer(utils.remove_boxed(boxed))
+  return float(utils.is_equiv(got, utils.normalize_final_answer(str(gold))))
+
+
+def tasks_reward(row: Mapping[str, Any], text: str) -> float:
+  from refusion_jax import tasks  # pylint: disable=import-outside-toplevel
+  return float(tasks.score(row["query"], text))
+
+
+def _code_reward(kind: str, limits) -> Callable[[Mapping[str, Any], str], float]:
+  from refusion_jax.lmeval import code, sandbox  # pylint: disable=import-outside-toplevel
+
+  def reward(row, text):
+    program = (code.humaneval_program(row, text) if kind == "humaneval"
+               else code.mbpp_program(row, text))
+    outcome = sandbox.run_program(program, limits)
+    if outcome.status == "timeout":
+      raise TimeoutError(f"the tests ran past the sandbox's limits ({outcome.detail[-120:]!r})")
+    return float(outcome.passed)
+  return reward
+
+
+def reward_fn(kind: str, sandbox_limits=None) -> Callable[[Mapping[str, Any], str], float]:
+  if kind not in KINDS:
+    raise ValueError(f"--config.reward must be one of {KINDS}, got {kind!r}")
+  if kind in ("humaneval", "mbpp"):
+    from refusion_jax.lmeval import sandbox  # pylint: disable=import-outside-toplevel
+    sandbox.check_platform()  # a sandbox that cannot run here stops the run now
+    return _code_reward(kind, sandbox_limits or sandbox.Limits())
+  return {"tasks": tasks_reward, "gsm8k": gsm8k_reward, "math": math_reward}[kind]
+
+
+def check_row(kind: str, row: Mapping[str, Any], where: str) -> None:
+  """The fields a reward kind reads, checked when the data is loaded."""
+  need = {"tasks": ("query",), "gsm8k": ("query", "answer"), "math": ("query",),
+          "humaneval": ("query", "prompt", "test", "entry_point"),
+          "mbpp": ("query", "test_list", "test_setup_code")}[kind]
+  missing = [f for f in need if f not in row]
+  if kind == "math" and "answer" not in row and "solution" not in row:
+    missing.append("answer (or solution)")
+  if missing:
+    raise ValueError(f"{where}: reward {kind!r} needs the fields {missing}")
+
+
+def score_all(fn, rows: Sequence[Mapping[str, Any]], texts: Sequence[str], *,
+              timeout: float, workers: int = 4, log: Callable[[str], None] = print
+              ) -> tuple[np.ndarray, int]:
+  """`(rewards [N] float32, failures)`: each reward in a worker thread, at most `timeout`
+  seconds; one that raises or times out scores 0 and logs a line."""
+  out = np.zeros((len(texts),), np.float32)
+  failures = 0
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers))
+  try:
+    futures = [pool.submit(fn, row, text) for row, text in zip(rows, texts)]
+    for i, fut in enumerate(futures):
+      try:
+        value = float(fut.result(timeout=timeout))
+        if not np.isfinite(value):
+          raise ValueError(f"the reward is {value}")
+        out[i] = value
+      except Exception as e:  # pylint: disable=broad-except
+        failures += 1
+        if not fut.done():  # still running: its time is up (not an error it raised)
+          log(f"reward: sample {i} timed out after {timeout} s; scored 0")
+        else:
+          log(f"reward: sample {i} raised {type(e).__name__}: {e}; scored 0")
+  finally:
+    # A reward still running is left to finish on its own: the run goes on.
+    pool.shutdown(wait=False, cancel_futures=True)
+  return out, failures

@@ -1,0 +1,352 @@
+"""GRPO on verifiable rewards for ReFusion, with exact trajectory log-probabilities.
+
+  python -m refusion_jax.rl --config=configs/rl_tiny.py \\
+      --config.model_dir=REFUSION_MODEL_DIR --config.output_dir=OUT
+
+One step:
+
+1. **Rollouts** by the engine (continuous batching, the compiled ReFusion program):
+   `prompts_per_step` prompts drawn from the training file, `group_size` samples each,
+   at `decode.temperature` with the infill's drafts sampled too (`decode.sample_drafts`)
+   and every committed token's deciding pass recorded (`decode.record`). The rollout
+   key is `fold_in(key(seed), step)`, so a step redone after a restart draws the same
+   samples.
+2. **Rewards** (`rl.rewards`): the completion's text (up to its stop token) against its
+   row; optional speed term `reward * (1 + speed_weight * tokens / forwards)`.
+3. **Advantages**, group-relative (`planning.grpo.group_advantages`).
+4. **Policy step**: each rollout's exact log-probability under the current weights,
+   one forward of its training layout (`planning.replay`); GRPO's clipped ratio and a
+   k3 KL to the frozen reference (the starting weights; its log-probabilities from the
+   same function) (`planning.grpo.policy_loss`); `num_iterations` optimizer steps on
+   one batch of rollouts (the first one's old log-probabilities are the current ones),
+   gradients accumulated over `micro_batch` rollouts; optax AdamW with clipping.
+
+What is trained is the model itself (every parameter). Checkpoints
+(`OUT/checkpoints/<step>/`, orbax: parameters, optimizer state, step and seed; a
+rerun resumes from the newest) are written every `save_every` steps; SIGTERM during a
+rollout abandons that step's rollouts and saves the state before it (the step is
+redone identically on resume), during an update it saves after it; either way the run
+exits cleanly. `OUT/final_model/` is a model folder; `OUT/metrics.jsonl` holds one line
+per step (reward mean / std, accuracy, KL, clip fraction, token entropy, tokens per
+forward, timings) and `OUT/reward_failures.log` each reward that raised or timed out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from refusion_jax import fileio
+from refusion_jax.rl import rewards as rewards_lib
+
+
+class _Stop(Exception):
+  """SIGTERM arrived during a rollout."""
+
+
+def check_config(c) -> None:
+  """Every bad field of the config is one ValueError line, before any loading."""
+  if not c.model_dir:
+    raise ValueError("--config.model_dir is required: the ReFusion model folder to train")
+  if not os.path.isdir(c.model_dir):
+    raise ValueError(f"--config.model_dir={c.model_dir!r} is not a folder")
+  if not c.output_dir:
+    raise ValueError("--config.output_dir is required")
+  if not c.train_file or not os.path.isfile(c.train_file):
+    raise ValueError(f"--config.train_file={c.train_file!r} is not a file")
+  if c.reward not in rewards_lib.KINDS:
+    raise ValueError(f"--config.reward must be one of {rewards_lib.KINDS}, got {c.reward!r}")
+  for name in ("steps", "prompts_per_step", "micro_batch", "engine_rows", "save_every",
+               "num_iterations"):
+    v = c[name]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      raise ValueError(f"--config.{name} must be a positive int, got {v!r}")
+  g = c.group_size
+  if not isinstance(g, int) or isinstance(g, bool) or g < 2:
+    raise ValueError(f"--config.group_size must be an int >= 2 (a group-relative advantage "
+                     f"compares samples of one prompt), got {g!r}")
+  if (c.prompts_per_step * g) % c.micro_batch:
+    raise ValueError(f"--config.micro_batch={c.micro_batch} must divide the step's "
+                     f"{c.prompts_per_step * g} rollouts (prompts_per_step x group_size)")
+  if not c.beta >= 0:
+    raise ValueError(f"--config.beta (the KL weight) must be >= 0, got {c.beta!r}")
+  if not c.epsilon > 0 or not c.epsilon_high > 0:
+    raise ValueError(f"--config.epsilon and epsilon_high must be > 0, got {c.epsilon!r}, "
+                     f"{c.epsilon_high!r}")
+  if not c.learning_rate > 0:
+    raise ValueError(f"--config.learning_rate must be > 0, got {c.learning_rate!r}")
+  if not c.speed_weight >= 0:
+    raise ValueError(f"--config.speed_weight must be >= 0, got {c.speed_weight!r}")
+  if not c.reward_timeout > 0:
+    raise ValueError(f"--config.reward_timeout must be > 0 seconds, got {c.reward_timeout!r}")
+  if not c.decode.temperature > 0:
+    raise ValueError(f"--config.decode.temperature must be > 0 for RL rollouts (a greedy "
+                     f"policy has no probabilities to learn from), got {c.decode.temperature!r}")
+
+
+def decode_config_of(c):
+  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
+  fields = dict(c.decode.to_dict(), method="refusion", sample_drafts=True, record=True)
+  return DecodeConfig(**fields)
+
+
+def read_rows(path: str, kind: str, tokenizer, model_config, gen_length: int):
+  """The training file's rows and their prompts (token ids)."""
+  rows, prompts = [], []
+  for where, row in fileio.jsonl_rows(path):
+    if not isinstance(row, dict):
+      raise ValueError(f"{where}: expected a JSON object")
+    if "prompt_ids" in row:
+      ids = [int(x) for x in row["prompt_ids"]]
+      if kind != "tasks" or "query" in row:
+        rewards_lib.check_row(kind, row, where)
+    else:
+      rewards_lib.check_row(kind, row, where)
+      ids = tokenizer.encode_prompt(str(row["query"]))
+    if not ids:
+      raise ValueError(f"{where}: the prompt is empty")
+    rows.append(row)
+    prompts.append(ids)
+  if not rows:
+    raise ValueError(f"{path}: no rows")
+  longest = max(len(p) for p in prompts)
+  if longest + gen_length > model_config.max_position_embeddings:
+    raise ValueError(f"{path}: a prompt of {longest} tokens and decode.gen_length={gen_length} "
+                     f"exceed the model's {model_config.max_position_embeddings} positions")
+  return rows, prompts
+
+
+def _checkpointer(directory: str):
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  return ocp.CheckpointManager(
+      os.path.join(os.path.abspath(directory), "checkpoints"),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
+                                           enable_async_checkpointing=False,
+                                           cleanup_tmp_directories=True),
+      item_handlers={"state": ocp.StandardCheckpointHandler(),
+                     "meta": ocp.JsonCheckpointHandler()})
+
+
+def _save(manager, step: int, params, opt_state, meta: dict) -> None:
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+      meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
+  manager.wait_until_finished()
+
+
+def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None = None
+        ) -> dict[str, Any]:
+  """Trains; returns `{"steps", "final_model", "seconds", "last": last metrics}`.
+
+  `hook(event, step, n)` (tests): called with ("rollout", step, rollouts finished) as
+  rollouts finish and ("update", step, 0) before each update."""
+  check_config(c)
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax import checkpoint, sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
+  from refusion_jax.planning import grpo, replay  # pylint: disable=import-outside-toplevel
+  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+
+  dc = decode_config_of(c)
+  model_config, model = sample.load_model(c.model_dir, scan_layers=False)
+  if model_config.mask_token_id is None:
+    raise ValueError(f"{c.model_dir}: ReFusion RL needs the model's mask_token_id")
+  tok_dir = c.tokenizer_dir or (c.model_dir if os.path.isfile(
+      os.path.join(c.model_dir, "tokenizer.json")) else "")
+  tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else Tokenizer.tiny()
+  tokenizer.check_compatible(model_config)
+  rows, prompts = read_rows(c.train_file, c.reward, tokenizer, model_config, dc.gen_length)
+  dc.check_fits(model_config, max(len(p) for p in prompts))
+  score_one = rewards_lib.reward_fn(c.reward)
+
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  ref_params = jax.tree.map(jnp.copy, params) if c.beta > 0 else None
+  tx = optax.chain(optax.clip_by_global_norm(c.grad_clip),
+                   optax.adamw(c.learning_rate, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay))
+  opt_state = tx.init(params)
+  os.makedirs(c.output_dir, exist_ok=True)
+  manager = _checkpointer(c.output_dir)
+  start = 0
+  if manager.latest_step() is not None:
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    step0 = manager.latest_step()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                            {"params": params, "opt_state": opt_state})
+    restored = manager.restore(step0, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    meta = dict(restored["meta"])
+    if int(meta.get("seed", c.seed)) != c.seed:
+      raise ValueError(f"{c.output_dir}: its checkpoints were written with seed "
+                       f"{meta['seed']}, this config has seed {c.seed}")
+    params, opt_state = restored["state"]["params"], restored["state"]["opt_state"]
+    start = int(meta["step"])
+
+  temperature = float(dc.temperature)
+  mb = c.micro_batch
+
+  def score(p, batch):
+    return replay.logprobs(nnx.merge(graphdef, p, rest), batch, temperature)
+
+  score_jit = jax.jit(score)
+
+  def loss_of(p, batch, old_lp, ref_lp, adv):
+    m = nnx.merge(graphdef, p, rest)
+    lp, ent = replay.logprobs(m, batch, temperature, entropy=True)
+    old = jax.lax.stop_gradient(lp) if old_lp is None else old_lp
+    ref = jax.lax.stop_gradient(lp) if ref_lp is None else ref_lp
+    loss, metrics = grpo.policy_loss(lp, old, ref, batch["valid"], adv, epsilon=c.epsilon,
+                                     epsilon_high=c.epsilon_high, beta=c.beta)
+    valid = batch["valid"].astype(jnp.float32)
+    metrics["token_entropy"] = (ent * valid).sum() / jnp.maximum(valid.sum(), 1.0)
+    return loss, metrics
+
+  @jax.jit
+  def grad_step(p, batch, old_lp, ref_lp, adv):
+    return jax.value_and_grad(loss_of, has_aux=True)(p, batch, old_lp, ref_lp, adv)
+
+  @jax.jit
+  def apply(p, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, p)
+    return optax.apply_updates(p, updates), opt_state, optax.tree.norm(grads)
+
+  stop = {"flag": False}
+  previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+  metrics_path = os.path.join(c.output_dir, "metrics.jsonl")
+  failures_path = os.path.join(c.output_dir, "reward_failures.log")
+  bar = None
+  if progress:
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    bar = tqdm(total=c.steps, initial=start, desc="rl", file=sys.stderr)
+  t0 = time.perf_counter()
+  step, last = start, {}
+  n_rows = len(rows)
+  width = int(c.prompt_bucket) * max(1, -(-max(len(p) for p in prompts) // int(c.prompt_bucket)))
+  saved_at = start
+
+  class _Watch:
+    """The engine's progress object: reports rollouts and stops on SIGTERM."""
+
+    def __init__(self, step):
+      self.step, self.n = step, 0
+
+    def update(self, k):
+      self.n += k
+      if hook is not None:
+        hook("rollout", self.step, self.n)
+      if stop["flag"]:
+        raise _Stop()
+
+  try:
+    while step < c.steps:
+      # --- rollouts
+      t_roll = time.perf_counter()
+      pick = np.random.default_rng([c.seed, step]).choice(
+          n_rows, size=c.prompts_per_step, replace=n_rows < c.prompts_per_step)
+      batch_rows = [rows[i] for i in pick for _ in range(c.group_size)]
+      batch_prompts = [prompts[i] for i in pick for _ in range(c.group_size)]
+      nnx.update(model, params)
+      decoder = engine.Decoder(model, dc, method="refusion")
+      eng = decoder.engine(c.engine_rows, width=width)
+      try:
+        out = eng.run(batch_prompts, rng=jax.random.fold_in(jax.random.key(c.seed), step),
+                      progress=_Watch(step))
+      except _Stop:
+        break
+      t_roll = time.perf_counter() - t_roll
+      # --- rewards
+      texts = [tokenizer.decode(r.tokens, skip_special_tokens=True) for r in out.results]
+      lines = []
+      raw, failed = rewards_lib.score_all(score_one, batch_rows, texts,
+                                          timeout=c.reward_timeout, workers=c.reward_workers,
+                                          log=lambda line: lines.append(f"step {step}: {line}"))
+      if lines:
+        with open(failures_path, "a", encoding="utf-8") as f:
+          f.write("\n".join(lines) + "\n")
+      tpf = np.asarray([r.counters["tokens_b"] / max(r.counters["nfe_b"], 1.0)
+                        for r in out.results], np.float32)
+      reward = raw * (1.0 + c.speed_weight * tpf)
+      adv = grpo.group_advantages(reward, c.group_size).astype(np.float32)
+      # --- the policy step
+      t_upd = time.perf_counter()
+      if hook is not None:
+        hook("update", step, 0)
+      layouts = [replay.layout(p, r.trace, dc.slot_size, dc.block_size,
+                               model_config.mask_token_id)
+                 for p, r in zip(batch_prompts, out.results)]
+      need_w = max(len(x.ids) for x in layouts)
+      need_t = max(len(x.targets) for x in layouts)
+      w, t = replay.bucket(need_w, 64), replay.bucket(need_t, 16)
+      chunks = [replay.pack(layouts[i:i + mb], width=w, tokens=t)
+                for i in range(0, len(layouts), mb)]
+      adv_chunks = [jnp.asarray(adv[i:i + mb]) for i in range(0, len(layouts), mb)]
+      ref_lps = [score_jit(ref_params, ch) for ch in chunks] if ref_params is not None else None
+      old_lps = ([score_jit(params, ch) for ch in chunks] if c.num_iterations > 1
+                 else [None] * len(chunks))
+      agg = {}
+      for _ in range(c.num_iterations):
+        grads_sum = None
+        for j, ch in enumerate(chunks):
+          (_, m), g = grad_step(params, ch, old_lps[j],
+                                None if ref_lps is None else ref_lps[j], adv_chunks[j])
+          grads_sum = g if grads_sum is None else jax.tree.map(jnp.add, grads_sum, g)
+          for k, v in m.items():
+            agg[k] = agg.get(k, 0.0) + float(v) / (len(chunks) * c.num_iterations)
+        grads = jax.tree.map(lambda x: x / len(chunks), grads_sum)
+        params, opt_state, gnorm = apply(params, opt_state, grads)
+      t_upd = time.perf_counter() - t_upd
+      step += 1
+      lens = [len(r.tokens) for r in out.results]
+      last = {"step": step, "reward_mean": float(reward.mean()),
+              "reward_std": float(reward.std()), "accuracy": float(raw.mean()),
+              "reward_failures": failed, "tokens_per_forward": float(tpf.mean()),
+              "response_len": float(np.mean(lens)), "grad_norm": float(gnorm),
+              "rollout_s": t_roll, "update_s": t_upd, **agg}
+      with open(metrics_path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(last) + "\n")
+      if bar is not None:
+        bar.update(1)
+        bar.set_postfix(reward=f"{last['reward_mean']:.3f}", tpf=f"{last['tokens_per_forward']:.2f}")
+      if step % c.save_every == 0 or step == c.steps or stop["flag"]:
+        _save(manager, step, params, opt_state, {"seed": c.seed})
+        saved_at = step
+      if stop["flag"]:
+        break
+    if stop["flag"] and saved_at != step:
+      _save(manager, step, params, opt_state, {"seed": c.seed})
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+    manager.close()
+    if bar is not None:
+      bar.close()
+  result = {"steps": step, "final_model": None, "seconds": time.perf_counter() - t0,
+            "stopped": stop["flag"], "last": last}
+  if step >= c.steps:
+    nnx.update(model, params)
+    final = os.path.join(c.output_dir, "final_model")
+    checkpoint.save_model(final, model_config, model, overwrite=True)
+    if tok_dir:
+      shutil.copy(os.path.join(tok_dir, "tokenizer.json"), os.path.join(final, "tokenizer.json"))
+    result["final_model"] = final
+  if math.isnan(last.get("loss", 0.0)):
+    raise FloatingPointError(f"the RL loss became NaN at step {step}")
+  return result
+
+
+def main(argv, config_flag) -> None:
+  if len(argv) > 1:
+    from absl import app  # pylint: disable=import-outside-toplevel
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  print(json.dumps(run(config_flag.value)))

@@ -1,0 +1,138 @@
+"""GRPO on verifiable rewards (refusion_jax.rl): a short run on the shipped miniature
+ReFusion that learns, checkpoints and resumes bit-identically after SIGTERM (mid-rollout
+and mid-update); rewards, their faults and bad settings."""
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from configs import rl_tiny
+from configs.common import ASSETS_DIR, TINY_TRAIN
+from refusion_jax import checkpoint, sample
+from refusion_jax.rl import rewards, trainer
+
+MODEL = os.path.join(ASSETS_DIR, "refusion_tiny")
+
+
+def _config(out, train_file, **changes):
+  c = rl_tiny.get_config()
+  c.model_dir, c.output_dir, c.train_file = MODEL, str(out), str(train_file)
+  c.steps, c.prompts_per_step, c.group_size, c.micro_batch = 2, 2, 4, 4
+  c.engine_rows, c.save_every, c.learning_rate = 8, 1, 3e-3
+  c.decode.gen_length, c.decode.block_size = 16, 16
+  c.update(changes)
+  return c
+
+
+def _train_file(tmp_path):
+  with open(TINY_TRAIN, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f][:40]
+  # Queries the shipped model answers about half the time at temperature 1 (rewards vary
+  # within a group, so the advantages and the update are not zero).
+  keep = [r for r in rows if r["query"].split()[0] in ("arith", "lookup", "fib")][:4]
+  path = tmp_path / "train.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+  return path
+
+
+def _params(path):
+  _, model = sample.load_model(path)
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  return [np.asarray(x) for x in __import__("jax").tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def test_a_run_learns_and_resumes_bit_identically_after_sigterm(tmp_path):
+  data = _train_file(tmp_path)
+  straight = trainer.run(_config(tmp_path / "a", data), progress=False)
+  assert straight["steps"] == 2 and straight["final_model"]
+  lines = [json.loads(x) for x in open(tmp_path / "a" / "metrics.jsonl", encoding="utf-8")]
+  assert [x["step"] for x in lines] == [1, 2]
+  assert all(np.isfinite(x["loss"]) and x["tokens_per_forward"] > 0 for x in lines)
+  base = _params(MODEL)
+  after = _params(straight["final_model"])
+  assert any(not np.array_equal(x, y) for x, y in zip(base, after))  # it learned something
+
+  def term(event, step, n):
+    if (event, step, n) in (("update", 0, 0), ("rollout", 1, 2)):
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  b = tmp_path / "b"
+  first = trainer.run(_config(b, data, save_every=5), progress=False, hook=term)
+  assert first["stopped"] and first["steps"] == 1  # the update finished, then saved
+  second = trainer.run(_config(b, data, save_every=5), progress=False, hook=term)
+  assert second["stopped"] and second["steps"] == 1  # the rollout was abandoned
+  third = trainer.run(_config(b, data, save_every=5), progress=False)
+  assert third["steps"] == 2 and not third["stopped"]
+  for x, y in zip(after, _params(third["final_model"])):
+    np.testing.assert_array_equal(x, y)
+  lines_b = [json.loads(x) for x in open(b / "metrics.jsonl", encoding="utf-8")]
+  assert [x["step"] for x in lines_b] == [1, 2]
+  assert lines_b[1]["reward_mean"] == lines[1]["reward_mean"]
+
+
+def test_bad_settings_are_one_line(tmp_path):
+  data = _train_file(tmp_path)
+  cases = [({"group_size": 1}, "group_size must be an int >= 2"),
+           ({"beta": -0.1}, "beta .the KL weight. must be >= 0"),
+           ({"micro_batch": 3}, "micro_batch=3 must divide the step's 8 rollouts"),
+           ({"reward": "bleu"}, "reward must be one of"),
+           ({"model_dir": str(tmp_path / "nope")}, "is not a folder")]
+  for changes, match in cases:
+    with pytest.raises(ValueError, match=match):
+      trainer.check_config(_config(tmp_path / "x", data, **changes))
+  c = _config(tmp_path / "x", data)
+  c.decode.temperature = 0.0
+  with pytest.raises(ValueError, match="temperature must be > 0"):
+    trainer.check_config(c)
+  # A rollout longer than the canvas the model has positions for.
+  c = _config(tmp_path / "x", data)
+  c.decode.gen_length, c.decode.block_size = 1024, 1024
+  with pytest.raises(ValueError, match="exceed the model's 1024 positions"):
+    trainer.run(c, progress=False)
+  assert not os.path.exists(tmp_path / "x")  # nothing written
+
+
+def test_rewards_by_hand():
+  assert rewards.gsm8k_reward({"answer": "so 3 + 4 = 7\n#### 1,234"}, "It is 1234.") == 1.0
+  assert rewards.gsm8k_reward({"answer": "#### 7"}, "7 apples, then 8") == 0.0
+  assert rewards.gsm8k_reward({"answer": "#### -3"}, "the answer is $-3") == 1.0
+  assert rewards.tasks_reward({"query": "sort 312"}, "123") == 1.0
+  assert rewards.tasks_reward({"query": "sort 312"}, "132") == 0.0
+  assert rewards.math_reward({"answer": "\\frac{1}{2}"}, "so \\boxed{\\frac12}") == 1.0
+  assert rewards.math_reward({"solution": "is \\boxed{3}"}, "\\boxed{4}") == 0.0
+  with pytest.raises(ValueError, match="needs the fields \\['answer'\\]"):
+    rewards.check_row("gsm8k", {"query": "q"}, "row 1")
+
+
+def test_a_reward_that_raises_or_hangs_is_a_logged_zero():
+  def fn(row, text):
+    if text == "raise":
+      raise KeyError("no such field")
+    if text == "hang":
+      time.sleep(3)
+    return 1.0
+
+  log = []
+  out, failed = rewards.score_all(fn, [{}] * 3, ["ok", "raise", "hang"], timeout=0.5,
+                                  log=log.append)
+  assert out.tolist() == [1.0, 0.0, 0.0] and failed == 2
+  assert "sample 1 raised KeyError" in log[0] and "sample 2 timed out" in log[1]
+
+
+def test_code_rewards_run_in_the_sandbox():
+  from refusion_jax.lmeval import sandbox  # pylint: disable=import-outside-toplevel
+  fn = rewards.reward_fn("mbpp", sandbox.Limits(wall_seconds=2.0, cpu_seconds=2))
+  row = {"query": "q", "test_setup_code": "",
+         "test_list": ["assert add(2, 3) == 5", "assert add(0, 0) == 0", "assert add(-1, 1) == 0"]}
+  log = []
+  out, failed = rewards.score_all(
+      fn, [row] * 3, ["def add(a, b):\n    return a + b\n",
+                      "def add(a, b):\n    return a - b\n",
+                      "def add(a, b):\n    while True:\n        pass\n"],
+      timeout=30, log=log.append)
+  assert out.tolist() == [1.0, 0.0, 0.0] and failed == 1
+  assert "TimeoutError" in log[0]
