@@ -10,6 +10,7 @@ tau_s 0.9, tau_t 0.4) at temperature 1.0 with sampled infill drafts.
 
 import ml_collections
 
+from configs import tiny_refusion
 from configs.common import TINY_TRAIN
 
 
@@ -47,4 +48,9 @@ def get_config():
   c.decode.token_threshold = 0.4
   c.decode.temperature = 1.0
   c.decode.recompute_kv = False
+  # aot --program=rl: the training recipe whose model, mesh and dtypes the policy step
+  # shares, and the size of a rollout's training layout (entries, scored tokens).
+  c.train = tiny_refusion.get_config()
+  c.layout_width = 128
+  c.layout_tokens = 32
   return c

@@ -315,6 +315,112 @@ def check_train(config, tpu_slice: tpu.Slice) -> dict:
   }
 
 
+def rl_flops(mc: ModelConfig, rows: int, width: int, tokens: int, reference: bool
+             ) -> tuple[int, int]:
+  """`(model flops, executed flops)` of one RL policy step: the replay of `rows` training
+  layouts of `width` entries through the layers with the LM head on the `tokens` scored
+  ones (forward and backward: 6 x parameters x tokens, + 3 x the einsum attention's
+  square, every layout carrying its own mask), the reference's forward (2 x, + 1 x), and
+  the backward pass's recomputation (remat)."""
+  layer, head = layer_matmul_params(mc) * rows * width, head_params(mc) * rows * tokens
+  attn = rows * attention_flops(mc, width, width)
+  model = 6 * (layer + head) + 3 * attn
+  executed = model + (2 * (layer + head) + attn if reference else 0)
+  if mc.remat == "full":
+    executed += 2 * layer + attn
+  elif mc.remat == "save_dots":
+    executed += attn
+  return model, executed
+
+
+def check_rl(config, tpu_slice: tpu.Slice) -> dict:
+  """The RL policy step (`rl.trainer.make_policy_step`) of `config.micro_batch` rollouts
+  on the mesh and model of `config.train`, the reference's parameters beside the policy's."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
+  from refusion_jax.rl import trainer as rl_trainer  # pylint: disable=import-outside-toplevel
+  from refusion_jax.training import settings  # pylint: disable=import-outside-toplevel
+  from refusion_jax.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  for name in ("train", "layout_width", "layout_tokens", "micro_batch", "group_size"):
+    if name not in config:
+      raise ValueError(f"--config has no {name!r}: --program=rl takes an RL config "
+                       "(configs/qwen3_8b_refusion_rl.py)")
+  width, tokens, rows = int(config.layout_width), int(config.layout_tokens), int(config.micro_batch)
+  if min(width, tokens, rows) < 1 or tokens > width:
+    raise ValueError(f"config.layout_width={width}, layout_tokens={tokens} and micro_batch="
+                     f"{rows} must be positive, with layout_tokens <= layout_width")
+  rl_trainer.check_config(config, need_model=False)
+  train = config.train
+  devices = tpu.slice_devices(tpu_slice)
+  n = train.mesh.num_devices
+  if n:
+    if n > len(devices):
+      raise ValueError(f"config.train.mesh.num_devices={n} but {tpu_slice.name} has "
+                       f"{len(devices)} chips")
+    devices = devices[:n]
+  sizes = settings.validate_config(train, num_devices=len(devices), check_files=False)
+  mc, source = train_model_config(train)
+  if width > mc.max_position_embeddings:
+    raise ValueError(f"config.layout_width={width} exceeds the model's "
+                     f"max_position_embeddings={mc.max_position_embeddings}")
+  mesh = sharding.make_mesh(devices=devices, **sizes)
+  log(f"RL policy step of {source}: {mc.num_params() / 1e9:.3g}B parameters, mesh {sizes}, "
+      f"{len(devices)} chips, {rows} rollouts of {width} entries")
+  trainer = trainer_lib.Trainer(train, mc, mesh=mesh,
+                                pad_id=mc.pad_token_id if mc.pad_token_id is not None else 0,
+                                total_steps=1)
+  tx = rl_trainer.make_optimizer(config)
+  abstract_opt = jax.eval_shape(tx.init, trainer.abstract_params)
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, trainer.param_shardings,
+                                 transform_non_params=lambda _: trainer.replicated)
+  abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              abstract_opt, opt_sh)
+  reference = config.beta > 0
+  step = rl_trainer.make_policy_step(
+      lambda p: nnx.merge(trainer.graphdef, p), tx, temperature=float(config.decode.temperature),
+      epsilon=config.epsilon, epsilon_high=config.epsilon_high, beta=config.beta)
+  shapes = {"ids": ((rows, width), jnp.int32), "positions": ((rows, width), jnp.int32),
+            "attention": ((rows, width, width), jnp.bool_),
+            "score_at": ((rows, tokens), jnp.int32), "targets": ((rows, tokens), jnp.int32),
+            "valid": ((rows, tokens), jnp.bool_)}
+  batch_sh = {k: sharding.data_sharding(mesh, trainer.rules, len(shp))
+              for k, (shp, _) in shapes.items()}
+  batch = {k: jax.ShapeDtypeStruct(shp, dt, sharding=batch_sh[k]) for k, (shp, dt) in shapes.items()}
+  adv_sh = sharding.data_sharding(mesh, trainer.rules, 1)
+  adv = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=adv_sh)
+  ref_sh = trainer.param_shardings if reference else None
+  jitted = jax.jit(step, in_shardings=(trainer.param_shardings, opt_sh, ref_sh, batch_sh, adv_sh),
+                   out_shardings=(trainer.param_shardings, opt_sh, trainer.replicated),
+                   donate_argnums=(0, 1))
+  with sharding.use_mesh(mesh, trainer.rules):
+    lowered = jitted.lower(trainer.abstract_params, abstract_opt,
+                           trainer.abstract_params if reference else None, batch, adv)
+  compiled, seconds = compile_program(lowered, f"RL policy step for {tpu_slice.name}")
+  memory = Memory.of(compiled)
+  chips = len(devices)
+  model_flops, executed = rl_flops(mc, rows, width, tokens, reference)
+  nbytes = hbm_traffic(compiled)
+  estimated = roofline(executed / chips, nbytes, tpu_slice.chip)
+  group = int(config.group_size)
+  return {
+      "model": source, "params": mc.num_params(), "mesh": sizes,
+      "programs": [_program_entry("rl_step", memory, seconds)],
+      "rollouts": rows, "layout_width": width, "layout_tokens": tokens,
+      "reference": reference, "remat": mc.remat, "group_size": group,
+      "flops": executed / chips, "model_flops": model_flops / chips, "bytes": nbytes,
+      "xla_flops": xla_flops(compiled),
+      "flops_source": "hand count per chip: 6 x matmul params x layout entries (LM head on "
+                      "the scored tokens) + einsum attention, the reference's forward, "
+                      "recomputation",
+      "estimated_s": estimated,
+      "estimated_s_per_group": estimated * group / rows,
+  }
+
+
 def sample_lengths(config, sample_tokens: int, sample_data: str | None) -> tuple[list[int], str]:
   """Token lengths of the samples a train step packs, and where they come from: a data file
   (tokenized with the config's tokenizer, as the trainer does) or a log-normal of mean
@@ -670,6 +776,17 @@ def render(r: dict) -> str:
           f"{r['paper_run_hours']:.1f} hours, {r['paper_run_chip_hours']:,.0f} chip-hours; one "
           f"sample per row: {r['paper_run_hours_padded']:.1f} hours, "
           f"{r['paper_run_chip_hours_padded']:,.0f} chip-hours")
+  elif r["program"] == "rl":
+    lines.append(
+        f"estimate per chip per policy step ({r['rollouts']} rollouts, layouts of "
+        f"{r['layout_width']} entries / {r['layout_tokens']} scored tokens, reference "
+        f"{'on' if r['reference'] else 'off'}, remat {r['remat']}): {r['flops'] / 1e12:.1f} "
+        f"TFLOP executed ({r['flops_source']}), {r['bytes'] / 1e9:.1f} GB HBM traffic "
+        "(hlo_traffic)")
+    lines.append(f"estimated policy step {r['estimated_s']:.2f}s, "
+                 f"{r['estimated_s_per_group']:.3f}s per group of {r['group_size']} rollouts "
+                 "(roofline: max(flops / peak, bytes / bandwidth); the rollouts' decode is "
+                 "--program=decode's)")
   else:
     # (MDM's spec holds kv_chunk 0: its passes have no cache.)
     chunked = (f"; the cache read {r['kv_chunk']} entries at a time, counted over a full "
@@ -709,7 +826,8 @@ def define_flags():
       config=config_flags.DEFINE_config_file(
           "config", None, "Training config (train) or sampling config (decode, its "
           "`decode` fields; configs/sample.py).", lock_config=True),
-      program=flags.DEFINE_enum("program", None, ["train", "decode"], "What to compile."),
+      program=flags.DEFINE_enum("program", None, ["train", "decode", "rl"], "What to compile "
+                                "(rl: the RL policy step of an RL config)."),
       topology=flags.DEFINE_string("topology", None, "Cloud TPU accelerator type (v5p-128, "
                                    "v4-256, v5litepod-256, v6e-256) or libtpu topology."),
       num_slices=flags.DEFINE_integer("num_slices", 1, "Slices of --topology (multislice)."),
@@ -746,7 +864,7 @@ def run(f: dict) -> tuple[dict, int]:
   """Runs the check the flags ask for; returns the report and the exit status."""
   config = f["config"].value
   if f["program"].value is None:
-    raise ValueError("--program=train or --program=decode is required")
+    raise ValueError("--program=train, --program=decode or --program=rl is required")
   if f["topology"].value is None:
     raise ValueError("--topology is required (e.g. v5p-128, v5litepod-8)")
   if config is None:
@@ -759,11 +877,14 @@ def run(f: dict) -> tuple[dict, int]:
   try:
     if kind == "train":
       report = check_train(config, tpu_slice)
+    elif kind == "rl":
+      report = check_rl(config, tpu_slice)
     else:
       report = _run_decode(f, config, tpu_slice)
   except DoesNotFit as e:
     partial = {"global_batch": config.global_batch_size, "seq_len": config.data.seq_len,
-               "estimated_mfu": None} if kind == "train" else {"per_pass": []}
+               "estimated_mfu": None} if kind == "train" else (
+                   {} if kind == "rl" else {"per_pass": []})
     return not_fitting_report(kind, tpu_slice, e, partial), EXIT_DOES_NOT_FIT
   report = finish(dict(report, kind=kind), tpu_slice)
   if kind == "train":

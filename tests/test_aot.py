@@ -176,6 +176,27 @@ def test_tiny_train_step_compiles_and_fits(train_run):
   assert "the paper's run, 4 epochs over 3.7M samples" in done.stdout
 
 
+def test_the_rl_policy_step_compiles_fits_and_counts_its_flops():
+  done, r = _aot("--program=rl", f"--topology={TOPOLOGY}", "--config=configs/rl_tiny.py",
+                 "--config.train.model.num_layers=2", "--config.micro_batch=8")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert r["program"] == "rl" and r["fits"] is True and r["reference"] is True
+  assert (r["rollouts"], r["layout_width"], r["layout_tokens"]) == (8, 128, 32)
+  mc = config_lib.tiny(num_layers=2)
+  # Arguments: the policy's float32 parameters and AdamW's moments, the reference's
+  # parameters, split 4 ways, and the rollouts' layouts (their masks 8 x 128 x 128 bool).
+  state = 4 * 4 * mc.num_params() / 4
+  (step,) = r["programs"]
+  assert state <= step["argument"] <= 2 * state + 8 * 128 * 128, (step, state)
+  # The hand count (the replay's forward and backward, the reference's forward) against
+  # XLA's, right for unrolled layers.
+  assert 0.8 * r["xla_flops"] <= r["flops"] <= 1.05 * r["xla_flops"], r
+  assert r["estimated_s_per_group"] == pytest.approx(r["estimated_s"] * 8 / 8)
+  assert "estimated policy step" in done.stdout
+  bad, _ = _aot("--program=rl", f"--topology={TOPOLOGY}", "--config=configs/tiny_refusion.py")
+  assert bad.returncode == 2 and "--program=rl takes an RL config" in bad.stderr
+
+
 def test_a_qwen2_train_step_compiles_with_its_biases():
   done, r = _aot("--program=train", f"--topology={TOPOLOGY}", "--config=configs/tiny_refusion.py",
                  "--config.model.num_layers=2", "--config.data.seq_len=64",

@@ -175,10 +175,11 @@ def logprobs(model, batch: dict, temperature: float = 1.0, entropy: bool = False
   mask_id = model.config.mask_token_id
   if mask_id is None:
     raise ValueError("replay log-probabilities need the model's mask_token_id")
-  h = model(jnp.asarray(batch["ids"]), jnp.asarray(batch["positions"]),
-            attention_mask_btt=jnp.asarray(batch["attention"]))
-  read = jnp.take_along_axis(h, jnp.asarray(batch["score_at"])[:, :, None], axis=1)
-  read = read.astype(jnp.float32).at[:, :, mask_id].set(-jnp.inf) / temperature
+  h = model.hidden(jnp.asarray(batch["ids"]), jnp.asarray(batch["positions"]),
+                   attention_mask_btt=jnp.asarray(batch["attention"]))
+  # Only the scored entries are projected onto the vocabulary.
+  h = jnp.take_along_axis(h, jnp.asarray(batch["score_at"])[:, :, None], axis=1)
+  read = model.unembed().logits(h).at[:, :, mask_id].set(-jnp.inf) / temperature
   lp = jax.nn.log_softmax(read, axis=-1)
   out = jnp.take_along_axis(lp, jnp.asarray(batch["targets"])[:, :, None], axis=-1)[..., 0]
   valid = jnp.asarray(batch["valid"])

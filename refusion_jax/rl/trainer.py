@@ -52,16 +52,18 @@ class _Stop(Exception):
   """SIGTERM arrived during a rollout."""
 
 
-def check_config(c) -> None:
-  """Every bad field of the config is one ValueError line, before any loading."""
-  if not c.model_dir:
-    raise ValueError("--config.model_dir is required: the ReFusion model folder to train")
-  if not os.path.isdir(c.model_dir):
-    raise ValueError(f"--config.model_dir={c.model_dir!r} is not a folder")
-  if not c.output_dir:
-    raise ValueError("--config.output_dir is required")
-  if not c.train_file or not os.path.isfile(c.train_file):
-    raise ValueError(f"--config.train_file={c.train_file!r} is not a file")
+def check_config(c, need_model: bool = True) -> None:
+  """Every bad field of the config is one ValueError line, before any loading
+  (`need_model=False`: the folders and files are not read, as aot's)."""
+  if need_model:
+    if not c.model_dir:
+      raise ValueError("--config.model_dir is required: the ReFusion model folder to train")
+    if not os.path.isdir(c.model_dir):
+      raise ValueError(f"--config.model_dir={c.model_dir!r} is not a folder")
+    if not c.output_dir:
+      raise ValueError("--config.output_dir is required")
+    if not c.train_file or not os.path.isfile(c.train_file):
+      raise ValueError(f"--config.train_file={c.train_file!r} is not a file")
   if c.reward not in rewards_lib.KINDS:
     raise ValueError(f"--config.reward must be one of {rewards_lib.KINDS}, got {c.reward!r}")
   for name in ("steps", "prompts_per_step", "micro_batch", "engine_rows", "save_every",
@@ -87,6 +89,10 @@ def check_config(c) -> None:
     raise ValueError(f"--config.speed_weight must be >= 0, got {c.speed_weight!r}")
   if not c.reward_timeout > 0:
     raise ValueError(f"--config.reward_timeout must be > 0 seconds, got {c.reward_timeout!r}")
+  try:
+    decode_config_of(c)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"--config.decode: {e}") from None
   if not c.decode.temperature > 0:
     raise ValueError(f"--config.decode.temperature must be > 0 for RL rollouts (a greedy "
                      f"policy has no probabilities to learn from), got {c.decode.temperature!r}")
@@ -122,6 +128,60 @@ def read_rows(path: str, kind: str, tokenizer, model_config, gen_length: int):
     raise ValueError(f"{path}: a prompt of {longest} tokens and decode.gen_length={gen_length} "
                      f"exceed the model's {model_config.max_position_embeddings} positions")
   return rows, prompts
+
+
+def make_optimizer(c):
+  """AdamW after global-norm clipping, at a constant rate."""
+  import optax  # pylint: disable=import-outside-toplevel
+  return optax.chain(optax.clip_by_global_norm(c.grad_clip),
+                     optax.adamw(c.learning_rate, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay))
+
+
+def make_loss(merge, *, temperature: float, epsilon: float, epsilon_high: float, beta: float):
+  """GRPO's loss of a packed batch of rollouts under parameters `p` (`merge(p)`: the
+  model): `loss_of(p, batch, old_lp, ref_lp, adv) -> (loss, metrics)`; an `old_lp` or
+  `ref_lp` of None is the current log-probabilities, constant (one update per batch of
+  rollouts; no reference)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax.planning import grpo, replay  # pylint: disable=import-outside-toplevel
+
+  def loss_of(p, batch, old_lp, ref_lp, adv):
+    lp, ent = replay.logprobs(merge(p), batch, temperature, entropy=True)
+    old = jax.lax.stop_gradient(lp) if old_lp is None else old_lp
+    ref = jax.lax.stop_gradient(lp) if ref_lp is None else ref_lp
+    loss, metrics = grpo.policy_loss(lp, old, ref, batch["valid"], adv, epsilon=epsilon,
+                                     epsilon_high=epsilon_high, beta=beta)
+    valid = batch["valid"].astype(jnp.float32)
+    metrics["token_entropy"] = (ent * valid).sum() / jnp.maximum(valid.sum(), 1.0)
+    return loss, metrics
+
+  return loss_of
+
+
+def make_policy_step(merge, tx, **loss_kwargs):
+  """One policy update on one batch of rollouts, the reference's log-probabilities
+  computed in it: `step(params, opt_state, ref_params, batch, adv) -> (params,
+  opt_state, metrics)` (what `aot --program=rl` compiles; `ref_params` None: no KL)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax.planning import replay  # pylint: disable=import-outside-toplevel
+  loss_of = make_loss(merge, **loss_kwargs)
+
+  def step(params, opt_state, ref_params, batch, adv):
+    ref_lp = None
+    if ref_params is not None:
+      ref_lp = jax.lax.stop_gradient(
+          replay.logprobs(merge(ref_params), batch, loss_kwargs["temperature"]))
+    (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        params, batch, None, ref_lp, adv)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state,
+            dict(metrics, grad_norm=optax.tree.norm(grads)))
+
+  return step
 
 
 def _checkpointer(directory: str):
@@ -174,8 +234,7 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
 
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   ref_params = jax.tree.map(jnp.copy, params) if c.beta > 0 else None
-  tx = optax.chain(optax.clip_by_global_norm(c.grad_clip),
-                   optax.adamw(c.learning_rate, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay))
+  tx = make_optimizer(c)
   opt_state = tx.init(params)
   os.makedirs(c.output_dir, exist_ok=True)
   manager = _checkpointer(c.output_dir)
@@ -202,16 +261,8 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
 
   score_jit = jax.jit(score)
 
-  def loss_of(p, batch, old_lp, ref_lp, adv):
-    m = nnx.merge(graphdef, p, rest)
-    lp, ent = replay.logprobs(m, batch, temperature, entropy=True)
-    old = jax.lax.stop_gradient(lp) if old_lp is None else old_lp
-    ref = jax.lax.stop_gradient(lp) if ref_lp is None else ref_lp
-    loss, metrics = grpo.policy_loss(lp, old, ref, batch["valid"], adv, epsilon=c.epsilon,
-                                     epsilon_high=c.epsilon_high, beta=c.beta)
-    valid = batch["valid"].astype(jnp.float32)
-    metrics["token_entropy"] = (ent * valid).sum() / jnp.maximum(valid.sum(), 1.0)
-    return loss, metrics
+  loss_of = make_loss(lambda p: nnx.merge(graphdef, p, rest), temperature=temperature,
+                     epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta)
 
   @jax.jit
   def grad_step(p, batch, old_lp, ref_lp, adv):
