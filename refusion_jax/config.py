@@ -665,6 +665,7 @@ MATMUL_PRECISIONS = ("default", "high", "highest")
 # (the first draft that fails tau_t becomes the causal argmax), "exact" (a draft stands only
 # where it is the causal argmax).
 VERIFY_MODES = ("off", "correct", "exact")
+PLANNERS = ("threshold", "mcts")  # DecodeConfig.planner
 # DecodeConfig.mdm_ranking: LLaDA's, then Dream's samplers (its generation `alg`).
 MDM_RANKINGS = ("confidence", "maskgit_plus", "topk_margin", "entropy", "origin")
 # DecodeConfig.mdm_schedule: LLaDA's even split of a block's tokens over its steps, Dream's
@@ -782,6 +783,14 @@ class DecodeConfig:
   # (DecodeOutput.trace), which `planning.replay` scores exactly in one forward.
   sample_drafts: bool = False
   record: bool = False
+  # The slot planner (ReFusion): "threshold" (the release's tau_s rule, the compiled
+  # engine) or "mcts" (planning.mcts: a search over which slot to commit next, one slot
+  # per plan step with the left-to-right ablation's fill; mcts_budget simulations per
+  # plan step, run mcts_batch at a time as rows of one forward; PUCT exploration mcts_c).
+  planner: str = "threshold"
+  mcts_budget: int = 16
+  mcts_c: float = 1.0
+  mcts_batch: int = 8
   # Every response position is decoded: EOS counts as an ordinary token and ends
   # nothing, so every answer is gen_length tokens (vLLM's `ignore_eos`: a load
   # test with fixed answer lengths). Traced, like the thresholds.
@@ -877,6 +886,23 @@ class DecodeConfig:
           "decode.record=True records ReFusion's parallel plan-and-infill (method='refusion', "
           "left_to_right=False, verify='off', remask=False); got method="
           f"{self.method!r}, left_to_right={self.left_to_right}, verify={self.verify!r}, "
+          f"remask={self.remask}")
+    if self.planner not in PLANNERS:
+      raise ValueError(f"decode.planner must be one of {PLANNERS}, got {self.planner!r}")
+    for name in ("mcts_budget", "mcts_batch"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"decode.{name} must be a positive int, got {v!r}")
+    if isinstance(self.mcts_c, bool) or not isinstance(self.mcts_c, (int, float)) \
+        or not self.mcts_c >= 0:
+      raise ValueError(f"decode.mcts_c (PUCT exploration) must be >= 0, got {self.mcts_c!r}")
+    if self.planner == "mcts" and (self.method != "refusion" or self.left_to_right or on
+                                   or self.record or self.recompute_kv):
+      raise ValueError(
+          "decode.planner='mcts' searches ReFusion's slot order (method='refusion', "
+          "left_to_right, recompute_kv and record off, verify='off', remask=False); got "
+          f"method={self.method!r}, left_to_right={self.left_to_right}, "
+          f"recompute_kv={self.recompute_kv}, record={self.record}, verify={self.verify!r}, "
           f"remask={self.remask}")
     if self.sample_drafts and self.method != "refusion":
       raise ValueError(f"decode.sample_drafts=True samples ReFusion's infill drafts; "

@@ -196,7 +196,11 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
   for task, decode_config in configs.items():
     task_problems = [p for p in problems if p.task == task]
     prompts = [list(p.prompt_ids) for p in task_problems]
-    decoder = engine_lib.Decoder(model, decode_config)
+    if decode_config.planner == "mcts":
+      from refusion_jax.planning import mcts  # pylint: disable=import-outside-toplevel
+      decoder = mcts.Decoder(model, decode_config)
+    else:
+      decoder = engine_lib.Decoder(model, decode_config)
     eng = decoder.engine(batch_size, width=width)
     eng.warm_up()  # compiles excluded from the engine's time
     bar = _progress(len(prompts), f"{desc} {task} acc", progress)

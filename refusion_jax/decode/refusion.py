@@ -921,6 +921,10 @@ def validate(model_config, decode_config: DecodeConfig, prompt_len: int) -> None
     raise ValueError(f"ReFusion decoding reads each slot's own logits; a "
                      f"{model_config.model_type!r} model predicts token i at position i-1 "
                      "(ModelConfig.shift_logits): decode it with decode.method='mdm'")
+  if decode_config.planner != "threshold":
+    raise ValueError(f"decode.planner={decode_config.planner!r} is a host-driven search "
+                     "(refusion_jax.planning.mcts.Decoder; evaluate runs it); the compiled "
+                     "decoder plans with the thresholds (decode.planner='threshold')")
   # `replace()` re-runs DecodeConfig's own field checks (block multiple of slot,
   # gen_length multiple of block, thresholds in [0, 1], ...), even on an instance
   # whose fields were altered after construction.
