@@ -20,6 +20,8 @@ def get_config():
   c.tokenizer_dir = ""  # "" = model_dir's tokenizer.json, else the bundled tiny one
   c.output_dir = ""  # required: checkpoints/, final_model/, metrics.jsonl
   c.train_file = TINY_TRAIN  # JSONL rows the reward reads ({"query"} for "tasks")
+  c.train_policy = "model"  # "model" (every parameter), "selector" (the slot-selection
+  #                           policy, decode.planner='policy', base frozen) or "both"
   c.reward = "tasks"  # "tasks" (exact match), "gsm8k", "math", "humaneval", "mbpp"
   c.reward_timeout = 30.0  # seconds per reward; past it the sample scores 0 (logged)
   c.reward_workers = 4  # rewards scored at once (code: sandboxed subprocesses)
@@ -48,6 +50,7 @@ def get_config():
   c.decode.token_threshold = 0.4
   c.decode.temperature = 1.0
   c.decode.recompute_kv = False
+  c.decode.plan_weights = ()  # the selection policy's start ((): a soft slot_threshold)
   # aot --program=rl: the training recipe whose model, mesh and dtypes the policy step
   # shares, and the size of a rollout's training layout (entries, scored tokens).
   c.train = tiny_refusion.get_config()

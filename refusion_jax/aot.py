@@ -373,9 +373,15 @@ def check_rl(config, tpu_slice: tpu.Slice) -> dict:
   trainer = trainer_lib.Trainer(train, mc, mesh=mesh,
                                 pad_id=mc.pad_token_id if mc.pad_token_id is not None else 0,
                                 total_steps=1)
+  if config.train_policy != "model":
+    raise ValueError(f"--program=rl compiles the model's policy step (train_policy='model'); "
+                     f"config.train_policy={config.train_policy!r} (the selector's step is a "
+                     "handful of weights)")
   tx = rl_trainer.make_optimizer(config)
-  abstract_opt = jax.eval_shape(tx.init, trainer.abstract_params)
-  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, trainer.param_shardings,
+  params = {"model": trainer.abstract_params}
+  param_sh = {"model": trainer.param_shardings}
+  abstract_opt = jax.eval_shape(tx.init, params)
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
                                  transform_non_params=lambda _: trainer.replicated)
   abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_opt, opt_sh)
@@ -392,13 +398,12 @@ def check_rl(config, tpu_slice: tpu.Slice) -> dict:
   batch = {k: jax.ShapeDtypeStruct(shp, dt, sharding=batch_sh[k]) for k, (shp, dt) in shapes.items()}
   adv_sh = sharding.data_sharding(mesh, trainer.rules, 1)
   adv = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=adv_sh)
-  ref_sh = trainer.param_shardings if reference else None
-  jitted = jax.jit(step, in_shardings=(trainer.param_shardings, opt_sh, ref_sh, batch_sh, adv_sh),
-                   out_shardings=(trainer.param_shardings, opt_sh, trainer.replicated),
+  ref_sh = param_sh if reference else None
+  jitted = jax.jit(step, in_shardings=(param_sh, opt_sh, ref_sh, batch_sh, adv_sh),
+                   out_shardings=(param_sh, opt_sh, trainer.replicated),
                    donate_argnums=(0, 1))
   with sharding.use_mesh(mesh, trainer.rules):
-    lowered = jitted.lower(trainer.abstract_params, abstract_opt,
-                           trainer.abstract_params if reference else None, batch, adv)
+    lowered = jitted.lower(params, abstract_opt, params if reference else None, batch, adv)
   compiled, seconds = compile_program(lowered, f"RL policy step for {tpu_slice.name}")
   memory = Memory.of(compiled)
   chips = len(devices)

@@ -7,6 +7,7 @@ argument of `jax.jit`. Dtypes are stored by name for the same reason.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Mapping
 
@@ -665,7 +666,11 @@ MATMUL_PRECISIONS = ("default", "high", "highest")
 # (the first draft that fails tau_t becomes the causal argmax), "exact" (a draft stands only
 # where it is the causal argmax).
 VERIFY_MODES = ("off", "correct", "exact")
-PLANNERS = ("threshold", "mcts")  # DecodeConfig.planner
+PLANNERS = ("threshold", "policy", "mcts")  # DecodeConfig.planner
+# The selection policy's per-slot features (decode/refusion.py plan_features) and the
+# scale of its initial weights: sigmoid(PLAN_INIT_SCALE (p_first - tau_s)), a soft tau_s.
+PLAN_FEATURES = ("p_first", "p_slot", "distance", "left_committed", "progress")
+PLAN_INIT_SCALE = 20.0
 # DecodeConfig.mdm_ranking: LLaDA's, then Dream's samplers (its generation `alg`).
 MDM_RANKINGS = ("confidence", "maskgit_plus", "topk_margin", "entropy", "origin")
 # DecodeConfig.mdm_schedule: LLaDA's even split of a block's tokens over its steps, Dream's
@@ -787,10 +792,17 @@ class DecodeConfig:
   # engine) or "mcts" (planning.mcts: a search over which slot to commit next, one slot
   # per plan step with the left-to-right ablation's fill; mcts_budget simulations per
   # plan step, run mcts_batch at a time as rows of one forward; PUCT exploration mcts_c).
+  # "policy": a small selection policy (base frozen, trained by refusion_jax.rl): slot s is
+  # chosen with probability sigmoid(w . f_s + b) over PLAN_FEATURES (plan_weights: w then
+  # b; () = the soft threshold sigmoid(PLAN_INIT_SCALE (p_first - slot_threshold)));
+  # plan_sample draws each slot (RL rollouts), else a slot is chosen above one half; the
+  # most likely slot when none is. Traced: new weights never recompile.
   planner: str = "threshold"
   mcts_budget: int = 16
   mcts_c: float = 1.0
   mcts_batch: int = 8
+  plan_weights: tuple = ()
+  plan_sample: bool = False
   # Every response position is decoded: EOS counts as an ordinary token and ends
   # nothing, so every answer is gen_length tokens (vLLM's `ignore_eos`: a load
   # test with fixed answer lengths). Traced, like the thresholds.
@@ -904,9 +916,31 @@ class DecodeConfig:
           f"method={self.method!r}, left_to_right={self.left_to_right}, "
           f"recompute_kv={self.recompute_kv}, record={self.record}, verify={self.verify!r}, "
           f"remask={self.remask}")
+    if not isinstance(self.plan_sample, bool):
+      raise ValueError(f"decode.plan_sample must be a bool, got {self.plan_sample!r}")
+    w = self.plan_weights
+    if not isinstance(w, (tuple, list)) or (w and len(w) != len(PLAN_FEATURES) + 1) or any(
+        isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+        for x in w):
+      raise ValueError(f"decode.plan_weights must be () or {len(PLAN_FEATURES) + 1} finite "
+                       f"numbers (a weight per feature {PLAN_FEATURES}, then the bias), got {w!r}")
+    if self.planner == "policy" and (self.method != "refusion" or self.left_to_right or on):
+      raise ValueError(
+          "decode.planner='policy' chooses ReFusion's slots at each plan step (method="
+          f"'refusion', left_to_right=False, verify='off', remask=False); got method="
+          f"{self.method!r}, left_to_right={self.left_to_right}, verify={self.verify!r}, "
+          f"remask={self.remask}")
     if self.sample_drafts and self.method != "refusion":
       raise ValueError(f"decode.sample_drafts=True samples ReFusion's infill drafts; "
                        f"decode.method={self.method!r} has none")
+
+  @property
+  def plan_weights_on(self) -> tuple:
+    """The selection policy's weights then bias (`plan_weights`, or the soft threshold)."""
+    if self.plan_weights:
+      return tuple(float(x) for x in self.plan_weights)
+    return (PLAN_INIT_SCALE,) + (0.0,) * (len(PLAN_FEATURES) - 1) + (
+        -PLAN_INIT_SCALE * float(self.slot_threshold),)
 
   def _check_mdm_ranking(self) -> None:
     """`mdm_ranking` and `mdm_steps`, alone and (for method 'mdm') with the other MDM

@@ -136,3 +136,25 @@ def test_code_rewards_run_in_the_sandbox():
       timeout=30, log=log.append)
   assert out.tolist() == [1.0, 0.0, 0.0] and failed == 1
   assert "TimeoutError" in log[0]
+
+
+def test_the_selection_policy_trains_alone_with_the_base_frozen(tmp_path):
+  data = _train_file(tmp_path)
+  out = tmp_path / "sel"
+  r = trainer.run(_config(out, data, train_policy="selector", learning_rate=0.05),
+                  progress=False)
+  assert r["final_model"] is None  # the model is not trained, so not written
+  saved = json.loads((out / "plan_weights.json").read_text())
+  assert saved["plan_weights"] == r["plan_weights"] and len(saved["features"]) == 5
+  start = [20.0, 0.0, 0.0, 0.0, 0.0, -18.0]  # the soft threshold at tau_s 0.9
+  assert saved["plan_weights"] != start
+  lines = [json.loads(x) for x in open(out / "metrics.jsonl", encoding="utf-8")]
+  assert all(x["plan_entropy"] > 0 and "token_entropy" not in x for x in lines)
+  # The learnt weights decode (deterministic choice: above one half).
+  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
+  _, model = sample.load_model(MODEL)
+  dc = DecodeConfig(gen_length=16, slot_size=4, block_size=16, planner="policy",
+                    plan_weights=tuple(saved["plan_weights"]))
+  res = engine.Decoder(model, dc).engine(rows=2).run([[2, 10, 11, 12]])
+  assert res.results[0].tokens

@@ -53,7 +53,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from refusion_jax import sharding
-from refusion_jax.config import DECODE_PROGRAMS, MAX_STOP_IDS, DecodeConfig
+from refusion_jax.config import DECODE_PROGRAMS, MAX_STOP_IDS, PLAN_FEATURES, DecodeConfig
 from refusion_jax.decode import common, heads
 from refusion_jax.kv_cache import KVCache
 
@@ -81,6 +81,7 @@ class Spec:
   verify: bool = False  # DecodeConfig.verify != "off" (ReFusion only; "exact" is a knob)
   remask: bool = False  # DecodeConfig.remask (ReFusion only)
   record: bool = False  # DecodeConfig.record (ReFusion only): DecodeOutput.trace
+  plan_policy: bool = False  # DecodeConfig.planner == "policy" (ReFusion only)
 
 
 @flax.struct.dataclass
@@ -100,6 +101,11 @@ class Knobs:
   boundary_check: jax.Array = True  # DecodeConfig.boundary_check (with Spec.verify)
   remask_threshold: jax.Array = 0.5  # DecodeConfig.remask_threshold (with Spec.remask)
   sample_drafts: jax.Array = False  # DecodeConfig.sample_drafts (ReFusion's infill drafts)
+  # DecodeConfig.plan_weights (w, then b) and plan_sample (with Spec.plan_policy)
+  plan_w: jax.Array = flax.struct.field(
+      default_factory=lambda: np.zeros((len(PLAN_FEATURES),), np.float32))
+  plan_b: jax.Array = 0.0
+  plan_sample: jax.Array = False
   # ModelConfig.stop_token_ids, padded with -1 to MAX_STOP_IDS - 1 (all -1 under ignore_eos)
   stop_ids: jax.Array = flax.struct.field(
       default_factory=lambda: np.full((MAX_STOP_IDS - 1,), -1, np.int32))
@@ -172,7 +178,8 @@ def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_
   if dc.left_to_right:  # blocks play no part left to right
     return Spec("refusion", g, dc.slot_size, g, True, vocab_chunk, kv_chunk, mp, verify=verify)
   return Spec("refusion", g, dc.slot_size, dc.block_size, False, vocab_chunk, kv_chunk, mp,
-              verify=verify, remask=dc.remask, record=dc.record)
+              verify=verify, remask=dc.remask, record=dc.record,
+              plan_policy=dc.planner == "policy")
 
 
 def precision(spec: Spec):
@@ -211,6 +218,9 @@ def knobs_of(model_config, decode_config: DecodeConfig) -> Knobs:
       boundary_check=jnp.bool_(dc.boundary_check),
       remask_threshold=jnp.float32(dc.remask_threshold),
       sample_drafts=jnp.bool_(dc.sample_drafts),
+      plan_w=jnp.asarray(dc.plan_weights_on[:-1], jnp.float32),
+      plan_b=jnp.float32(dc.plan_weights_on[-1]),
+      plan_sample=jnp.bool_(dc.plan_sample),
       mdm_ban_eos=jnp.bool_(dc.mdm_ban_eos),
       mdm_defer_stop=jnp.bool_(dc.mdm_defer_stop),
       cfg_scale=jnp.float32(dc.mdm_cfg_scale),

@@ -70,7 +70,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from refusion_jax.config import DecodeConfig
+from refusion_jax.config import PLAN_FEATURES, DecodeConfig
 from refusion_jax.decode import common, engine, heads, passes
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
@@ -135,6 +135,8 @@ class Rows:
   #                                    verification, recompute_kv), else slot-local K/V
   plan_fed_ts: jax.Array | None = None  # slots of its block each step's plan fed
   plan_block_t: jax.Array | None = None  # the block of each step
+  plan_feats_tsf: jax.Array | None = None  # (with the selection policy) each step's features
+  plan_chosen_ts: jax.Array | None = None  # and the slots it chose
 
 
 @flax.struct.dataclass
@@ -185,6 +187,7 @@ class _Layout:
     self.verify = spec.verify
     self.remask = spec.remask
     self.record = spec.record
+    self.policy = spec.plan_policy
 
   def live_bt(self, r: Rows):
     """Positions of the block outside a re-masked slot's committed prefix (all without
@@ -381,6 +384,33 @@ def commit(lay: _Layout, r: Rows, keep_bt, tokens_bt, decided_bs, eos_b, knobs: 
   return _end_step(lay, r, decided_bs, eos_b, knobs)
 
 
+def plan_features(lay: _Layout, r: Rows, out: passes.PassOut) -> jax.Array:
+  """`[B, slots, F]` features of each slot of the block at a plan pass (PLAN_FEATURES):
+  its first token's probability, the mean probability of its drafts, its distance in
+  slots to the leftmost undecided slot (over the slots of a block), whether its left
+  neighbour is committed (the first slot's always is: the prompt or the last block), and
+  the fraction of the block's slots decided."""
+  b = r.phase_b.shape[0]
+  p = out.p_pick_bn.reshape(b, lay.n_slots, lay.k)
+  undecided = ~r.decided_bs
+  slot = jnp.arange(lay.n_slots)[None]
+  leftmost = first_true(undecided)[:, None]
+  left = jnp.concatenate([jnp.ones((b, 1), bool), r.decided_bs[:, :-1]], 1)
+  progress = jnp.broadcast_to(r.decided_bs.mean(-1, keepdims=True), (b, lay.n_slots))
+  return jnp.stack([p[..., 0], p.mean(-1), (slot - leftmost) / lay.n_slots,
+                    left.astype(jnp.float32), progress], -1).astype(jnp.float32)
+
+
+def plan_uniforms(key_b2, pass_b, offset: int, n: int) -> jax.Array:
+  """`[B, n]` the selection policy's draws: slot s of a row's pass c draws
+  `uniform(fold_in(fold_in(key, c), offset + s))` (the pass's token draws use 0..offset-1)."""
+  def row(key, count):
+    k = jax.random.fold_in(key, count)
+    return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(k, offset + i)))(
+        jnp.arange(n))
+  return jax.vmap(row)(key_b2, pass_b)
+
+
 def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   """Drafts every undecided slot; chooses the slots whose first token is confident
   (tau_s), or the single best one."""
@@ -393,6 +423,14 @@ def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
                b, lay.n_slots, lay.k).sum(-1))
   score = jnp.where(undecided, first, -1.0)
   over = undecided & (score > knobs.slot_threshold)
+  if lay.policy:
+    # The selection policy (decode.planner='policy'): slot s is chosen with probability
+    # sigmoid(w . f_s + b) (drawn, or above one half), the most likely slot when none is.
+    feats = plan_features(lay, r, out)
+    logit = jnp.where(undecided, feats @ knobs.plan_w + knobs.plan_b, -jnp.inf)
+    score = logit
+    u = plan_uniforms(r.key_b2, r.counters.nfe_b(), lay.blk, lay.n_slots)
+    over = undecided & jnp.where(knobs.plan_sample, u < jax.nn.sigmoid(logit), logit > 0)
   best = jax.nn.one_hot(jnp.argmax(score, axis=-1), lay.n_slots, dtype=bool)
   chosen = jnp.where(over.any(-1, keepdims=True), over, best)
   draft = out.pick_bn
@@ -418,6 +456,10 @@ def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
                  src_prefix_bt=jnp.zeros(draft.shape, jnp.int32), src_p_bt=out.p_pick_bn,
                  plan_fed_ts=jnp.where(at_ts[:, :, None], undecided[:, None, :], r.plan_fed_ts),
                  plan_block_t=jnp.where(at_ts, r.block_b[:, None], r.plan_block_t))
+    if lay.policy:
+      extra.update(
+          plan_feats_tsf=jnp.where(at_ts[:, :, None, None], feats[:, None], r.plan_feats_tsf),
+          plan_chosen_ts=jnp.where(at_ts[:, :, None], chosen[:, None, :], r.plan_chosen_ts))
   return r.replace(phase_b=jnp.full((b,), GLOBAL), draft_bt=draft, chosen_bs=chosen,
                    stage_bs=(jnp.cumsum(chosen, -1) - 1).astype(jnp.int32),
                    counters=counters, **extra)
@@ -794,6 +836,9 @@ def _empty_rows(spec: Spec, b: int, pad_id) -> Rows:
                  src_p_bg=jnp.zeros((b, g), jnp.float32), chain_bg=jnp.zeros((b, g), bool),
                  plan_fed_ts=jnp.zeros((b, steps, n_slots), bool),
                  plan_block_t=jnp.full((b, steps), -1, jnp.int32))
+    if spec.plan_policy:
+      extra.update(plan_feats_tsf=jnp.zeros((b, steps, n_slots, len(PLAN_FEATURES)), jnp.float32),
+                   plan_chosen_ts=jnp.zeros((b, steps, n_slots), bool))
   return Rows(
       phase_b=zi + FREE, length_b=zi, prompt_len_b=zi, key_b2=jnp.zeros((b, 2), jnp.uint32),
       tokens_bg=jnp.full((b, spec.gen_length), pad_id, jnp.int32),
@@ -904,6 +949,8 @@ def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
     trace = dict(tokens=r.tokens_bg, step=r.commit_step_bg, round=r.src_round_bg,
                  prefix=r.src_prefix_bg, p=r.src_p_bg, chain=r.chain_bg,
                  plan_fed=r.plan_fed_ts, plan_block=r.plan_block_t, prompt_len=r.prompt_len_b)
+    if spec.plan_policy:
+      trace.update(plan_feats=r.plan_feats_tsf, plan_chosen=r.plan_chosen_ts)
   return DecodeOutput(tokens_bg=tokens, length_b=length, counters=counters,
                       commit_step_bg=jnp.where(within, r.commit_step_bg, -1), trace=trace)
 
@@ -921,7 +968,7 @@ def validate(model_config, decode_config: DecodeConfig, prompt_len: int) -> None
     raise ValueError(f"ReFusion decoding reads each slot's own logits; a "
                      f"{model_config.model_type!r} model predicts token i at position i-1 "
                      "(ModelConfig.shift_logits): decode it with decode.method='mdm'")
-  if decode_config.planner != "threshold":
+  if decode_config.planner == "mcts":
     raise ValueError(f"decode.planner={decode_config.planner!r} is a host-driven search "
                      "(refusion_jax.planning.mcts.Decoder; evaluate runs it); the compiled "
                      "decoder plans with the thresholds (decode.planner='threshold')")

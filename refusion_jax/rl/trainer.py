@@ -21,14 +21,19 @@ One step:
    one batch of rollouts (the first one's old log-probabilities are the current ones),
    gradients accumulated over `micro_batch` rollouts; optax AdamW with clipping.
 
-What is trained is the model itself (every parameter). Checkpoints
+What is trained (`train_policy`): "model", every parameter of the model; "selector",
+the small slot-selection policy alone (`decode.planner='policy'`, base frozen: the
+rollouts draw each plan step's slots from it, `planning.selector` scores the choices);
+or "both" (each rollout's tokens and plan choices in one log-likelihood). Checkpoints
 (`OUT/checkpoints/<step>/`, orbax: parameters, optimizer state, step and seed; a
 rerun resumes from the newest) are written every `save_every` steps; SIGTERM during a
 rollout abandons that step's rollouts and saves the state before it (the step is
 redone identically on resume), during an update it saves after it; either way the run
 exits cleanly. `OUT/final_model/` is a model folder; `OUT/metrics.jsonl` holds one line
 per step (reward mean / std, accuracy, KL, clip fraction, token entropy, tokens per
-forward, timings) and `OUT/reward_failures.log` each reward that raised or timed out.
+forward, timings; the plan's entropy with the selector) and `OUT/reward_failures.log` each
+reward that raised or timed out; a trained selector's weights go to
+`OUT/plan_weights.json`.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import Any, Callable
 import numpy as np
 
 from refusion_jax import fileio
+from refusion_jax.config import PLAN_FEATURES
 from refusion_jax.rl import rewards as rewards_lib
 
 
@@ -89,6 +95,9 @@ def check_config(c, need_model: bool = True) -> None:
     raise ValueError(f"--config.speed_weight must be >= 0, got {c.speed_weight!r}")
   if not c.reward_timeout > 0:
     raise ValueError(f"--config.reward_timeout must be > 0 seconds, got {c.reward_timeout!r}")
+  if c.train_policy not in TRAIN_POLICIES:
+    raise ValueError(f"--config.train_policy must be one of {TRAIN_POLICIES}, got "
+                     f"{c.train_policy!r}")
   try:
     decode_config_of(c)
   except (TypeError, ValueError) as e:
@@ -98,9 +107,16 @@ def check_config(c, need_model: bool = True) -> None:
                      f"policy has no probabilities to learn from), got {c.decode.temperature!r}")
 
 
+TRAIN_POLICIES = ("model", "selector", "both")
+
+
 def decode_config_of(c):
+  """The rollouts' decode: sampled drafts, recorded; with the selection policy trained,
+  `planner='policy'` with its slots drawn."""
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
   fields = dict(c.decode.to_dict(), method="refusion", sample_drafts=True, record=True)
+  if c.train_policy in ("selector", "both"):
+    fields.update(planner="policy", plan_sample=True)
   return DecodeConfig(**fields)
 
 
@@ -137,25 +153,51 @@ def make_optimizer(c):
                      optax.adamw(c.learning_rate, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay))
 
 
-def make_loss(merge, *, temperature: float, epsilon: float, epsilon_high: float, beta: float):
-  """GRPO's loss of a packed batch of rollouts under parameters `p` (`merge(p)`: the
-  model): `loss_of(p, batch, old_lp, ref_lp, adv) -> (loss, metrics)`; an `old_lp` or
-  `ref_lp` of None is the current log-probabilities, constant (one update per batch of
-  rollouts; no reference)."""
-  import jax  # pylint: disable=import-outside-toplevel
+def trajectory_logprobs(merge, p, batch, temperature: float, entropy: bool = False):
+  """Each rollout's log-probabilities under the trained parts of `p`, concatenated along
+  the last axis: `p["model"]` scores every committed token (`planning.replay`),
+  `p["selector"]` every plan step's choice (`planning.selector`). Returns `(lp [B, T],
+  valid [B, T], metrics)`."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax.planning import grpo, replay  # pylint: disable=import-outside-toplevel
+  from refusion_jax.planning import replay, selector  # pylint: disable=import-outside-toplevel
+  parts, valids, metrics = [], [], {}
+  if "model" in p:
+    lp, ent = replay.logprobs(merge(p["model"]), batch, temperature, entropy=True)
+    valid = jnp.asarray(batch["valid"])
+    parts.append(lp)
+    valids.append(valid)
+    if entropy:
+      v = valid.astype(jnp.float32)
+      metrics["token_entropy"] = (ent * v).sum() / jnp.maximum(v.sum(), 1.0)
+  if "selector" in p:
+    lp, valid = selector.choice_logprobs(p["selector"], batch["plan_feats"], batch["plan_fed"],
+                                         batch["plan_chosen"])
+    parts.append(lp)
+    valids.append(valid)
+    if entropy:
+      metrics["plan_entropy"] = selector.plan_entropy(p["selector"], batch["plan_feats"],
+                                                      batch["plan_fed"])
+  return jnp.concatenate(parts, -1), jnp.concatenate(valids, -1), metrics
+
+
+def make_loss(merge, *, temperature: float, epsilon: float, epsilon_high: float, beta: float):
+  """GRPO's loss of a packed batch of rollouts under parameters `p` (a dict of the
+  trained parts, `trajectory_logprobs`; `merge(p["model"])`: the model):
+  `loss_of(p, batch, old_lp, ref_lp, adv) -> (loss, metrics)`; an `old_lp` or `ref_lp` of
+  None is the current log-probabilities, constant (one update per batch of rollouts; no
+  reference)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax.planning import grpo  # pylint: disable=import-outside-toplevel
 
   def loss_of(p, batch, old_lp, ref_lp, adv):
-    lp, ent = replay.logprobs(merge(p), batch, temperature, entropy=True)
+    lp, valid, extra = trajectory_logprobs(merge, p, batch, temperature, entropy=True)
     old = jax.lax.stop_gradient(lp) if old_lp is None else old_lp
     ref = jax.lax.stop_gradient(lp) if ref_lp is None else ref_lp
-    loss, metrics = grpo.policy_loss(lp, old, ref, batch["valid"], adv, epsilon=epsilon,
+    loss, metrics = grpo.policy_loss(lp, old, ref, valid, adv, epsilon=epsilon,
                                      epsilon_high=epsilon_high, beta=beta)
-    valid = batch["valid"].astype(jnp.float32)
-    metrics["token_entropy"] = (ent * valid).sum() / jnp.maximum(valid.sum(), 1.0)
-    return loss, metrics
+    return loss, dict(metrics, **extra)
 
   return loss_of
 
@@ -163,18 +205,17 @@ def make_loss(merge, *, temperature: float, epsilon: float, epsilon_high: float,
 def make_policy_step(merge, tx, **loss_kwargs):
   """One policy update on one batch of rollouts, the reference's log-probabilities
   computed in it: `step(params, opt_state, ref_params, batch, adv) -> (params,
-  opt_state, metrics)` (what `aot --program=rl` compiles; `ref_params` None: no KL)."""
+  opt_state, metrics)` over parameter dicts (`trajectory_logprobs`; what `aot
+  --program=rl` compiles; `ref_params` None: no KL)."""
   import jax  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
-
-  from refusion_jax.planning import replay  # pylint: disable=import-outside-toplevel
   loss_of = make_loss(merge, **loss_kwargs)
 
   def step(params, opt_state, ref_params, batch, adv):
     ref_lp = None
     if ref_params is not None:
-      ref_lp = jax.lax.stop_gradient(
-          replay.logprobs(merge(ref_params), batch, loss_kwargs["temperature"]))
+      ref_lp = jax.lax.stop_gradient(trajectory_logprobs(
+          merge, ref_params, batch, loss_kwargs["temperature"])[0])
     (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(
         params, batch, None, ref_lp, adv)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -232,7 +273,13 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
   dc.check_fits(model_config, max(len(p) for p in prompts))
   score_one = rewards_lib.reward_fn(c.reward)
 
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, model_params, rest = nnx.split(model, nnx.Param, ...)
+  # The trained parts: the model's parameters and / or the selection policy's weights.
+  params = {}
+  if c.train_policy in ("model", "both"):
+    params["model"] = model_params
+  if c.train_policy in ("selector", "both"):
+    params["selector"] = jnp.asarray(dc.plan_weights_on, jnp.float32)
   ref_params = jax.tree.map(jnp.copy, params) if c.beta > 0 else None
   tx = make_optimizer(c)
   opt_state = tx.init(params)
@@ -256,13 +303,16 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
   temperature = float(dc.temperature)
   mb = c.micro_batch
 
+  def merge(p):
+    return nnx.merge(graphdef, p, rest)
+
   def score(p, batch):
-    return replay.logprobs(nnx.merge(graphdef, p, rest), batch, temperature)
+    return trajectory_logprobs(merge, p, batch, temperature)[0]
 
   score_jit = jax.jit(score)
 
-  loss_of = make_loss(lambda p: nnx.merge(graphdef, p, rest), temperature=temperature,
-                     epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta)
+  loss_of = make_loss(merge, temperature=temperature, epsilon=c.epsilon,
+                      epsilon_high=c.epsilon_high, beta=c.beta)
 
   @jax.jit
   def grad_step(p, batch, old_lp, ref_lp, adv):
@@ -308,7 +358,10 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
           n_rows, size=c.prompts_per_step, replace=n_rows < c.prompts_per_step)
       batch_rows = [rows[i] for i in pick for _ in range(c.group_size)]
       batch_prompts = [prompts[i] for i in pick for _ in range(c.group_size)]
-      nnx.update(model, params)
+      if "model" in params:
+        nnx.update(model, params["model"])
+      if "selector" in params:  # the policy's current weights (traced: no recompile)
+        dc = dc.replace(plan_weights=tuple(float(x) for x in np.asarray(params["selector"])))
       decoder = engine.Decoder(model, dc, method="refusion")
       eng = decoder.engine(c.engine_rows, width=width)
       try:
@@ -342,6 +395,11 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
       w, t = replay.bucket(need_w, 64), replay.bucket(need_t, 16)
       chunks = [replay.pack(layouts[i:i + mb], width=w, tokens=t)
                 for i in range(0, len(layouts), mb)]
+      if "selector" in params:
+        for i, ch in enumerate(chunks):
+          part = out.results[i * mb:(i + 1) * mb]
+          for key in ("plan_feats", "plan_fed", "plan_chosen"):
+            ch[key] = np.stack([r.trace[key] for r in part])
       adv_chunks = [jnp.asarray(adv[i:i + mb]) for i in range(0, len(layouts), mb)]
       ref_lps = [score_jit(ref_params, ch) for ch in chunks] if ref_params is not None else None
       old_lps = ([score_jit(params, ch) for ch in chunks] if c.num_iterations > 1
@@ -384,8 +442,15 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
       bar.close()
   result = {"steps": step, "final_model": None, "seconds": time.perf_counter() - t0,
             "stopped": stop["flag"], "last": last}
-  if step >= c.steps:
-    nnx.update(model, params)
+  if "selector" in params:
+    result["plan_weights"] = [float(x) for x in np.asarray(params["selector"])]
+  if step >= c.steps and "selector" in params:
+    # decode.planner='policy' with --config.decode.plan_weights from this file.
+    fileio.write_json_atomic(os.path.join(c.output_dir, "plan_weights.json"),
+                             {"features": list(PLAN_FEATURES),
+                              "plan_weights": result["plan_weights"]})
+  if step >= c.steps and "model" in params:
+    nnx.update(model, params["model"])
     final = os.path.join(c.output_dir, "final_model")
     checkpoint.save_model(final, model_config, model, overwrite=True)
     if tok_dir:
