@@ -1,10 +1,15 @@
 """ReFusion + RL in the miniature: GRPO from the fine-tuned model, then both decoded alike.
 
-Trains `configs/rl_tiny.py` (overrides below) from `--model_dir` on the training split's
-exact-match rewards, then evaluates the starting model and the trained one with the
-same greedy ReFusion decode (and left to right) on the validation and test splits.
-Prints per-task accuracy and tokens per forward, and the reward curve (mean reward of
-the rollouts per `--curve_every` steps).
+First the headroom: the starting model's rollouts (`--group_size` samples of each of
+`--headroom_per_task` training problems per task, at the rollout temperature): per
+task the mean reward, pass@G, and the share of groups whose rewards are all equal
+(GRPO's advantage is zero there: no signal). Then trains `configs/rl_tiny.py`
+(overrides below; `--train_policy` model, selector or both) from `--model_dir` on the
+training split's exact-match rewards, and evaluates the starting model and the trained
+one with the same greedy ReFusion decode (the threshold planner, or the learnt selection
+policy; and left to right) on the validation and test splits. Prints per-task
+accuracy and tokens per forward, and the reward curve (mean reward of the rollouts per
+`--curve_every` steps).
 
   python benchmarks/rl_miniature.py --model_dir W/models/refusion/final_model \\
       --workdir /tmp/rl_mini --steps 150 --learning_rate 2e-5
@@ -44,6 +49,9 @@ def parse_args(argv=None):
   p.add_argument("--per_task", type=int, default=0, help="problems per task evaluated (0: all)")
   p.add_argument("--curve_every", type=int, default=10)
   p.add_argument("--splits", default="valid,test")
+  p.add_argument("--train_policy", default="model", choices=["model", "selector", "both"])
+  p.add_argument("--headroom_per_task", type=int, default=30,
+                 help="training problems per task whose rollouts measure the headroom (0: skip)")
   return p.parse_args(argv)
 
 
@@ -55,6 +63,38 @@ def _eval(model_dir, data, dc, per_task):
                            progress=False)
 
 
+def headroom(a, c):
+  """Per task: mean reward, pass@G and the share of all-equal groups of the start model's
+  rollouts, decoded as the trainer's first step decodes them."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax import tasks  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
+  tok = Tokenizer.tiny()
+  _, model = sample.load_model(a.model_dir)
+  problems = evaluate.read_problems(c.train_file, tok, per_task=a.headroom_per_task)
+  dc = trainer.decode_config_of(c)
+  prompts = [list(p.prompt_ids) for p in problems for _ in range(a.group_size)]
+  run = engine.Decoder(model, dc, method="refusion").engine(16).run(
+      prompts, rng=jax.random.key(c.seed))
+  ok = np.asarray([tasks.score(p.query, tok.decode(r.tokens, skip_special_tokens=True))
+                   for p, r in zip([p for p in problems for _ in range(a.group_size)],
+                                   run.results)], np.float32).reshape(len(problems), -1)
+  print(f"\nheadroom: the start model's rollouts ({a.group_size} per problem, temperature "
+        f"{dc.temperature}, {a.headroom_per_task} training problems per task)")
+  print("| task | mean reward | pass@G | groups all equal (no signal) |")
+  print("|---|---|---|---|")
+  out = {}
+  for task in sorted({p.task for p in problems}):
+    rows = ok[[i for i, p in enumerate(problems) if p.task == task]]
+    flat = float((rows.min(1) == rows.max(1)).mean())
+    out[task] = {"mean": float(rows.mean()), "pass_at_g": float(rows.max(1).mean()),
+                 "all_equal": flat}
+    print(f"| {task} | {rows.mean():.2f} | {rows.max(1).mean():.2f} | {flat:.2f} |")
+  return out
+
+
 def main(argv=None):
   a = parse_args(argv)
   c = rl_tiny.get_config()
@@ -64,6 +104,8 @@ def main(argv=None):
   c.decode.slot_threshold, c.decode.token_threshold = a.slot_threshold, a.token_threshold
   c.micro_batch = min(16, a.group_size * a.prompts_per_step)
   c.save_every = max(1, a.steps // 3)
+  c.train_policy = a.train_policy
+  room = headroom(a, c) if a.headroom_per_task else None
   result = trainer.run(c)
   lines = [json.loads(x) for x in open(os.path.join(a.workdir, "metrics.jsonl"),
                                        encoding="utf-8")]
@@ -82,14 +124,18 @@ def main(argv=None):
               token_threshold=a.token_threshold)
   rows = {"parallel": DecodeConfig(**base), "left_to_right": DecodeConfig(**base,
                                                                           left_to_right=True)}
-  report = {"rl": result, "curve": lines, "eval": {}}
+  learnt = {}
+  if "plan_weights" in result:
+    learnt["policy"] = DecodeConfig(**base, planner="policy",
+                                    plan_weights=tuple(result["plan_weights"]))
+  report = {"rl": result, "curve": lines, "eval": {}, "headroom": room}
   splits = {"valid": TINY_VALID, "test": TINY_TEST}
   for split in a.splits.split(","):
     print(f"\n{split}: greedy decode, the same settings for both models")
     print("| model | decode | accuracy | tokens/forward | per task |")
     print("|---|---|---|---|---|")
-    for name, path in (("start", a.model_dir), ("rl", result["final_model"])):
-      for row, dc in rows.items():
+    for name, path in (("start", a.model_dir), ("rl", result["final_model"] or a.model_dir)):
+      for row, dc in (rows if name == "start" else dict(rows, **learnt)).items():
         r = _eval(path, splits[split], dc, a.per_task)
         report["eval"][f"{split}/{name}/{row}"] = {"average": r["average"], "per_task": {
             t: {k: m[k] for k in ("accuracy", "tokens_per_forward")}

@@ -40,6 +40,7 @@ def get_config():
   c.decode.slot_threshold = 0.9
   c.decode.token_threshold = 0.4
   c.decode.temperature = 1.0
+  c.mesh.shard = True  # FSDP over every chip, as the training recipe
   c.train = qwen3_8b_refusion.get_config()
   c.layout_width = 3072  # entries of one rollout's training layout (aot)
   c.layout_tokens = 512  # scored tokens per rollout (aot)

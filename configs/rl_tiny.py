@@ -41,6 +41,9 @@ def get_config():
   c.weight_decay = 0.0
   c.grad_clip = 1.0
   c.save_every = 20
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.shard = False  # True: parameters, rollouts and the policy step on a device mesh
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1  # its axes (-1: the other devices)
   c.seed = 0
   c.decode = ml_collections.ConfigDict()
   c.decode.gen_length = 24

@@ -158,3 +158,13 @@ def test_the_selection_policy_trains_alone_with_the_base_frozen(tmp_path):
                     plan_weights=tuple(saved["plan_weights"]))
   res = engine.Decoder(model, dc).engine(rows=2).run([[2, 10, 11, 12]])
   assert res.results[0].tokens
+
+
+def test_a_sharded_run(tmp_path):
+  import jax  # pylint: disable=import-outside-toplevel
+  data = _train_file(tmp_path)
+  c = _config(tmp_path / "m", data, steps=1)
+  c.mesh.shard = True
+  r = trainer.run(c, progress=False)
+  assert r["devices"] == len(jax.devices()) > 1  # the suite's 8 virtual CPU devices
+  assert np.isfinite(r["last"]["loss"]) and r["final_model"]

@@ -273,6 +273,16 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
   dc.check_fits(model_config, max(len(p) for p in prompts))
   score_one = rewards_lib.reward_fn(c.reward)
 
+  mesh, rules = None, None
+  if c.mesh.shard:
+    # Sharded as training shards: the parameters (and so the optimizer state, the
+    # rollout engine's rows and KV cache, the policy step) over a (data, fsdp, tensor)
+    # mesh of every device, by the model's logical axes.
+    from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
+    rules = sharding.ShardingRules()
+    mesh = sharding.make_mesh(data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, sharding.state_shardings(state, mesh, rules)))
   graphdef, model_params, rest = nnx.split(model, nnx.Param, ...)
   # The trained parts: the model's parameters and / or the selection policy's weights.
   params = {}
@@ -309,16 +319,28 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
   def score(p, batch):
     return trajectory_logprobs(merge, p, batch, temperature)[0]
 
-  score_jit = jax.jit(score)
-
   loss_of = make_loss(merge, temperature=temperature, epsilon=c.epsilon,
                       epsilon_high=c.epsilon_high, beta=c.beta)
 
-  @jax.jit
+  def on_mesh(fn):
+    """`fn` jitted, traced and run with the mesh's activation constraints."""
+    jitted = jax.jit(fn)
+
+    def call(*args):
+      if mesh is None:
+        return jitted(*args)
+      from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
+      with sharding.use_mesh(mesh, rules):
+        return jitted(*args)
+    return call
+
+  score_jit = on_mesh(score)
+
+  @on_mesh
   def grad_step(p, batch, old_lp, ref_lp, adv):
     return jax.value_and_grad(loss_of, has_aux=True)(p, batch, old_lp, ref_lp, adv)
 
-  @jax.jit
+  @on_mesh
   def apply(p, opt_state, grads):
     updates, opt_state = tx.update(grads, opt_state, p)
     return optax.apply_updates(p, updates), opt_state, optax.tree.norm(grads)
@@ -441,7 +463,8 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
     if bar is not None:
       bar.close()
   result = {"steps": step, "final_model": None, "seconds": time.perf_counter() - t0,
-            "stopped": stop["flag"], "last": last}
+            "stopped": stop["flag"], "last": last,
+            "devices": len(jax.tree.leaves(params)[0].sharding.device_set)}
   if "selector" in params:
     result["plan_weights"] = [float(x) for x in np.asarray(params["selector"])]
   if step >= c.steps and "selector" in params:
