@@ -65,6 +65,8 @@ def get_config():
   c.decode.boundary_check = True  # with verify: slot-first tokens too (a train.boundary_label model)
   c.decode.remask = False  # re-check a slot committed before its left neighbour, mask its tail again
   c.decode.remask_threshold = 0.5  # tau_remask: masked again from the first token at most this
+  c.decode.planner = "threshold"  # ReFusion's slot choice: "threshold" (tau_s) or "policy"
+  c.decode.plan_weights = ()  # planner "policy": w then b (refusion_jax.rl's plan_weights.json)
   c.decode.ignore_eos = False  # EOS ends nothing: every answer is gen_length tokens (load tests)
   # KV entries attention reads at a time, up to the longest row's live part (0: the whole
   # buffer at once; unset: 64 on CPU, 512 on TPU, 0 on GPU)

@@ -221,7 +221,9 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
       corrected += int(res.counters.get("corrected_b", 0))
       refresh += int(res.counters.get("refresh_b", 0))
       samples.append({"task": task, "query": problem.query, "text": text, "correct": ok,
-                      "tokens": n, "nfe": nfe_r, "tpf_paper": res.counters["tpf_paper_b"]})
+                      "tokens": n, "nfe": nfe_r, "tpf_paper": res.counters["tpf_paper_b"],
+                      **({"search_rows": int(res.counters["search_rows_b"])}
+                         if "search_rows_b" in res.counters else {})})
 
     timed = prompts[:speed_per_task]
     speed_tokens, seconds = 0, 0.0

@@ -38,10 +38,11 @@ def decode_fields(method: str = "refusion", gen_length: int = 512, slot_size: in
   d.d2f_conf_threshold = 0.9  # D2F tau_conf: tokens above it are committed
   d.d2f_window = 4  # D2F: blocks in flight at most
   d.left_to_right = False  # ReFusion ablation: one slot at a time, one token per pass
-  d.planner = "threshold"  # ReFusion: "threshold" (tau_s) or "mcts" (planning.mcts search)
+  d.planner = "threshold"  # ReFusion: "threshold" (tau_s), "policy" or "mcts" (a search)
   d.mcts_budget = 16  # planner "mcts": simulations per plan step
   d.mcts_c = 1.0  # planner "mcts": PUCT exploration
   d.mcts_batch = 8  # planner "mcts": simulations per batched forward
+  d.plan_weights = ()  # planner "policy": w then b (refusion_jax.rl's plan_weights.json)
   d.recompute_kv = False  # ReFusion ablation: recompute infilled slots' KV causally
   # ReFusion past the paper (docs/ALGORITHM.md; off = the release): "correct" / "exact" check
   # drafts against the causal argmax a pass computed and correct the first that fails

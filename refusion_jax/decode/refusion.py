@@ -971,7 +971,7 @@ def validate(model_config, decode_config: DecodeConfig, prompt_len: int) -> None
   if decode_config.planner == "mcts":
     raise ValueError(f"decode.planner={decode_config.planner!r} is a host-driven search "
                      "(refusion_jax.planning.mcts.Decoder; evaluate runs it); the compiled "
-                     "decoder plans with the thresholds (decode.planner='threshold')")
+                     "decoder plans with decode.planner='threshold' or 'policy'")
   # `replace()` re-runs DecodeConfig's own field checks (block multiple of slot,
   # gen_length multiple of block, thresholds in [0, 1], ...), even on an instance
   # whose fields were altered after construction.
