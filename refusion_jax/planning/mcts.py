@@ -34,6 +34,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 
+def _bucket(n: int, step: int = 16) -> int:
+  return -(-n // step) * step
+
+
 @dataclasses.dataclass
 class Node:
   moves: tuple[int, ...]  # slots committed along the path from the root, in order
@@ -155,7 +159,7 @@ class Planner:
     """One row per node: [prompt | committed slots, then the node's moves, causal in
     commit order | each undecided slot's masks, slot-local]."""
     p, k = len(prompt), self.k
-    width = p + 2 * self.g
+    width = _bucket(p) + 2 * self.g  # one compiled forward per prompt bucket
     rows = max(self.batch, len(nodes))
     ids = np.zeros((rows, width), np.int32)
     pos = np.zeros((rows, width), np.int32)
@@ -215,7 +219,7 @@ class Planner:
     for t, slot_toks in committed:
       toks += list(slot_toks)
       places += [p + t * k + j for j in range(len(slot_toks))]
-    width = p + self.g + k
+    width = _bucket(p) + self.g + k
     run = self._forward(width, 1)
     slot_pos = [p + s * k + j for j in range(k)]
 
