@@ -44,6 +44,11 @@ def parse_args(argv=None):
   p.add_argument("--group_size", type=int, default=8)
   p.add_argument("--prompts_per_step", type=int, default=8)
   p.add_argument("--speed_weight", type=float, default=0.0)
+  p.add_argument("--slot_size", type=int, default=4, help="rollouts' (and evaluation's) k")
+  p.add_argument("--block_size", type=int, default=24)
+  p.add_argument("--eval_decode_from", default="",
+                 help="a results JSON of the main job (W/results/ReFusion.json): its per-task "
+                      "decode settings for the parallel rows instead of the rollouts'")
   p.add_argument("--slot_threshold", type=float, default=0.9)
   p.add_argument("--token_threshold", type=float, default=0.4)
   p.add_argument("--per_task", type=int, default=0, help="problems per task evaluated (0: all)")
@@ -102,6 +107,7 @@ def main(argv=None):
   c.learning_rate, c.beta, c.decode.temperature = a.learning_rate, a.beta, a.temperature
   c.group_size, c.prompts_per_step, c.speed_weight = a.group_size, a.prompts_per_step, a.speed_weight
   c.decode.slot_threshold, c.decode.token_threshold = a.slot_threshold, a.token_threshold
+  c.decode.slot_size, c.decode.block_size = a.slot_size, a.block_size
   c.micro_batch = min(16, a.group_size * a.prompts_per_step)
   c.save_every = max(1, a.steps // 3)
   c.train_policy = a.train_policy
@@ -122,12 +128,17 @@ def main(argv=None):
   base = dict(gen_length=c.decode.gen_length, slot_size=c.decode.slot_size,
               block_size=c.decode.block_size, slot_threshold=a.slot_threshold,
               token_threshold=a.token_threshold)
-  rows = {"parallel": DecodeConfig(**base), "left_to_right": DecodeConfig(**base,
-                                                                          left_to_right=True)}
+  parallel = DecodeConfig(**base)
+  if a.eval_decode_from:
+    with open(a.eval_decode_from, encoding="utf-8") as f:
+      parallel = {t: DecodeConfig(**v) for t, v in json.load(f)["decode"].items()}
+  rows = {"parallel": parallel, "left_to_right": DecodeConfig(**base, left_to_right=True)}
   learnt = {}
   if "plan_weights" in result:
-    learnt["policy"] = DecodeConfig(**base, planner="policy",
-                                    plan_weights=tuple(result["plan_weights"]))
+    w = tuple(result["plan_weights"])
+    learnt["policy"] = ({t: d.replace(planner="policy", plan_weights=w)
+                         for t, d in parallel.items()} if isinstance(parallel, dict)
+                        else parallel.replace(planner="policy", plan_weights=w))
   report = {"rl": result, "curve": lines, "eval": {}, "headroom": room}
   splits = {"valid": TINY_VALID, "test": TINY_TEST}
   for split in a.splits.split(","):

@@ -35,9 +35,9 @@ def test_the_search_finds_the_move_the_prior_hides(batch):
   expand, calls = _bandit(values={0: 0.1, 1: 0.9}, priors={0: 0.95, 1: 0.05})
   root = mcts.search(mcts.Node((), {}, ()), expand, budget=200, c=1.0, batch=batch)
   assert mcts.most_visited(root) == 1 and root.n[1] > root.n[0]
-  # Every simulation is counted once; those of the first round stop at the root, which
-  # that round expands (virtual losses are visits that the backups complete).
-  assert 200 - batch == sum(root.n.values())
+  # Every simulation is counted once, the first expanding the root (virtual losses are
+  # visits the backups complete; a round ends at a leaf it holds already).
+  assert sum(root.n.values()) == 200 - 1
   assert calls[0] == ()  # the root first
   # Budget 1 expands only the root: the prior's choice.
   expand, _ = _bandit(values={0: 0.1, 1: 0.9}, priors={0: 0.95, 1: 0.05})

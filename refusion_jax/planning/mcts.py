@@ -15,8 +15,9 @@ commit next by a search:
   first-token probability of the moves on its path from the search's root and of the
   best move at the node (a path the model is sure of, start to end, scores high);
 * selection is PUCT, `Q(a) + c P(a) sqrt(N) / (1 + N(a))`; `budget` simulations per
-  plan step, run `batch` at a time as the rows of one batched forward (a virtual loss
-  keeps a round's rows on different leaves);
+  plan step, run up to `batch` at a time as the rows of one batched forward (a virtual
+  loss keeps a round's rows on different leaves; a round ends early where a selection
+  reaches a leaf the round holds already);
 * the most visited move's slot is committed, decoded by the real fill (not its draft).
 
 With `budget = 1` the search expands the root only and commits the slot of highest
@@ -84,8 +85,14 @@ def search(root: Node, expand: Callable[[list[Node]], list[float]], *, budget: i
                                   drafts={**node.drafts, a: node.child_draft[a]},
                                   move_p=node.move_p + (node.child_p[a],))
         node = node.children[a]
-      if node.prior is not None or any(node is x for x in leaves):
-        again.append((node, path))  # a terminal node, or a leaf this round expands already
+      if any(node is x for x in leaves):
+        # A leaf this round expands already: undo the virtual loss and end the round (its
+        # rows are what the batch holds), without spending a simulation.
+        for parent, a in path:
+          parent.n[a] -= 1
+        break
+      if node.prior is not None:
+        again.append((node, path))  # a terminal node: its value backs up again
       else:
         leaves.append(node)
         paths.append(path)
