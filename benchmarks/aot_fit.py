@@ -82,6 +82,10 @@ ROWS = {
         "--prompt_len=1024", "--decode_programs=run", "--pass_widths="],
     "tiny-v5litepod-4": ["--program=train", "--config=configs/tiny_refusion.py",
                          "--topology=v5litepod-4"],
+    # RL (docs/RESULTS.md "RL and planning"): the 8B policy step with the reference's
+    # log-probabilities, 64 rollouts of 3,072-entry layouts.
+    "8b-rl-v5p-128": ["--program=rl", "--config=configs/qwen3_8b_refusion_rl.py",
+                      "--topology=v5p-128"],
 }
 
 
@@ -125,6 +129,8 @@ def table(results: list[dict]) -> str:
     step = _cell(p["estimated_s"], ".3g")
     if p["program"] == "decode" and p["estimated_s"] is not None:
       step += f" (pass of {p['pass_width']})"
+    if p["program"] == "rl" and p["estimated_s"] is not None:
+      step += f" ({p['estimated_s_per_group']:.3g} a group of {p['group_size']})"
     samples = _cell(p.get("samples_per_step"), ",.0f")
     hours = "-"
     if p.get("paper_run_hours") is not None:

@@ -44,6 +44,7 @@ def parse_args(argv=None):
   p.add_argument("--prompts_per_step", type=int, default=8)
   p.add_argument("--group_size", type=int, default=8)
   p.add_argument("--seq_len", type=int, default=64, help="supervised rows' length")
+  p.add_argument("--beta", type=float, default=0.04, help="KL weight (0: no reference forward)")
   return p.parse_args(argv)
 
 
@@ -92,7 +93,8 @@ def main(argv=None):
     c.model_dir, c.output_dir = a.model_dir, out
     c.steps, c.save_every = a.warmup + a.steps, 10 ** 6
     c.prompts_per_step, c.group_size = a.prompts_per_step, a.group_size
-    c.micro_batch = min(n, c.micro_batch)
+    c.micro_batch = n  # one policy-step program for the step's rollouts
+    c.beta = a.beta
     trainer.run(c, progress=False)
     lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"), encoding="utf-8")]
   sup += supervised_times(a.model_dir, n, a.seq_len, a.steps)

@@ -4,6 +4,8 @@
       --config=configs/qwen3_8b_refusion.py [--config.field=value ...]
   python -m refusion_jax.aot --program=decode --topology=v5litepod-8 --model=qwen3_8b \\
       --config=configs/sample.py --config.decode.method=refusion --batch=16 --prompt_len=1024
+  python -m refusion_jax.aot --program=rl --topology=v5p-128 \\
+      --config=configs/qwen3_8b_refusion_rl.py
 
 `--topology` is a Cloud TPU accelerator type as gcloud names it (`v4-128`,
 `v5p-128`, `v5litepod-256` or `v5e-256`, `v6e-256`) or a libtpu topology
@@ -24,6 +26,11 @@ program for it (`refusion_jax.tpu`):
   rules say; then one pass of each width of `--pass_widths` over the KV cache
   (the pass ReFusion, AR and BD3-LM decode with; MDM: one denoising pass of the
   canvas).
+
+* rl: the RL policy step of an RL config (`rl.trainer.make_policy_step`:
+  `micro_batch` rollouts' training layouts of `layout_width` entries, the
+  reference's log-probabilities, GRPO's loss, the update) on the mesh and model
+  of its `train` recipe; estimated per step and per group of `group_size`.
 
 Printed per chip: argument, output, aliased and temporary bytes and the
 program code, their total against the chip's HBM ("fits" / "does not fit by

@@ -12,8 +12,9 @@ with true positions. A committed token sees the prompt, the tokens committed in 
 steps and, of its own step, the tokens before it in one causal run (global
 verification, recompute_kv: `chain`) or in its own slot (the infill's slot-local K/V).
 A plan group holds its step's undecided slots as masks, causal among themselves; a
-draft group its slot's kept tokens then masks; each sees the prompt and what was
-committed before its step. Every committed token is scored at its own entry of the
+draft group its slot's kept tokens then masks (each cut after its last scored entry,
+which causal attention makes exact); each sees the prompt and what was committed
+before its step. Every committed token is scored at its own entry of the
 group that drafted it, under `log_softmax(logits / T)` with the mask token left out
 (the decoder's Gumbel draw samples exactly that distribution).
 
@@ -101,7 +102,9 @@ def layout(prompt, trace: dict, slot_size: int, block_size: int, mask_id: int) -
     if missing:
       raise ValueError(f"replay: positions {missing} were drafted by a pass at step {t} "
                        "that did not feed them")
-    group_rows.append((t, feed, members))
+    # Causal within the group: the entries after its last scored one change nothing.
+    last = max(gens.index(g) for g in members)
+    group_rows.append((t, feed[:last + 1], members))
   c = len(ids)
   score = {}
   spans = []
@@ -142,7 +145,7 @@ def bucket(n: int, step: int) -> int:
 
 
 def pack(layouts, width: int | None = None, tokens: int | None = None,
-         width_step: int = 64, tokens_step: int = 16) -> dict:
+         width_step: int = 32, tokens_step: int = 16) -> dict:
   """A batch of layouts padded to `width` entries and `tokens` scored tokens (default:
   the longest, rounded up to the steps, so that similar batches share one program)."""
   b = len(layouts)

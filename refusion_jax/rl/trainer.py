@@ -414,7 +414,7 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
                  for p, r in zip(batch_prompts, out.results)]
       need_w = max(len(x.ids) for x in layouts)
       need_t = max(len(x.targets) for x in layouts)
-      w, t = replay.bucket(need_w, 64), replay.bucket(need_t, 16)
+      w, t = replay.bucket(need_w, 32), replay.bucket(need_t, 16)
       chunks = [replay.pack(layouts[i:i + mb], width=w, tokens=t)
                 for i in range(0, len(layouts), mb)]
       if "selector" in params:
