@@ -117,14 +117,15 @@ def main(argv=None):
                                        encoding="utf-8")]
   print("\nreward curve (rollouts at the training temperature; mean per "
         f"{a.curve_every} steps)")
-  print("| steps | reward | accuracy | tokens/forward | KL | token entropy |")
+  entropy = "token_entropy" if "token_entropy" in lines[0] else "plan_entropy"
+  print(f"| steps | reward | accuracy | tokens/forward | KL | {entropy.replace('_', ' ')} |")
   print("|---|---|---|---|---|---|")
   for i in range(0, len(lines), a.curve_every):
     part = lines[i:i + a.curve_every]
     mean = lambda k: sum(x[k] for x in part) / len(part)  # noqa: E731
     print(f"| {part[0]['step']}-{part[-1]['step']} | {mean('reward_mean'):.3f} | "
           f"{mean('accuracy'):.3f} | {mean('tokens_per_forward'):.2f} | {mean('kl'):.4f} | "
-          f"{mean('token_entropy'):.3f} |")
+          f"{mean(entropy):.3f} |")
   base = dict(gen_length=c.decode.gen_length, slot_size=c.decode.slot_size,
               block_size=c.decode.block_size, slot_threshold=a.slot_threshold,
               token_threshold=a.token_threshold)
