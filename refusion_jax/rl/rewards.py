@@ -14,14 +14,16 @@ Kinds (`--config.reward`):
   `entry_point`; `test_list`, `test_setup_code`).
 
 `score_all` never raises for a bad completion: a reward that raises, or does not return
-within its time limit, is a zero and one logged line; only a broken setup (the sandbox
+within its time limit, is a zero and one logged line (a hung one is left to a daemon
+thread, which never holds the run); only a broken setup (the sandbox
 cannot run here) stops the run, before any rollout.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import re
+import threading
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -98,26 +100,40 @@ def check_row(kind: str, row: Mapping[str, Any], where: str) -> None:
 def score_all(fn, rows: Sequence[Mapping[str, Any]], texts: Sequence[str], *,
               timeout: float, workers: int = 4, log: Callable[[str], None] = print
               ) -> tuple[np.ndarray, int]:
-  """`(rewards [N] float32, failures)`: each reward in a worker thread, at most `timeout`
-  seconds; one that raises or times out scores 0 and logs a line."""
-  out = np.zeros((len(texts),), np.float32)
+  """`(rewards [N] float32, failures)`: each reward in a daemon thread (`workers` at a
+  time), at most `timeout` seconds from its start; one that raises or times out scores 0
+  and logs a line. A reward still running past its time is left behind (a daemon: it
+  never holds the run or its exit)."""
+  n = len(texts)
+  out = np.zeros((n,), np.float32)
+  done: list[tuple[str, Any] | None] = [None] * n
   failures = 0
-  pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers))
-  try:
-    futures = [pool.submit(fn, row, text) for row, text in zip(rows, texts)]
-    for i, fut in enumerate(futures):
-      try:
-        value = float(fut.result(timeout=timeout))
-        if not np.isfinite(value):
-          raise ValueError(f"the reward is {value}")
-        out[i] = value
-      except Exception as e:  # pylint: disable=broad-except
+
+  def work(i):
+    try:
+      done[i] = ("ok", float(fn(rows[i], texts[i])))
+    except Exception as e:  # pylint: disable=broad-except
+      done[i] = ("raised", e)
+
+  for first in range(0, n, max(1, workers)):
+    started = []
+    for i in range(first, min(n, first + max(1, workers))):
+      thread = threading.Thread(target=work, args=(i,), daemon=True, name=f"reward-{i}")
+      thread.start()
+      started.append((i, thread, time.monotonic()))
+    for i, thread, t0 in started:
+      thread.join(max(0.0, timeout - (time.monotonic() - t0)))
+      result = done[i]
+      if result is None:
         failures += 1
-        if not fut.done():  # still running: its time is up (not an error it raised)
-          log(f"reward: sample {i} timed out after {timeout} s; scored 0")
-        else:
-          log(f"reward: sample {i} raised {type(e).__name__}: {e}; scored 0")
-  finally:
-    # A reward still running is left to finish on its own: the run goes on.
-    pool.shutdown(wait=False, cancel_futures=True)
+        log(f"reward: sample {i} timed out after {timeout} s; scored 0")
+      elif result[0] == "raised":
+        failures += 1
+        e = result[1]
+        log(f"reward: sample {i} raised {type(e).__name__}: {e}; scored 0")
+      elif not np.isfinite(result[1]):
+        failures += 1
+        log(f"reward: sample {i} is {result[1]}; scored 0")
+      else:
+        out[i] = result[1]
   return out, failures
