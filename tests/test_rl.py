@@ -168,3 +168,17 @@ def test_a_sharded_run(tmp_path):
   r = trainer.run(c, progress=False)
   assert r["devices"] == len(jax.devices()) > 1  # the suite's 8 virtual CPU devices
   assert np.isfinite(r["last"]["loss"]) and r["final_model"]
+
+
+def test_the_command_line_reports_a_bad_setting_in_one_line(tmp_path):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "-m", "refusion_jax.rl", "--config=configs/rl_tiny.py",
+                         f"--config.model_dir={MODEL}", f"--config.output_dir={tmp_path}/out",
+                         "--config.group_size=1"], cwd=repo, capture_output=True, text=True,
+                        check=False, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 2, done.stderr
+  assert done.stderr.strip().splitlines()[-1].startswith(
+      "refusion_jax.rl: error: --config.group_size must be an int >= 2")
+  assert not os.path.exists(tmp_path / "out")  # nothing written
