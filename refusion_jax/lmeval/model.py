@@ -137,6 +137,17 @@ def _as_float(value: Any, name: str) -> float:
     raise ValueError(f"refusion_jax model arg {name} must be a number, got {value!r}") from None
 
 
+def _as_floats(value: Any, name: str) -> tuple:
+  """A sequence of numbers, or its text as lm-eval's model_args give it ("1.0 2.0", with or
+  without brackets and commas)."""
+  if isinstance(value, str):
+    value = value.strip("()[] ").replace(",", " ").split()
+  try:
+    return tuple(float(x) for x in value)
+  except (TypeError, ValueError):
+    raise ValueError(f"refusion_jax model arg {name} must be numbers, got {value!r}") from None
+
+
 @register_model("refusion_jax")
 class RefusionLM(LM):
   """A refusion_jax model (ReFusion, AR or MDM decoding) as an lm-eval generative LM."""
@@ -157,7 +168,10 @@ class RefusionLM(LM):
                left_to_right: bool = False, recompute_kv: bool = False,
                verify: str = "off", boundary_check: bool = True, remask: bool = False,
                remask_threshold: float = 0.5, ignore_eos: bool = False, kv_chunk: int | str | None = None,
-               matmul_precision: str | None = None, batch_size: int | str = 1,
+               matmul_precision: str | None = None, sample_drafts: bool = False,
+               record: bool = False, planner: str = "threshold", mcts_budget: int = 16,
+               mcts_c: float = 1.0, mcts_batch: int = 8, plan_weights: Any = (),
+               plan_sample: bool = False, batch_size: int | str = 1,
                enable_thinking: bool = True, seed: int = 0,
                progress: bool = True, max_batch_size: Any = None, device: Any = None,
                **unknown):
@@ -171,7 +185,9 @@ class RefusionLM(LM):
                        "mdm_defer_stop, mdm_cfg_scale, mdm_cache, mdm_cache_refresh, mdm_factor, "
                        "d2f_add_threshold, d2f_act_threshold, d2f_conf_threshold, d2f_window, "
                        "left_to_right, recompute_kv, "
-                       "verify, boundary_check, remask, remask_threshold, ignore_eos, kv_chunk, matmul_precision, batch_size, enable_thinking, "
+                       "verify, boundary_check, remask, remask_threshold, ignore_eos, kv_chunk, "
+                       "matmul_precision, sample_drafts, record, planner, mcts_budget, mcts_c, "
+                       "mcts_batch, plan_weights, plan_sample, batch_size, enable_thinking, "
                        "seed, progress")
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
       raise ValueError("refusion_jax: batch_size='auto' is not supported; give the number of "
@@ -207,7 +223,12 @@ class RefusionLM(LM):
         remask_threshold=_as_float(remask_threshold, "remask_threshold"),
         ignore_eos=_as_bool(ignore_eos, "ignore_eos"),
         kv_chunk=_unless_none(kv_chunk, _as_int, "kv_chunk"),
-        matmul_precision=_unless_none(matmul_precision, lambda v, _: str(v), "matmul_precision"))
+        matmul_precision=_unless_none(matmul_precision, lambda v, _: str(v), "matmul_precision"),
+        sample_drafts=_as_bool(sample_drafts, "sample_drafts"), record=_as_bool(record, "record"),
+        planner=str(planner), mcts_budget=_as_int(mcts_budget, "mcts_budget"),
+        mcts_c=_as_float(mcts_c, "mcts_c"), mcts_batch=_as_int(mcts_batch, "mcts_batch"),
+        plan_weights=_as_floats(plan_weights, "plan_weights"),
+        plan_sample=_as_bool(plan_sample, "plan_sample"))
     self.enable_thinking = _as_bool(enable_thinking, "enable_thinking")
     self.progress = _as_bool(progress, "progress")
     self.seed = _as_int(seed, "seed")

@@ -102,7 +102,10 @@ def run(c) -> dict[str, Any]:
   tm = benchmarks.task_manager(benchmark=bench)
   data_dir = c.data_dir or None
   settings = {
-      "decode": dataclasses.asdict(decode_config), "batch_size": c.batch_size,
+      # As results.json holds it (a tuple field is a list there).
+      "decode": {k: list(v) if isinstance(v, tuple) else v
+                 for k, v in dataclasses.asdict(decode_config).items()},
+      "batch_size": c.batch_size,
       "enable_thinking": c.enable_thinking, "seed": c.seed, "num_fewshot": 0,
       "apply_chat_template": True, "limit": c.limit, "data_dir": c.data_dir,
       "lm_eval": lm_eval.__version__, "processes": jax.process_count()}

@@ -73,17 +73,29 @@ def _problem_set(config, workdir: str, tokenizer, data: str, per_task: int,
 
 
 def _decode_key(c: DecodeConfig) -> dict:
-  """A decode config as a cache key holds it: `ignore_eos` only when set and
-  `kv_chunk` and `matmul_precision` only when given, so results cached before the
-  fields existed (the same decoding rules; `kv_chunk` changes only how attention's
-  sums are taken) still count."""
+  """A decode config as a cache key holds it: `ignore_eos` only when set,
+  `kv_chunk` and `matmul_precision` only when given, the RL and planner fields only
+  when not at their defaults, so results cached before the fields existed (the same
+  decoding rules; `kv_chunk` changes only how attention's sums are taken) still count."""
   d = dataclasses.asdict(c)
   if not c.ignore_eos:
     del d["ignore_eos"]
   for name in ("kv_chunk", "matmul_precision"):
     if d[name] is None:
       del d[name]
+  # The RL and planner fields, at their defaults (the release's rules), likewise; a
+  # tuple is held as JSON holds it.
+  defaults = {f.name: f.default for f in dataclasses.fields(DecodeConfig)}
+  for name in _LATER_FIELDS:
+    if d[name] == defaults[name]:
+      del d[name]
+    elif isinstance(d[name], tuple):
+      d[name] = list(d[name])
   return d
+
+
+_LATER_FIELDS = ("sample_drafts", "record", "planner", "mcts_budget", "mcts_c", "mcts_batch",
+                 "plan_weights", "plan_sample")
 
 
 def _key(config, problem_set: _ProblemSet, configs: Mapping[str, DecodeConfig],
