@@ -276,7 +276,11 @@ def train_model_config(config) -> tuple[ModelConfig, str]:
   return mc, source
 
 
-def check_train(config, tpu_slice: tpu.Slice) -> dict:
+def _slice_trainer(config, tpu_slice: tpu.Slice, *, what: str, seq_len: int, name: str,
+                   total_steps: int, prefix: str = "config."):
+  """`(trainer, model config, its source, mesh sizes, devices)`: the training recipe
+  `config`'s Trainer on the slice's chips (`config.mesh`), its model checked to hold
+  `seq_len` positions (`name`: the field that asks for them)."""
   from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
   from refusion_jax.training import settings  # pylint: disable=import-outside-toplevel
   from refusion_jax.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
@@ -284,19 +288,27 @@ def check_train(config, tpu_slice: tpu.Slice) -> dict:
   n = config.mesh.num_devices
   if n:
     if n > len(devices):
-      raise ValueError(f"config.mesh.num_devices={n} but {tpu_slice.name} has {len(devices)} chips")
+      raise ValueError(f"{prefix}mesh.num_devices={n} but {tpu_slice.name} has "
+                       f"{len(devices)} chips")
     devices = devices[:n]
   sizes = settings.validate_config(config, num_devices=len(devices), check_files=False)
   mc, source = train_model_config(config)
-  if config.data.seq_len > mc.max_position_embeddings:
-    raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds the model's "
+  if seq_len > mc.max_position_embeddings:
+    raise ValueError(f"{name}={seq_len} exceeds the model's "
                      f"max_position_embeddings={mc.max_position_embeddings}")
   mesh = sharding.make_mesh(devices=devices, **sizes)
-  log(f"train step of {source}: {mc.num_params() / 1e9:.3g}B parameters, mesh {sizes}, "
+  log(f"{what} of {source}: {mc.num_params() / 1e9:.3g}B parameters, mesh {sizes}, "
       f"{len(devices)} chips")
   trainer = trainer_lib.Trainer(config, mc, mesh=mesh,
                                 pad_id=mc.pad_token_id if mc.pad_token_id is not None else 0,
-                                total_steps=max(1, int(config.num_train_steps)))
+                                total_steps=total_steps)
+  return trainer, mc, source, sizes, devices
+
+
+def check_train(config, tpu_slice: tpu.Slice) -> dict:
+  trainer, mc, source, sizes, devices = _slice_trainer(
+      config, tpu_slice, what="train step", seq_len=config.data.seq_len,
+      name="config.data.seq_len", total_steps=max(1, int(config.num_train_steps)))
   rows, seq_len = config.global_batch_size, config.data.seq_len
   lowered = trainer.lower_train_step(rows, seq_len)
   compiled, seconds = compile_program(lowered, f"train step for {tpu_slice.name}")
@@ -350,8 +362,6 @@ def check_rl(config, tpu_slice: tpu.Slice) -> dict:
 
   from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
   from refusion_jax.rl import trainer as rl_trainer  # pylint: disable=import-outside-toplevel
-  from refusion_jax.training import settings  # pylint: disable=import-outside-toplevel
-  from refusion_jax.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   for name in ("train", "layout_width", "layout_tokens", "micro_batch", "group_size"):
     if name not in config:
       raise ValueError(f"--config has no {name!r}: --program=rl takes an RL config "
@@ -361,29 +371,14 @@ def check_rl(config, tpu_slice: tpu.Slice) -> dict:
     raise ValueError(f"config.layout_width={width}, layout_tokens={tokens} and micro_batch="
                      f"{rows} must be positive, with layout_tokens <= layout_width")
   rl_trainer.check_config(config, need_model=False)
-  train = config.train
-  devices = tpu.slice_devices(tpu_slice)
-  n = train.mesh.num_devices
-  if n:
-    if n > len(devices):
-      raise ValueError(f"config.train.mesh.num_devices={n} but {tpu_slice.name} has "
-                       f"{len(devices)} chips")
-    devices = devices[:n]
-  sizes = settings.validate_config(train, num_devices=len(devices), check_files=False)
-  mc, source = train_model_config(train)
-  if width > mc.max_position_embeddings:
-    raise ValueError(f"config.layout_width={width} exceeds the model's "
-                     f"max_position_embeddings={mc.max_position_embeddings}")
-  mesh = sharding.make_mesh(devices=devices, **sizes)
-  log(f"RL policy step of {source}: {mc.num_params() / 1e9:.3g}B parameters, mesh {sizes}, "
-      f"{len(devices)} chips, {rows} rollouts of {width} entries")
-  trainer = trainer_lib.Trainer(train, mc, mesh=mesh,
-                                pad_id=mc.pad_token_id if mc.pad_token_id is not None else 0,
-                                total_steps=1)
   if config.train_policy != "model":
     raise ValueError(f"--program=rl compiles the model's policy step (train_policy='model'); "
                      f"config.train_policy={config.train_policy!r} (the selector's step is a "
                      "handful of weights)")
+  trainer, mc, source, sizes, devices = _slice_trainer(
+      config.train, tpu_slice, what=f"RL policy step ({rows} rollouts of {width} entries)",
+      seq_len=width, name="config.layout_width", total_steps=1, prefix="config.train.")
+  mesh = trainer.mesh
   tx = rl_trainer.make_optimizer(config)
   params = {"model": trainer.abstract_params}
   param_sh = {"model": trainer.param_shardings}
