@@ -259,16 +259,17 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
   from refusion_jax import checkpoint, sample  # pylint: disable=import-outside-toplevel
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
   from refusion_jax.planning import grpo, replay  # pylint: disable=import-outside-toplevel
-  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
 
   dc = decode_config_of(c)
   model_config, model = sample.load_model(c.model_dir, scan_layers=False)
   if model_config.mask_token_id is None:
     raise ValueError(f"{c.model_dir}: ReFusion RL needs the model's mask_token_id")
+  tokenizer = sample.load_tokenizer(c, model_config)  # sample's rule: the config's, the model's
+  if tokenizer is None:
+    raise ValueError(f"{c.model_dir}: no tokenizer.json there and --config.tokenizer_dir is "
+                     "empty (the rewards read the answers' text)")
   tok_dir = c.tokenizer_dir or (c.model_dir if os.path.isfile(
       os.path.join(c.model_dir, "tokenizer.json")) else "")
-  tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else Tokenizer.tiny()
-  tokenizer.check_compatible(model_config)
   rows, prompts = read_rows(c.train_file, c.reward, tokenizer, model_config, dc.gen_length)
   dc.check_fits(model_config, max(len(p) for p in prompts))
   score_one = rewards_lib.reward_fn(c.reward)
