@@ -182,3 +182,14 @@ def test_the_command_line_reports_a_bad_setting_in_one_line(tmp_path):
   assert done.stderr.strip().splitlines()[-1].startswith(
       "refusion_jax.rl: error: --config.group_size must be an int >= 2")
   assert not os.path.exists(tmp_path / "out")  # nothing written
+
+
+def test_both_policies_train_in_one_likelihood(tmp_path):
+  data = _train_file(tmp_path)
+  out = tmp_path / "both"
+  r = trainer.run(_config(out, data, train_policy="both", steps=1, learning_rate=0.01),
+                  progress=False)
+  (line,) = [json.loads(x) for x in open(out / "metrics.jsonl", encoding="utf-8")]
+  assert line["token_entropy"] > 0 and line["plan_entropy"] > 0  # tokens and plan choices
+  assert r["final_model"] and (out / "plan_weights.json").exists()
+  assert any(not np.array_equal(x, y) for x, y in zip(_params(MODEL), _params(r["final_model"])))
