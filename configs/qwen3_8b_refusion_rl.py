@@ -22,7 +22,7 @@ from configs import qwen3_8b_refusion, rl_tiny
 
 def get_config():
   c = rl_tiny.get_config()
-  c.train_file = "data/gsm8k_train.jsonl"  # {"query", "answer"} rows (answer ends "#### N")
+  c.train_file = "data/gsm8k_train.jsonl"  # GSM8K's own rows: "question", "answer" ("#### N")
   c.reward = "gsm8k"
   c.reward_workers = 16
   c.steps = 500

@@ -96,6 +96,19 @@ def test_bad_settings_are_one_line(tmp_path):
   assert not os.path.exists(tmp_path / "x")  # nothing written
 
 
+def test_benchmark_rows_read_as_they_come(tmp_path):
+  from refusion_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "gsm8k.jsonl"
+  path.write_text(json.dumps({"question": "2 + 3?", "answer": "so\n#### 5"}) + "\n")
+  mc = config_lib.tiny()
+  rows, prompts = trainer.read_rows(str(path), "gsm8k", Tokenizer.tiny(), mc, 16)
+  assert rows[0]["query"] == "2 + 3?" and prompts[0] == Tokenizer.tiny().encode_prompt("2 + 3?")
+  path.write_text(json.dumps({"answer": "#### 5"}) + "\n")
+  with pytest.raises(ValueError, match="needs the fields \\['query'\\]"):
+    trainer.read_rows(str(path), "gsm8k", Tokenizer.tiny(), mc, 16)
+
+
 def test_rewards_by_hand():
   assert rewards.gsm8k_reward({"answer": "so 3 + 4 = 7\n#### 1,234"}, "It is 1234.") == 1.0
   assert rewards.gsm8k_reward({"answer": "#### 7"}, "7 apples, then 8") == 0.0

@@ -13,6 +13,10 @@ Kinds (`--config.reward`):
   network, never in the trainer's process); rows as the benchmarks' (`prompt`, `test`,
   `entry_point`; `test_list`, `test_setup_code`).
 
+A row without `query` is read with its benchmark's own question field (`QUERY_FIELDS`:
+GSM8K's "question", MATH's "problem", HumanEval's "prompt", MBPP's "text"), so the
+datasets' rows train as they come.
+
 `score_all` never raises for a bad completion: a reward that raises, or does not return
 within its time limit, is a zero and one logged line (a hung one is left to a daemon
 thread, which never holds the run); only a broken setup (the sandbox
@@ -83,6 +87,22 @@ def reward_fn(kind: str, sandbox_limits=None) -> Callable[[Mapping[str, Any], st
     sandbox.check_platform()  # a sandbox that cannot run here stops the run now
     return _code_reward(kind, sandbox_limits or sandbox.Limits())
   return {"tasks": tasks_reward, "gsm8k": gsm8k_reward, "math": math_reward}[kind]
+
+
+# The field a benchmark's own rows hold the question in, read as `query` when a row has no
+# `query` (GSM8K's "question", MATH's "problem", HumanEval's "prompt", MBPP's "text").
+QUERY_FIELDS = {"tasks": (), "gsm8k": ("question",), "math": ("problem",),
+                "humaneval": ("prompt",), "mbpp": ("text",)}
+
+
+def with_query(kind: str, row: Mapping[str, Any]) -> Mapping[str, Any]:
+  """`row` with its `query` (its benchmark's question field when it has none)."""
+  if "query" in row:
+    return row
+  for name in QUERY_FIELDS[kind]:
+    if name in row:
+      return dict(row, query=row[name])
+  return row
 
 
 def check_row(kind: str, row: Mapping[str, Any], where: str) -> None:

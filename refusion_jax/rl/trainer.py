@@ -126,6 +126,7 @@ def read_rows(path: str, kind: str, tokenizer, model_config, gen_length: int):
   for where, row in fileio.jsonl_rows(path):
     if not isinstance(row, dict):
       raise ValueError(f"{where}: expected a JSON object")
+    row = rewards_lib.with_query(kind, row)
     if "prompt_ids" in row:
       ids = [int(x) for x in row["prompt_ids"]]
       if kind != "tasks" or "query" in row:
