@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import types
 from typing import Callable, Sequence
 
 import numpy as np
@@ -346,4 +347,4 @@ class Decoder:
     lengths = []
     for ids, n in zip(np.asarray(prompt_ids_bp), np.asarray(prompt_len_b)):
       lengths.append(len(self.planner.decode([int(x) for x in ids[:int(n)]]).tokens))
-    return dataclasses.make_dataclass("Out", ["length_b"])(jnp.asarray(lengths))
+    return types.SimpleNamespace(length_b=jnp.asarray(lengths))  # what evaluate's timing reads

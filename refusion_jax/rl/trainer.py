@@ -203,25 +203,41 @@ def make_loss(merge, *, temperature: float, epsilon: float, epsilon_high: float,
   return loss_of
 
 
+def make_policy_grads(merge, **loss_kwargs):
+  """`grads(p, batch, old_lp, ref_lp, adv) -> ((loss, metrics), gradients)` of
+  `make_loss`'s loss (the trainer accumulates them over micro-batches)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  return jax.value_and_grad(make_loss(merge, **loss_kwargs), has_aux=True)
+
+
+def make_apply(tx):
+  """`apply(params, opt_state, grads) -> (params, opt_state, gradient norm)`."""
+  import optax  # pylint: disable=import-outside-toplevel
+
+  def apply(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+  return apply
+
+
 def make_policy_step(merge, tx, **loss_kwargs):
   """One policy update on one batch of rollouts, the reference's log-probabilities
   computed in it: `step(params, opt_state, ref_params, batch, adv) -> (params,
-  opt_state, metrics)` over parameter dicts (`trajectory_logprobs`; what `aot
-  --program=rl` compiles; `ref_params` None: no KL)."""
+  opt_state, metrics)` over parameter dicts (`trajectory_logprobs`; `ref_params` None: no
+  KL). What `aot --program=rl` compiles: the trainer's gradient and update
+  (`make_policy_grads`, `make_apply`) in one program, for one micro-batch."""
   import jax  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
-  loss_of = make_loss(merge, **loss_kwargs)
+  grads_of, apply = make_policy_grads(merge, **loss_kwargs), make_apply(tx)
 
   def step(params, opt_state, ref_params, batch, adv):
     ref_lp = None
     if ref_params is not None:
       ref_lp = jax.lax.stop_gradient(trajectory_logprobs(
           merge, ref_params, batch, loss_kwargs["temperature"])[0])
-    (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(
-        params, batch, None, ref_lp, adv)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state,
-            dict(metrics, grad_norm=optax.tree.norm(grads)))
+    (_, metrics), grads = grads_of(params, batch, None, ref_lp, adv)
+    params, opt_state, norm = apply(params, opt_state, grads)
+    return params, opt_state, dict(metrics, grad_norm=norm)
 
   return step
 
@@ -254,7 +270,6 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
   check_config(c)
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   from refusion_jax import checkpoint, sample  # pylint: disable=import-outside-toplevel
@@ -321,8 +336,6 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
   def score(p, batch):
     return trajectory_logprobs(merge, p, batch, temperature)[0]
 
-  loss_of = make_loss(merge, temperature=temperature, epsilon=c.epsilon,
-                      epsilon_high=c.epsilon_high, beta=c.beta)
 
   def on_mesh(fn):
     """`fn` jitted, traced and run with the mesh's activation constraints."""
@@ -338,14 +351,9 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
 
   score_jit = on_mesh(score)
 
-  @on_mesh
-  def grad_step(p, batch, old_lp, ref_lp, adv):
-    return jax.value_and_grad(loss_of, has_aux=True)(p, batch, old_lp, ref_lp, adv)
-
-  @on_mesh
-  def apply(p, opt_state, grads):
-    updates, opt_state = tx.update(grads, opt_state, p)
-    return optax.apply_updates(p, updates), opt_state, optax.tree.norm(grads)
+  grad_step = on_mesh(make_policy_grads(merge, temperature=temperature, epsilon=c.epsilon,
+                                        epsilon_high=c.epsilon_high, beta=c.beta))
+  apply = on_mesh(make_apply(tx))
 
   stop = {"flag": False}
   previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
