@@ -262,6 +262,17 @@ def pass_keys(key_b2, pass_b, n: int, temperature=None) -> jax.Array:
                       lambda: jnp.zeros((key_b2.shape[0], n, 2), jnp.uint32))
 
 
+def pass_uniforms(key_b2, pass_b, offset: int, n: int) -> jax.Array:
+  """`[B, n]` uniform draws of each row's current pass beside its token keys: draw i of
+  a row's pass c is `uniform(fold_in(fold_in(key, c), offset + i))` (`pass_keys` gives
+  the pass's token keys 0..offset-1, so the two never share a key)."""
+  def row(key, count):
+    k = jax.random.fold_in(key, count)
+    return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(k, offset + i)))(
+        jnp.arange(n))
+  return jax.vmap(row)(key_b2, pass_b)
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Where a decode state lives when the parameters are on a mesh: K/V split over

@@ -168,10 +168,7 @@ def reveal_uniforms_bg(key_b2, pass_b, g: int):
   """"origin"'s draws `[B, G]`: position i of a row's pass n draws
   `uniform(fold_in(fold_in(key, n), G + i))` (the token draws of the pass use keys
   0..G-1 of the same pass, `engine.pass_keys`)."""
-  def row(key, count):
-    k = jax.random.fold_in(key, count)
-    return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(k, g + i)))(jnp.arange(g))
-  return jax.vmap(row)(key_b2, pass_b)
+  return engine.pass_uniforms(key_b2, pass_b, g, g)
 
 
 @functools.lru_cache(maxsize=None)

@@ -401,16 +401,6 @@ def plan_features(lay: _Layout, r: Rows, out: passes.PassOut) -> jax.Array:
                     left.astype(jnp.float32), progress], -1).astype(jnp.float32)
 
 
-def plan_uniforms(key_b2, pass_b, offset: int, n: int) -> jax.Array:
-  """`[B, n]` the selection policy's draws: slot s of a row's pass c draws
-  `uniform(fold_in(fold_in(key, c), offset + s))` (the pass's token draws use 0..offset-1)."""
-  def row(key, count):
-    k = jax.random.fold_in(key, count)
-    return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(k, offset + i)))(
-        jnp.arange(n))
-  return jax.vmap(row)(key_b2, pass_b)
-
-
 def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   """Drafts every undecided slot; chooses the slots whose first token is confident
   (tau_s), or the single best one."""
@@ -429,7 +419,8 @@ def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
     feats = plan_features(lay, r, out)
     logit = jnp.where(undecided, feats @ knobs.plan_w + knobs.plan_b, -jnp.inf)
     score = logit
-    u = plan_uniforms(r.key_b2, r.counters.nfe_b(), lay.blk, lay.n_slots)
+    # Slot s draws with key blk + s of the plan pass (its tokens use 0..blk-1).
+    u = engine.pass_uniforms(r.key_b2, r.counters.nfe_b(), lay.blk, lay.n_slots)
     over = undecided & jnp.where(knobs.plan_sample, u < jax.nn.sigmoid(logit), logit > 0)
   best = jax.nn.one_hot(jnp.argmax(score, axis=-1), lay.n_slots, dtype=bool)
   chosen = jnp.where(over.any(-1, keepdims=True), over, best)
