@@ -86,35 +86,26 @@ def layout(t: Trajectory, mask_id: int):
 
 def logprobs(model, trajectories: Sequence[Trajectory], temperature: float = 1.0):
   """Per-token log-probabilities `[B, T]` (0 past a trajectory's tokens) and the token
-  mask `[B, T]`, every trajectory in one forward of `model` (jittable in the model's
-  parameters: the layouts are built on the host)."""
-  import jax  # pylint: disable=import-outside-toplevel
+  mask `[B, T]`, every trajectory in one forward of `model` (`replay.pack` and
+  `replay.logprobs` over these layouts; jittable in the model's parameters: the layouts
+  are built on the host)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax.planning import replay  # pylint: disable=import-outside-toplevel
   mask_id = model.config.mask_token_id
   if mask_id is None:
     raise ValueError("trajectory log-probabilities need the model's mask_token_id")
   if not temperature > 0:
     raise ValueError(f"temperature must be > 0, got {temperature!r}")
-  parts = [layout(t, mask_id) for t in trajectories]
-  b = len(parts)
-  width = max(len(x[0]) for x in parts)
-  tokens = max(len(x[3]) for x in parts)
-  ids = np.zeros((b, width), np.int32)
-  pos = np.zeros((b, width), np.int32)
-  att = np.broadcast_to(np.eye(width, dtype=bool), (b, width, width)).copy()
-  at = np.zeros((b, tokens), np.int32)
-  tgt = np.zeros((b, tokens), np.int32)
-  valid = np.zeros((b, tokens), bool)
-  for i, (x, q, a, s, g) in enumerate(parts):
-    ids[i, :len(x)], pos[i, :len(x)] = x, q
-    att[i, :len(x), :len(x)] = a | np.eye(len(x), dtype=bool)
-    at[i, :len(s)], tgt[i, :len(g)], valid[i, :len(s)] = s, g, True
-  logits = model(jnp.asarray(ids), jnp.asarray(pos), attention_mask_btt=jnp.asarray(att))
-  read = jnp.take_along_axis(logits, jnp.asarray(at)[:, :, None], axis=1).astype(jnp.float32)
-  read = read.at[:, :, mask_id].set(-jnp.inf) / temperature
-  lp = jax.nn.log_softmax(read, axis=-1)
-  out = jnp.take_along_axis(lp, jnp.asarray(tgt)[:, :, None], axis=-1)[..., 0]
-  return jnp.where(jnp.asarray(valid), out, 0.0), jnp.asarray(valid)
+  layouts = []
+  for t in trajectories:
+    ids, pos, att, at, tgt = layout(t, mask_id)
+    layouts.append(replay.Layout(ids=ids, positions=pos, attention=att, score_at=at,
+                                 targets=tgt, index=np.arange(len(tgt), dtype=np.int32),
+                                 p_recorded=np.zeros(len(tgt), np.float32)))
+  batch = replay.pack(layouts, width=max(len(x.ids) for x in layouts),
+                      tokens=max(len(x.targets) for x in layouts))
+  return replay.logprobs(model, batch, temperature), jnp.asarray(batch["valid"])
 
 
 def logprobs_stepwise(model, t: Trajectory, temperature: float = 1.0) -> list[float]:
