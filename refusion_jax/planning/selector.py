@@ -21,15 +21,21 @@ import math
 import numpy as np
 
 
+def _logits(weights, feats_btsf):
+  """w . f + b of every slot (weights: w..., then b)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  weights = jnp.asarray(weights, jnp.float32)
+  return jnp.asarray(feats_btsf, jnp.float32) @ weights[:-1] + weights[-1]
+
+
 def choice_logprobs(weights, feats_btsf, fed_bts, chosen_bts):
   """`(log P(chosen set) [B, T], valid [B, T])` of each plan step (jittable and
   differentiable in `weights` = (w..., b)); steps without a plan are not valid."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  weights = jnp.asarray(weights, jnp.float32)
   fed = jnp.asarray(fed_bts, bool)
   chosen = jnp.asarray(chosen_bts, bool) & fed
-  logit = jnp.asarray(feats_btsf, jnp.float32) @ weights[:-1] + weights[-1]
+  logit = _logits(weights, feats_btsf)
   lp, lq = jax.nn.log_sigmoid(logit), jax.nn.log_sigmoid(-logit)
   normal = jnp.where(fed, jnp.where(chosen, lp, lq), 0.0).sum(-1)
   best = jnp.argmax(jnp.where(fed, logit, -jnp.inf), axis=-1)
@@ -44,9 +50,8 @@ def plan_entropy(weights, feats_btsf, fed_bts):
   """Mean over plan steps of the summed Bernoulli entropies of the undecided slots (nats)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  weights = jnp.asarray(weights, jnp.float32)
   fed = jnp.asarray(fed_bts, bool)
-  logit = jnp.asarray(feats_btsf, jnp.float32) @ weights[:-1] + weights[-1]
+  logit = _logits(weights, feats_btsf)
   p = jax.nn.sigmoid(logit)
   h = -(p * jax.nn.log_sigmoid(logit) + (1 - p) * jax.nn.log_sigmoid(-logit))
   per_step = jnp.where(fed, h, 0.0).sum(-1)
