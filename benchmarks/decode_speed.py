@@ -43,7 +43,11 @@ from flax import nnx  # noqa: E402
 
 from refusion_jax import checkpoint  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
-from refusion_jax.decode import engine  # noqa: E402  (registers every decoder)
+from refusion_jax.decode import (
+  compiled,
+  engine,  # noqa: E402  (registers every decoder)
+)
+from refusion_jax.decode import compiled as compiled_lib
 from refusion_jax.model import Qwen3  # noqa: E402
 
 METHODS = ("refusion", "ar", "mdm", "bd3lm")
@@ -199,10 +203,10 @@ def fixed_cost_ms(decoder, repeats: int = 50) -> float:
   """Wall time of one call of the decode loop that runs no pass (dispatch, launch, sync)."""
   d = decoder
   spec = d.spec_for(1)
-  state = engine._engine_init(d.graphdef, d.params, spec=spec, rows=1, width=8,  # pylint: disable=protected-access
+  state = compiled_lib.init(d.graphdef, d.params, spec=spec, rows=1, width=8,  # pylint: disable=protected-access
                               place=d.place)
   stop = jax.numpy.bool_(False)
-  run = functools.partial(engine._engine_run, spec=spec, place=d.place)  # pylint: disable=protected-access
+  run = functools.partial(compiled_lib.run, spec=spec, place=d.place)  # pylint: disable=protected-access
   state = jax.block_until_ready(run(d.graphdef, d.params, state, d.knobs, stop))
   times = []
   for _ in range(repeats):
@@ -217,7 +221,7 @@ def compiled_memory(decoder, batch: int, prompt_len: int):
   compiled from shapes only (the decoder's parameters may be abstract)."""
   shape = jax.ShapeDtypeStruct
   t = time.perf_counter()
-  lowered = engine._generate.lower(  # pylint: disable=protected-access
+  lowered = compiled_lib.generate.lower(  # pylint: disable=protected-access
       decoder.graphdef, decoder.params, shape((batch, prompt_len), np.int32),
       shape((batch,), np.int32), shape((2,), np.uint32), decoder.knobs,
       spec=decoder.spec_for(batch))

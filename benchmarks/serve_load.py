@@ -55,7 +55,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from refusion_jax.config import MATMUL_PRECISIONS  # noqa: E402  (no JAX import)
+from refusion_jax.decode.settings import MATMUL_PRECISIONS  # noqa: E402  (no JAX import)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN_JOB = {"refusion": "runs/repro_tiny/models/refusion/final_model",

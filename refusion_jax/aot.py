@@ -18,7 +18,7 @@ program for it (`refusion_jax.tpu`):
   the model is the config's preset and overrides (with `init_from_hf`: that
   folder's config.json when it is here, else the preset with the two special
   tokens the trainer adds, Qwen3's tokenizer giving 151,671 rows);
-* decode: the decode method's programs (`engine.lower_program`: the whole
+* decode: the decode method's programs (`compiled_lib.lower_program`: the whole
   batch in one program, the engine's admit and its loop of passes) at
   `--batch` rows and prompts `--prompt_len` wide, for the model `--model` (a
   preset name, or a folder whose config.json or model_config.json alone is
@@ -563,9 +563,9 @@ def _pass_program(graphdef, params, cache, ids_bw, positions_bw, keys_bw2, tempe
 def _step_program(graphdef, params, state, knobs, *, spec):
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
-  with engine.precision(spec):
-    return engine.program(spec.method).step(nnx.merge(graphdef, params), spec, state, knobs)
+  from refusion_jax.decode import program as program_lib  # pylint: disable=import-outside-toplevel
+  with program_lib.precision(spec):
+    return program_lib.program(spec.method).step(nnx.merge(graphdef, params), spec, state, knobs)
 
 
 @functools.cache
@@ -587,7 +587,9 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
 
   from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
-  from refusion_jax.decode import bd3lm, d2f, engine, refusion  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import compiled as compiled_lib  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import program as program_lib  # pylint: disable=import-outside-toplevel
   from refusion_jax.training import settings  # pylint: disable=import-outside-toplevel
   pass_jit, step_jit = _jitted()
   mc, source = decode_model_config(model, decode_config.method)
@@ -603,11 +605,7 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   rules = sharding.ShardingRules()
   decoder = engine.Decoder(_abstract_sharded_model(mc, mesh, rules), decode_config)
   chip, chips = tpu_slice.chip, len(devices)
-  options = ", ".join(o for o in (f"verify={decode_config.verify}"
-                                   if decode_config.verify != "off" else "",
-                                   "remask" if decode_config.remask else "",
-                                   f"{decode_config.mdm_cache} cache"
-                                   if decode_config.mdm_cache else "") if o)
+  options = ", ".join(f"{k}={v}" for k, v in decode_config.switches_on().items())
   log(f"{decode_config.method} decode of {source}: {mc.num_params() / 1e9:.3g}B parameters "
       f"({mc.param_dtype}, {'scanned' if mc.scan_layers else 'unrolled'} layers), mesh {sizes}, "
       f"{batch} rows, prompts of {prompt_len}, {decode_config.gen_length} generated"
@@ -615,15 +613,14 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
   entries = []
   for name in programs:
     with sharding.use_mesh(mesh, rules):
-      lowered = engine.lower_program(decoder, name, batch, prompt_len)
+      lowered = compiled_lib.lower_program(decoder, name, batch, prompt_len)
     compiled, seconds = compile_program(lowered, f"{decode_config.method} {name} program")
     entries.append(_program_entry(name, Memory.of(compiled), seconds))
     del compiled
   result = {"model": source, "params": mc.num_params(), "mesh": sizes,
             "method": decode_config.method, "batch": batch, "prompt_len": prompt_len,
-            "gen_length": decode_config.gen_length, "verify": decode_config.verify,
-            "mdm_cache": decode_config.mdm_cache,
-            "remask": decode_config.remask, "scan_layers": mc.scan_layers,
+            "gen_length": decode_config.gen_length, "decode": decode_config.flat(),
+            "scan_layers": mc.scan_layers,
             "kv_chunk": decoder.spec.kv_chunk, "programs": entries,
             "flops_source": "hand count per chip: 2 x matmul params per token + attention",
             "pass_width": None, "flops": None, "bytes": None, "estimated_s": None,
@@ -663,40 +660,28 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
             "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
             "xla_flops": xla_flops(compiled), "compile_s": seconds}
 
-  if decode_config.method == "mdm":
-    canvas = prompt_len + decode_config.gen_length
-    # The full canvas pass: every step without a cache, a block's first with Fast-dLLM's
-    # (compiled from the program without one: a step with a cache holds both passes).
-    plain = engine.Decoder(decoder.model, decode_config.replace(
-        mdm_cache=None, mdm_cache_refresh=0))
-    state = engine.abstract_state(plain, batch, prompt_len)
+  prog, max_len = program_lib.program(decode_config.method), prompt_len + decode_config.gen_length
+  cached_widths = prog.pass_widths(decoder.spec)
+  if prog.canvas_spec is not None:
+    # Its steps feed prompt and canvas whole (with a cache, a block's first step): that
+    # pass is one step of the program without its cache; its cached passes follow.
+    plain = prog.canvas_spec(decoder.spec)
+    state = compiled_lib.abstract_state(decoder, batch, prompt_len, spec=plain)
     with sharding.use_mesh(mesh, rules):
-      lowered = step_jit.lower(plain.graphdef, plain.params, state, knobs, spec=plain.spec)
-    compiled, seconds = compile_program(lowered, f"one mdm pass ({canvas} tokens per row)")
+      lowered = step_jit.lower(decoder.graphdef, decoder.params, state, knobs, spec=plain)
+    compiled, seconds = compile_program(
+        lowered, f"one {decode_config.method} pass ({max_len} tokens per row)")
     nbytes = hbm_traffic(compiled)
-    flops = canvas_pass_flops(mc, batch, canvas, decode_config.block_size) / chips
-    per_pass.append({"width": canvas, "bytes": nbytes, "bytes_floor": weight_bytes,
+    flops = canvas_pass_flops(mc, batch, max_len, decoder.spec.block_size) / chips
+    per_pass.append({"width": max_len, "bytes": nbytes, "bytes_floor": weight_bytes,
                      "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
                      "xla_flops": xla_flops(compiled), "compile_s": seconds})
-    top = per_pass[0]
-    if decode_config.mdm_cache:
-      # Fast-dLLM's cached pass: the block (dual) or the block and all after it (prefix,
-      # the gen_length-wide feed of the first block) over the canvas's cached K/V.
-      width = (decode_config.gen_length if decode_config.mdm_cache == "prefix"
-               else decode_config.block_size)
-      per_pass.append(cached_pass(width, canvas, f"one {decode_config.mdm_cache}-cached mdm "
-                                                 f"pass ({width} tokens per row)"))
-      top = per_pass[1]
+    for width in cached_widths:
+      per_pass.append(cached_pass(width, max_len, f"one cached {decode_config.method} pass "
+                                                  f"({width} tokens per row)"))
+    top = per_pass[-1]
   else:
-    if decode_config.method == "ar":
-      widest = 1
-    elif decode_config.method == "bd3lm":  # a clean block and the next block's masks
-      widest = max(bd3lm.widths(decoder.spec))
-    elif decode_config.method == "d2f":  # the blocks in flight, up to the window
-      widest = max(d2f.widths(decoder.spec))
-    else:
-      widest = max(refusion.widths(decoder.spec))
-    max_len = prompt_len + decode_config.gen_length
+    widest = max(cached_widths)
     for width in sorted(set(widths) | {widest}):
       if prompt_len + width > max_len:
         log(f"skipping pass width {width}: more than the {decode_config.gen_length} "

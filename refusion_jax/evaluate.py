@@ -196,11 +196,7 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
   for task, decode_config in configs.items():
     task_problems = [p for p in problems if p.task == task]
     prompts = [list(p.prompt_ids) for p in task_problems]
-    if decode_config.planner == "mcts":
-      from refusion_jax.planning import mcts  # pylint: disable=import-outside-toplevel
-      decoder = mcts.Decoder(model, decode_config)
-    else:
-      decoder = engine_lib.Decoder(model, decode_config)
+    decoder = engine_lib.decoder_for(model, decode_config)
     eng = decoder.engine(batch_size, width=width)
     eng.warm_up()  # compiles excluded from the engine's time
     bar = _progress(len(prompts), f"{desc} {task} acc", progress)
@@ -269,7 +265,7 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
                                              for m in per_task.values()])),
       "tokens_per_sec": float(np.mean(tps)) if all(t is not None for t in tps) else None}
   return {"per_task": per_task, "average": average,
-          "decode": {t: dataclasses.asdict(c) for t, c in configs.items()},
+          "decode": {t: c.flat() for t, c in configs.items()},
           "samples": samples}
 
 

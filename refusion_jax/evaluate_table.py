@@ -51,6 +51,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from absl import app, flags
 
 from refusion_jax import fileio
+from refusion_jax.decode.settings import DecodeConfig
 
 BENCHMARKS = ("mmlu_pro", "arc_c", "gsm8k", "math", "gpqa", "humaneval", "mbpp")
 TITLES = {"mmlu_pro": "MMLU-Pro", "arc_c": "ARC-C", "gsm8k": "GSM8K", "math": "MATH",
@@ -307,21 +308,6 @@ TABLE1 = (
     ("ReFusion", "refusion", None, None),
 )
 PAPER_TABLES[1] = ("Table 1: the nine systems", tuple(TABLE1))
-# The decode settings each method's row lists (DecodeConfig fields, when set).
-_SETTINGS = {
-    "ar": ("gen_length",),
-    "mdm": ("gen_length", "block_size", "mdm_steps", "mdm_ranking", "mdm_tokens_per_step",
-            "mdm_threshold", "mdm_factor", "mdm_cache", "mdm_ban_eos", "mdm_defer_stop",
-            "mdm_cfg_scale"),
-    "bd3lm": ("gen_length", "block_size", "mdm_tokens_per_step", "mdm_threshold"),
-    "d2f": ("gen_length", "block_size", "d2f_add_threshold", "d2f_act_threshold",
-            "d2f_conf_threshold"),
-    "refusion": ("gen_length", "slot_size", "block_size", "slot_threshold", "token_threshold",
-                 "verify"),
-}
-_DEFAULT_OFF = {"mdm_steps": None, "mdm_threshold": None, "mdm_factor": None,
-                "mdm_cache": None, "mdm_ban_eos": False, "mdm_defer_stop": False,
-                "mdm_cfg_scale": 0.0, "verify": "off"}
 
 
 def _decode_of(result: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -340,9 +326,13 @@ def settings_line(result: Mapping[str, Any]) -> str:
   """The decode settings a result ran with that matter to its method (unset ones left
   out), e.g. `gen_length 512, block_size 32, mdm_threshold 0.9, mdm_cache dual`."""
   d = _decode_of(result)
-  parts = [f"{k} {d[k]}" for k in _SETTINGS.get(result["method"], ())
-           if k in d and d[k] != _DEFAULT_OFF.get(k, object())]
-  return ", ".join(parts) if parts else "(no decode settings recorded)"
+  if not d:
+    return "(no decode settings recorded)"
+  try:  # a file written when every method's fields were kept drops the others' here
+    summary = DecodeConfig.from_flat({"method": result["method"], **d}, lenient=True).summary()
+  except (TypeError, ValueError) as e:
+    return f"(decode settings unreadable: {e})"
+  return ", ".join(f"{k} {v}" for k, v in summary.items())
 
 
 def paper_table_markdown(results: Sequence[Mapping[str, Any]], table: int,

@@ -88,10 +88,9 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
 
 
 def decode_config_from(c: ml_collections.ConfigDict) -> DecodeConfig:
-  fields = c.decode.to_dict()
   try:
-    return DecodeConfig(**fields)
-  except TypeError as e:
+    return DecodeConfig(**c.decode.to_dict())
+  except (TypeError, ValueError) as e:
     raise ValueError(f"--config.decode: {e}") from None
 
 
@@ -267,7 +266,7 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
   _log(f"[sample] loaded {c.model_dir} ({model_config.num_layers} layers, d="
        f"{model_config.hidden_size}, vocab {model_config.vocab_size}) in "
        f"{time.perf_counter() - t0:.1f}s")
-  decoder = engine_lib.Decoder(model, decode_config)
+  decoder = engine_lib.decoder_for(model, decode_config)  # compiled, or a host-side search
   eng = decoder.engine(rows, width=width)
   rng = jax.random.key(c.seed)
   if c.warmup:

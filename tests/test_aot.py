@@ -20,7 +20,9 @@ import sys
 
 import pytest
 
-from refusion_jax import aot, config as config_lib, tpu
+from refusion_jax import aot, tpu
+from refusion_jax import config as config_lib
+from refusion_jax.decode import settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPOLOGY = "v5litepod-4"
@@ -264,8 +266,8 @@ def test_every_decode_method_compiles_and_fits(decode_runs, method):
            "mdm": ["generate", "run"], "mdm-dual": ["run"], "d2f": ["run"]}[method]
   assert [p["name"] for p in r["programs"]] == names
   # decode.kv_chunk unset: the TPU's default (MDM passes have no cache but Fast-dLLM's).
-  assert r["kv_chunk"] == (0 if method == "mdm" else config_lib.KV_CHUNK_AUTO["tpu"])
-  assert r["mdm_cache"] == ("dual" if method == "mdm-dual" else None)
+  assert r["kv_chunk"] == (0 if method == "mdm" else settings.KV_CHUNK_AUTO["tpu"])
+  assert r["decode"].get("mdm_cache") == ("dual" if method == "mdm-dual" else None)
   assert all(p["total"] > 0 and p["compile_s"] > 0 for p in r["programs"])
   assert r["per_chip_gib"] == pytest.approx(max(p["total"] for p in r["programs"]) / 2**30)
   mc = config_lib.tiny(**SMALL)
@@ -305,7 +307,8 @@ def test_a_pass_reading_the_cache_in_chunks_compiles_and_counts_a_full_buffer(
                  "--pass_widths=2", *options)
   assert done.returncode == 0, done.stderr[-2000:]
   assert r["kv_chunk"] == 8 and r["fits"] is True
-  assert (r["verify"], r["remask"]) == (("correct", True) if options else ("off", False))
+  assert (r["decode"].get("verify", "off"), r["decode"].get("remask", False)) == (
+      ("correct", True) if options else ("off", False))
   mc = config_lib.tiny(**SMALL)
   weights = (mc.num_params() - mc.vocab_size * mc.hidden_size) * 4
   cache = 2 * mc.num_layers * 4 * mc.num_kv_heads * (16 + 16) * mc.head_dim * 4
@@ -325,7 +328,7 @@ def test_bd3lm_decode_programs_compile_and_its_widest_pass_holds_two_blocks(smal
   assert done.returncode == 0, done.stderr[-2000:]
   assert r["method"] == "bd3lm" and r["fits"] is True
   assert [p["name"] for p in r["programs"]] == ["admit", "run"]
-  assert r["kv_chunk"] == config_lib.KV_CHUNK_AUTO["tpu"]
+  assert r["kv_chunk"] == settings.KV_CHUNK_AUTO["tpu"]
   assert [p["width"] for p in r["per_pass"]] == [16] and r["pass_width"] == 16
 
 

@@ -130,7 +130,8 @@ CASES = [
     Case("sample: re-masking with no slots", "sample",
          _sample("--config.model_dir={model}", "--config.prompt=hi", "--config.decode.method=ar",
                  "--config.decode.remask=true", "--config.decode.remask_threshold=0.3"),
-         "decode.remask=True checks ReFusion's slots; decode.method='ar' has none"),
+         "decode.remask=True checks ReFusion's slots; it needs decode.method='refusion' "
+         "(decode.method='ar' has none)"),
     Case("sample: zero batch", "sample", _sample("--config.model_dir={model}", "--config.prompt=hi",
                                                  "--config.batch_size=0"),
          "--config.batch_size must be a positive int"),

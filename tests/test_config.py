@@ -9,6 +9,7 @@ from flax import nnx
 from refusion_jax import checkpoint
 from refusion_jax import config as config_lib
 from refusion_jax import model as model_lib
+from refusion_jax.decode import settings
 
 
 def test_qwen3_8b_preset_has_qwen3_8b_shapes():
@@ -117,7 +118,7 @@ def test_decode_config_kv_chunk_per_platform():
   auto = config_lib.DecodeConfig()
   assert auto.kv_chunk is None
   assert [auto.kv_chunk_on(p) for p in ("cpu", "tpu", "gpu")] == [
-      config_lib.KV_CHUNK_AUTO["cpu"], config_lib.KV_CHUNK_AUTO["tpu"], 0]
+      settings.KV_CHUNK_AUTO["cpu"], settings.KV_CHUNK_AUTO["tpu"], 0]
   assert [config_lib.DecodeConfig(kv_chunk=k).kv_chunk_on("gpu") for k in (0, 16)] == [0, 16]
 
 

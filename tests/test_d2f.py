@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from refusion_jax import config as config_lib, masks
+from refusion_jax import config as config_lib
+from refusion_jax import masks
 from refusion_jax.decode import d2f, engine
 from refusion_jax.model import Qwen3
 
@@ -206,7 +207,6 @@ def test_models_d2f_cannot_decode_are_refused(overrides, match):
 
 
 def test_mdm_samplers_are_refused():
-  with pytest.raises(ValueError, match="D2F decoding commits by confidence, its three "
-                     "thresholds; decode.mdm_ranking='entropy'"):
-    engine.Decoder(_model(), config_lib.DecodeConfig(method="d2f", gen_length=GEN, block_size=4,
-                                                     slot_size=1, mdm_ranking="entropy"))
+  with pytest.raises(ValueError, match="decode.mdm_ranking='entropy' is one of MDM's options; "
+                     r"it needs decode.method='mdm' \(decode.method='d2f' has none\)"):
+    config_lib.DecodeConfig(method="d2f", gen_length=GEN, block_size=4, mdm_ranking="entropy")

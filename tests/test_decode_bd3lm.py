@@ -9,7 +9,9 @@ import pytest
 from flax import nnx
 
 from refusion_jax import config as config_lib
-from refusion_jax.decode import bd3lm, engine, heads
+from refusion_jax.decode import bd3lm, engine, heads, live
+from refusion_jax.decode import live as live_lib
+from refusion_jax.decode import program as program_lib
 from refusion_jax.model import Qwen3
 
 GEN = 12
@@ -88,7 +90,7 @@ def _oracle(model, prompt, per_step, threshold, eos, temperature=0.0, key=None):
       probs = np.exp(logits - logits.max(-1, keepdims=True))
       probs /= probs.sum(-1, keepdims=True)
       if temperature > 0:
-        keys = engine.pass_keys(jnp.asarray(key)[None], jnp.asarray([passes]), 2 * BLOCK)
+        keys = program_lib.pass_keys(jnp.asarray(key)[None], jnp.asarray([passes]), 2 * BLOCK)
         noise = np.asarray(_GUMBEL(keys[:, BLOCK:], 0, logits.shape[-1]))[0]
         draft = (logits / temperature + noise).argmax(-1)
       else:
@@ -129,8 +131,8 @@ def _pad(prompts, width=WIDTH):
 
 
 def _prompt_key(rng, i):
-  """Prompt i of a call draws from fold_in(rng, i) (engine.prompt_keys)."""
-  return np.asarray(jax.random.fold_in(engine.raw_key(rng), i))
+  """Prompt i of a call draws from fold_in(rng, i) (program_lib.prompt_keys)."""
+  return np.asarray(jax.random.fold_in(program_lib.raw_key(rng), i))
 
 
 def _eos_ending_block_zero(tokens):
@@ -216,7 +218,7 @@ def test_batch_equals_single_decodes_and_programs_are_shared():
                   dict(mdm_threshold=None, mdm_tokens_per_step=3, temperature=0.7)):
     jax.block_until_ready(bd3lm.generate(model, *_pad(other), dc.replace(**changes)))
   assert bd3lm.compiled_programs() == before
-  assert engine.spec_of(dc) == engine.spec_of(dc.replace(slot_size=3, slot_threshold=0.2))
+  assert program_lib.spec_of(dc) == program_lib.spec_of(dc.replace(slot_size=3, slot_threshold=0.2))
   assert not np.array_equal(np.asarray(again.tokens_bg), batch.tokens_bg)
 
 
@@ -251,7 +253,7 @@ def test_engine_continuous_batching_equals_one_by_one(temperature):
   # Every pass advanced both rows while prompts waited: fewer passes than one by one.
   assert run.passes < sum(r.counters["nfe_b"] for r in run.results)
   # A live batch run a few passes at a time, prompts joining as rows free up, is the same.
-  live = engine.LiveBatch(dec, 2, WIDTH)
+  live = live_lib.LiveBatch(dec, 2, WIDTH)
   queue, jobs, got = list(range(len(prompts))), [None, None], {}
   while queue or any(j is not None for j in jobs):
     free_rows = [r for r, j in enumerate(jobs) if j is None]
@@ -259,12 +261,12 @@ def test_engine_continuous_batching_equals_one_by_one(temperature):
       take = [queue.pop(0) for _ in free_rows[:len(queue)]]
       rows = free_rows[:len(take)]
       live.admit([prompts[i] for i in take], rows,
-                 np.stack([engine.raw_key(rng)] * len(take)), pids=take)
+                 np.stack([program_lib.raw_key(rng)] * len(take)), pids=take)
       for r, i in zip(rows, take):
         jobs[r] = i
     live.run(max_passes=2)
     snap = live.read()
-    done = [r for r, j in enumerate(jobs) if j is not None and snap.phase_b[r] == engine.DONE]
+    done = [r for r, j in enumerate(jobs) if j is not None and snap.phase_b[r] == program_lib.DONE]
     for r in done:
       n = int(snap.length_b[r])
       got[jobs[r]] = [int(t) for t in snap.tokens_bg[r, :n]]
@@ -278,7 +280,8 @@ def test_engine_continuous_batching_equals_one_by_one(temperature):
     (dict(model=dict(attention="bidirectional")), r"causal-backbone .* decode.method='mdm'"),
     (dict(model=dict(mask_token_id=None)), "mask_token_id"),
     (dict(decode=dict(mdm_ranking="entropy")), r"decode.mdm_ranking='entropy' .* MDM"),
-    (dict(decode=dict(mdm_steps=6)), r"decode.mdm_steps=6 are the MDM decoder's"),
+    (dict(decode=dict(mdm_steps=6)), r"decode.mdm_steps=6 is one of MDM's options; it "
+                                     r"needs decode.method='mdm' \(decode.method='bd3lm' has none"),
     (dict(decode=dict(gen_length=60)), "max_position_embeddings"),
     (dict(lens=[3, 0, 3]), r"prompt_len_b\[1\]=0"),
 ])
@@ -324,8 +327,9 @@ def test_a_trained_tiny_bd3lm_decodes_its_training_answers():
   # Four prompts, each with an answer of 9 tokens + EOS (EOS-padded to 3 blocks of 4 by the
   # objective): trained with objective.loss_fn("bd3lm") until it knows them, the decoder
   # must give the answers back, one token per step and at a threshold.
-  from refusion_jax import objective  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
+
+  from refusion_jax import objective  # pylint: disable=import-outside-toplevel
 
   eos = 1
   rng = np.random.default_rng(0)

@@ -1,8 +1,8 @@
 """The shared decoder protocol: engine, mixed-phase batches, traced knobs, the
 token picker and ReFusion's named phase functions on hand-made cases."""
 
-import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +11,13 @@ import pytest
 from flax import nnx
 
 from refusion_jax import config as config_lib
-from refusion_jax import sharding
 from refusion_jax import model as model_lib
+from refusion_jax import sharding
 from refusion_jax.config import DecodeConfig
-from refusion_jax.decode import engine, heads, passes, refusion
+from refusion_jax.decode import compiled as compiled_lib
+from refusion_jax.decode import engine, heads, passes, refusion, settings
+from refusion_jax.decode import live as live_lib
+from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters
 from refusion_jax.model import Qwen3
 
@@ -103,15 +106,15 @@ def test_engine_equals_single_decodes_in_input_order(models, method, kv_chunk):
   rs = np.random.RandomState(1)
   prompts = _prompts(rs, 11)
   eng = engine.Decoder(model, dc).engine(3)
-  before = engine.compiled_programs()["step"]
+  before = compiled_lib.compiled_programs()["step"]
   run = eng.run(prompts)
   buckets = {engine.bucket_width(len(p)) for p in prompts}
   assert len(buckets) == 2
   # One step program per bucket, and a second run compiles nothing.
-  assert engine.compiled_programs()["step"] - before <= len(buckets)
-  compiled = engine.compiled_programs()
+  assert compiled_lib.compiled_programs()["step"] - before <= len(buckets)
+  compiled = compiled_lib.compiled_programs()
   again = eng.run(prompts)
-  assert engine.compiled_programs() == compiled
+  assert compiled_lib.compiled_programs() == compiled
   lengths = []
   for i, prompt in enumerate(prompts):
     tokens, counters = _single(model, dc, prompt)
@@ -213,18 +216,18 @@ def test_mixed_phase_batch_equals_rows_alone(models):
   for i, p in enumerate(prompts):
     ids[i, :len(p)] = p
   lens = np.asarray([len(p) for p in prompts], np.int32)
-  state = engine._engine_init(dec.graphdef, dec.params, spec=dec.spec, rows=6, width=8,
+  state = compiled_lib.init(dec.graphdef, dec.params, spec=dec.spec, rows=6, width=8,
                               place=dec.place)
-  state = engine._engine_admit(dec.graphdef, dec.params, state, jnp.asarray(ids),
+  state = compiled_lib.admit(dec.graphdef, dec.params, state, jnp.asarray(ids),
                                jnp.asarray(lens), jnp.arange(6), jnp.arange(6),
-                               engine.raw_key(jax.random.PRNGKey(0)), dec.knobs, spec=dec.spec,
+                               program_lib.raw_key(jax.random.PRNGKey(0)), dec.knobs, spec=dec.spec,
                                place=dec.place)
   step = jax.jit(lambda s: refusion.step(nnx.merge(dec.graphdef, dec.params), dec.spec, s,
                                          dec.knobs))
   mixed = 0
-  while bool((state.rows.phase_b >= engine.FIRST_PHASE).any()):
+  while bool((state.rows.phase_b >= program_lib.FIRST_PHASE).any()):
     phase_b = np.asarray(state.rows.phase_b)
-    phases = set(phase_b[phase_b >= engine.FIRST_PHASE])
+    phases = set(phase_b[phase_b >= program_lib.FIRST_PHASE])
     mixed += len(phases) >= 2
     state = step(state)
   assert mixed > 0  # some passes fed rows in different phases
@@ -241,17 +244,17 @@ def test_engine_prefills_short_prompts_at_a_narrower_width(models, method, monke
   prompts = _prompts(np.random.RandomState(5), 9)  # 2 to 14 tokens, width 16
   eng = engine.Decoder(model, dc).engine(3, width=16, admit_widths=(4, 8))
   eng.warm_up()
-  compiled = engine.compiled_programs()
+  compiled = compiled_lib.compiled_programs()
   widths = []
-  admit = engine._engine_admit  # pylint: disable=protected-access
+  admit = compiled_lib.admit  # pylint: disable=protected-access
 
   def spy(graphdef, params, state, ids_ap, *args, **kwargs):
     widths.append(ids_ap.shape[1])
     return admit(graphdef, params, state, ids_ap, *args, **kwargs)
-  monkeypatch.setattr(engine, "_engine_admit", spy)
+  monkeypatch.setattr(compiled_lib, "admit", spy)
   run = eng.run(prompts)
-  monkeypatch.setattr(engine, "_engine_admit", admit)
-  assert engine.compiled_programs() == compiled  # warm_up compiled every width and size
+  monkeypatch.setattr(compiled_lib, "admit", admit)
+  assert compiled_lib.compiled_programs() == compiled  # warm_up compiled every width and size
   assert min(widths) < 16 and set(widths) <= {4, 8, 16}
   wide = engine.Decoder(model, dc).engine(3, width=16).run(prompts)
   for i, prompt in enumerate(prompts):
@@ -296,8 +299,8 @@ def test_an_unset_kv_chunk_follows_the_row_count(models, monkeypatch):
   KV_CHUNK_AUTO_MIN_ROWS rows (a single CPU row reads its whole buffer), a set value
   at every row count, none for MDM; rows decode the same either way. (The CPU's chunk,
   64, exceeds these buffers: a chunk of 3 here.)"""
-  monkeypatch.setitem(config_lib.KV_CHUNK_AUTO, "cpu", 3)
-  monkeypatch.setitem(config_lib.KV_CHUNK_AUTO_MIN_ROWS, "cpu", 2)
+  monkeypatch.setitem(settings.KV_CHUNK_AUTO, "cpu", 3)
+  monkeypatch.setitem(settings.KV_CHUNK_AUTO_MIN_ROWS, "cpu", 2)
   model, dc = models["refusion"], _CONFIGS["refusion"]
   auto = engine.Decoder(model, dc)
   if auto.platform != "cpu":
@@ -311,7 +314,7 @@ def test_an_unset_kv_chunk_follows_the_row_count(models, monkeypatch):
             for r in (1, 16)] == [k, k]
   assert engine.Decoder(models["mdm"], _CONFIGS["mdm"]).spec_for(16).kv_chunk == 0
   assert [dc.kv_chunk_on("cpu", r) for r in (None, 1, 2)] == [3, 0, 3]
-  assert [dc.kv_chunk_on(p, 1) for p in ("gpu", "tpu")] == [0, config_lib.KV_CHUNK_AUTO["tpu"]]
+  assert [dc.kv_chunk_on(p, 1) for p in ("gpu", "tpu")] == [0, settings.KV_CHUNK_AUTO["tpu"]]
   # Three rows read their buffers three entries at a time, a single decode reads it whole.
   prompts = _prompts(np.random.RandomState(4), 6)
   run = auto.engine(3).run(prompts)
@@ -333,13 +336,13 @@ def test_knobs_never_recompile(models, method, changes):
   eng = dec.engine(2, width=4)
   jax.block_until_ready(dec.generate(ids, lens))
   eng.run([[5, 6, 7], [9, 9]])
-  compiled = engine.compiled_programs()
+  compiled = compiled_lib.compiled_programs()
   results = []
   for change in changes:
     other = engine.Decoder(model, dc.replace(**change))
     results.append(jax.device_get(other.generate(ids, lens, jax.random.PRNGKey(1))))
     other.engine(2, width=4).run([[5, 6, 7], [9, 9]], jax.random.PRNGKey(1))
-  assert engine.compiled_programs() == compiled
+  assert compiled_lib.compiled_programs() == compiled
 
 
 # ----------------------------------------------------------------------------
@@ -385,7 +388,7 @@ def test_token_stats_with_the_vocabulary_split_over_devices_equals_one_device(la
   unembed = model_lib.Unembed(w, 0) if layout == "tied" else model_lib.Unembed(w.T, 1)
   given = jnp.asarray(rs.randint(0, v, size=(4, 3)), jnp.int32)
   sample = jnp.asarray(rs.rand(4, 3) < 0.5)
-  keys = engine.pass_keys(jnp.asarray(rs.randint(0, 99, (4, 2)), jnp.uint32),
+  keys = program_lib.pass_keys(jnp.asarray(rs.randint(0, 99, (4, 2)), jnp.uint32),
                           jnp.arange(4), 3)
 
   def stats(unembed, temperature, banned):
@@ -417,7 +420,7 @@ def test_token_stats_with_the_vocabulary_split_over_devices_equals_one_device(la
 
 
 def test_noise_of_a_column_is_the_same_in_every_chunking():
-  keys = engine.pass_keys(jnp.asarray([[3, 4]], jnp.uint32), jnp.asarray([2]), 3)
+  keys = program_lib.pass_keys(jnp.asarray([[3, 4]], jnp.uint32), jnp.asarray([2]), 3)
   whole = np.asarray(heads._noise(keys, 0, 700))  # pylint: disable=protected-access
   assert whole.shape == (1, 3, 700) and len(np.unique(whole)) == whole.size
   for start, width in ((0, 256), (128, 300), (37, 200), (699, 1)):
@@ -428,7 +431,7 @@ def test_noise_of_a_column_is_the_same_in_every_chunking():
 
 
 def test_noise_is_standard_gumbel():
-  keys = engine.pass_keys(jnp.asarray([[3, 4], [5, 6]], jnp.uint32), jnp.asarray([2, 7]), 50)
+  keys = program_lib.pass_keys(jnp.asarray([[3, 4], [5, 6]], jnp.uint32), jnp.asarray([2, 7]), 50)
   x = np.asarray(heads._noise(keys, 0, 4000)).ravel()  # pylint: disable=protected-access
   # 400,000 draws: mean Euler's gamma, variance pi^2 / 6, P(x < 0) = exp(-1).
   assert np.isfinite(x).all()
@@ -475,10 +478,10 @@ def test_token_stats_memory_does_not_grow_with_batch_times_width():
 def test_pass_keys_are_derived_only_when_sampling():
   key_b2 = jnp.asarray([[0, 1], [5, 9]], jnp.uint32)
   pass_b = jnp.asarray([3, 0])
-  full = np.asarray(engine.pass_keys(key_b2, pass_b, 4))
+  full = np.asarray(program_lib.pass_keys(key_b2, pass_b, 4))
   assert full.shape == (2, 4, 2) and len({tuple(k) for k in full.reshape(-1, 2)}) == 8
-  np.testing.assert_array_equal(engine.pass_keys(key_b2, pass_b, 4, jnp.float32(0.7)), full)
-  np.testing.assert_array_equal(engine.pass_keys(key_b2, pass_b, 4, jnp.float32(0.0)),
+  np.testing.assert_array_equal(program_lib.pass_keys(key_b2, pass_b, 4, jnp.float32(0.7)), full)
+  np.testing.assert_array_equal(program_lib.pass_keys(key_b2, pass_b, 4, jnp.float32(0.0)),
                                 np.zeros((2, 4, 2), np.uint32))
 
 
@@ -487,7 +490,7 @@ def test_token_stats_sampling_is_per_token_and_respects_the_ban():
   h = jnp.asarray(rs.randn(1, 4, 8) * 0.01, jnp.float32)  # near-uniform: samples vary
   w = jnp.asarray(rs.randn(50, 8), jnp.float32)
   given = jnp.zeros((1, 4), jnp.int32)
-  keys = engine.pass_keys(jnp.asarray([[0, 1]], jnp.uint32), jnp.asarray([0]), 4)
+  keys = program_lib.pass_keys(jnp.asarray([[0, 1]], jnp.uint32), jnp.asarray([0]), 4)
   sample = jnp.asarray([[True, True, False, True]])
   picks = []
   for chunk in (64, 16):
@@ -510,7 +513,7 @@ def test_token_stats_sampling_is_per_token_and_respects_the_ban():
   np.testing.assert_array_equal(picks[0], picks[1])
   # 200 prompts' keys in one call: the ban holds and the draws spread.
   many = jnp.asarray([[i, 7] for i in range(200)], jnp.uint32)
-  k = engine.pass_keys(many, jnp.zeros((200,), jnp.int32), 4)
+  k = program_lib.pass_keys(many, jnp.zeros((200,), jnp.int32), 4)
   draws = np.asarray(heads.token_stats(
       jnp.broadcast_to(h, (200, 4, 8)), w, jnp.zeros((200, 4), jnp.int32),
       sample_bt=jnp.broadcast_to(sample, (200, 4)), temperature=jnp.float32(1.0), keys_bt2=k,
@@ -522,18 +525,18 @@ def test_width_index_picks_the_smallest_width_that_holds_every_row():
   widths = (4, 8, 16, 24)
   assert [int(passes.width_index(jnp.int32(n), widths)) for n in (0, 1, 4, 5, 9, 17, 24)] == [
       0, 0, 0, 1, 2, 3, 3]
-  assert refusion.widths(engine.Spec("refusion", 48, 4, 24)) == (4, 8, 16, 24)
-  assert refusion.widths(engine.Spec("refusion", 48, 4, 48, left_to_right=True)) == (1, 5)
+  spec = functools.partial(refusion.Spec, method="refusion", gen_length=48, slot_size=4)
+  assert refusion.widths(spec(block_size=24)) == (4, 8, 16, 24)
+  assert refusion.widths(spec(block_size=48, left_to_right=True)) == (1, 5)
 
 
 # ----------------------------------------------------------------------------
 # ReFusion's phase functions on hand-made rows (k=2, block of 3 slots).
 
-_SPEC = engine.Spec("refusion", 12, 2, 6)
-_KNOBS = engine.Knobs(slot_threshold=jnp.float32(0.5), token_threshold=jnp.float32(0.4),
-                      temperature=jnp.float32(0.0), recompute_kv=jnp.bool_(False),
-                      mdm_threshold=jnp.float32(-1), mdm_tokens_per_step=jnp.int32(1),
-                      mask_id=jnp.int32(MASK), eos_id=jnp.int32(9), pad_id=jnp.int32(PAD))
+_SPEC = refusion.Spec(method="refusion", gen_length=12, slot_size=2, block_size=6)
+_KNOBS = program_lib.knobs_of(
+    config_lib.tiny(mask_token_id=MASK, eos_token_id=9, pad_token_id=PAD),
+    DecodeConfig(gen_length=12, slot_size=2, block_size=6, slot_threshold=0.5))
 
 
 def _row(**fields):
@@ -584,7 +587,7 @@ def test_global_verify_commits_whole_slots_or_starts_each_slot_from_its_prefix()
   eos = refusion.global_verify(_LAY, r.replace(draft_bt=jnp.asarray([[9, 2, 3, 4, 5, 6]])),
                                _out(p_prev=(1, 0.9, 0, 0, 1, 0.9)), _KNOBS)
   assert int(eos.length_b[0]) == 6 and bool(eos.eos_b[0])
-  assert _np(eos.decided_bs) == [True, True, True] and int(eos.phase_b[0]) == engine.DONE
+  assert _np(eos.decided_bs) == [True, True, True] and int(eos.phase_b[0]) == program_lib.DONE
 
 
 def test_infill_draft_and_verify_round():
@@ -618,7 +621,7 @@ def test_infill_eos_drops_later_slots_and_commit_ends_the_block():
            verify_bs=[True, True, True])
   new = refusion.infill_verify(_LAY, r, _out(p_prev=(1, 0.0, 1, 0.0, 1, 0.0)), _KNOBS)
   # EOS accepted in slot 0: slots 1, 2 removed, the text ends after [1, 9].
-  assert int(new.length_b[0]) == 7 and bool(new.eos_b[0]) and int(new.phase_b[0]) == engine.DONE
+  assert int(new.length_b[0]) == 7 and bool(new.eos_b[0]) and int(new.phase_b[0]) == program_lib.DONE
   assert _np(new.tokens_bg)[:3] == [1, 9, PAD]
   # commit: a finished block moves on; the last block (or an EOS) finishes the row.
   c = refusion.commit(_LAY, _row(), jnp.asarray([[True] * 6]), jnp.asarray([[1] * 6]),
@@ -627,7 +630,7 @@ def test_infill_eos_drops_later_slots_and_commit_ends_the_block():
   assert int(c.phase_b[0]) == refusion.PLAN and int(c.length_b[0]) == 11
   last = refusion.commit(_LAY, _row(block_b=1), jnp.asarray([[True] * 6]), jnp.asarray([[1] * 6]),
                          jnp.asarray([[True] * 3]), jnp.asarray([False]), _KNOBS)
-  assert int(last.phase_b[0]) == engine.DONE
+  assert int(last.phase_b[0]) == program_lib.DONE
 
 
 @pytest.mark.parametrize("method", ["refusion", "ar"])
@@ -643,7 +646,7 @@ def test_decode_program_holds_no_copy_of_the_kv_cache(method):
   d = engine.Decoder(model, dc)
   b, p = 4, 8
   shape = jax.ShapeDtypeStruct
-  compiled = engine._generate.lower(  # pylint: disable=protected-access
+  compiled = compiled_lib.generate.lower(  # pylint: disable=protected-access
       d.graphdef, d.params, shape((b, p), np.int32), shape((b,), np.int32),
       shape((2,), np.uint32), d.knobs, spec=d.spec).compile()
   memory = compiled.memory_analysis()
@@ -662,16 +665,16 @@ def test_dispatches_pass_the_parameters_flat_and_decoders_share_programs(models)
   assert len(flat_leaves) == len(leaves) and all(x is y for x, y in zip(flat_leaves, leaves))
   assert a.flat.structure is b.flat.structure and a.flat.structure.value == treedef
   assert jax.tree.unflatten(flat_def, flat_leaves).structure is a.flat.structure
-  merged = engine._merge(a.static, a.flat)  # pylint: disable=protected-access
+  merged = compiled_lib.merge(a.static, a.flat)  # pylint: disable=protected-access
   jax.tree.map(np.testing.assert_array_equal, nnx.state(merged), nnx.state(model))
   prompt = _prompts(np.random.RandomState(2), 1)[0]
   ids = np.zeros((1, SINGLE_WIDTH), np.int32)
   ids[0, :len(prompt)] = prompt
   lens = np.asarray([len(prompt)], np.int32)
   first = jax.device_get(a.generate(ids, lens).tokens_bg)
-  compiled = engine.compiled_programs()
+  compiled = compiled_lib.compiled_programs()
   np.testing.assert_array_equal(jax.device_get(b.generate(ids, lens).tokens_bg), first)
-  assert engine.compiled_programs() == compiled
+  assert compiled_lib.compiled_programs() == compiled
 
 
 def test_live_batch_read_later_is_a_snapshot_of_its_dispatch_point(models):
@@ -682,7 +685,7 @@ def test_live_batch_read_later_is_a_snapshot_of_its_dispatch_point(models):
   prompts = [p[:8] for p in _prompts(np.random.RandomState(5), 2)]
   dec = engine.Decoder(model, dc)
   keys = np.zeros((2, 2), np.uint32)
-  live, ref = engine.LiveBatch(dec, 2, 8), engine.LiveBatch(dec, 2, 8)
+  live, ref = live_lib.LiveBatch(dec, 2, 8), live_lib.LiveBatch(dec, 2, 8)
   for batch in (live, ref):
     batch.admit(prompts, [0, 1], keys)
     batch.run(1, stop_on_done=False)
@@ -695,7 +698,7 @@ def test_live_batch_read_later_is_a_snapshot_of_its_dispatch_point(models):
   assert live.read().passes == 3
   live.run(None, stop_on_done=False)
   done = live.read()
-  assert (done.phase_b == engine.DONE).all()
+  assert (done.phase_b == program_lib.DONE).all()
   for r, p in enumerate(prompts):
     tokens, counters = _single(model, dc, p)
     assert done.tokens_bg[r, :int(done.length_b[r])].tolist() == tokens
@@ -708,7 +711,7 @@ def test_live_batch_free_runs_no_program_and_the_next_run_frees(models):
   mid-decode runs no further pass), and an admission into a freed row decodes it."""
   model, dc = models["ar"], _CONFIGS["ar"]
   prompts = [p[:8] for p in _prompts(np.random.RandomState(3), 3)]
-  live = engine.LiveBatch(engine.Decoder(model, dc), 2, 8)
+  live = live_lib.LiveBatch(engine.Decoder(model, dc), 2, 8)
   live.admit(prompts[:2], [0, 1], np.zeros((2, 2), np.uint32))
   live.run(1, stop_on_done=False)
   before_free = live.read_later()
@@ -716,18 +719,18 @@ def test_live_batch_free_runs_no_program_and_the_next_run_frees(models):
   live.free([1])  # cancelled mid-decode
   assert live.state is state  # nothing dispatched
   snap = live.read()
-  assert snap.phase_b.tolist() == [engine.FIRST_PHASE, engine.FREE]
-  assert before_free().phase_b.tolist() == [engine.FIRST_PHASE] * 2
+  assert snap.phase_b.tolist() == [program_lib.FIRST_PHASE, program_lib.FREE]
+  assert before_free().phase_b.tolist() == [program_lib.FIRST_PHASE] * 2
   live.run(1, stop_on_done=False)
   snap = live.read()
-  assert snap.passes == 2 and snap.phase_b[1] == engine.FREE
+  assert snap.passes == 2 and snap.phase_b[1] == program_lib.FREE
   assert int(snap.nfe_b[1]) == 2  # its admission's token and the pass before the free
   assert int(snap.nfe_b[0]) == 3
   live.free([1])
   live.admit(prompts[2:], [1], np.zeros((1, 2), np.uint32))  # rewrites the row: not freed
   live.run(None, stop_on_done=False)
   done = live.read()
-  assert (done.phase_b == engine.DONE).all()
+  assert (done.phase_b == program_lib.DONE).all()
   for r, p in ((0, prompts[0]), (1, prompts[2])):
     tokens, counters = _single(model, dc, p)
     assert done.tokens_bg[r, :int(done.length_b[r])].tolist() == tokens
@@ -746,23 +749,23 @@ def test_live_batch_run_returns_once_a_row_is_done(models, method):
   prompts = [p[:8] for p in _prompts(np.random.RandomState(11), 3)]
   dec = engine.Decoder(model, dc)
   keys = np.zeros((3, 2), np.uint32)
-  twin = engine.LiveBatch(dec, 3, 8)
+  twin = live_lib.LiveBatch(dec, 3, 8)
   twin.admit(prompts, [0, 1, 2], keys)
   done_at = [None] * 3
   while None in done_at:
     twin.run(1, stop_on_done=False)
     snap = twin.read()
     for r in range(3):
-      if done_at[r] is None and snap.phase_b[r] == engine.DONE:
+      if done_at[r] is None and snap.phase_b[r] == program_lib.DONE:
         done_at[r] = snap.passes
   order = sorted(done_at)
-  live = engine.LiveBatch(dec, 3, 8)
+  live = live_lib.LiveBatch(dec, 3, 8)
   live.admit(prompts, [0, 1, 2], keys)
   live.run(None, stop_on_done=True)
   snap = live.read()
   assert snap.passes == order[0], done_at
-  assert (snap.phase_b == engine.DONE).sum() >= 1
-  live = engine.LiveBatch(dec, 3, 8)
+  assert (snap.phase_b == program_lib.DONE).sum() >= 1
+  live = live_lib.LiveBatch(dec, 3, 8)
   live.admit(prompts[:2], [0, 1], keys[:2])
   live.run(None, stop_on_done=False)  # runs until none is active
   snap = live.read()
@@ -782,13 +785,13 @@ def test_live_batch_read_after_a_run_is_the_runs_own_output(models, monkeypatch)
   program's. After an admission the read runs its own program."""
   model, dc = models["refusion"], _CONFIGS["refusion"]
   prompts = [p[:8] for p in _prompts(np.random.RandomState(9), 3)]
-  live = engine.LiveBatch(engine.Decoder(model, dc), 3, 8, row_counts=(2,))
-  real, calls = engine._live_read, []  # pylint: disable=protected-access
-  monkeypatch.setattr(engine, "_live_read", lambda *a, **k: calls.append(1) or real(*a, **k))
+  live = live_lib.LiveBatch(engine.Decoder(model, dc), 3, 8, row_counts=(2,))
+  real, calls = compiled_lib.live_read, []  # pylint: disable=protected-access
+  monkeypatch.setattr(compiled_lib, "live_read", lambda *a, **k: calls.append(1) or real(*a, **k))
 
   def own_read():
     packed = real(live.state, live.knobs, spec=live.decoder.spec)
-    return engine.PendingRead(packed, live._read_like)()  # pylint: disable=protected-access
+    return live_lib.PendingRead(packed, live._read_like)()  # pylint: disable=protected-access
 
   live.admit(prompts[:2], [0, 1], np.zeros((2, 2), np.uint32))
   live.read()
@@ -801,9 +804,9 @@ def test_live_batch_read_after_a_run_is_the_runs_own_output(models, monkeypatch)
       np.testing.assert_array_equal(getattr(snap, field), getattr(want, field))
     assert snap.passes == want.passes
   live.free([1])
-  assert live.read().phase_b[1] == engine.FREE and len(calls) == 1
+  assert live.read().phase_b[1] == program_lib.FREE and len(calls) == 1
   live.admit(prompts[2:], [2], np.zeros((1, 2), np.uint32))
-  assert live.read().phase_b[2] != engine.FREE and len(calls) == 2
+  assert live.read().phase_b[2] != program_lib.FREE and len(calls) == 2
 
 
 @pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
@@ -815,11 +818,11 @@ def test_live_batch_passes_over_the_busy_rows_only_equal_full_passes(models, met
   model, dc = models[method], _CONFIGS[method]
   prompts = _prompts(np.random.RandomState(7), 9)
   dec = engine.Decoder(model, dc)
-  live = engine.LiveBatch(dec, 6, 16, row_counts=(2, 4), admit_widths=(8,))
+  live = live_lib.LiveBatch(dec, 6, 16, row_counts=(2, 4), admit_widths=(8,))
   assert live.row_counts == [2, 4] and live.admit_widths == [8, 16]
   assert live.admit_programs() == [(a, w) for a in (1, 2, 4, 6) for w in (8, 16)]
   live.warm_up()
-  compiled = engine.compiled_programs()
+  compiled = compiled_lib.compiled_programs()
   queue, jobs, results, sizes = list(range(len(prompts))), [None] * 6, {}, []
   while queue or any(j is not None for j in jobs):
     free = [r for r, j in enumerate(jobs) if j is None]
@@ -835,13 +838,13 @@ def test_live_batch_passes_over_the_busy_rows_only_equal_full_passes(models, met
     sizes.append(live._row_count(len(busy)))  # pylint: disable=protected-access
     live.run(1 + len(sizes) % 3, stop_on_done=False, busy=busy)
     snap = live.read()
-    done = [r for r in busy if snap.phase_b[r] == engine.DONE]
+    done = [r for r in busy if snap.phase_b[r] == program_lib.DONE]
     for r in done:
       results[jobs[r]] = (snap.tokens_bg[r, :int(snap.length_b[r])].tolist(),
                           int(snap.nfe_b[r]))
       jobs[r] = None
     live.free(done)
-  assert engine.compiled_programs() == compiled  # warm_up compiled every size
+  assert compiled_lib.compiled_programs() == compiled  # warm_up compiled every size
   assert 6 in sizes and min(sizes) < 6, sizes
   assert set(live.admits_by_width) == {8, 16}, live.admits_by_width
   for i, p in enumerate(prompts):
@@ -884,9 +887,9 @@ def test_packed_reads_round_trip_every_leaf():
           "half": jnp.array([1.5, -2.0], jnp.bfloat16),
           "passes": jnp.int32(2**31 - 1),
           "empty": jnp.zeros((0, 3), jnp.int32)}
-  words = jax.jit(engine._pack32)(tree)  # pylint: disable=protected-access
+  words = jax.jit(compiled_lib.pack32)(tree)  # pylint: disable=protected-access
   assert words.dtype == jnp.uint32 and words.ndim == 1
-  back = engine._unpack32(np.asarray(words), jax.eval_shape(lambda: tree))  # pylint: disable=protected-access
+  back = compiled_lib.unpack32(np.asarray(words), jax.eval_shape(lambda: tree))  # pylint: disable=protected-access
   assert jax.tree.structure(back) == jax.tree.structure(tree)
   for k, v in tree.items():
     assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
@@ -898,7 +901,7 @@ def test_live_batch_rejects_bad_admit_widths(models):
   for bad in ((0,), (9,), (4, True), ("4",)):
     with pytest.raises(ValueError, match=r"live batch admit_widths must be ints from 1 to "
                                          r"width=8, got \[.*\]"):
-      engine.LiveBatch(dec, 2, 8, admit_widths=bad)
+      live_lib.LiveBatch(dec, 2, 8, admit_widths=bad)
 
 
 @pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
@@ -917,7 +920,7 @@ def test_matmul_precision_reaches_every_product_of_the_decode_programs(method):
   def products(dc):
     d = engine.Decoder(model, dc)
     assert d.spec.matmul_precision == dc.matmul_precision_on("cpu")
-    texts = [engine.lower_program(d, name, rows=2, width=8).as_text()
+    texts = [compiled_lib.lower_program(d, name, rows=2, width=8).as_text()
              for name in ("generate", "admit", "run")]
     dots = [line for t in texts for line in t.splitlines() if "dot_general" in line]
     return len(dots), sum("HIGHEST" in line for line in dots)

@@ -16,9 +16,14 @@ import numpy as np
 import pytest
 
 from refusion_jax.config import DecodeConfig
-from refusion_jax.decode import engine, refusion
-from tests.test_decode_refusion import (Oracle, _check_row, _make_model, _pad, _random_prompts,
-                                        VOCAB)
+from refusion_jax.decode import engine, refusion, settings
+from tests.test_decode_refusion import (
+  Oracle,
+  _check_row,
+  _make_model,
+  _pad,
+  _random_prompts,
+)
 
 # A 2-layer model (the oracle's causal calls and the decoder share its programs); its
 # EOS id is one this random model emits now and then.
@@ -207,7 +212,9 @@ def test_the_options_reach_every_entry_point_config():
     assert (dc.verify, dc.boundary_check, dc.remask, dc.remask_threshold) == (
         "off", True, False, 0.5)
     assert DecodeConfig(**{**decode.to_dict(), "verify": "exact", "remask": True}).remask
-  import inspect  # pylint: disable=import-outside-toplevel
-  params = inspect.signature(lm_model.RefusionLM.__init__).parameters
-  assert all(params[n].default == d for n, d in (("verify", "off"), ("boundary_check", True),
-                                                 ("remask", False), ("remask_threshold", 0.5)))
+  # lm-eval's model args are the flat decode fields at these defaults (and nothing else
+  # besides lm_model.MODEL_ARGS).
+  defaults = settings.defaults()
+  assert all(defaults[n] == d for n, d in (("verify", "off"), ("boundary_check", True),
+                                           ("remask", False), ("remask_threshold", 0.5)))
+  assert not set(lm_model.MODEL_ARGS) & set(settings.flat_fields())

@@ -21,8 +21,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from refusion_jax import config as config_lib, hf
-from refusion_jax.decode import engine, heads, mdm
+from refusion_jax import config as config_lib
+from refusion_jax import hf
+from refusion_jax.decode import engine, heads, mdm, methods
+from refusion_jax.decode import program as program_lib
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 DREAM = os.path.join(FIXTURES, "dream")
@@ -194,13 +196,13 @@ def test_decode_config_errors(changes, match):
 def test_decode_config_spec():
   dc = config_lib.DecodeConfig(method="mdm", gen_length=16, slot_size=4, block_size=4,
                                mdm_ranking="entropy", mdm_steps=12)
-  assert dc.mdm_steps_per_block == 3
-  spec = engine.spec_of(dc)
+  assert dc.options.steps_per_block(dc) == 3
+  spec = program_lib.spec_of(dc)
   assert (spec.mdm_ranking, spec.mdm_steps_per_block) == ("entropy", 3)
-  # Other methods ignore the MDM settings (one program whatever they say).
+  # Another method refuses Dream's samplers by name (they would change nothing there).
   ar = dict(method="ar", gen_length=16, slot_size=4, block_size=4)
-  assert (engine.spec_of(config_lib.DecodeConfig(**ar))
-          == engine.spec_of(config_lib.DecodeConfig(**ar, mdm_ranking="origin", mdm_steps=3)))
+  with pytest.raises(ValueError, match="mdm_ranking='origin' is one of MDM's options"):
+    config_lib.DecodeConfig(**ar, mdm_ranking="origin", mdm_steps=3)
 
 
 # ---------------------------------------------------------------- the sampler's scores
@@ -213,7 +215,7 @@ def test_sampler_stats_against_numpy(temperature, vocab_chunk):
   b, t, d, v, banned = 2, 5, 16, 152, 151
   h = rng.normal(size=(b, t, d)).astype(np.float32)
   w = (2.0 * rng.normal(size=(v, d))).astype(np.float32)
-  keys = np.asarray(engine.pass_keys(jnp.zeros((b, 2), jnp.uint32) + jnp.uint32(7),
+  keys = np.asarray(program_lib.pass_keys(jnp.zeros((b, 2), jnp.uint32) + jnp.uint32(7),
                                      jnp.arange(b), t))
   stats = jax.jit(functools.partial(heads.sampler_stats, banned_id=banned,
                                     vocab_chunk=vocab_chunk))(
@@ -249,12 +251,12 @@ def _raw_logits(graphdef, state, ids_bt):
 
 def _oracle(model, prompt, dc, key, eos, mask):
   """Dream's sampler on one unpadded row, in plain Python: returns (response tokens,
-  commit steps, passes). `key` is the row's raw key (engine.prompt_keys)."""
+  commit steps, passes). `key` is the row's raw key (program_lib.prompt_keys)."""
   graphdef, state = nnx.split(model)
   g, block = dc.gen_length, dc.block_size
   blocks = g // block
   steps = None if dc.mdm_steps is None else dc.mdm_steps // blocks
-  ts = None if steps is None else np.linspace(1.0, config_lib.MDM_SCHEDULE_EPS, steps + 1)
+  ts = None if steps is None else np.linspace(1.0, methods.MDM_SCHEDULE_EPS, steps + 1)
   temp = dc.temperature
   gen, commit = [None] * g, [-1] * g
   passes = 0
@@ -361,7 +363,7 @@ def test_rankings_match_plain_python(ranking, settings, temperature):
   config, model = _load()
   dc = _decode_config(mdm_ranking=ranking, temperature=temperature, **settings)
   rng = jax.random.PRNGKey(3)
-  keys = [np.asarray(k) for k in engine.prompt_keys(rng, jnp.arange(len(PROMPTS)))]
+  keys = [np.asarray(k) for k in program_lib.prompt_keys(rng, jnp.arange(len(PROMPTS)))]
   mask = config.mask_token_id
   # An EOS that row 0 decodes after its first position, so that rows stop at different
   # times (and some before their last step).
@@ -420,7 +422,7 @@ def test_engine_continuous_batching_matches_plain_python(ranking, temperature):
   prompts = PROMPTS + [[3, 4], [100, 101, 102, 103, 104, 105]]
   run = decoder.engine(2, width=8).run(prompts, rng)  # 6 prompts through 2 rows
   assert run.admissions > 1
-  key = engine.raw_key(rng)
+  key = program_lib.raw_key(rng)
   for i, prompt in enumerate(prompts):
     tokens, steps, passes = _oracle(model, prompt, dc, np.asarray(jax.random.fold_in(key, i)),
                                     config.eos_token_id, config.mask_token_id)
@@ -475,7 +477,7 @@ def test_eval_config_decodes_as_dream(benchmark):
   dc = config_lib.DecodeConfig(**c.decode.to_dict())
   assert (dc.method, dc.gen_length, dc.block_size, dc.mdm_steps, dc.mdm_ranking,
           dc.temperature) == ("mdm", 512, 512, 512, "origin", 0.0)
-  spec = engine.spec_of(dc)
+  spec = program_lib.spec_of(dc)
   assert (spec.block_size, spec.mdm_steps_per_block) == (512, 512)
 
 

@@ -353,10 +353,15 @@ def test_table1_the_nine_rows_in_the_papers_order_with_their_settings():
   assert ("- Dream w/ Fast-dLLM: missing (no results file with method mdm, model_type dream, "
           "decoded with Fast-dLLM's threshold, factor or cache)") in text
   assert "- Dream w/ D2F: missing (no results file with method d2f, model_type dream)" in text
-  assert ("- LLaDA-8B-Instruct (GSM8K): gen_length 512, block_size 512, mdm_steps 512, "
-          "mdm_ranking confidence, mdm_tokens_per_step 1, mdm_defer_stop True") in text
-  assert ("- LLaDA w/ Fast-dLLM (GSM8K): gen_length 512, block_size 32, mdm_ranking "
-          "confidence, mdm_tokens_per_step 1, mdm_threshold 0.9, mdm_cache prefix") in text
+  # The method's own settings, then its switches that are on (DecodeConfig.summary).
+  assert ("- LLaDA-8B-Instruct (GSM8K): gen_length 512, block_size 512, mdm_tokens_per_step 1, "
+          "mdm_steps 512, mdm_defer_stop True") in text
+  assert ("- LLaDA w/ Fast-dLLM (GSM8K): gen_length 512, block_size 32, mdm_tokens_per_step 1, "
+          "mdm_threshold 0.9, mdm_cache_refresh 0, mdm_cache prefix") in text
   assert ("- LLaDA w/ D2F (GSM8K): gen_length 512, block_size 64, d2f_add_threshold 0.7, "
-          "d2f_act_threshold 0.95, d2f_conf_threshold 0.9") in text
+          "d2f_act_threshold 0.95, d2f_conf_threshold 0.9, d2f_window 4") in text
+  assert ("- Dream-7B-Instruct (GSM8K): gen_length 512, block_size 512, mdm_tokens_per_step 1, "
+          "mdm_ranking entropy, mdm_steps 512") in text
+  assert ("- ReFusion (GSM8K): gen_length 512, slot_size 32, block_size 32, slot_threshold 0.9, "
+          "token_threshold 0.4") in text
   assert "- Qwen3-8B (GSM8K): gen_length 512" in text

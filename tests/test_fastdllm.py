@@ -18,6 +18,7 @@ from flax import nnx
 
 from refusion_jax import config as config_lib
 from refusion_jax.decode import engine, mdm
+from refusion_jax.decode import program as program_lib
 from refusion_jax.model import Qwen3
 
 GEN = 12
@@ -279,7 +280,7 @@ def test_the_decoders_factor_counts_are_the_rule():
 
 @pytest.mark.parametrize("changes, match", [
     (dict(mdm_cache="both"), "decode.mdm_cache must be one of"),
-    (dict(mdm_cache="dual", method="refusion"), "need decode.method='mdm'"),
+    (dict(mdm_cache="dual", method="refusion"), "needs decode.method='mdm'"),
     (dict(mdm_cache="dual", mdm_cfg_scale=1.0), "guidance"),
     (dict(mdm_cache_refresh=-1), "mdm_cache_refresh must be an int >= 0"),
     (dict(mdm_cache_refresh=2), "mdm_cache_refresh=2 refreshes a cache"),
@@ -304,7 +305,7 @@ def test_the_options_reach_the_entry_points_and_only_mdm_buckets():
     dc = config_lib.DecodeConfig(**fields)
     assert (dc.mdm_cache, dc.mdm_cache_refresh, dc.mdm_factor) == (None, 0, None)
     dc = config_lib.DecodeConfig(**{**fields, "mdm_cache": "dual", "mdm_factor": 1.0})
-    assert engine.spec_of(dc).mdm_cache == "dual"
+    assert program_lib.spec_of(dc).mdm_cache == "dual"
   lm = lm_model.RefusionLM(model=_model(), tokenizer=object(), method="mdm", gen_length=GEN,
                            slot_size=4, block_size=4, mdm_cache="prefix", mdm_factor="1.5",
                            mdm_cache_refresh="2", progress=False)

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from refusion_jax import config as config_lib, hf
-from refusion_jax.decode import autoregressive, engine, heads, mdm
-from tests.test_llada import LLADA, FIXTURES
+from refusion_jax import config as config_lib
+from refusion_jax import hf
+from refusion_jax.decode import autoregressive, heads, mdm
+from refusion_jax.decode import program as program_lib
+from tests.test_llada import FIXTURES, LLADA
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,7 +136,7 @@ def test_decoder_matches_plain_llada_generate(llada, settings):
   dc = config_lib.DecodeConfig(**{**base, **settings})
   assert dc.mdm_schedule_on == "llada"  # the "confidence" ranking's own schedule
   rng = jax.random.PRNGKey(5)
-  keys = [np.asarray(k) for k in engine.prompt_keys(rng, jnp.arange(len(PROMPTS)))]
+  keys = [np.asarray(k) for k in program_lib.prompt_keys(rng, jnp.arange(len(PROMPTS)))]
   # EOS and end of turn: the two tokens the plain sampler drafts most, but not first in a
   # row, so that the flags act and the answers run past their first token.
   free = [_llada_generate(model, p, dc.replace(mdm_ban_eos=False, mdm_defer_stop=False),
@@ -170,15 +172,15 @@ def test_options_share_one_program_and_guidance_has_its_own(llada):
   _, model = llada
   dc = config_lib.DecodeConfig(method="mdm", gen_length=8, slot_size=4, block_size=4,
                                mdm_steps=8)
-  spec = engine.spec_of(dc)
+  spec = program_lib.spec_of(dc)
   assert spec.mdm_schedule == "llada" and not spec.mdm_cfg
   for changes in (dict(mdm_ban_eos=True), dict(mdm_defer_stop=True), dict(temperature=0.5)):
-    assert engine.spec_of(dc.replace(**changes)) == spec
-  assert engine.spec_of(dc.replace(mdm_cfg_scale=1.0)) == spec.__class__(
+    assert program_lib.spec_of(dc.replace(**changes)) == spec
+  assert program_lib.spec_of(dc.replace(mdm_cfg_scale=1.0)) == spec.__class__(
       **{**spec.__dict__, "mdm_cfg": True})
-  assert engine.spec_of(dc.replace(mdm_cfg_scale=3.0)) == engine.spec_of(
+  assert program_lib.spec_of(dc.replace(mdm_cfg_scale=3.0)) == program_lib.spec_of(
       dc.replace(mdm_cfg_scale=1.0))
-  assert engine.spec_of(dc.replace(mdm_schedule="dream")).mdm_schedule == "dream"
+  assert program_lib.spec_of(dc.replace(mdm_schedule="dream")).mdm_schedule == "dream"
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -189,9 +191,10 @@ def test_options_share_one_program_and_guidance_has_its_own(llada):
      r"mdm_defer_stop .* needs decode.mdm_ranking='confidence'"),
     (dict(mdm_cfg_scale=-1.0), r"mdm_cfg_scale must be a number >= 0"),
     (dict(mdm_ban_eos=1), r"mdm_ban_eos must be a bool"),
-    (dict(method="refusion", mdm_ban_eos=True), r"mdm_ban_eos: LLaDA's sampler options need "
-                                                r"decode.method='mdm', got 'refusion'"),
-    (dict(method="bd3lm", mdm_cfg_scale=1.0), r"mdm_cfg_scale: .* got 'bd3lm'"),
+    (dict(method="refusion", mdm_ban_eos=True),
+     r"mdm_ban_eos=True is one of LLaDA's sampler options; it needs decode.method='mdm' "
+     r"\(decode.method='refusion' has none\)"),
+    (dict(method="bd3lm", mdm_cfg_scale=1.0), r"mdm_cfg_scale=1.0 .*'bd3lm' has none"),
 ])
 def test_bad_llada_options_are_one_error(changes, match):
   base = dict(method="mdm", gen_length=8, slot_size=4, block_size=4)
@@ -221,7 +224,8 @@ def test_any_stop_id_ends_an_answer_and_ignore_eos_ends_none():
 
 
 def test_stop_ids_come_from_the_folder_and_the_family(tmp_path):
-  import json, shutil  # pylint: disable=import-outside-toplevel,multiple-imports
+  import json  # pylint: disable=import-outside-toplevel,multiple-imports
+  import shutil
   folder = tmp_path / "llama"
   shutil.copytree(f"{FIXTURES}/llama_gqa", folder)
   (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7, 3]}))
@@ -236,10 +240,10 @@ def test_stop_ids_come_from_the_folder_and_the_family(tmp_path):
   (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "3"}))
   with pytest.raises(ValueError, match="eos_token_id must be an id or a list of ids"):
     config_lib.from_hf_config(folder)
-  knobs = engine.knobs_of(config_lib.llada_8b(), config_lib.DecodeConfig(method="mdm"))
+  knobs = program_lib.knobs_of(config_lib.llada_8b(), config_lib.DecodeConfig(method="mdm"))
   assert bool(knobs.is_stop(config_lib.LLADA_EOT_ID)) and bool(knobs.is_stop(126081))
   assert not bool(knobs.is_stop(5))
-  knobs = engine.knobs_of(config_lib.llada_8b(),
+  knobs = program_lib.knobs_of(config_lib.llada_8b(),
                           config_lib.DecodeConfig(method="mdm", ignore_eos=True))
   assert not bool(knobs.is_stop(config_lib.LLADA_EOT_ID))
 
@@ -297,7 +301,7 @@ def test_llada_eval_configs_are_its_official_settings(arg, expected):
           dc.mdm_defer_stop) == expected
   assert (dc.method, dc.mdm_ranking, dc.mdm_schedule_on, dc.temperature,
           dc.mdm_cfg_scale) == ("mdm", "confidence", "llada", 0.0, 0.0)
-  spec = engine.spec_of(dc)
+  spec = program_lib.spec_of(dc)
   assert spec.mdm_steps_per_block == dc.block_size  # one token a step
   assert not c.enable_thinking
 

@@ -568,18 +568,42 @@ def test_a_shipped_base_is_checked_and_every_model_starts_from_it(smoke_run, tmp
     settings.validate(config)
 
 
-def test_decode_cache_key_holds_ignore_eos_kv_chunk_and_precision_only_when_set():
-  # A result cached before DecodeConfig had ignore_eos (kv_chunk) is the same decode as
-  # one with it off (per platform), so its key must still match; set, the key differs.
+# Cache keys as the reproduction wrote them when DecodeConfig kept every method's fields
+# in one flat dataclass (ignore_eos, kv_chunk, matmul_precision and the RL / planner fields
+# left out at their defaults): the settings below, read back from such a results file.
+_OLD = dict(slot_threshold=0.9, token_threshold=0.4, temperature=0.0, mdm_tokens_per_step=1,
+            mdm_threshold=None, mdm_ranking="confidence", mdm_steps=None, mdm_schedule=None,
+            mdm_ban_eos=False, mdm_defer_stop=False, mdm_cfg_scale=0.0, mdm_cache=None,
+            mdm_cache_refresh=0, mdm_factor=None, d2f_add_threshold=0.1,
+            d2f_act_threshold=0.95, d2f_conf_threshold=0.9, d2f_window=4,
+            left_to_right=False, recompute_kv=False, verify="off", boundary_check=True,
+            remask=False, remask_threshold=0.5)
+_OLD_KEYS = {
+    "ar": dict(_OLD, method="ar", gen_length=24, slot_size=24, block_size=24),
+    "mdm": dict(_OLD, method="mdm", gen_length=24, slot_size=8, block_size=8,
+                mdm_threshold=0.9, mdm_cache="dual"),
+    "refusion": dict(_OLD, method="refusion", gen_length=24, slot_size=4, block_size=24,
+                     verify="correct"),
+}
+
+
+def test_decode_cache_keys_written_before_still_count():
+  """A result cached under a key of every method's fields (some inert) is the same decode
+  as today's key of the method's own fields; a changed setting is not."""
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
-  dc = DecodeConfig(gen_length=16, slot_size=4, block_size=8)
-  off = scoring._decode_key(dc)  # pylint: disable=protected-access
-  assert "ignore_eos" not in off and off["slot_size"] == 4 and off["method"] == "refusion"
-  on = scoring._decode_key(dc.replace(ignore_eos=True))  # pylint: disable=protected-access
-  assert on == {**off, "ignore_eos": True}
-  assert "kv_chunk" not in off
-  chunked = scoring._decode_key(dc.replace(kv_chunk=0))  # pylint: disable=protected-access
-  assert chunked == {**off, "kv_chunk": 0}
-  assert "matmul_precision" not in off
-  precise = scoring._decode_key(dc.replace(matmul_precision="highest"))  # pylint: disable=protected-access
-  assert precise == {**off, "matmul_precision": "highest"}
+  now = {"ar": DecodeConfig(method="ar", gen_length=24),
+         "mdm": DecodeConfig(method="mdm", gen_length=24, block_size=8, mdm_threshold=0.9,
+                             mdm_cache="dual"),
+         "refusion": DecodeConfig(gen_length=24, slot_size=4, block_size=24, verify="correct")}
+  key = {"row": "x", "decode": {t: scoring._decode_key(c) for t, c in now.items()}}  # pylint: disable=protected-access
+  assert key["decode"]["ar"] == {"method": "ar", "gen_length": 24, "temperature": 0.0,
+                                 "ignore_eos": False, "kv_chunk": None,
+                                 "matmul_precision": None}
+  assert scoring.same_key({"row": "x", "decode": _OLD_KEYS}, key)
+  for task, change in (("ar", dict(gen_length=32)), ("mdm", dict(mdm_cache="prefix")),
+                       ("refusion", dict(verify="exact")), ("refusion", dict(kv_chunk=0)),
+                       ("ar", dict(ignore_eos=True))):
+    old = {**_OLD_KEYS, task: {**_OLD_KEYS[task], **change}}
+    assert not scoring.same_key({"row": "x", "decode": old}, key), (task, change)
+  assert not scoring.same_key({"row": "y", "decode": _OLD_KEYS}, key)
+  assert not scoring.same_key({"row": "x", "decode": {**_OLD_KEYS, "ar": {"method": "?"}}}, key)

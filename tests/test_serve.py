@@ -34,9 +34,10 @@ from configs import serve as serve_config
 from refusion_jax import checkpoint, sample, serve
 from refusion_jax import config as config_lib
 from refusion_jax import tokenizer as tokenizer_lib
-from refusion_jax.decode import engine
+from refusion_jax.decode import compiled as compiled_lib
 from refusion_jax.model import Qwen3
-from refusion_jax.serve import engine_process, protocol, text as text_lib
+from refusion_jax.serve import engine_process, protocol
+from refusion_jax.serve import text as text_lib
 from refusion_jax.serve.scheduler import Job, Scheduler
 from refusion_jax.tokenizer import Tokenizer
 
@@ -112,7 +113,7 @@ def _serving(oracle, engine_mode, row_counts="auto", rows=ROWS, buckets=f"ar:{GE
     time.sleep(0.02)
   port = uv.servers[0].sockets[0].getsockname()[1]
   return {**oracle, "url": f"http://127.0.0.1:{port}", "server": server,
-          "compiled": engine.compiled_programs()}, lambda: _stop(uv, thread)
+          "compiled": compiled_lib.compiled_programs()}, lambda: _stop(uv, thread)
 
 
 def _stop(uv, thread):
@@ -504,6 +505,7 @@ def _texts(body: str) -> list:
 
 def test_stream_merges_waiting_progress_and_writes_what_is_ready_at_once():
   import asyncio  # pylint: disable=import-outside-toplevel
+
   from refusion_jax.serve.scheduler import Done  # pylint: disable=import-outside-toplevel
 
   async def never():
@@ -1025,15 +1027,15 @@ def _scheduler_config(served_thread):
 def _before_programs(monkeypatch, names, before):
   """Patches the engine programs `names` so that `before(name)` runs ahead of each call
   (on the thread that makes it; it may raise); they keep their compile counts
-  (`engine.compiled_programs`)."""
+  (`compiled_lib.compiled_programs`)."""
   for name in names:
-    real = getattr(engine, name)
+    real = getattr(compiled_lib, name)
 
     def wrapped(*args, _real=real, _name=name, **kwargs):
       before(_name)
       return _real(*args, **kwargs)
     wrapped._cache_size = real._cache_size  # pylint: disable=protected-access
-    monkeypatch.setattr(engine, name, wrapped)
+    monkeypatch.setattr(compiled_lib, name, wrapped)
 
 
 def _submit_text(sched, served_thread, i, deliver):
@@ -1059,7 +1061,7 @@ def test_a_decoder_failure_fails_the_requests_in_flight_and_the_engine_serves_on
       failures.append(threading.current_thread().name)
       raise RuntimeError("the device went away")
   # The first run fails, whatever its rows.
-  _before_programs(monkeypatch, ("_live_run", "_live_run_rows"), fail_first)
+  _before_programs(monkeypatch, ("live_run", "live_run_rows"), fail_first)
   results, done = {}, threading.Event()
 
   def deliver_to(i, n):
@@ -1231,7 +1233,7 @@ def _closed_loop_passes(served_thread, read_first: bool, queues) -> tuple[int, d
   sched = serve.make_scheduler(c)  # the served_thread's programs: nothing new compiles
   assert not sched.read_first  # a CPU's order; a GPU's is set here
   sched.read_first = read_first
-  compiled = engine.compiled_programs()
+  compiled = compiled_lib.compiled_programs()
   bucket = sched.buckets[0]
   lane = next(iter(sched._lanes.values()))  # pylint: disable=protected-access
   before = lane.batch.read().passes
@@ -1263,7 +1265,7 @@ def _closed_loop_passes(served_thread, read_first: bool, queues) -> tuple[int, d
     assert done.wait(60), sorted(results)
   finally:
     sched.stop()
-  assert engine.compiled_programs() == compiled  # either order: the same programs
+  assert compiled_lib.compiled_programs() == compiled  # either order: the same programs
   return lane.batch.read().passes - before, results
 
 
@@ -1334,7 +1336,7 @@ def test_served_admissions_prefilled_at_the_narrower_width(served_thread):
 def test_nothing_compiled_while_serving(served_thread):
   # Every request above (shapes, knobs, seeds, admissions of any size) reused the
   # programs compiled at start-up (and the oracle's, compiled before).
-  assert engine.compiled_programs() == served_thread["compiled"]
+  assert compiled_lib.compiled_programs() == served_thread["compiled"]
 
 
 def test_engine_process_start_up_error_is_raised(oracle, tmp_path):
@@ -1383,7 +1385,7 @@ def test_engine_process_keeps_its_programs_in_the_compile_cache(oracle, tmp_path
                         compile_cache_dir=str(cache))
   try:
     kept = os.listdir(cache)
-    for name in ("_engine_admit", "_live_run", "_live_read"):
+    for name in ("admit", "live_run", "live_read"):
       assert any(f.startswith(f"jit_{name}-") for f in kept), (name, kept)
     for i in range(2):
       _, ids, _, _ = _complete(_client(info), i, "refusion", False)

@@ -1,11 +1,9 @@
 """Decoders: ReFusion's plan-and-infill and the AR, MDM, BD3-LM and D2F baselines.
 
-Every decoder is a row program of `engine` (one protocol, one registry, one
-token picker in `heads`, one pass builder in `passes`). Entry points:
-`engine.Decoder(model, decode_config)` (`.generate`, `.engine(rows)`) or the
-per-method `generate` functions.
+The map: `methods` (each method's options and `DecodeConfig`, no JAX), `program` (the
+row-program protocol every method implements), `refusion`, `autoregressive`, `mdm`,
+`bd3lm`, `d2f` (the programs, loaded on first use by `program.program`), `heads`
+(the token picker) and `passes` (the pass builder) they share, `compiled` (the jitted
+functions), `engine` (`Decoder`, the offline `Engine`), `live` (the server's
+`LiveBatch`). Importing this package loads none of them.
 """
-
-from refusion_jax.decode import (  # noqa: F401  (registers)
-    autoregressive, bd3lm, d2f, engine, mdm, refusion)
-from refusion_jax.decode.engine import Decoder, Engine, generate  # noqa: F401

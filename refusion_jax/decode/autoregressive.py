@@ -20,12 +20,15 @@ import jax
 import jax.numpy as jnp
 
 from refusion_jax.config import DecodeConfig, ModelConfig
-from refusion_jax.decode import common, engine, heads, passes
+from refusion_jax.decode import common, compiled, engine, heads, passes
+from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
-from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
+from refusion_jax.decode.program import DONE, FIRST_PHASE, FREE
 from refusion_jax.kv_cache import KVCache
 
 DECODE = FIRST_PHASE
+# AR has no options of its own: the shared Spec and Knobs.
+Spec, Knobs = program_lib.Spec, program_lib.Knobs
 
 
 def pad_id(config: ModelConfig) -> int:
@@ -92,12 +95,12 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
       key_b2=keys_a2)
   fresh = fresh.replace(counters=fresh.counters.add(ones, prefill_b=1))
   # The first token, from the logits at the prompt's last token (pass 0 of the prompt).
-  keys = engine.pass_keys(keys_a2, jnp.zeros((a,), jnp.int32), 1, knobs.temperature)
+  keys = program_lib.pass_keys(keys_a2, jnp.zeros((a,), jnp.int32), 1, knobs.temperature)
   stats = heads.token_stats(last_ad[:, None], model.unembed(), jnp.zeros((a, 1), jnp.int32),
                             sample_bt=jnp.ones((a, 1), bool), temperature=knobs.temperature,
                             keys_bt2=keys, vocab_chunk=spec.vocab_chunk)
   fresh = _emit(spec, fresh, stats.pick_bt[:, 0], ones, knobs)
-  rows = engine.set_rows(st.rows, fresh, rows_a)
+  rows = program_lib.set_rows(st.rows, fresh, rows_a)
   return st.replace(cache=cache, rows=rows)
 
 
@@ -112,7 +115,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
                      positions_bn=(r.prompt_len_b + r.n_b - 1)[:, None],
                      group_bn=jnp.zeros((b, 1), jnp.int32), dest_bn=r.length_b[:, None],
                      sample_bn=jnp.ones((b, 1), bool))
-  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), 1, knobs.temperature)
+  keys = program_lib.pass_keys(r.key_b2, r.counters.nfe_b(), 1, knobs.temperature)
   cache, out = passes.run_pass(model, st.cache, feed, (1,), temperature=knobs.temperature,
                                keys_bn2=keys, vocab_chunk=spec.vocab_chunk)
   r = _emit(spec, r.replace(length_b=r.length_b + active.astype(jnp.int32)), out.pick_bn[:, 0],
@@ -129,20 +132,8 @@ def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
                       commit_step_bg=r.commit_step_bg)
 
 
-def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: int) -> None:
-  if not isinstance(decode_config, DecodeConfig):
-    raise TypeError(f"decode_config must be a DecodeConfig, got {type(decode_config).__name__}")
-  if decode_config.method != "ar":
-    raise ValueError(f"autoregressive.generate needs decode.method='ar', got "
-                     f"{decode_config.method!r}")
-  if config.attention != "causal":
-    raise ValueError(f"AR decoding needs a causal model, but ModelConfig.attention="
-                     f"{config.attention!r}")
-  decode_config.check_fits(config, prompt_len)
-
-
-PROGRAM = engine.register(engine.Program(
-    name="ar", check=check_config, init=init, admit=admit, step=step, output=output,
+PROGRAM = program_lib.register(program_lib.Program(
+    name="ar", init=init, admit=admit, step=step, output=output, pass_widths=lambda spec: (1,),
     needs_rng_to_sample=False))
 
 
@@ -164,4 +155,4 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
 
 def compiled_programs() -> int:
   """Programs compiled so far by `generate` (tests use it to prove a bucket is reused)."""
-  return engine.compiled_programs()["generate"]
+  return compiled.compiled_programs()["generate"]

@@ -49,18 +49,32 @@ alone, in a batch, or admitted mid-run.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from refusion_jax.config import DecodeConfig, ModelConfig
-from refusion_jax.decode import common, engine, mdm, passes
+from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import common, compiled, engine, mdm, passes
+from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
-from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
+from refusion_jax.decode.program import DONE, FIRST_PHASE, FREE
 from refusion_jax.kv_cache import KVCache
 
 DENOISE = FIRST_PHASE
 CLEAN_GROUP, BLOCK_GROUP = 0, 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Spec(program_lib.Spec):
+  block_size: int  # decode.block_size
+
+
+@flax.struct.dataclass(kw_only=True)
+class Knobs(program_lib.Knobs):
+  mdm_threshold: jax.Array  # < 0: off (mdm_tokens_per_step a step)
+  mdm_tokens_per_step: jax.Array
 
 
 @flax.struct.dataclass
@@ -115,7 +129,7 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
       phase_b=jnp.full((a,), DENOISE, jnp.int32), length_b=lens_a, prompt_len_b=lens_a,
       key_b2=keys_a2)
   fresh = fresh.replace(counters=fresh.counters.add(jnp.ones((a,), bool), prefill_b=1))
-  return st.replace(cache=cache, rows=engine.set_rows(st.rows, fresh, rows_a))
+  return st.replace(cache=cache, rows=program_lib.set_rows(st.rows, fresh, rows_a))
 
 
 def _block_of(x_bg, block_b, blk: int):
@@ -149,7 +163,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
       dest_bn=jnp.concatenate([jnp.where(clean_b[:, None], r.length_b[:, None] + t[None], -1),
                                jnp.full((b, blk), -1, jnp.int32)], 1).astype(jnp.int32),
       sample_bn=jnp.concatenate([~ones_bt, ones_bt], 1))
-  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), 2 * blk, knobs.temperature)
+  keys = program_lib.pass_keys(r.key_b2, r.counters.nfe_b(), 2 * blk, knobs.temperature)
   cache, out = passes.run_pass(model, st.cache, feed, widths(spec),
                                temperature=knobs.temperature, keys_bn2=keys,
                                banned_id=knobs.mask_id, vocab_chunk=spec.vocab_chunk,
@@ -188,30 +202,10 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
   return State(passes=st.passes + 1, cache=cache.replace(length_b=length_b), rows=r)
 
 
-def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: int) -> None:
-  if not isinstance(decode_config, DecodeConfig):
-    raise TypeError(f"decode_config must be a DecodeConfig, got {type(decode_config).__name__}")
-  if decode_config.method != "bd3lm":
-    raise ValueError(f"bd3lm.generate needs decode.method='bd3lm', got "
-                     f"{decode_config.method!r}")
-  if config.attention != "causal":
-    # Committed blocks live in a KV cache computed once: a bidirectional model's
-    # earlier tokens would have to see the later blocks, which a cache cannot give.
-    raise ValueError(f"BD3-LM decoding needs a causal-backbone model trained with the "
-                     f"BD3-LM layout (ModelConfig.attention='causal'), got "
-                     f"{config.attention!r}; a bidirectional MDM model decodes with "
-                     f"decode.method='mdm'")
-  if config.mask_token_id is None:
-    raise ValueError("BD3-LM decoding needs ModelConfig.mask_token_id, got None")
-  common.refuse_mdm_samplers(decode_config, "BD3-LM",
-                             "mdm_tokens_per_step or mdm_threshold a step")
-  decode_config.check_fits(config, prompt_len)
-
-
-PROGRAM = engine.register(engine.Program(
+PROGRAM = program_lib.register(program_lib.Program(
     # The response, its EOS rule and counters are the MDM decoder's (same Rows fields).
-    name="bd3lm", check=check_config, init=init, admit=admit, step=step, output=mdm.output,
-    needs_rng_to_sample=False))
+    name="bd3lm", init=init, admit=admit, step=step, output=mdm.output, spec_type=Spec,
+    knobs_type=Knobs, pass_widths=widths, needs_rng_to_sample=False))
 
 
 def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
@@ -231,4 +225,4 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
 
 def compiled_programs() -> int:
   """Programs compiled so far by `generate` (tests use it to prove a bucket is reused)."""
-  return engine.compiled_programs()["generate"]
+  return compiled.compiled_programs()["generate"]

@@ -112,13 +112,3 @@ def prefill(model, cache: KVCache, prompt_ids_bp, prompt_len_b):
   rows_b = jnp.arange(prompt_ids_bp.shape[0])
   cache, last_bd = prefill_rows(model, cache, prompt_ids_bp, prompt_len_b, rows_b)
   return cache, model.unembed().logits(last_bd[:, None])[:, 0]
-
-
-def refuse_mdm_samplers(decode_config, decoder: str, rule: str) -> None:
-  """A block decoder with its own commit rule (BD3-LM's, D2F's) takes no MDM sampler:
-  `mdm_ranking` must stay "confidence" and `mdm_steps` None."""
-  if decode_config.mdm_ranking != "confidence" or decode_config.mdm_steps is not None:
-    raise ValueError(f"{decoder} decoding commits by confidence, {rule}; decode.mdm_ranking="
-                     f"{decode_config.mdm_ranking!r} and decode.mdm_steps="
-                     f"{decode_config.mdm_steps!r} are the MDM decoder's (Dream's samplers): "
-                     f"leave them at 'confidence' and None")

@@ -48,17 +48,33 @@ the temperature are traced knobs, `d2f_window` static.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from refusion_jax.config import DecodeConfig, ModelConfig
+from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import common, engine, heads, mdm, passes
+from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
-from refusion_jax.decode.engine import FIRST_PHASE, FREE, DONE, Knobs, Spec
+from refusion_jax.decode.program import DONE, FIRST_PHASE, FREE
 from refusion_jax.kv_cache import KVCache
 
 DENOISE = FIRST_PHASE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Spec(program_lib.Spec):
+  block_size: int  # decode.block_size
+  d2f_window: int  # decode.d2f_window, at most the response's blocks
+
+
+@flax.struct.dataclass(kw_only=True)
+class Knobs(program_lib.Knobs):
+  d2f_add: jax.Array  # tau_add (decode.d2f_add_threshold)
+  d2f_act: jax.Array  # tau_act
+  d2f_conf: jax.Array  # tau_conf
 
 
 @flax.struct.dataclass
@@ -129,7 +145,7 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
   if model.config.shift_logits:
     # The prompt's last output predicts the first response token (a key no pass uses).
     n = spec.d2f_window * spec.block_size
-    keys = engine.pass_keys(keys_a2, jnp.zeros((a,), jnp.int32), n + 1,
+    keys = program_lib.pass_keys(keys_a2, jnp.zeros((a,), jnp.int32), n + 1,
                             knobs.temperature)[:, n:]
     stats = heads.token_stats(last_ad[:, None], model.unembed(), jnp.zeros((a, 1), jnp.int32),
                               sample_bt=jnp.ones((a, 1), bool), temperature=knobs.temperature,
@@ -137,7 +153,7 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
                               vocab_chunk=spec.vocab_chunk)
     fresh = fresh.replace(last_pick_b=stats.pick_bt[:, 0], last_p_b=stats.p_pick_bt[:, 0])
   fresh = fresh.replace(counters=fresh.counters.add(jnp.ones((a,), bool), prefill_b=1))
-  return st.replace(cache=cache, rows=engine.set_rows(st.rows, fresh, rows_a))
+  return st.replace(cache=cache, rows=program_lib.set_rows(st.rows, fresh, rows_a))
 
 
 def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
@@ -177,7 +193,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
       group_bn=jnp.repeat(block_bw, bs, axis=1).astype(jnp.int32),
       dest_bn=jnp.where(jnp.repeat(caching_bw, bs, axis=1), positions_bn, -1).astype(jnp.int32),
       sample_bn=fed_bn & ~decided_bn)
-  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), n, knobs.temperature)
+  keys = program_lib.pass_keys(r.key_b2, r.counters.nfe_b(), n, knobs.temperature)
   cache, out = passes.run_pass(model, st.cache, feed, widths(spec),
                                temperature=knobs.temperature, keys_bn2=keys,
                                banned_id=knobs.mask_id, vocab_chunk=spec.vocab_chunk,
@@ -234,24 +250,10 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
   return State(passes=st.passes + 1, cache=cache.replace(length_b=length_b), rows=r)
 
 
-def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: int) -> None:
-  if not isinstance(decode_config, DecodeConfig):
-    raise TypeError(f"decode_config must be a DecodeConfig, got {type(decode_config).__name__}")
-  if decode_config.method != "d2f":
-    raise ValueError(f"d2f.generate needs decode.method='d2f', got {decode_config.method!r}")
-  if config.attention != "bidirectional":
-    raise ValueError(f"D2F decoding needs an MDM (ModelConfig.attention='bidirectional') "
-                     f"with a D2F adapter, got attention={config.attention!r}")
-  if config.mask_token_id is None:
-    raise ValueError("D2F decoding needs ModelConfig.mask_token_id, got None")
-  common.refuse_mdm_samplers(decode_config, "D2F", "its three thresholds")
-  decode_config.check_fits(config, prompt_len)
-
-
-PROGRAM = engine.register(engine.Program(
+PROGRAM = program_lib.register(program_lib.Program(
     # The response, its stop rule and counters are the MDM decoder's (same Rows fields).
-    name="d2f", check=check_config, init=init, admit=admit, step=step, output=mdm.output,
-    needs_rng_to_sample=False))
+    name="d2f", init=init, admit=admit, step=step, output=mdm.output, spec_type=Spec,
+    knobs_type=Knobs, pass_widths=widths, needs_rng_to_sample=False))
 
 
 def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,

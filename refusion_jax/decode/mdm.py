@@ -84,11 +84,12 @@ the row's canvas; each pass re-runs every canvas. Whether the fixed count or
 the threshold or the factor rule applies, the count, the threshold, the factor, the
 refresh interval and the temperature are traced knobs (one program for LLaDA and
 Fast-dLLM settings); the ranking, the schedule's steps, guidance and the cache are
-static (`engine.Spec`: one program each).
+static (`Spec`: one program each).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -96,13 +97,50 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.config import MDM_SCHEDULE_EPS, DecodeConfig, ModelConfig
-from refusion_jax.decode import engine, heads
+from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import compiled, engine, heads
+from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
-from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
+from refusion_jax.decode.methods import MDM_SCHEDULE_EPS
+from refusion_jax.decode.program import DONE, FIRST_PHASE, FREE
 from refusion_jax.kv_cache import KVCache
 
 DENOISE = FIRST_PHASE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Spec(program_lib.Spec):
+  block_size: int  # decode.block_size
+  mdm_ranking: str = "confidence"  # decode.mdm_ranking
+  mdm_steps_per_block: int = 0  # a schedule's steps per block (0: none)
+  mdm_schedule: str = ""  # decode.mdm_schedule as resolved, with a schedule ("" without one)
+  mdm_cfg: bool = False  # decode.mdm_cfg_scale > 0 (a second, unconditional forward)
+  mdm_cache: str = ""  # decode.mdm_cache ("" without one)
+
+
+@flax.struct.dataclass(kw_only=True)
+class Knobs(program_lib.Knobs):
+  mdm_threshold: jax.Array  # < 0: off (LLaDA's fixed count per step)
+  mdm_tokens_per_step: jax.Array
+  mdm_ban_eos: jax.Array  # LLaDA's flags (decode.mdm_ban_eos, mdm_defer_stop)
+  mdm_defer_stop: jax.Array
+  cfg_scale: jax.Array  # decode.mdm_cfg_scale
+  mdm_factor: jax.Array  # Fast-dLLM's factor rule (< 0: off)
+  cache_refresh: jax.Array  # decode.mdm_cache_refresh
+
+
+def canvas_spec(spec: Spec) -> Spec:
+  """The spec of a step that feeds prompt and canvas whole: `spec` without its cache."""
+  return dataclasses.replace(spec, mdm_cache="", kv_chunk=0)
+
+
+def widths(spec: Spec) -> tuple[int, ...]:
+  """The widths of its cached passes (Fast-dLLM's): the block and all after it (prefix,
+  the first block's), or the block alone (dual); none without a cache (every step feeds
+  prompt and canvas whole)."""
+  if not spec.mdm_cache:
+    return ()
+  return (spec.gen_length if spec.mdm_cache == "prefix" else spec.block_size,)
 
 
 @flax.struct.dataclass
@@ -167,8 +205,8 @@ def schedule_reveal_probs(steps: int, eps: float = MDM_SCHEDULE_EPS) -> np.ndarr
 def reveal_uniforms_bg(key_b2, pass_b, g: int):
   """"origin"'s draws `[B, G]`: position i of a row's pass n draws
   `uniform(fold_in(fold_in(key, n), G + i))` (the token draws of the pass use keys
-  0..G-1 of the same pass, `engine.pass_keys`)."""
-  return engine.pass_uniforms(key_b2, pass_b, g, g)
+  0..G-1 of the same pass, `program_lib.pass_keys`)."""
+  return program_lib.pass_uniforms(key_b2, pass_b, g, g)
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,7 +253,7 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
   fresh = _empty_rows(spec, a, p, knobs.mask_id).replace(
       phase_b=jnp.full((a,), DENOISE, jnp.int32), prompt_len_b=lens_a, key_b2=keys_a2,
       prompt_bp=jnp.where(jnp.arange(p)[None] < lens_a[:, None], ids_ap, knobs.pad_id))
-  rows = engine.set_rows(st.rows, fresh, rows_a)
+  rows = program_lib.set_rows(st.rows, fresh, rows_a)
   return st.replace(rows=rows)
 
 
@@ -332,7 +370,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
     h_cached = jax.lax.cond(cached_b.any(), cached, lambda: zeros)
     h_bjd = jnp.where(refresh_b[:, None, None], h_full, h_cached)
   nfe_b = r.counters.nfe_b()
-  keys = jnp.take_along_axis(engine.pass_keys(r.key_b2, nfe_b, g, knobs.temperature),
+  keys = jnp.take_along_axis(program_lib.pass_keys(r.key_b2, nfe_b, g, knobs.temperature),
                              blk_gen_bj[:, :, None], axis=1)
   # LLaDA's flags: EOS never drafted; EOS (greedy only) and the stop ids scored 0.
   banned = jnp.stack([knobs.mask_id, jnp.where(knobs.mdm_ban_eos, knobs.eos_id, -1)])
@@ -412,23 +450,9 @@ def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
                       commit_step_bg=commit_step_bg)
 
 
-def check_config(config: ModelConfig, decode_config: DecodeConfig, prompt_len: int) -> None:
-  if not isinstance(decode_config, DecodeConfig):
-    raise TypeError(f"decode_config must be a DecodeConfig, got {type(decode_config).__name__}")
-  if decode_config.method != "mdm":
-    raise ValueError(f"mdm.generate needs decode.method='mdm', got {decode_config.method!r}")
-  if config.attention != "bidirectional":
-    # A causal model never saw masked tokens after its context: MDM decoding would be noise.
-    raise ValueError(f"MDM decoding needs a bidirectional model (ModelConfig.attention="
-                     f"'bidirectional'), got {config.attention!r}")
-  if config.mask_token_id is None:
-    raise ValueError("MDM decoding needs ModelConfig.mask_token_id, got None")
-  decode_config.check_fits(config, prompt_len)
-
-
-PROGRAM = engine.register(engine.Program(
-    name="mdm", check=check_config, init=init, admit=admit, step=step, output=output,
-    needs_rng_to_sample=False))
+PROGRAM = program_lib.register(program_lib.Program(
+    name="mdm", init=init, admit=admit, step=step, output=output, spec_type=Spec,
+    knobs_type=Knobs, pass_widths=widths, canvas_spec=canvas_spec, needs_rng_to_sample=False))
 
 
 def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
@@ -449,4 +473,4 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
 
 def compiled_programs() -> int:
   """Programs compiled so far by `generate` (tests use it to prove a bucket is reused)."""
-  return engine.compiled_programs()["generate"]
+  return compiled.compiled_programs()["generate"]

@@ -66,14 +66,18 @@ every token is sampled.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from refusion_jax.config import PLAN_FEATURES, DecodeConfig
-from refusion_jax.decode import common, engine, heads, passes
+from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import common, compiled, engine, heads, passes
+from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
-from refusion_jax.decode.engine import DONE, FIRST_PHASE, FREE, Knobs, Spec
+from refusion_jax.decode.methods import PLAN_FEATURES
+from refusion_jax.decode.program import DONE, FIRST_PHASE, FREE
 from refusion_jax.kv_cache import KVCache
 
 PLAN, GLOBAL, DRAFT, VERIFY, RECOMPUTE, LTR_PLAN, LTR_AR, RECHECK = range(
@@ -84,6 +88,31 @@ PHASE_NAMES = {FREE: "free", DONE: "done", PLAN: "plan", GLOBAL: "global_verify"
 # The attention group of a re-check's tokens in a pass (decode.remask): they see the
 # cache and each other causally, and every other fed entry sees them.
 RECHECK_GROUP = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Spec(program_lib.Spec):
+  slot_size: int  # decode.slot_size
+  block_size: int  # decode.block_size (left to right: gen_length, blocks play no part)
+  left_to_right: bool = False  # decode.left_to_right
+  verify: bool = False  # decode.verify != "off" ("exact" is a knob)
+  remask: bool = False  # decode.remask
+  record: bool = False  # decode.record: DecodeOutput.trace
+  plan_policy: bool = False  # decode.planner == "policy"
+
+
+@flax.struct.dataclass(kw_only=True)
+class Knobs(program_lib.Knobs):
+  slot_threshold: jax.Array  # tau_s
+  token_threshold: jax.Array  # tau_t
+  recompute_kv: jax.Array
+  verify_exact: jax.Array  # decode.verify == "exact" (with Spec.verify)
+  boundary_check: jax.Array  # decode.boundary_check (with Spec.verify)
+  remask_threshold: jax.Array  # tau_remask (with Spec.remask)
+  sample_drafts: jax.Array  # decode.sample_drafts (the infill's drafts drawn)
+  plan_w: jax.Array  # the selection policy's weights (PLAN_FEATURES), then
+  plan_b: jax.Array  # its bias (with Spec.plan_policy)
+  plan_sample: jax.Array  # each slot drawn (with Spec.plan_policy)
 
 
 @flax.struct.dataclass
@@ -420,7 +449,7 @@ def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
     logit = jnp.where(undecided, feats @ knobs.plan_w + knobs.plan_b, -jnp.inf)
     score = logit
     # Slot s draws with key blk + s of the plan pass (its tokens use 0..blk-1).
-    u = engine.pass_uniforms(r.key_b2, r.counters.nfe_b(), lay.blk, lay.n_slots)
+    u = program_lib.pass_uniforms(r.key_b2, r.counters.nfe_b(), lay.blk, lay.n_slots)
     over = undecided & jnp.where(knobs.plan_sample, u < jax.nn.sigmoid(logit), logit > 0)
   best = jax.nn.one_hot(jnp.argmax(score, axis=-1), lay.n_slots, dtype=bool)
   chosen = jnp.where(over.any(-1, keepdims=True), over, best)
@@ -867,7 +896,7 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
                               vocab_chunk=spec.vocab_chunk).pick_bt[:, 0]
     fresh = fresh.replace(after_prompt_b=first)
   fresh = fresh.replace(counters=fresh.counters.add(jnp.ones((a,), bool), prefill_b=1))
-  rows = engine.set_rows(st.rows, fresh, rows_a)
+  rows = program_lib.set_rows(st.rows, fresh, rows_a)
   return st.replace(cache=cache, rows=rows)
 
 
@@ -899,7 +928,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
          (phase == RECOMPUTE, recompute_feed(lay, r, keep_bt))] + cases,
         passes.Feed.empty(b, lay.blk))
   n = feed.fed_bn.shape[1]
-  keys = engine.pass_keys(r.key_b2, r.counters.nfe_b(), n, knobs.temperature)
+  keys = program_lib.pass_keys(r.key_b2, r.counters.nfe_b(), n, knobs.temperature)
   cache, out = passes.run_pass(model, st.cache, feed, widths(spec),
                                temperature=knobs.temperature, keys_bn2=keys,
                                vocab_chunk=spec.vocab_chunk,
@@ -946,32 +975,9 @@ def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
                       commit_step_bg=jnp.where(within, r.commit_step_bg, -1), trace=trace)
 
 
-def validate(model_config, decode_config: DecodeConfig, prompt_len: int) -> None:
-  """Every check that can fail, run in Python before anything is traced."""
-  if not isinstance(decode_config, DecodeConfig):
-    raise TypeError(f"decode_config must be a DecodeConfig, got {type(decode_config).__name__}")
-  if decode_config.method != "refusion":
-    raise ValueError(
-        f"decode.method={decode_config.method!r}: refusion.generate only runs 'refusion'")
-  if model_config.mask_token_id is None:
-    raise ValueError("ReFusion decoding needs ModelConfig.mask_token_id, got None")
-  if model_config.shift_logits:
-    raise ValueError(f"ReFusion decoding reads each slot's own logits; a "
-                     f"{model_config.model_type!r} model predicts token i at position i-1 "
-                     "(ModelConfig.shift_logits): decode it with decode.method='mdm'")
-  if decode_config.planner == "mcts":
-    raise ValueError(f"decode.planner={decode_config.planner!r} is a host-driven search "
-                     "(refusion_jax.planning.mcts.Decoder; evaluate runs it); the compiled "
-                     "decoder plans with decode.planner='threshold' or 'policy'")
-  # `replace()` re-runs DecodeConfig's own field checks (block multiple of slot,
-  # gen_length multiple of block, thresholds in [0, 1], ...), even on an instance
-  # whose fields were altered after construction.
-  decode_config.replace()
-  decode_config.check_fits(model_config, prompt_len)
-
-
-PROGRAM = engine.register(engine.Program(
-    name="refusion", check=validate, init=init, admit=admit, step=step, output=output))
+PROGRAM = program_lib.register(program_lib.Program(
+    name="refusion", init=init, admit=admit, step=step, output=output, spec_type=Spec,
+    knobs_type=Knobs, pass_widths=widths))
 
 
 def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
@@ -997,4 +1003,4 @@ def _generate_with_cache(model, prompt_ids_bp, prompt_len_b, decode_config: Deco
 
 def compiled_cache_size() -> int:
   """Programs compiled so far by `generate` (one per static config and shapes)."""
-  return engine.compiled_programs()["generate"]
+  return compiled.compiled_programs()["generate"]

@@ -40,11 +40,18 @@ import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import settings
 from refusion_jax.lmeval import GenerativeOnlyError
 
 FENCE_OPEN = "```python\n"
 FENCE = "```"
+# The model arguments besides the decode fields (every `settings.flat_fields()` name).
+MODEL_ARGS = ("model_dir", "tokenizer_dir", "adapter_dir", "batch_size", "enable_thinking",
+              "seed", "progress")
+# The decode fields' defaults here where they differ from DecodeConfig's: the paper's
+# Table 5 shape (512 tokens, slots of 32 in blocks of 128).
+DECODE_DEFAULTS = dict(gen_length=512, slot_size=32, block_size=128)
+_WHERE = "refusion_jax model arg"
 
 
 def cut_at_stop(text: str, until: Iterable[str]) -> str:
@@ -105,133 +112,30 @@ class Record:
   truncated: int  # prompt tokens dropped from the left to fit the context
 
 
-def _as_bool(value: Any, name: str) -> bool:
-  if isinstance(value, bool):
-    return value
-  if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-    return value.lower() in ("true", "1")
-  if isinstance(value, int) and value in (0, 1):
-    return bool(value)
-  raise ValueError(f"refusion_jax model arg {name} must be true or false, got {value!r}")
-
-
-def _as_int(value: Any, name: str) -> int:
-  try:
-    out = int(value)
-  except (TypeError, ValueError):
-    raise ValueError(f"refusion_jax model arg {name} must be an int, got {value!r}") from None
-  if isinstance(value, float) and value != out:
-    raise ValueError(f"refusion_jax model arg {name} must be an int, got {value!r}")
-  return out
-
-
-def _unless_none(value: Any, convert, name: str):
-  """None for an unset model arg (None, "" or "none"), else `convert(value, name)`."""
-  return None if value in (None, "", "none", "None") else convert(value, name)
-
-
-def _as_float(value: Any, name: str) -> float:
-  try:
-    return float(value)
-  except (TypeError, ValueError):
-    raise ValueError(f"refusion_jax model arg {name} must be a number, got {value!r}") from None
-
-
-def _as_floats(value: Any, name: str) -> tuple:
-  """A sequence of numbers, or its text as lm-eval's model_args give it ("1.0 2.0", with or
-  without brackets and commas)."""
-  if isinstance(value, str):
-    value = value.strip("()[] ").replace(",", " ").split()
-  try:
-    return tuple(float(x) for x in value)
-  except (TypeError, ValueError):
-    raise ValueError(f"refusion_jax model arg {name} must be numbers, got {value!r}") from None
-
-
 @register_model("refusion_jax")
 class RefusionLM(LM):
   """A refusion_jax model (ReFusion, AR or MDM decoding) as an lm-eval generative LM."""
 
   def __init__(self, model_dir: str | None = None, *, model=None, tokenizer=None,
-               tokenizer_dir: str = "", adapter_dir: str = "", method: str = "refusion",
-               gen_length: int = 512,
-               slot_size: int = 32, block_size: int = 128, slot_threshold: float = 0.9,
-               token_threshold: float = 0.4, temperature: float = 0.0,
-               mdm_tokens_per_step: int = 1, mdm_threshold: float | None = None,
-               mdm_ranking: str = "confidence", mdm_steps: int | None = None,
-               mdm_schedule: str | None = None, mdm_ban_eos: bool = False,
-               mdm_defer_stop: bool = False, mdm_cfg_scale: float = 0.0,
-               mdm_cache: str | None = None, mdm_cache_refresh: int = 0,
-               mdm_factor: float | None = None, d2f_add_threshold: float = 0.1,
-               d2f_act_threshold: float = 0.95, d2f_conf_threshold: float = 0.9,
-               d2f_window: int = 4,
-               left_to_right: bool = False, recompute_kv: bool = False,
-               verify: str = "off", boundary_check: bool = True, remask: bool = False,
-               remask_threshold: float = 0.5, ignore_eos: bool = False, kv_chunk: int | str | None = None,
-               matmul_precision: str | None = None, sample_drafts: bool = False,
-               record: bool = False, planner: str = "threshold", mcts_budget: int = 16,
-               mcts_c: float = 1.0, mcts_batch: int = 8, plan_weights: Any = (),
-               plan_sample: bool = False, batch_size: int | str = 1,
-               enable_thinking: bool = True, seed: int = 0,
-               progress: bool = True, max_batch_size: Any = None, device: Any = None,
-               **unknown):
+               tokenizer_dir: str = "", adapter_dir: str = "", batch_size: int | str = 1,
+               enable_thinking: bool = True, seed: int = 0, progress: bool = True,
+               max_batch_size: Any = None, device: Any = None, **decode_args):
     super().__init__()
     del max_batch_size, device  # lm-eval passes them to every model; the engine has rows
+    unknown = sorted(set(decode_args) - set(settings.flat_fields()))
     if unknown:
-      raise ValueError(f"refusion_jax: unknown model arg(s) {sorted(unknown)}; known: "
-                       "model_dir, tokenizer_dir, adapter_dir, method, gen_length, slot_size, block_size, "
-                       "slot_threshold, token_threshold, temperature, mdm_tokens_per_step, "
-                       "mdm_threshold, mdm_ranking, mdm_steps, mdm_schedule, mdm_ban_eos, "
-                       "mdm_defer_stop, mdm_cfg_scale, mdm_cache, mdm_cache_refresh, mdm_factor, "
-                       "d2f_add_threshold, d2f_act_threshold, d2f_conf_threshold, d2f_window, "
-                       "left_to_right, recompute_kv, "
-                       "verify, boundary_check, remask, remask_threshold, ignore_eos, kv_chunk, "
-                       "matmul_precision, sample_drafts, record, planner, mcts_budget, mcts_c, "
-                       "mcts_batch, plan_weights, plan_sample, batch_size, enable_thinking, "
-                       "seed, progress")
+      raise ValueError(f"refusion_jax: unknown model arg(s) {unknown}; known: "
+                       f"{', '.join(MODEL_ARGS + tuple(settings.flat_fields()))}")
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
       raise ValueError("refusion_jax: batch_size='auto' is not supported; give the number of "
                        "engine rows (e.g. --batch_size 16)")
-    self.rows = _as_int(batch_size, "batch_size")
+    self.rows = settings.parse_value("batch_size", batch_size, _WHERE, int)
     if self.rows < 1:
       raise ValueError(f"refusion_jax: batch_size must be >= 1, got {batch_size!r}")
-    self.decode_config = DecodeConfig(
-        method=str(method), gen_length=_as_int(gen_length, "gen_length"),
-        slot_size=_as_int(slot_size, "slot_size"), block_size=_as_int(block_size, "block_size"),
-        slot_threshold=_as_float(slot_threshold, "slot_threshold"),
-        token_threshold=_as_float(token_threshold, "token_threshold"),
-        temperature=_as_float(temperature, "temperature"),
-        mdm_tokens_per_step=_as_int(mdm_tokens_per_step, "mdm_tokens_per_step"),
-        mdm_threshold=_unless_none(mdm_threshold, _as_float, "mdm_threshold"),
-        mdm_ranking=str(mdm_ranking),
-        mdm_steps=_unless_none(mdm_steps, _as_int, "mdm_steps"),
-        mdm_schedule=_unless_none(mdm_schedule, lambda v, _: str(v), "mdm_schedule"),
-        mdm_ban_eos=_as_bool(mdm_ban_eos, "mdm_ban_eos"),
-        mdm_defer_stop=_as_bool(mdm_defer_stop, "mdm_defer_stop"),
-        mdm_cfg_scale=_as_float(mdm_cfg_scale, "mdm_cfg_scale"),
-        mdm_cache=_unless_none(mdm_cache, lambda v, _: str(v), "mdm_cache"),
-        mdm_cache_refresh=_as_int(mdm_cache_refresh, "mdm_cache_refresh"),
-        mdm_factor=_unless_none(mdm_factor, _as_float, "mdm_factor"),
-        d2f_add_threshold=_as_float(d2f_add_threshold, "d2f_add_threshold"),
-        d2f_act_threshold=_as_float(d2f_act_threshold, "d2f_act_threshold"),
-        d2f_conf_threshold=_as_float(d2f_conf_threshold, "d2f_conf_threshold"),
-        d2f_window=_as_int(d2f_window, "d2f_window"),
-        left_to_right=_as_bool(left_to_right, "left_to_right"),
-        recompute_kv=_as_bool(recompute_kv, "recompute_kv"),
-        verify=str(verify), boundary_check=_as_bool(boundary_check, "boundary_check"),
-        remask=_as_bool(remask, "remask"),
-        remask_threshold=_as_float(remask_threshold, "remask_threshold"),
-        ignore_eos=_as_bool(ignore_eos, "ignore_eos"),
-        kv_chunk=_unless_none(kv_chunk, _as_int, "kv_chunk"),
-        matmul_precision=_unless_none(matmul_precision, lambda v, _: str(v), "matmul_precision"),
-        sample_drafts=_as_bool(sample_drafts, "sample_drafts"), record=_as_bool(record, "record"),
-        planner=str(planner), mcts_budget=_as_int(mcts_budget, "mcts_budget"),
-        mcts_c=_as_float(mcts_c, "mcts_c"), mcts_batch=_as_int(mcts_batch, "mcts_batch"),
-        plan_weights=_as_floats(plan_weights, "plan_weights"),
-        plan_sample=_as_bool(plan_sample, "plan_sample"))
-    self.enable_thinking = _as_bool(enable_thinking, "enable_thinking")
-    self.progress = _as_bool(progress, "progress")
-    self.seed = _as_int(seed, "seed")
+    self.decode_config = settings.from_args({**DECODE_DEFAULTS, **decode_args}, _WHERE)
+    self.enable_thinking = settings.parse_value("enable_thinking", enable_thinking, _WHERE, bool)
+    self.progress = settings.parse_value("progress", progress, _WHERE, bool)
+    self.seed = settings.parse_value("seed", seed, _WHERE, int)
     if model is None:
       if not model_dir:
         raise ValueError("refusion_jax: model_dir=... is required (a refusion_jax model folder "
@@ -244,7 +148,7 @@ class RefusionLM(LM):
       tokenizer = _load_tokenizer(str(tokenizer_dir or ""), str(model_dir or ""), model.config)
     self.tokenizer = tokenizer
     from refusion_jax.decode import engine as engine_lib  # pylint: disable=import-outside-toplevel
-    self.decoder = engine_lib.Decoder(model, self.decode_config)
+    self.decoder = engine_lib.decoder_for(model, self.decode_config)
     self.records: list[Record] = []
     self.decode_seconds = 0.0  # wall time of the engine runs (compiles excluded)
     self.passes = 0  # engine passes (every row advanced by each)

@@ -28,7 +28,6 @@ decoding (model.py) and process 0 writes the files.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -104,7 +103,7 @@ def run(c) -> dict[str, Any]:
   settings = {
       # As results.json holds it (a tuple field is a list there).
       "decode": {k: list(v) if isinstance(v, tuple) else v
-                 for k, v in dataclasses.asdict(decode_config).items()},
+                 for k, v in decode_config.flat().items()},
       "batch_size": c.batch_size,
       "enable_thinking": c.enable_thinking, "seed": c.seed, "num_fewshot": 0,
       "apply_chat_template": True, "limit": c.limit, "data_dir": c.data_dir,
@@ -131,7 +130,7 @@ def _decode_and_score(c, bench, decode_config: DecodeConfig, tm, data_dir):
       c.model_dir, tokenizer_dir=c.tokenizer_dir, adapter_dir=c.get("adapter_dir", ""),
       batch_size=c.batch_size,
       enable_thinking=c.enable_thinking, seed=c.seed, progress=c.progress,
-      **dataclasses.asdict(decode_config))
+      **decode_config.flat())
   t0 = time.perf_counter()
   out = lm_eval.simple_evaluate(
       model=lm, tasks=benchmarks.top_level(task_dict), task_manager=tm, num_fewshot=0,

@@ -305,8 +305,8 @@ class Decoder:
     dc = decode_config
     if dc.planner != "mcts":
       raise ValueError(f"mcts.Decoder runs decode.planner='mcts', got {dc.planner!r}")
-    from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
-    stops = [int(x) for x in engine.stop_ids_of(model.config, dc) if x >= 0]
+    from refusion_jax.decode import program  # pylint: disable=import-outside-toplevel
+    stops = [int(x) for x in program.stop_ids_of(model.config, dc) if x >= 0]
     self.planner = Planner(model, gen_length=dc.gen_length, slot_size=dc.slot_size,
                            budget=dc.mcts_budget, c=dc.mcts_c, batch=dc.mcts_batch,
                            stop_ids=stops)

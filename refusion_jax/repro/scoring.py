@@ -73,29 +73,32 @@ def _problem_set(config, workdir: str, tokenizer, data: str, per_task: int,
 
 
 def _decode_key(c: DecodeConfig) -> dict:
-  """A decode config as a cache key holds it: `ignore_eos` only when set,
-  `kv_chunk` and `matmul_precision` only when given, the RL and planner fields only
-  when not at their defaults, so results cached before the fields existed (the same
-  decoding rules; `kv_chunk` changes only how attention's sums are taken) still count."""
-  d = dataclasses.asdict(c)
-  if not c.ignore_eos:
-    del d["ignore_eos"]
-  for name in ("kv_chunk", "matmul_precision"):
-    if d[name] is None:
-      del d[name]
-  # The RL and planner fields, at their defaults (the release's rules), likewise; a
-  # tuple is held as JSON holds it.
-  defaults = {f.name: f.default for f in dataclasses.fields(DecodeConfig)}
-  for name in _LATER_FIELDS:
-    if d[name] == defaults[name]:
-      del d[name]
-    elif isinstance(d[name], tuple):
-      d[name] = list(d[name])
-  return d
+  """A decode config as a cache key holds it: its flat settings (a tuple as JSON holds
+  it, a list)."""
+  return {k: list(v) if isinstance(v, tuple) else v for k, v in c.flat().items()}
 
 
-_LATER_FIELDS = ("sample_drafts", "record", "planner", "mcts_budget", "mcts_c", "mcts_batch",
-                 "plan_weights", "plan_sample")
+def _decode_of_key(d) -> DecodeConfig | None:
+  """The decode config a cached key holds, read as the settings it means: a key written
+  when every method's fields were kept (inert ones among them) or before a field existed
+  (its default) reads as the same config (None: unreadable)."""
+  try:
+    return DecodeConfig.from_flat(d, lenient=True)
+  except (TypeError, ValueError, AttributeError):
+    return None
+
+
+def same_key(cached: dict, key: dict) -> bool:
+  """Whether a cached result's key is `key`: equal fields, decode configs equal as
+  settings (`_decode_of_key`)."""
+  if not isinstance(cached, dict) or set(cached) != set(key):
+    return False
+  if any(cached[k] != key[k] for k in key if k != "decode"):
+    return False
+  theirs, ours = cached["decode"], key["decode"]
+  if not isinstance(theirs, dict) or set(theirs) != set(ours):
+    return False
+  return all(_decode_of_key(theirs[t]) == _decode_of_key(ours[t]) for t in ours)
 
 
 def _key(config, problem_set: _ProblemSet, configs: Mapping[str, DecodeConfig],
@@ -115,7 +118,7 @@ def _evaluate(config, model, tokenizer, problem_set: _ProblemSet,
 
 def _cached_or_run(path: str, key: dict, run: Callable[[], dict], log) -> dict:
   cached = fileio.read_json_or_none(path)
-  if cached and cached.get("key") == key:
+  if cached and same_key(cached.get("key"), key):
     log(f"[reproduce] {os.path.basename(path)}: cached, skipped")
     return cached
   t0 = time.perf_counter()

@@ -50,7 +50,7 @@ from typing import Any, Callable
 import numpy as np
 
 from refusion_jax import fileio
-from refusion_jax.config import PLAN_FEATURES
+from refusion_jax.decode.methods import PLAN_FEATURES
 from refusion_jax.rl import rewards as rewards_lib
 
 

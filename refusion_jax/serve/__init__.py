@@ -126,6 +126,7 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
   """The model loaded and its `Scheduler`, every bucket compiled (the engine thread
   not started). Runs in the engine process under `--config.engine=process`."""
   import jax  # pylint: disable=import-outside-toplevel
+
   from refusion_jax import sample  # pylint: disable=import-outside-toplevel
   from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
   check_flags(c)
@@ -165,9 +166,12 @@ def decode_configs(c: ml_collections.ConfigDict) -> list[DecodeConfig]:
   from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
   try:
     default = DecodeConfig(**c.decode.to_dict())
-  except TypeError as e:
+  except (TypeError, ValueError) as e:
     raise ValueError(f"--config.decode: {e}") from None
-  return sched_lib.parse_buckets(c.buckets, default)
+  configs = sched_lib.parse_buckets(c.buckets, default)
+  for dc in configs:
+    dc.require_compiled("serve")
+  return configs
 
 
 def build(c: ml_collections.ConfigDict):

@@ -30,8 +30,15 @@ from starlette.routing import Route
 
 from refusion_jax.serve import protocol
 from refusion_jax.serve.protocol import ApiError
-from refusion_jax.serve.scheduler import (Bucket, Done, EngineDown, Job, QueueFull, Scheduler,
-                                          bucket_of)
+from refusion_jax.serve.scheduler import (
+  Bucket,
+  Done,
+  EngineDown,
+  Job,
+  QueueFull,
+  Scheduler,
+  bucket_of,
+)
 from refusion_jax.serve.text import TextStream
 
 # A prompt text longer than this is encoded on a worker thread, off the event loop
@@ -170,9 +177,9 @@ class Server:
     s, t, temp, ignore_eos = self.scheduler.default_knobs(bucket)
     temp = temp if req.temperature is None else req.temperature
     ignore_eos = ignore_eos if req.ignore_eos is None else req.ignore_eos
-    if bucket.method == "refusion":
-      s = s if req.slot_threshold is None else req.slot_threshold
-      t = t if req.token_threshold is None else req.token_threshold
+    if s is not None:  # the bucket's method has ReFusion's thresholds
+      s = s if req.slot_threshold is None else float(req.slot_threshold)
+      t = t if req.token_threshold is None else float(req.token_threshold)
     if req.seed is not None:
       seed = req.seed
     elif temp > 0:
@@ -182,7 +189,7 @@ class Server:
     # jax.random.key(seed)'s raw key for seed < 2**32 (threefry): [0, seed].
     rng2 = np.array([0, seed], np.uint32)
     max_tokens = bucket.gen_length if req.max_tokens is None else req.max_tokens
-    return Job(prompt=ids, bucket=bucket, knobs=(float(s), float(t), float(temp), ignore_eos),
+    return Job(prompt=ids, bucket=bucket, knobs=(s, t, float(temp), ignore_eos),
                rng2=rng2, max_tokens=max_tokens,
                watch=req.stream or bool(req.stops) or max_tokens < bucket.gen_length,
                slots=req.stream and req.stream_slots, deliver=deliver)

@@ -232,7 +232,7 @@ class EngineProcess:
   def error(self) -> str | None:
     return self._died or self._engine_error
 
-  def default_knobs(self, bucket: Bucket) -> tuple[float, float, float, bool]:
+  def default_knobs(self, bucket: Bucket) -> tuple:
     return self._default_knobs[bucket]
 
   def queue_depth(self) -> int:

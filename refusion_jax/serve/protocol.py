@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from refusion_jax import fileio
-from refusion_jax.config import DECODE_METHODS
+from refusion_jax.decode.settings import method_names
 
 
 class ApiError(Exception):
@@ -232,8 +232,8 @@ def parse(body: Any, chat: bool) -> Request:
   method = body.get("method")
   if method is not None and not isinstance(method, str):
     raise bad("method", f"must be a string, got {method!r}")
-  if method is not None and method not in DECODE_METHODS:
-    raise bad("method", f"must be one of {', '.join(DECODE_METHODS)}, got {method!r}")
+  if method is not None and method not in method_names():
+    raise bad("method", f"must be one of {', '.join(method_names())}, got {method!r}")
   return Request(
       chat=chat, model=body["model"], prompt=prompt, enable_thinking=enable_thinking, max_tokens=max_tokens,
       temperature=_number(body, "temperature", 0.0, 2.0), stops=stops, seed=seed, stream=stream,

@@ -65,6 +65,8 @@ import numpy as np
 
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine as engine_lib
+from refusion_jax.decode import live as live_lib
+from refusion_jax.decode import program as program_lib
 
 log = logging.getLogger("refusion_jax.serve")
 
@@ -90,23 +92,22 @@ class Bucket:
 
 
 def bucket_of(dc: DecodeConfig) -> Bucket:
-  if dc.method == "ar":  # slot and block play no part
-    return Bucket("ar", dc.gen_length, dc.gen_length, dc.gen_length)
-  if dc.method == "bd3lm":  # blocks only: the slot size plays no part
-    return Bucket("bd3lm", dc.gen_length, dc.block_size, dc.block_size)
-  return Bucket(dc.method, dc.gen_length, dc.slot_size, dc.block_size)
+  """A config's shape: a method without slots has the block for its slot, one without
+  blocks (AR) the response."""
+  block = dc.flat().get("block_size", dc.gen_length)
+  return Bucket(dc.method, dc.gen_length, dc.flat().get("slot_size", block), block)
 
 
-# ReFusion's ablations and options belong to ReFusion's buckets only, LLaDA's and
-# Fast-dLLM's to MDM's.
-_REFUSION_OFF = dict(left_to_right=False, recompute_kv=False, verify="off", remask=False)
-_MDM_OFF = dict(mdm_ban_eos=False, mdm_defer_stop=False, mdm_cfg_scale=0.0, mdm_cache=None,
-                mdm_cache_refresh=0, mdm_factor=None)
+# What a request may set per job (protocol.Request), in a lane's knob tuple: a setting the
+# bucket's method lacks is None there.
+KNOBS = ("slot_threshold", "token_threshold", "temperature", "ignore_eos")
 
 
 def parse_buckets(text: str, default: DecodeConfig) -> list[DecodeConfig]:
   """`method:gen_length[:slot_size:block_size]` entries, comma-separated, as decode
-  configs (the default's other fields); the default's own shape comes first."""
+  configs: the default's shared settings, and its method's options for a bucket of the
+  same method (another method's: its defaults, with the given shape); the default's own
+  shape comes first."""
   out = [default]
   for entry in (e.strip() for e in text.split(",")):
     if not entry:
@@ -114,13 +115,10 @@ def parse_buckets(text: str, default: DecodeConfig) -> list[DecodeConfig]:
     parts = entry.split(":")
     try:
       if parts[0] == "ar" and len(parts) == 2:
-        dc = default.replace(method="ar", gen_length=int(parts[1]), slot_size=int(parts[1]),
-                             block_size=int(parts[1]), **_REFUSION_OFF, **_MDM_OFF)
+        dc = default.replace(method="ar", gen_length=int(parts[1]))
       elif len(parts) == 4:
-        own = {**({} if parts[0] == "refusion" else _REFUSION_OFF),
-               **({} if parts[0] == "mdm" else _MDM_OFF)}
         dc = default.replace(method=parts[0], gen_length=int(parts[1]),
-                             slot_size=int(parts[2]), block_size=int(parts[3]), **own)
+                             slot_size=int(parts[2]), block_size=int(parts[3]))
       else:
         raise ValueError("expected method:gen_length:slot_size:block_size (ar: ar:gen_length)")
     except ValueError as e:
@@ -179,8 +177,8 @@ class Job:
 
   prompt: list[int]
   bucket: Bucket
-  knobs: tuple[float, float, float, bool]  # slot_threshold, token_threshold, temperature,
-  #   ignore_eos
+  knobs: tuple  # KNOBS: slot_threshold, token_threshold (None: not the method's),
+  #   temperature, ignore_eos
   rng2: np.ndarray  # uint32[2], the request's key (prompt id 0 within it)
   max_tokens: int  # keep at most this many tokens
   watch: bool  # deliver the committed prefix as it grows (each "progress" its new tokens)
@@ -205,7 +203,7 @@ class Done:
 
 
 class _Lane:
-  def __init__(self, bucket: Bucket, knobs, batch: engine_lib.LiveBatch):
+  def __init__(self, bucket: Bucket, knobs, batch: live_lib.LiveBatch):
     self.bucket, self.knobs, self.batch = bucket, knobs, batch
     self.jobs: list[Job | None] = [None] * batch.rows
     self.waiting: collections.deque[Job] = collections.deque()
@@ -282,19 +280,20 @@ class Scheduler:
     return self.model.config
 
   def _knobs_for(self, bucket: Bucket, knobs):
-    dc = self.decoders[bucket].config.replace(slot_threshold=knobs[0], token_threshold=knobs[1],
-                                               temperature=knobs[2], ignore_eos=knobs[3])
-    return engine_lib.knobs_of(self.model.config, dc)
+    dc = self.decoders[bucket].config
+    dc = dc.replace(**{k: v for k, v in zip(KNOBS, knobs) if k in dc.flat()})
+    return program_lib.knobs_of(self.model.config, dc)
 
-  def _batch(self, bucket: Bucket, knobs) -> engine_lib.LiveBatch:
+  def _batch(self, bucket: Bucket, knobs) -> live_lib.LiveBatch:
     """Fresh rows of `bucket` with these knob values (every lane's batch is made here)."""
-    return engine_lib.LiveBatch(self.decoders[bucket], self.rows, self.width,
+    return live_lib.LiveBatch(self.decoders[bucket], self.rows, self.width,
                                 self._knobs_for(bucket, knobs), row_counts=self.row_counts,
                                 admit_widths=self.admit_widths)
 
-  def default_knobs(self, bucket: Bucket) -> tuple[float, float, float, bool]:
-    dc = self.decoders[bucket].config
-    return (dc.slot_threshold, dc.token_threshold, dc.temperature, dc.ignore_eos)
+  def default_knobs(self, bucket: Bucket) -> tuple[float | None, float | None, float, bool]:
+    """The bucket's `KNOBS` (None for a setting its method lacks)."""
+    flat = self.decoders[bucket].config.flat()
+    return tuple(flat.get(k) for k in KNOBS)
 
   def warm_up(self) -> None:
     """Compiles every program of every bucket; one lane per bucket stays ready."""
@@ -445,7 +444,7 @@ class Scheduler:
       return self.chunk_passes
     return None
 
-  def _collect(self, lane: _Lane, snap: engine_lib.Snapshot, admissions: int) -> list:
+  def _collect(self, lane: _Lane, snap: live_lib.Snapshot, admissions: int) -> list:
     """Takes a snapshot of the lane's rows (read after `admissions` admission calls:
     jobs admitted later are not in it yet) and frees finished rows; returns the
     deliveries to make (made after the next run is dispatched, so that they overlap it)."""
@@ -458,7 +457,7 @@ class Scheduler:
     for r, job in enumerate(lane.jobs):
       if job is None or job.admission > admissions:
         continue
-      done = snap.phase_b[r] == engine_lib.DONE
+      done = snap.phase_b[r] == program_lib.DONE
       n = int(snap.length_b[r]) if done else int(prefix_b[r])
       if not done and n >= job.max_tokens:
         done = True
@@ -468,7 +467,7 @@ class Scheduler:
         keep = min(n, job.max_tokens)
         out.append((self._send, (job, "done", Done(
             tokens=snap.tokens_bg[r, :keep].tolist(), forward_passes=int(nfe_b[r]),
-            truncated=keep < n or snap.phase_b[r] != engine_lib.DONE))))
+            truncated=keep < n or snap.phase_b[r] != program_lib.DONE))))
         lane.jobs[r] = None
         finished.append(r)
       elif (job.watch and n > job.sent
@@ -490,7 +489,7 @@ class Scheduler:
       fn(*fn_args)
     self.after_turn()
 
-  def _await_return(self, pending: engine_lib.PendingRead) -> None:
+  def _await_return(self, pending: live_lib.PendingRead) -> None:
     """Waits until a request comes in, or the pass in flight (which `pending` reads
     after) has run, whichever is first: a client whose response just went out may
     send its next request in that time, and it then joins the next pass instead of
@@ -515,7 +514,7 @@ class Scheduler:
         pass  # the engine thread meets the error when it reads
       self._wake.set()
 
-  def _send_slots(self, job: Job, snap: engine_lib.Snapshot, r: int, bucket: Bucket) -> None:
+  def _send_slots(self, job: Job, snap: live_lib.Snapshot, r: int, bucket: Bucket) -> None:
     """Newly committed positions as runs within a slot: [(position, [token ids])]."""
     committed = snap.commit_step_bg[r] >= 0
     if job.seen is None:
