@@ -72,9 +72,9 @@ class _Supervised:
 
   # SIGTERM during step 2 saves step 2; a crash after step 6 leaves checkpoint 3 and lines
   # up to step 5; the rerun resumes from 3.
-  stops = [(("after", 1, signal.SIGTERM), (2, loop.EXIT_PREEMPTED)),
-           (("after", 5, "crash"), None)]
-  starts = [0, 2, 3]
+  stops = ((("after", 1, signal.SIGTERM), (2, loop.EXIT_PREEMPTED)),
+           (("after", 5, "crash"), None))
+  starts = (0, 2, 3)
 
   def __init__(self, tmp_path):
     c = tiny_refusion.get_config()
@@ -92,9 +92,9 @@ class _Supervised:
 class _Distill:
   """6 steps of D2F on a 2-layer MDM, checkpoints every 3 steps."""
 
-  stops = [(("before", 1, signal.SIGINT), (2, loop.EXIT_INTERRUPTED)),
-           (("after", 4, "crash"), None)]
-  starts = [0, 2, 3]
+  stops = ((("before", 1, signal.SIGINT), (2, loop.EXIT_INTERRUPTED)),
+           (("after", 4, "crash"), None))
+  starts = (0, 2, 3)
 
   def __init__(self, tmp_path):
     self.model_config = config_lib.tiny(num_layers=2, hidden_size=64, mlp_dim=128, num_heads=2,
@@ -118,9 +118,9 @@ class _RL:
 
   # SIGTERM before step 1's rollouts end: the step is abandoned and the state before it
   # saved (step 0). SIGTERM during its update: the step finishes and is saved.
-  stops = [(("before", 0, signal.SIGTERM), (0, loop.EXIT_PREEMPTED)),
-           (("after", 0, signal.SIGTERM), (1, loop.EXIT_PREEMPTED))]
-  starts = [0, 0, 1]
+  stops = ((("before", 0, signal.SIGTERM), (0, loop.EXIT_PREEMPTED)),
+           (("after", 0, signal.SIGTERM), (1, loop.EXIT_PREEMPTED)))
+  starts = (0, 0, 1)
 
   def __init__(self, tmp_path):
     with open(TINY_TRAIN, encoding="utf-8") as f:
@@ -172,7 +172,7 @@ def test_a_stopped_run_resumes_bit_identically(name, tmp_path, monkeypatch):
   runs.plan = None
   resumed = trainer.run(workdir)
   # Each run after the first started where the newest checkpoint was.
-  assert [steps[0] for steps in runs.steps[1:]] == trainer.starts
+  assert tuple(steps[0] for steps in runs.steps[1:]) == trainer.starts
   assert len(resumed) == len(reference)
   for a, b in zip(resumed, reference):
     assert a.dtype == b.dtype and np.array_equal(a, b)
@@ -201,14 +201,12 @@ def test_a_second_ctrl_c_stops_at_once():
 def test_entry_points_report_a_stop_in_one_line(capsys):
   for signum, status, what in ((signal.SIGTERM, 75, "preempted"),
                                (signal.SIGINT, 130, "interrupted (Ctrl-C)")):
-    with pytest.raises(SystemExit) as caught:
-      with loop.stops_reported("refusion_jax.x"):
-        raise loop.Stopped(4, "/w/checkpoints", signum)
+    with pytest.raises(SystemExit) as caught, loop.stops_reported("refusion_jax.x"):
+      raise loop.Stopped(4, "/w/checkpoints", signum)
     assert caught.value.code == status
     assert capsys.readouterr().err == (f"refusion_jax.x: {what}: checkpoint of step 4 saved in "
                                        "/w/checkpoints; run the same command again to resume "
                                        "from it\n")
-  with pytest.raises(SystemExit) as caught:
-    with loop.stops_reported("refusion_jax.x"):
-      raise loop.NonFiniteLossError("non-finite training loss at step 3")
+  with pytest.raises(SystemExit) as caught, loop.stops_reported("refusion_jax.x"):
+    raise loop.NonFiniteLossError("non-finite training loss at step 3")
   assert caught.value.code == "refusion_jax.x: non-finite training loss at step 3"
