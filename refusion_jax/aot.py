@@ -27,7 +27,7 @@ program for it (`refusion_jax.tpu`):
   (the pass ReFusion, AR and BD3-LM decode with; MDM: one denoising pass of the
   canvas).
 
-* rl: the RL policy step of an RL config (`rl.trainer.make_policy_step`:
+* rl: the RL policy step of an RL config (`rl.learner.make_policy_step`:
   `micro_batch` rollouts' training layouts of `layout_width` entries, the
   reference's log-probabilities, GRPO's loss, the update) on the mesh and model
   of its `train` recipe; estimated per step and per group of `group_size`.
@@ -353,7 +353,7 @@ def rl_flops(mc: ModelConfig, rows: int, width: int, tokens: int, reference: boo
 
 
 def check_rl(config, tpu_slice: tpu.Slice) -> dict:
-  """The RL policy step (`rl.trainer.make_policy_step`) of `config.micro_batch` rollouts
+  """The RL policy step (`rl.learner.make_policy_step`) of `config.micro_batch` rollouts
   on the mesh and model of `config.train`, the reference's parameters beside the policy's."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -361,6 +361,7 @@ def check_rl(config, tpu_slice: tpu.Slice) -> dict:
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
+  from refusion_jax.rl import learner as rl_learner  # pylint: disable=import-outside-toplevel
   from refusion_jax.rl import trainer as rl_trainer  # pylint: disable=import-outside-toplevel
   for name in ("train", "layout_width", "layout_tokens", "micro_batch", "group_size"):
     if name not in config:
@@ -379,7 +380,7 @@ def check_rl(config, tpu_slice: tpu.Slice) -> dict:
       config.train, tpu_slice, what=f"RL policy step ({rows} rollouts of {width} entries)",
       seq_len=width, name="config.layout_width", total_steps=1, prefix="config.train.")
   mesh = trainer.mesh
-  tx = rl_trainer.make_optimizer(config)
+  tx = rl_learner.make_optimizer(config)
   params = {"model": trainer.abstract_params}
   param_sh = {"model": trainer.param_shardings}
   abstract_opt = jax.eval_shape(tx.init, params)
@@ -388,7 +389,7 @@ def check_rl(config, tpu_slice: tpu.Slice) -> dict:
   abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_opt, opt_sh)
   reference = config.beta > 0
-  step = rl_trainer.make_policy_step(
+  step = rl_learner.make_policy_step(
       lambda p: nnx.merge(trainer.graphdef, p), tx, temperature=float(config.decode.temperature),
       epsilon=config.epsilon, epsilon_high=config.epsilon_high, beta=config.beta)
   shapes = {"ids": ((rows, width), jnp.int32), "positions": ((rows, width), jnp.int32),

@@ -4,8 +4,10 @@
 `model_config.json` + an orbax checkpoint of the parameters). Writes go to a
 temporary folder renamed into place, so a crash never leaves half a model.
 
-`TrainCheckpointer`: the trainer's orbax CheckpointManager (parameters,
-optimizer state, step/seed and the data iterator position).
+`TrainCheckpointer`: the one checkpoint format of every trainer (the supervised
+trainer, the D2F distillation, RL): an orbax CheckpointManager of the parameters
+and optimizer state, a JSON meta (the step and what a resume must match) and,
+for a trainer that reads a grain iterator, its position.
 """
 
 from __future__ import annotations
@@ -149,12 +151,14 @@ def load_model(directory: str, mesh=None, rules: sharding.ShardingRules | None =
 
 
 # ---------------------------------------------------------------------------
-# Training checkpoints: an orbax CheckpointManager over three items.
+# Training checkpoints: an orbax CheckpointManager over two or three items.
 #
 #   state  params + optimizer state (one pytree; restored straight into the
 #          target shardings)
 #   meta   JSON: step, seed and what the run must keep constant to resume
-#   data   the grain iterator position, one JSON file per JAX process
+#   data   the grain iterator position, one JSON file per JAX process (only
+#          trainers whose batches come from an iterator; the others draw
+#          theirs from (seed, step) and have nothing to save)
 #
 # Each step folder is written under a temporary name and renamed into place
 # by orbax, so a killed run leaves only complete checkpoints behind.
@@ -186,25 +190,31 @@ _JSON_FILES = ("_METADATA", "metadata", "_CHECKPOINT_METADATA")
 
 
 class TrainCheckpointer:
-  """Keeps the last `max_to_keep` training checkpoints under `directory`."""
+  """Keeps the last `max_to_keep` training checkpoints under `directory`.
 
-  def __init__(self, directory: str, *, max_to_keep: int, async_save: bool = True):
+  `with_data=False`: the checkpoints hold no data item (the trainer's batches are a
+  function of its seed and step); `save` and `restore` then take no iterator.
+  """
+
+  def __init__(self, directory: str, *, max_to_keep: int, async_save: bool = True,
+               with_data: bool = True):
     if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
       raise ValueError(f"checkpoint.max_to_keep must be a positive int, got {max_to_keep!r}")
     self.directory = os.path.abspath(directory)
+    self.with_data = bool(with_data)
+    self._items = (STATE_ITEM, META_ITEM) + ((DATA_ITEM,) if self.with_data else ())
+    handlers = {STATE_ITEM: ocp.StandardCheckpointHandler(),
+                META_ITEM: ocp.JsonCheckpointHandler()}
+    if self.with_data:
+      handlers[DATA_ITEM] = grain.checkpoint.CheckpointHandler()
     # cleanup_tmp_directories: a save cut short by a kill leaves a temporary folder
     # that is never a valid step; orbax removes it (in the background, finished
     # before the next save) when the next run opens the manager.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, create=True, enable_async_checkpointing=bool(async_save),
         cleanup_tmp_directories=True)
-    self._manager = ocp.CheckpointManager(
-        self.directory, options=options,
-        item_handlers={
-            STATE_ITEM: ocp.StandardCheckpointHandler(),
-            META_ITEM: ocp.JsonCheckpointHandler(),
-            DATA_ITEM: grain.checkpoint.CheckpointHandler(),
-        })
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_handlers=handlers)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -216,12 +226,12 @@ class TrainCheckpointer:
     """What is visibly wrong with checkpoint `step` (a missing item or metadata file, a JSON
     file that does not parse), or None. A truncated array shows only when restored."""
     where = os.path.join(self.directory, str(int(step)))
-    for item in (STATE_ITEM, META_ITEM, DATA_ITEM):
+    for item in self._items:
       if not os.path.isdir(os.path.join(where, item)):
         return f"its {item!r} folder is missing"
     if not os.path.isfile(os.path.join(where, STATE_ITEM, "_METADATA")):
       return f"{STATE_ITEM}/_METADATA (the array metadata) is missing"
-    for item in (STATE_ITEM, META_ITEM, DATA_ITEM):
+    for item in self._items:
       folder = os.path.join(where, item)
       for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
@@ -251,15 +261,20 @@ class TrainCheckpointer:
     """Re-reads which steps exist (after another process moved one aside)."""
     self._manager.reload()
 
+  def _check_iterator(self, data_iterator) -> None:
+    if (data_iterator is not None) != self.with_data:
+      raise ValueError(f"{self.directory}: checkpoints made with_data={self.with_data} take "
+                       f"{'a' if self.with_data else 'no'} data iterator")
+
   def save(self, step: int, state, data_iterator, meta: dict) -> None:
     """Starts saving `state` (a pytree of arrays), `meta` and the iterator position."""
-    args = ocp.args.Composite(**{
-        STATE_ITEM: ocp.args.StandardSave(state),
-        META_ITEM: ocp.args.JsonSave(dict(meta, step=int(step))),
-        DATA_ITEM: grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator)),
-    })
+    self._check_iterator(data_iterator)
+    items = {STATE_ITEM: ocp.args.StandardSave(state),
+             META_ITEM: ocp.args.JsonSave(dict(meta, step=int(step)))}
+    if self.with_data:
+      items[DATA_ITEM] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator))
     # force: the trainer decides when to save; orbax's interval logic stays out.
-    self._manager.save(int(step), args=args, force=True)
+    self._manager.save(int(step), args=ocp.args.Composite(**items), force=True)
 
   def read_meta(self, step: int) -> dict:
     restored = self._manager.restore(
@@ -267,16 +282,17 @@ class TrainCheckpointer:
     return dict(restored[META_ITEM])
 
   def restore(self, step: int, abstract_state, data_iterator):
-    """Returns `(state, meta)` and moves `data_iterator` to the saved position.
+    """Returns `(state, meta)` and moves `data_iterator` (if any) to the saved position.
 
     `abstract_state` is a pytree of `jax.ShapeDtypeStruct` whose `sharding`
     says where each restored array goes.
     """
-    restored = self._manager.restore(int(step), args=ocp.args.Composite(**{
-        STATE_ITEM: ocp.args.StandardRestore(abstract_state),
-        META_ITEM: ocp.args.JsonRestore(),
-        DATA_ITEM: grain.checkpoint.CheckpointRestore(data_iterator),
-    }))
+    self._check_iterator(data_iterator)
+    items = {STATE_ITEM: ocp.args.StandardRestore(abstract_state),
+             META_ITEM: ocp.args.JsonRestore()}
+    if self.with_data:
+      items[DATA_ITEM] = grain.checkpoint.CheckpointRestore(data_iterator)
+    restored = self._manager.restore(int(step), args=ocp.args.Composite(**items))
     return restored[STATE_ITEM], dict(restored[META_ITEM])
 
   def wait(self) -> None:

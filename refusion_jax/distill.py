@@ -17,30 +17,36 @@ masked positions (`distill_loss`); a model with shifted logits (Dream) is read o
 position left, as it decodes.
 
 Only the adapter trains (the gradient is taken with respect to the LoRA parameters
-alone: the base weights are constants of the step) and only the adapter is saved:
-`OUT/checkpoints/step_N/` holds the adapter as a PEFT folder, the optimizer state and
-the step (written to a temporary folder and renamed: never half-written); a rerun
-resumes from the newest; SIGTERM saves and exits. `OUT/adapter/` is the final PEFT
-folder, which `sample`, `evaluate` and `serve` merge into the base with
-`--config.adapter_dir`. Metrics go to `OUT/metrics.jsonl`.
+alone: the base weights are constants of the step) and only the adapter is saved. The
+run is a task of the training loop (`training.loop`): `OUT/checkpoints/<step>/` are its
+checkpoints (the adapter's factors and their optimizer state, the step and what a
+resume must match; a step's rows are drawn from (seed, step), so there is no data
+position to keep); a rerun resumes from the newest; SIGTERM or Ctrl-C saves the step in
+progress and stops (exit status 75 or 130). `OUT/adapter/` is the final PEFT folder,
+which `sample`, `evaluate` and `serve` merge into the base with `--config.adapter_dir`.
+Metrics go to `OUT/metrics.jsonl`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
-import signal
-import sys
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 
-from refusion_jax import fileio
-
-_STEP_DIR = "step_{:08d}"
+from refusion_jax import lora, masks, sample
+from refusion_jax.tokenizer import Tokenizer
+from refusion_jax.training import loop
+from refusion_jax.training.outputs import CHECKPOINT_DIR
 
 
 # --------------------------------------------------------------------------- the objective
@@ -50,7 +56,6 @@ def block_ratios(u0, u_bk, p_min: float, p_max: float, blocks_b):
   """Mask ratios `[B, K]` of each sample's response blocks: p_0 = p_min + (p_max - p_min)
   u0, then p_j = p_{j-1} + u_j (p_max - p_0) / (blocks - 1) (only the sample's `blocks_b`
   first blocks are meaningful); clipped to 1."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   p0 = p_min + (p_max - p_min) * u0
   step = (p_max - p0) / jnp.maximum(blocks_b - 1, 1).astype(jnp.float32)
   inc = u_bk * step[:, None]
@@ -62,8 +67,6 @@ def noise(tokens_bt, prompt_len_b, response_len_b, rng, *, mask_id: int, block_s
           p_min: float, p_max: float):
   """D2F's noising of one-sample rows: `(input ids, masked, ratio per token, block of each
   token (-1 outside the response))`."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   b, l = tokens_bt.shape
   k = -(-l // block_size)
   offset_bt = jnp.arange(l)[None] - prompt_len_b[:, None]
@@ -81,15 +84,12 @@ def noise(tokens_bt, prompt_len_b, response_len_b, rng, *, mask_id: int, block_s
 
 def soft_cross_entropy(student_logits_btv, teacher_logits_btv):
   """`-sum_v softmax(teacher)_v log softmax(student)_v` per token, float32."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   t = jax.nn.softmax(teacher_logits_btv.astype(jnp.float32), axis=-1)
   return -jnp.sum(t * jax.nn.log_softmax(student_logits_btv.astype(jnp.float32), axis=-1), -1)
 
 
 def loss_from_logits(student_logits_btv, teacher_logits_btv, masked_bt, p_bt):
   """The mean over masked positions of soft cross-entropy / ratio; `(loss, masked count)`."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   ce_bt = soft_cross_entropy(student_logits_btv, teacher_logits_btv)
   n = jnp.sum(masked_bt)
   total = jnp.sum(jnp.where(masked_bt, ce_bt / jnp.maximum(p_bt, 1e-6), 0.0))
@@ -101,10 +101,6 @@ def distill_loss(student, teacher, tokens_bt, prompt_len_b, response_len_b, rng,
   """`(loss, metrics)` of one batch of one-sample rows (jittable). `student` runs
   block-causally, `teacher` (the same weights without the adapter) with full attention
   among each row's real tokens; the teacher is a constant of the gradient."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
-  from refusion_jax import masks  # pylint: disable=import-outside-toplevel
   b, l = tokens_bt.shape
   ids_bt, masked_bt, p_bt, _ = noise(tokens_bt, prompt_len_b, response_len_b, rng,
                                      mask_id=mask_id, block_size=block_size, p_min=p_min,
@@ -150,52 +146,6 @@ def encode_rows(examples, tokenizer, seq_len: int, eos_id: int):
           dropped)
 
 
-# --------------------------------------------------------------------------- checkpoints
-
-
-def latest_checkpoint(directory: str) -> str | None:
-  ckpt = os.path.join(directory, "checkpoints")
-  if not os.path.isdir(ckpt):
-    return None
-  steps = sorted(d for d in os.listdir(ckpt) if d.startswith("step_") and d[5:].isdigit())
-  return os.path.join(ckpt, steps[-1]) if steps else None
-
-
-def save_checkpoint(directory: str, step: int, model_config, lora_model, alpha: float,
-                    opt_state, keep: int = 2) -> str:
-  """The adapter (PEFT folder), the optimizer state and the step, written beside and
-  renamed into place; older checkpoints beyond `keep` removed."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  from refusion_jax import lora  # pylint: disable=import-outside-toplevel
-  ckpt = os.path.join(directory, "checkpoints")
-  final = os.path.join(ckpt, _STEP_DIR.format(step))
-  tmp = final + ".tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
-  lora.save_adapter(tmp, model_config, lora.extract(lora_model, alpha))
-  leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(opt_state))]
-  np.savez(os.path.join(tmp, "opt_state.npz"), *leaves)
-  fileio.write_json_atomic(os.path.join(tmp, "state.json"), {"step": step})
-  shutil.rmtree(final, ignore_errors=True)
-  os.replace(tmp, final)
-  for old in sorted(d for d in os.listdir(ckpt) if d.startswith("step_")
-                    and not d.endswith(".tmp"))[:-keep]:
-    shutil.rmtree(os.path.join(ckpt, old), ignore_errors=True)
-  return final
-
-
-def restore_opt_state(path: str, like):
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  with np.load(os.path.join(path, "opt_state.npz")) as f:
-    leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
-  treedef = jax.tree.structure(like)
-  if treedef.num_leaves != len(leaves):
-    raise ValueError(f"{path}: optimizer state has {len(leaves)} arrays, this config's "
-                     f"optimizer {treedef.num_leaves}")
-  return jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -226,16 +176,98 @@ def check_config(c, need_dirs: bool = True) -> None:
     raise ValueError(f"--config.learning_rate must be > 0, got {c.learning_rate!r}")
 
 
-def run(c, progress: bool = True) -> dict[str, Any]:
-  """Trains the adapter; returns `{"adapter_dir", "steps", "final_loss", "seconds"}`."""
-  check_config(c)
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
+def make_optimizer(c):
+  """AdamW (D2F's betas and weight decay) after global-norm clipping, at a constant rate."""
+  return optax.chain(optax.clip_by_global_norm(c.grad_clip),
+                     optax.adamw(c.learning_rate, b1=c.b1, b2=c.b2, eps=1e-8,
+                                 weight_decay=c.weight_decay))
 
-  from refusion_jax import data, lora, sample  # pylint: disable=import-outside-toplevel
-  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+
+def make_train_step(graphdef, tx, *, seed: int, **loss_kwargs):
+  """`step(lora_params, rest, opt_state, batch, step) -> (lora_params, opt_state, metrics)`:
+  one update of the LoRA factors. The teacher is the same graph with the factors zeroed
+  (B = 0: the adapter's contribution is zero; no second copy of the base weights)."""
+
+  def loss_of(lora_params, rest, batch, rng):
+    student = nnx.merge(graphdef, lora_params, rest)
+    teacher = nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, lora_params), rest)
+    return distill_loss(student, teacher, *batch, rng, **loss_kwargs)
+
+  def step(lora_params, rest, opt_state, batch, step):
+    rng = jax.random.fold_in(jax.random.key(seed), step)
+    (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(lora_params, rest, batch,
+                                                                    rng)
+    updates, opt_state = tx.update(grads, opt_state, lora_params)
+    return optax.apply_updates(lora_params, updates), opt_state, dict(
+        metrics, grad_norm=optax.tree.norm(grads))
+
+  return step
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """The training rows of `encode_rows`: tokens [N, L], prompt and response lengths [N]."""
+  tokens: np.ndarray
+  prompt_len: np.ndarray
+  response_len: np.ndarray
+
+  def batch(self, seed: int, step: int, size: int):
+    """Step `step`'s rows, drawn from (seed, step): a step done again draws the same."""
+    n = len(self.tokens)
+    pick = np.random.default_rng([seed, step]).choice(n, size=size, replace=n < size)
+    return (jnp.asarray(self.tokens[pick]), jnp.asarray(self.prompt_len[pick]),
+            jnp.asarray(self.response_len[pick]))
+
+
+class DistillTask(loop.Task):
+  """The distillation on the training loop: the state is the adapter's factors and their
+  optimizer state; the base weights are constants of the step, never saved."""
+
+  label = "distill"
+
+  def __init__(self, c, model_config, student, rows: Rows):
+    self.c, self.total_steps, self.rows = c, int(c.steps), rows
+    self._model_config = model_config
+    graphdef, lora_params, self._rest = nnx.split(student, nnx.LoRAParam, ...)
+    tx = make_optimizer(c)
+    self._initial = {"params": lora_params, "opt_state": tx.init(lora_params)}
+    self._train_step = jax.jit(make_train_step(
+        graphdef, tx, seed=int(c.seed), mask_id=model_config.mask_token_id,
+        block_size=c.block_size, p_min=c.p_min, p_max=c.p_max))
+
+  def meta(self) -> dict:
+    # What the saved factors mean: the base they adapt, their rank and scale, the draws.
+    return {"seed": int(self.c.seed), "lora_rank": int(self.c.lora_rank),
+            "lora_alpha": float(self.c.lora_alpha),
+            "model_config": dataclasses.asdict(self._model_config)}
+
+  def abstract_state(self):
+    return loop.abstract_of(self._initial)
+
+  def init_state(self):
+    return self._initial
+
+  def step(self, state, step, stop):
+    batch = self.rows.batch(int(self.c.seed), step, int(self.c.batch_size))
+    params, opt_state, metrics = self._train_step(state["params"], self._rest,
+                                                  state["opt_state"], batch, jnp.int32(step))
+    return ({"params": params, "opt_state": opt_state},
+            {k: float(v) for k, v in jax.device_get(metrics).items()})
+
+
+def _refuse_old_checkpoints(output_dir: str) -> None:
+  """Checkpoints of the earlier format (`step_N` PEFT folders) cannot be resumed from."""
+  folder = os.path.join(output_dir, CHECKPOINT_DIR)
+  old = sorted(n for n in os.listdir(folder) if n.startswith("step_")) if os.path.isdir(
+      folder) else []
+  if old:
+    raise ValueError(f"--config.output_dir={output_dir!r} holds checkpoints of an earlier "
+                     f"format ({old[-1]} in {folder}), which this version does not resume; "
+                     "use a new output_dir, or remove them to start over")
+
+
+def _load(c):
+  """`(model_config, base model, tokenizer)` of `c.base_dir`, checked for D2F."""
   model_config, base = sample.load_model(c.base_dir, scan_layers=False)
   if model_config.attention != "bidirectional":
     raise ValueError(f"{c.base_dir}: D2F adapts an MDM (attention='bidirectional'), got "
@@ -246,95 +278,49 @@ def run(c, progress: bool = True) -> dict[str, Any]:
       os.path.join(c.base_dir, "tokenizer.json")) else "")
   tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else Tokenizer.tiny()
   tokenizer.check_compatible(model_config)
+  return model_config, base, tokenizer
+
+
+def _save_final_adapter(c, model_config, student) -> str:
+  """`OUT/adapter`, the PEFT folder, written beside and renamed into place."""
+  final = os.path.join(c.output_dir, "adapter")
+  tmp = final + ".tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  lora.save_adapter(tmp, model_config, lora.extract(student, c.lora_alpha),
+                    base_model=c.base_dir, dropout=c.lora_dropout)
+  shutil.rmtree(final, ignore_errors=True)
+  os.replace(tmp, final)
+  return final
+
+
+def run(c, progress: bool = True) -> dict[str, Any]:
+  """Trains the adapter; returns `{"adapter_dir", "steps", "final_loss", "seconds",
+  "dropped"}`. SIGTERM or Ctrl-C raises `loop.Stopped` once its checkpoint is saved."""
+  check_config(c)
+  from refusion_jax import data  # pylint: disable=import-outside-toplevel  (TFDS: slow)
+  _refuse_old_checkpoints(c.output_dir)
+  model_config, base, tokenizer = _load(c)
   tokens, plens, rlens, dropped = encode_rows(
       list(data.iter_examples(list(c.train_files))), tokenizer, c.seq_len,
       model_config.eos_token_id)
-
   student = lora.apply(base, c.lora_rank, c.lora_alpha, dropout=c.lora_dropout, seed=c.seed)
-  graphdef, lora_params, rest = nnx.split(student, nnx.LoRAParam, ...)
-  tx = optax.chain(optax.clip_by_global_norm(c.grad_clip),
-                   optax.adamw(c.learning_rate, b1=c.b1, b2=c.b2, eps=1e-8,
-                               weight_decay=c.weight_decay))
-  opt_state = tx.init(lora_params)
-  start = 0
-  resume = latest_checkpoint(c.output_dir)
-  if resume:
-    lora.load_into(student, lora.read_adapter(resume, model_config))
-    graphdef, lora_params, rest = nnx.split(student, nnx.LoRAParam, ...)
-    opt_state = restore_opt_state(resume, opt_state)
-    start = int(fileio.read_json(os.path.join(resume, "state.json"))["step"])
-  kwargs = dict(mask_id=model_config.mask_token_id, block_size=c.block_size, p_min=c.p_min,
-                p_max=c.p_max)
-
-  def loss_of(lp, rest, batch, rng):
-    s_model = nnx.merge(graphdef, lp, rest)
-    # The teacher: the same weights, the adapter's contribution zero (B = 0).
-    zero = jax.tree.map(lambda x: jnp.zeros_like(x), lp)
-    t_model = nnx.merge(graphdef, zero, rest)
-    return distill_loss(s_model, t_model, *batch, rng, **kwargs)
-
-  @jax.jit
-  def train_step(lp, rest, opt_state, batch, step):
-    rng = jax.random.fold_in(jax.random.key(c.seed), step)
-    (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(lp, rest, batch, rng)
-    updates, opt_state = tx.update(grads, opt_state, lp)
-    return optax.apply_updates(lp, updates), opt_state, dict(
-        metrics, grad_norm=optax.tree.norm(grads))
-
-  stop = {"flag": False}
-  previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+  task = DistillTask(c, model_config, student, Rows(tokens, plens, rlens))
   os.makedirs(c.output_dir, exist_ok=True)
-  metrics_path = os.path.join(c.output_dir, "metrics.jsonl")
-  n = tokens.shape[0]
-  bar = None
-  if progress:
-    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-    bar = tqdm(total=c.steps, initial=start, desc="distill", file=sys.stderr)
-  t0, loss = time.perf_counter(), math.nan
-  step = start
-  try:
-    while step < c.steps:
-      order = np.random.default_rng([c.seed, step]).choice(n, size=c.batch_size,
-                                                              replace=n < c.batch_size)
-      batch = (jnp.asarray(tokens[order]), jnp.asarray(plens[order]), jnp.asarray(rlens[order]))
-      lora_params, opt_state, metrics = train_step(lora_params, rest, opt_state, batch,
-                                                   jnp.int32(step))
-      step += 1
-      loss = float(metrics["loss"])
-      with open(metrics_path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
-      if bar is not None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}")
-      if step % c.save_every == 0 or step == c.steps or stop["flag"]:
-        nnx.update(student, lora_params)
-        save_checkpoint(c.output_dir, step, model_config, student, c.lora_alpha, opt_state)
-      if stop["flag"]:
-        break
-  finally:
-    signal.signal(signal.SIGTERM, previous)
-    if bar is not None:
-      bar.close()
-  nnx.update(student, lora_params)
-  out = {"steps": step, "final_loss": loss, "seconds": time.perf_counter() - t0,
-         "dropped": dropped, "adapter_dir": None}
-  if step >= c.steps:
-    final = os.path.join(c.output_dir, "adapter")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    lora.save_adapter(tmp, model_config, lora.extract(student, c.lora_alpha),
-                      base_model=c.base_dir, dropout=c.lora_dropout)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    out["adapter_dir"] = final
-  return out
+  t0 = time.perf_counter()
+  result = loop.run_loop(task, loop.LoopOptions(workdir=c.output_dir, save_every=c.save_every,
+                                                progress=progress))
+  nnx.update(student, result.state["params"])
+  return {"steps": result.step, "final_loss": result.metrics.get("loss", math.nan),
+          "seconds": time.perf_counter() - t0, "dropped": dropped,
+          "adapter_dir": _save_final_adapter(c, model_config, student)}
 
 
 def main(argv, config_flag) -> None:
   if len(argv) > 1:
     from absl import app  # pylint: disable=import-outside-toplevel
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  result = run(config_flag.value)
+  with loop.stops_reported("refusion_jax.distill"):
+    result = run(config_flag.value)
   print(json.dumps(result))
 
 

@@ -8,24 +8,25 @@ checkpoint with no intact one to fall back to) is reported before any compile
 as one `refusion_jax.train: error: ...` line, exit status 2.
 
 Joins the multi-process runtime when `config.distributed` is set, then runs
-`training.loop.train_and_evaluate(config, W)`: checkpoints in `W/checkpoints`
+`training.supervised.train_and_evaluate(config, W)`: checkpoints in `W/checkpoints`
 (a rerun resumes bit-identically), metrics in `W/metrics.jsonl` and
 `W/tensorboard`, the trained model in `W/final_model`.
 
 Preemption: on SIGTERM (a spot / preemptible VM's notice; on a multi-process
 run JAX's preemption service passes it to every process) training finishes
 the step it is running, saves a checkpoint of it, waits until that is on disk
-and exits with status 75 (`loop.EXIT_PREEMPTED`). Run the same command again
-(on a new machine, with the same workdir) to resume, bit-identically. The package
-`refusion_jax.training` holds the rest: `settings` (config checks),
-`trainer` (optimizer and the jitted steps), `loop` (the loop around them).
+and exits with status 75 (`loop.EXIT_PREEMPTED`); Ctrl-C does the same and exits
+with status 130 (`loop.EXIT_INTERRUPTED`; a second Ctrl-C stops at once). Run the
+same command again (on a new machine, with the same workdir) to resume,
+bit-identically. The package `refusion_jax.training` holds the rest: `settings`
+(config checks), `trainer` (optimizer and the jitted steps), `supervised` (the
+task), `loop` (the loop every trainer shares).
 """
 
 from __future__ import annotations
 
 import logging as std_logging
 import os
-import sys
 
 from absl import app, logging
 
@@ -51,21 +52,14 @@ def main(argv, config_flag, workdir_flag):
   # Imported here, once the flags parsed: a mistyped flag or config field is reported
   # in a fraction of a second, without loading JAX and the training stack first.
   from refusion_jax import distributed  # pylint: disable=import-outside-toplevel
-  from refusion_jax.training import loop  # pylint: disable=import-outside-toplevel
+  from refusion_jax.training import loop, supervised  # pylint: disable=import-outside-toplevel
   if config_flag.value.get("distributed", False):
     distributed.initialize()
   logging.get_absl_handler().addFilter(_QuietOrbax())
-  try:
-    loop.train_and_evaluate(config_flag.value, workdir_flag.value)
-  except loop.Preempted as e:
-    # A clean stop: the checkpoint is on disk and the same command resumes from it.
-    logging.warning("%s", e)
-    print(f"refusion_jax.train: {e}", file=sys.stderr, flush=True)
-    raise SystemExit(loop.EXIT_PREEMPTED) from None
-  except loop.NonFiniteLossError as e:
-    # Not a bug in the code: say what happened and exit non-zero, without a traceback.
-    logging.error("%s", e)
-    raise SystemExit(f"refusion_jax.train: {e}") from None
+  # A stop (checkpoint on disk, the same command resumes) or a non-finite loss (not a
+  # bug in the code) is one line and its exit status, without a traceback.
+  with loop.stops_reported("refusion_jax.train"):
+    supervised.train_and_evaluate(config_flag.value, workdir_flag.value)
 
 
 if __name__ == "__main__":

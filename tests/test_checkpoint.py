@@ -1,4 +1,4 @@
-"""Model folders (save_model / load_model) and the trainer's CheckpointManager."""
+"""Model folders (save_model / load_model) and the trainers' CheckpointManager."""
 
 import os
 
@@ -131,3 +131,26 @@ def test_unfinished_save_is_ignored_and_cleaned(tmp_path):
     ckpt.save(4, _state(mesh, 4), it, {})
   assert not partial.exists()
   assert sorted(os.listdir(tmp_path)) == ["2", "4"]
+
+
+def test_checkpoints_without_a_data_item(tmp_path):
+  # Trainers whose batches are a function of (seed, step) save no iterator position.
+  mesh = sharding.make_mesh(1, 4, 2)
+  state = _state(mesh, 2)
+  with checkpoint.TrainCheckpointer(str(tmp_path), max_to_keep=2, with_data=False) as ckpt:
+    with pytest.raises(ValueError, match="with_data=False take no data iterator"):
+      ckpt.save(1, state, _iterator(), {})
+    ckpt.save(2, state, None, {"seed": 5})
+  assert sorted(n for n in os.listdir(tmp_path / "2") if (tmp_path / "2" / n).is_dir()) == [
+      "meta", "state"]
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          state)
+  with checkpoint.TrainCheckpointer(str(tmp_path), max_to_keep=2, with_data=False) as ckpt:
+    assert ckpt.damage(2) is None  # no data folder is no damage here
+    restored, meta = ckpt.restore(2, abstract, None)
+  assert meta == {"seed": 5, "step": 2}
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               restored, state)
+  # A trainer that reads an iterator finds the data item missing: the checkpoint is damaged.
+  with checkpoint.TrainCheckpointer(str(tmp_path), max_to_keep=2) as ckpt:
+    assert ckpt.damage(2) == "its 'data' folder is missing"

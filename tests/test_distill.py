@@ -88,11 +88,12 @@ def test_a_short_run_trains_only_the_adapter_resumes_and_decodes(tmp_path):
   adapter = lora.read_adapter(out["adapter_dir"], config)
   assert adapter.rank == 4 and len(adapter.tensors) == 2 * 4
   assert max(float(np.abs(b).max()) for _, b in adapter.tensors.values()) > 0  # B moved
-  # Only the adapter is saved: the base folder is untouched, a checkpoint holds the adapter.
+  # Only the adapter is saved: a checkpoint's parameters are the LoRA factors alone.
   ckpts = sorted(os.listdir(tmp_path / "a" / "checkpoints"))
-  assert ckpts == ["step_00000002", "step_00000004"]
-  assert sorted(os.listdir(tmp_path / "a" / "checkpoints" / ckpts[-1])) == [
-      "adapter_config.json", "adapter_model.safetensors", "opt_state.npz", "state.json"]
+  assert ckpts == ["2", "4"]
+  tree = json.loads((tmp_path / "a" / "checkpoints" / "4" / "state" / "_METADATA").read_text())
+  params = [k for k in tree["tree_metadata"] if k.startswith("('params'")]
+  assert len(params) == 2 * 4 * 2 and all("_lora_a'" in k or "_lora_b'" in k for k in params)
   # Two steps, then two more from the checkpoint: the same adapter as four at once.
   half = distill.run(_config(base_dir, tmp_path / "b", steps=2), progress=False)
   assert half["steps"] == 2

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from refusion_jax import checkpoint
-from refusion_jax.training import loop
+from refusion_jax.training import loop, outputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,7 +91,7 @@ def test_two_processes_train_one_model(tmp_path):
 
   # Process 0 alone writes the metrics log, one line per step, all finite,
   # plus one eval line at the last step.
-  with open(workdir / loop.METRICS_FILE) as f:
+  with open(workdir / outputs.METRICS_FILE) as f:
     rows = [json.loads(line) for line in f]
   train_rows = [r for r in rows if "loss" in r]
   eval_rows = [r for r in rows if "eval_loss" in r]
@@ -100,24 +100,24 @@ def test_two_processes_train_one_model(tmp_path):
   assert all(np.isfinite(r["loss"]) for r in train_rows)
   assert [r["step"] for r in eval_rows] == [4]
   assert np.isfinite(eval_rows[0]["eval_loss"])
-  steps = sorted(int(n) for n in os.listdir(workdir / loop.CHECKPOINT_DIR) if n.isdigit())
+  steps = sorted(int(n) for n in os.listdir(workdir / outputs.CHECKPOINT_DIR) if n.isdigit())
   assert steps == [2, 4]
   # The final model was renamed into place: no temporary folder is left.
   assert sorted(n for n in os.listdir(workdir) if n.startswith(".")) == []
   # The final model is complete and loads in a single process.
-  params = _params(workdir / loop.FINAL_MODEL_DIR)
+  params = _params(workdir / outputs.FINAL_MODEL_DIR)
   assert params and all(np.isfinite(x).all() for x in params.values())
 
   # Resume: the same job restarted from the step-2 checkpoint (parameters,
   # optimizer state and each process's data position) repeats steps 3 and 4.
   resumed = tmp_path / "resumed"
   shutil.copytree(workdir, resumed)
-  shutil.rmtree(resumed / loop.CHECKPOINT_DIR / "4")
-  shutil.rmtree(resumed / loop.FINAL_MODEL_DIR)
+  shutil.rmtree(resumed / outputs.CHECKPOINT_DIR / "4")
+  shutil.rmtree(resumed / outputs.FINAL_MODEL_DIR)
   _run_two_processes(tmp_path, resumed, "resume", ["--config.eval_every_steps=0"])
   for i in range(2):
     assert "resumed from" in (tmp_path / f"resume_process{i}.log").read_text()
-  with open(resumed / loop.METRICS_FILE) as f:
+  with open(resumed / outputs.METRICS_FILE) as f:
     again = [json.loads(line) for line in f]
   assert [r["step"] for r in again] == [1, 2, 3, 4]
   for first, second in zip(train_rows, again):
@@ -126,7 +126,7 @@ def test_two_processes_train_one_model(tmp_path):
       for key in ("tokens_per_sec", "samples_per_sec", "real_tokens_per_sec"):
         record.pop(key)
     assert first == second
-  params_again = _params(resumed / loop.FINAL_MODEL_DIR)
+  params_again = _params(resumed / outputs.FINAL_MODEL_DIR)
   assert params_again.keys() == params.keys()
   for path, value in params.items():
     np.testing.assert_array_equal(params_again[path], value, err_msg=str(path))
@@ -139,7 +139,7 @@ def test_a_preemption_notice_to_one_process_stops_both_at_one_checkpoint(tmp_pat
   flags = ["--config.num_train_steps=200", "--config.checkpoint.every_steps=1000",
            "--config.data.packing=first_fit"]
   procs, logs = _start_two_processes(tmp_path, workdir, "preempt", flags)
-  metrics = workdir / loop.METRICS_FILE
+  metrics = workdir / outputs.METRICS_FILE
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and all(p.poll() is None for p in procs):
     if metrics.exists() and metrics.read_text().count("\n") >= 5:
@@ -151,9 +151,9 @@ def test_a_preemption_notice_to_one_process_stops_both_at_one_checkpoint(tmp_pat
   assert codes == [loop.EXIT_PREEMPTED] * 2, (tmp_path / "preempt_process0.log").read_text()
   last = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
   assert 5 <= last < 200
-  saved = sorted(int(n) for n in os.listdir(workdir / loop.CHECKPOINT_DIR) if n.isdigit())
+  saved = sorted(int(n) for n in os.listdir(workdir / outputs.CHECKPOINT_DIR) if n.isdigit())
   assert saved == [last]
   # Each process saved its own data position in that checkpoint.
-  data_files = os.listdir(workdir / loop.CHECKPOINT_DIR / str(last) / "data")
+  data_files = os.listdir(workdir / outputs.CHECKPOINT_DIR / str(last) / "data")
   assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data_files)
-  assert not (workdir / loop.FINAL_MODEL_DIR).exists()
+  assert not (workdir / outputs.FINAL_MODEL_DIR).exists()

@@ -20,7 +20,7 @@ from refusion_jax import checkpoint
 from refusion_jax import tasks as tasks_lib
 from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.repro import pipeline, report, scoring, settings, stages
-from refusion_jax.training import loop
+from refusion_jax.training import outputs, supervised
 from refusion_jax.training import trainer as trainer_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,7 +180,7 @@ def test_base_stage_is_exported_and_every_model_starts_from_it(smoke_run):
 
   # Each fine-tune started from exactly the base's final weights (special rows included,
   # not reset to the mean), with its own attention; the oracle is the base model on disk.
-  _, base_model = checkpoint.load_model(os.path.join(base_dir, loop.FINAL_MODEL_DIR))
+  _, base_model = checkpoint.load_model(os.path.join(base_dir, outputs.FINAL_MODEL_DIR))
   import flax.nnx as nnx  # pylint: disable=import-outside-toplevel
   want = _flat(nnx.to_pure_dict(nnx.state(base_model, nnx.Param)))
   inits = first["inits"]
@@ -192,7 +192,7 @@ def test_base_stage_is_exported_and_every_model_starts_from_it(smoke_run):
     for path, value in want.items():
       np.testing.assert_array_equal(got[path], value, err_msg=path)
   # The fine-tunes then moved away from it (they did train).
-  _, arm = checkpoint.load_model(os.path.join(workdir, "models", "arm", loop.FINAL_MODEL_DIR))
+  _, arm = checkpoint.load_model(os.path.join(workdir, "models", "arm", outputs.FINAL_MODEL_DIR))
   moved = _flat(nnx.to_pure_dict(nnx.state(arm, nnx.Param)))
   assert any(not np.array_equal(moved[p], want[p]) for p in want)
 
@@ -234,7 +234,7 @@ def test_stale_model_state_is_discarded_not_resumed(tmp_path, monkeypatch):
     seen.append(sorted(os.listdir(model_dir)) if os.path.isdir(model_dir) else None)
     return _Result()
 
-  monkeypatch.setattr(loop, "train_and_evaluate", fake_train)
+  monkeypatch.setattr(supervised, "train_and_evaluate", fake_train)
   config = repro_smoke.get_config()
   cfg = stages.train_config(config, "arm", str(tmp_path))
   budget = stages.train_budget(config)
@@ -263,7 +263,7 @@ def test_rerun_resumes_without_retraining_or_reevaluating(smoke_run, monkeypatch
   def must_not_run(*args, **kwargs):
     raise AssertionError("a finished run trained or loaded a model again")
 
-  monkeypatch.setattr(loop, "train_and_evaluate", must_not_run)
+  monkeypatch.setattr(supervised, "train_and_evaluate", must_not_run)
   monkeypatch.setattr(checkpoint, "load_model", must_not_run)
   before = _mtimes(os.path.join(workdir, "models"))
   results_before = _mtimes(os.path.join(workdir, scoring.RESULTS_DIR))

@@ -1,10 +1,9 @@
 """GRPO on verifiable rewards (refusion_jax.rl): a short run on the shipped miniature
-ReFusion that learns, checkpoints and resumes bit-identically after SIGTERM (mid-rollout
-and mid-update); rewards, their faults and bad settings."""
+ReFusion that learns; rewards, their faults and bad settings. (Its stops and resumes
+are tested with the other trainers', tests/test_loop.py.)"""
 
 import json
 import os
-import signal
 import time
 
 import numpy as np
@@ -45,7 +44,7 @@ def _params(path):
   return [np.asarray(x) for x in __import__("jax").tree.leaves(nnx.state(model, nnx.Param))]
 
 
-def test_a_run_learns_and_resumes_bit_identically_after_sigterm(tmp_path):
+def test_a_run_learns(tmp_path):
   data = _train_file(tmp_path)
   straight = trainer.run(_config(tmp_path / "a", data), progress=False)
   assert straight["steps"] == 2 and straight["final_model"]
@@ -55,23 +54,8 @@ def test_a_run_learns_and_resumes_bit_identically_after_sigterm(tmp_path):
   base = _params(MODEL)
   after = _params(straight["final_model"])
   assert any(not np.array_equal(x, y) for x, y in zip(base, after))  # it learned something
-
-  def term(event, step, n):
-    if (event, step, n) in (("update", 0, 0), ("rollout", 1, 2)):
-      os.kill(os.getpid(), signal.SIGTERM)
-
-  b = tmp_path / "b"
-  first = trainer.run(_config(b, data, save_every=5), progress=False, hook=term)
-  assert first["stopped"] and first["steps"] == 1  # the update finished, then saved
-  second = trainer.run(_config(b, data, save_every=5), progress=False, hook=term)
-  assert second["stopped"] and second["steps"] == 1  # the rollout was abandoned
-  third = trainer.run(_config(b, data, save_every=5), progress=False)
-  assert third["steps"] == 2 and not third["stopped"]
-  for x, y in zip(after, _params(third["final_model"])):
-    np.testing.assert_array_equal(x, y)
-  lines_b = [json.loads(x) for x in open(b / "metrics.jsonl", encoding="utf-8")]
-  assert [x["step"] for x in lines_b] == [1, 2]
-  assert lines_b[1]["reward_mean"] == lines[1]["reward_mean"]
+  # The reference's KL is measured against the starting weights: zero at the first update.
+  assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6) and lines[1]["kl"] > 0
 
 
 def test_bad_settings_are_one_line(tmp_path):

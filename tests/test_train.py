@@ -1,5 +1,6 @@
-"""The trainer: loss goes down, kill -9 + resume is bit-identical, sharded == single
-device, bad configs fail before compiling, NaN stops cleanly, HF init rows."""
+"""The trainer: loss goes down, kill -9 + resume is bit-identical, SIGTERM and Ctrl-C stop
+the command line with a checkpoint, sharded == single device, bad configs fail before
+compiling, NaN stops cleanly, HF init rows."""
 
 import json
 import math
@@ -24,7 +25,7 @@ from refusion_jax import checkpoint, data, hf, objective, sharding
 from refusion_jax import config as config_lib
 from refusion_jax.checks import InputError
 from refusion_jax.model import Qwen3
-from refusion_jax.training import loop, outputs, settings
+from refusion_jax.training import loop, outputs, settings, supervised
 from refusion_jax.training import trainer as trainer_lib
 from refusion_jax.tokenizer import TINY_TOKENIZER_DIR, Tokenizer
 
@@ -73,13 +74,13 @@ def overrides(tfds_dir, **changes):
 
 
 def read_metrics(workdir):
-  with open(os.path.join(workdir, loop.METRICS_FILE)) as f:
+  with open(os.path.join(workdir, outputs.METRICS_FILE)) as f:
     return [json.loads(line) for line in f]
 
 
 def committed_steps(workdir):
   # orbax writes each step under a temporary name and renames it when complete.
-  directory = os.path.join(workdir, loop.CHECKPOINT_DIR)
+  directory = os.path.join(workdir, outputs.CHECKPOINT_DIR)
   if not os.path.isdir(directory):
     return []
   return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
@@ -157,7 +158,7 @@ def test_schedule_warmup_cosine_and_no_warmup():
 def test_training_lowers_the_loss(tmp_path, tfds_dir):
   c = small_config(tfds_dir, num_train_steps=60, eval_every_steps=30, eval_batches=2,
                    **{"optimizer.warmup_steps": 5, "checkpoint.every_steps": 60})
-  result = loop.train_and_evaluate(c, str(tmp_path))
+  result = supervised.train_and_evaluate(c, str(tmp_path))
   records = read_metrics(tmp_path)
   losses = [m["loss"] for m in records if "loss" in m]
   evals = [m for m in records if "eval_loss" in m]
@@ -173,11 +174,11 @@ def test_training_lowers_the_loss(tmp_path, tfds_dir):
   assert last < 0.6 * first, (first, last)
   assert result.step == 60
   # The final model folder holds exactly the returned parameters.
-  _, model = checkpoint.load_model(str(tmp_path / loop.FINAL_MODEL_DIR))
+  _, model = checkpoint.load_model(str(tmp_path / outputs.FINAL_MODEL_DIR))
   loaded = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   jax.tree.map(np.testing.assert_array_equal, host(loaded), host(result.params))
   assert any(n.startswith("events.out.tfevents")
-             for n in os.listdir(tmp_path / loop.TENSORBOARD_DIR))
+             for n in os.listdir(tmp_path / outputs.TENSORBOARD_DIR))
 
 
 def test_bd3lm_trains_on_packed_rows_of_whole_blocks(tmp_path, tfds_dir, monkeypatch):
@@ -201,7 +202,7 @@ def test_bd3lm_trains_on_packed_rows_of_whole_blocks(tmp_path, tfds_dir, monkeyp
   p, r = batch["segment_prompt_len"][starts], batch["segment_response_len"][starts]
   assert ((r % 4 == 0) | (p + r == 64)).all() and (r % 4 == 0).mean() > 0.9
   assert (batch["segment_ids"] > 0).sum() / batch["tokens"].size > 0.6  # packed
-  loop.train_and_evaluate(c, str(tmp_path))
+  supervised.train_and_evaluate(c, str(tmp_path))
   assert set(seen) == {4}
   losses = [m["loss"] for m in read_metrics(tmp_path) if "loss" in m]
   assert len(losses) == 40 and np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
@@ -251,7 +252,7 @@ def _interrupt(workdir, tfds_dir, env, log_path, after_steps: int, signum: int):
     try:
       deadline = time.monotonic() + 300
       while time.monotonic() < deadline and proc.poll() is None:
-        path = os.path.join(workdir, loop.METRICS_FILE)
+        path = os.path.join(workdir, outputs.METRICS_FILE)
         if committed_steps(workdir) and os.path.exists(path):
           with open(path) as f:
             logged = f.read().count("\n")
@@ -271,7 +272,7 @@ def _interrupt(workdir, tfds_dir, env, log_path, after_steps: int, signum: int):
 def _assert_same_run(workdir, reference):
   finals = []
   for w in (workdir, reference):
-    _, model = checkpoint.load_model(os.path.join(w, loop.FINAL_MODEL_DIR))
+    _, model = checkpoint.load_model(os.path.join(w, outputs.FINAL_MODEL_DIR))
     finals.append(host(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
   for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1])):
     assert a.dtype == b.dtype and np.array_equal(a, b)
@@ -291,7 +292,7 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path, tfds_dir, uninterrupted_r
   assert code == -signal.SIGKILL
   saved = committed_steps(workdir)
   assert saved and max(saved) < steps, saved
-  assert not os.path.exists(os.path.join(workdir, loop.FINAL_MODEL_DIR))
+  assert not os.path.exists(os.path.join(workdir, outputs.FINAL_MODEL_DIR))
 
   _run_to_end(workdir, tfds_dir, env, tmp_path / "train.log")  # resumes from the newest one
   _assert_same_run(workdir, reference)
@@ -299,25 +300,28 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path, tfds_dir, uninterrupted_r
   assert all(m["samples"] > 8 for m in read_metrics(workdir))
 
 
-def test_sigterm_saves_the_step_it_interrupts_and_resumes_bit_identically(tmp_path, tfds_dir,
-                                                                          uninterrupted_run):
-  reference, env = uninterrupted_run
-  workdir = str(tmp_path / "preempted")
+@pytest.mark.parametrize("signum, status, what", [
+    (signal.SIGTERM, loop.EXIT_PREEMPTED, "preempted"),
+    (signal.SIGINT, loop.EXIT_INTERRUPTED, "interrupted (Ctrl-C)")])
+def test_sigterm_or_ctrl_c_saves_the_step_it_interrupts(tmp_path, tmp_path_factory, tfds_dir,
+                                                         signum, status, what):
+  # How the command line stops; resuming from the checkpoint is tests/test_loop.py's.
+  workdir = str(tmp_path / "stopped")
   log_path = tmp_path / "train.log"
-  after = random.Random(os.getpid() + 1).randrange(6, 30)
-  code = _interrupt(workdir, tfds_dir, env, log_path, after, signal.SIGTERM)
-  assert code == loop.EXIT_PREEMPTED, log_path.read_text()[-3000:]
+  after = random.Random(os.getpid() + signum).randrange(6, 30)
+  code = _interrupt(workdir, tfds_dir, _cached_env(tmp_path_factory), log_path, after, signum)
+  log = log_path.read_text()
+  assert code == status, log[-3000:]
   last = max(m["step"] for m in read_metrics(workdir))
   # The step running when the signal came was finished and saved, and nothing after it.
   assert after <= last < INTERRUPTED_RUN["num_train_steps"]
   assert max(committed_steps(workdir)) == last
-  assert f"preempted: checkpoint of step {last} saved" in log_path.read_text()
-  assert not os.path.exists(os.path.join(workdir, loop.FINAL_MODEL_DIR))
-
-  _run_to_end(workdir, tfds_dir, env, log_path)  # the same command resumes from it
-  assert f"resumed from {os.path.join(workdir, loop.CHECKPOINT_DIR, str(last))}" in (
-      log_path.read_text())
-  _assert_same_run(workdir, reference)
+  assert log.strip().splitlines()[-1] == (
+      f"refusion_jax.train: {what}: checkpoint of step {last} saved in "
+      f"{os.path.join(workdir, outputs.CHECKPOINT_DIR)}; run the same command again to resume "
+      "from it")
+  assert "Traceback" not in log
+  assert not os.path.exists(os.path.join(workdir, outputs.FINAL_MODEL_DIR))
 
 
 def _one_step(config, model_config, mesh, params_host, batch):
@@ -440,7 +444,7 @@ def test_bad_config_fails_before_compiling(tmp_path, tfds_dir, monkeypatch, chan
   monkeypatch.setattr(data, "loader_from_config", no_compile)
   c = small_config(tfds_dir, **changes)
   with pytest.raises(ValueError, match=message):
-    loop.train_and_evaluate(c, str(tmp_path / "w"))
+    supervised.train_and_evaluate(c, str(tmp_path / "w"))
   assert not os.path.exists(tmp_path / "w")
 
 
@@ -459,17 +463,17 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tfds_dir, monke
   workdir = str(tmp_path)
   with pytest.raises(loop.NonFiniteLossError,
                      match=r"non-finite training loss at step 8 .*last good checkpoint is step 6"):
-    loop.train_and_evaluate(c, workdir)
+    supervised.train_and_evaluate(c, workdir)
   assert committed_steps(workdir) == [3, 6]
   assert [m["step"] for m in read_metrics(workdir)] == list(range(1, 8))
-  assert not os.path.exists(os.path.join(workdir, loop.FINAL_MODEL_DIR))
+  assert not os.path.exists(os.path.join(workdir, outputs.FINAL_MODEL_DIR))
   # The kept checkpoint is complete and finite.
   tok = Tokenizer.tiny()
   model_config = settings.build_model_config(c, tok)
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   trainer = trainer_lib.Trainer(c, model_config, mesh=mesh, pad_id=tok.pad_id, total_steps=12)
   it = iter(data.loader_from_config(c.data, tok, c.global_batch_size))
-  with checkpoint.TrainCheckpointer(os.path.join(workdir, loop.CHECKPOINT_DIR),
+  with checkpoint.TrainCheckpointer(os.path.join(workdir, outputs.CHECKPOINT_DIR),
                                     max_to_keep=3) as ckpt:
     state, meta = ckpt.restore(6, trainer.abstract_train_state(), it)
   assert meta["step"] == 6
@@ -478,7 +482,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, tfds_dir, monke
   c.seed = 1
   with pytest.raises(ValueError, match=r"checkpoints/6 was written with seed=0 but the config "
                                        r"now gives 1"):
-    loop.train_and_evaluate(c, workdir)
+    supervised.train_and_evaluate(c, workdir)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
@@ -531,7 +535,7 @@ def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir, model_type):
   c.export_hf_dir = export
   c.num_train_steps = 2
   c.optimizer.warmup_steps = 0
-  result = loop.train_and_evaluate(c, str(tmp_path / "w"))
+  result = supervised.train_and_evaluate(c, str(tmp_path / "w"))
   _, exported = hf.load(export)
   jax.tree.map(np.testing.assert_array_equal,
                host(nnx.to_pure_dict(nnx.state(exported, nnx.Param))), host(result.params))
@@ -553,23 +557,23 @@ def _export_case(tmp_path, case):
     (export / "config.json").write_text("{}")  # looks like an export, but is not this run's
     return workdir, export, [export / "notes.txt", export / "config.json"]
   if case == "the workdir":
-    (workdir / loop.CHECKPOINT_DIR / "10").mkdir(parents=True)
-    (workdir / loop.CHECKPOINT_DIR / "10" / "state").write_text("checkpoint")
-    (workdir / loop.METRICS_FILE).write_text('{"step": 10}\n')
-    return workdir, workdir, [workdir / loop.CHECKPOINT_DIR / "10" / "state",
-                              workdir / loop.METRICS_FILE]
+    (workdir / outputs.CHECKPOINT_DIR / "10").mkdir(parents=True)
+    (workdir / outputs.CHECKPOINT_DIR / "10" / "state").write_text("checkpoint")
+    (workdir / outputs.METRICS_FILE).write_text('{"step": 10}\n')
+    return workdir, workdir, [workdir / outputs.CHECKPOINT_DIR / "10" / "state",
+                              workdir / outputs.METRICS_FILE]
   if case == "a parent of the workdir":
     workdir = tmp_path / "runs" / "w"
     workdir.mkdir(parents=True)
-    (workdir / loop.METRICS_FILE).write_text('{"step": 1}\n')
-    return workdir, tmp_path / "runs", [workdir / loop.METRICS_FILE]
+    (workdir / outputs.METRICS_FILE).write_text('{"step": 1}\n')
+    return workdir, tmp_path / "runs", [workdir / outputs.METRICS_FILE]
   if case == "inside the checkpoints":
-    (workdir / loop.CHECKPOINT_DIR / "10").mkdir(parents=True)
-    (workdir / loop.CHECKPOINT_DIR / "10" / "state").write_text("checkpoint")
-    return workdir, workdir / loop.CHECKPOINT_DIR / "hf", [
-        workdir / loop.CHECKPOINT_DIR / "10" / "state"]
+    (workdir / outputs.CHECKPOINT_DIR / "10").mkdir(parents=True)
+    (workdir / outputs.CHECKPOINT_DIR / "10" / "state").write_text("checkpoint")
+    return workdir, workdir / outputs.CHECKPOINT_DIR / "hf", [
+        workdir / outputs.CHECKPOINT_DIR / "10" / "state"]
   if case == "the final model":
-    return workdir, workdir / loop.FINAL_MODEL_DIR, []
+    return workdir, workdir / outputs.FINAL_MODEL_DIR, []
   if case == "a file":
     export = tmp_path / "model.bin"
     export.write_text("weights")
@@ -604,7 +608,7 @@ def test_export_that_would_delete_files_is_refused_before_work(tmp_path, tfds_di
   monkeypatch.setattr(data, "loader_from_config", no_work)
   c = small_config(tfds_dir, export_hf_dir=str(export))
   with pytest.raises(ValueError, match=r"config\.export_hf_dir=.*" + message):
-    loop.train_and_evaluate(c, str(workdir))
+    supervised.train_and_evaluate(c, str(workdir))
   assert {str(p): p.read_text() for p in keep} == before
 
 
@@ -612,23 +616,23 @@ def test_export_replaces_only_its_own_earlier_export(tmp_path, tfds_dir):
   workdir, export = tmp_path / "w", tmp_path / "hf"
   c = small_config(tfds_dir, num_train_steps=2, export_hf_dir=str(export),
                    **{"optimizer.warmup_steps": 0, "model.num_layers": 1})
-  loop.train_and_evaluate(c, str(workdir))
+  supervised.train_and_evaluate(c, str(workdir))
   assert outputs.EXPORT_MARKER in os.listdir(export)
   hf.load(str(export))  # the marker does not disturb loading
   # A rerun of the finished run exports again over its own export (the damaged weights
   # file shows that it did).
   (export / "model.safetensors").write_bytes(b"damaged")
-  result = loop.train_and_evaluate(c, str(workdir))
+  result = supervised.train_and_evaluate(c, str(workdir))
   _, exported = hf.load(str(export))
   jax.tree.map(np.testing.assert_array_equal,
                host(nnx.to_pure_dict(nnx.state(exported, nnx.Param))), host(result.params))
   # Another run may not replace it.
   with pytest.raises(ValueError, match=r"holds files this run did not write"):
-    loop.train_and_evaluate(c, str(tmp_path / "w2"))
+    supervised.train_and_evaluate(c, str(tmp_path / "w2"))
   # A file added by hand to this run's own export is not deleted either.
   (export / "notes.txt").write_text("added by hand")
   with pytest.raises(ValueError, match=r"\['notes.txt'\] are not export files"):
-    loop.train_and_evaluate(c, str(workdir))
+    supervised.train_and_evaluate(c, str(workdir))
   assert (export / "notes.txt").read_text() == "added by hand"
 
 
@@ -636,20 +640,20 @@ def test_resume_checks_the_model_layout_but_not_how_it_is_computed(tmp_path, tfd
   workdir = str(tmp_path / "w")
   c = small_config(tfds_dir, num_train_steps=2, **{"optimizer.warmup_steps": 0,
                                                    "model.num_layers": 1})
-  first = loop.train_and_evaluate(c, workdir)
+  first = supervised.train_and_evaluate(c, workdir)
   # Another layer layout stores the parameters differently: refused, naming the flag.
   c.model.scan_layers = True
   with pytest.raises(ValueError, match=r"checkpoints/2 was written with model\.scan_layers=False "
                                        r"but the config now gives True; .*"
                                        r"--config\.model\.scan_layers=false"):
-    loop.train_and_evaluate(c, workdir)
+    supervised.train_and_evaluate(c, workdir)
   # A remat policy is how the same step is computed: the run resumes (nothing left to do).
   c.model.scan_layers = False
   c.model.remat = "full"
-  assert loop.train_and_evaluate(c, workdir).step == 2
+  assert supervised.train_and_evaluate(c, workdir).step == 2
   # A checkpoint written before the layout fields existed (remat a bool) still resumes.
   meta_files = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(
-      workdir, loop.CHECKPOINT_DIR, "2")) for f in files if "meta" in d and not f.startswith(".")]
+      workdir, outputs.CHECKPOINT_DIR, "2")) for f in files if "meta" in d and not f.startswith(".")]
   edited = 0
   for path in meta_files:
     with open(path) as f:
@@ -666,7 +670,7 @@ def test_resume_checks_the_model_layout_but_not_how_it_is_computed(tmp_path, tfd
       edited += 1
   assert edited == 1
   c.model.remat = "none"
-  again = loop.train_and_evaluate(c, workdir)
+  again = supervised.train_and_evaluate(c, workdir)
   jax.tree.map(np.testing.assert_array_equal, host(again.params), host(first.params))
 
 
@@ -751,12 +755,12 @@ def test_bad_data_and_paths_fail_before_compiling(tmp_path, tfds_dir, monkeypatc
     changes["data.tfds_dir"] = str(tmp_path / "tfds_file")
   elif case == "checkpoints is a file":
     workdir.mkdir()
-    (workdir / loop.CHECKPOINT_DIR).write_text("x")
+    (workdir / outputs.CHECKPOINT_DIR).write_text("x")
   c = small_config(tfds_dir, **changes)
   existed = workdir.exists()
   start = time.monotonic()
   with pytest.raises(InputError, match=message):
-    loop.train_and_evaluate(c, str(workdir))
+    supervised.train_and_evaluate(c, str(workdir))
   assert time.monotonic() - start < 60
   assert workdir.exists() == existed  # nothing written
 
@@ -819,7 +823,7 @@ def finished_run(tmp_path_factory, tfds_dir):
   workdir = tmp_path_factory.mktemp("finished") / "w"
   c = small_config(tfds_dir, num_train_steps=4, **{
       "optimizer.warmup_steps": 0, "model.num_layers": 1, "checkpoint.every_steps": 2})
-  result = loop.train_and_evaluate(c, str(workdir))
+  result = supervised.train_and_evaluate(c, str(workdir))
   assert committed_steps(str(workdir)) == [2, 4]
   return c, workdir, host(result.params)
 
@@ -830,8 +834,8 @@ def resumed_from_2(finished_run, tmp_path_factory):
   c, workdir, _ = finished_run
   copy = tmp_path_factory.mktemp("resume2") / "w"
   shutil.copytree(workdir, copy)
-  shutil.rmtree(copy / loop.CHECKPOINT_DIR / "4")
-  return host(loop.train_and_evaluate(c, str(copy)).params)
+  shutil.rmtree(copy / outputs.CHECKPOINT_DIR / "4")
+  return host(supervised.train_and_evaluate(c, str(copy)).params)
 
 
 @pytest.mark.parametrize("how, named", [
@@ -844,15 +848,15 @@ def test_damaged_newest_checkpoint_falls_back_to_the_intact_one(finished_run, re
   c, workdir, final = finished_run
   copy = tmp_path / "w"
   shutil.copytree(workdir, copy)
-  _damage(str(copy / loop.CHECKPOINT_DIR / "4"), how)
+  _damage(str(copy / outputs.CHECKPOINT_DIR / "4"), how)
   with caplog.at_level("WARNING"):
-    result = loop.train_and_evaluate(c, str(copy))
+    result = supervised.train_and_evaluate(c, str(copy))
   warning = "\n".join(r.getMessage() for r in caplog.records)
   assert re.search(rf"checkpoint .*checkpoints/4 is damaged and was skipped: {named}.*moved to "
                    r".*checkpoints/4\.damaged", warning), warning
   # Moved aside (kept for inspection, never retried); step 4 was trained and saved again.
   assert committed_steps(str(copy)) == [2, 4]
-  assert os.path.isdir(copy / loop.CHECKPOINT_DIR / "4.damaged")
+  assert os.path.isdir(copy / outputs.CHECKPOINT_DIR / "4.damaged")
   jax.tree.map(np.testing.assert_array_equal, host(result.params), resumed_from_2)
   jax.tree.map(np.testing.assert_array_equal, host(result.params), final)
 
@@ -861,9 +865,9 @@ def test_no_intact_checkpoint_is_a_clear_error(finished_run, tmp_path):
   c, workdir, _ = finished_run
   copy = tmp_path / "w"
   shutil.copytree(workdir, copy)
-  _damage(str(copy / loop.CHECKPOINT_DIR / "4"), "missing _METADATA")
-  _damage(str(copy / loop.CHECKPOINT_DIR / "2"), "corrupt data iterator JSON")
+  _damage(str(copy / outputs.CHECKPOINT_DIR / "4"), "missing _METADATA")
+  _damage(str(copy / outputs.CHECKPOINT_DIR / "2"), "corrupt data iterator JSON")
   with pytest.raises(InputError, match=r"(?s)no intact checkpoint to resume from in .*checkpoints: "
                                        r".*checkpoints/4: state/_METADATA .*missing.*"
                                        r"checkpoints/2: data/process_0-of-1\.json is not valid"):
-    loop.train_and_evaluate(c, str(copy))
+    supervised.train_and_evaluate(c, str(copy))

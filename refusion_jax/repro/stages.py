@@ -29,7 +29,7 @@ import ml_collections
 from refusion_jax import checkpoint, fileio, objective
 from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.repro import settings
-from refusion_jax.training import loop
+from refusion_jax.training import outputs, supervised
 
 MODELS_DIR = "models"
 TRAIN_MARKER = "reproduce_train.json"
@@ -44,7 +44,7 @@ def model_dir(workdir: str, name: str) -> str:
 
 def final_model_dir(workdir: str, name: str) -> str:
   """The trained model folder of `name` (what the evaluation loads)."""
-  return os.path.join(model_dir(workdir, name), loop.FINAL_MODEL_DIR)
+  return os.path.join(model_dir(workdir, name), outputs.FINAL_MODEL_DIR)
 
 
 def base_hf_dir(workdir: str) -> str:
@@ -140,7 +140,7 @@ def train_stage(name: str, train_cfg, budget: dict, workdir: str, log,
   """
   marker_path = os.path.join(workdir, TRAIN_MARKER)
   marker = fileio.read_json_or_none(marker_path)
-  final = os.path.join(workdir, loop.FINAL_MODEL_DIR)
+  final = os.path.join(workdir, outputs.FINAL_MODEL_DIR)
   if (not restart and marker and marker.get("budget") == budget
       and checkpoint.is_model_dir(final) and ready()):
     log(f"[reproduce] {name}: already trained ({marker['step']} steps), skipped")
@@ -155,7 +155,7 @@ def train_stage(name: str, train_cfg, budget: dict, workdir: str, log,
   log(f"[reproduce] {start} {name}: {size} x {budget['global_batch_size']} rows x "
       f"{budget['seq_len']} tokens{packed}")
   t0 = time.perf_counter()
-  result = loop.train_and_evaluate(train_cfg, workdir)
+  result = supervised.train_and_evaluate(train_cfg, workdir)
   seconds = time.perf_counter() - t0
   marker = {"budget": budget, "step": int(result.step), "seconds": seconds,
             "final_loss": result.last_metrics.get("loss"),
@@ -224,7 +224,7 @@ def distill_models(config, workdir: str, trained: dict[str, dict], log=print
     budget = json.loads(json.dumps(budget))  # tuples as lists, as the marker reads back
     marker_path = os.path.join(here, TRAIN_MARKER)
     marker = fileio.read_json_or_none(marker_path)
-    final = os.path.join(here, loop.FINAL_MODEL_DIR)
+    final = os.path.join(here, outputs.FINAL_MODEL_DIR)
     if marker and marker.get("budget") == budget and checkpoint.is_model_dir(final):
       log(f"[reproduce] {name}: already distilled ({marker['step']} steps), skipped")
       out[name] = marker

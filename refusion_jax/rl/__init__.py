@@ -1,6 +1,9 @@
 """Reinforcement learning on verifiable rewards for ReFusion (`python -m refusion_jax.rl`).
 
-`trainer`: GRPO with exact trajectory log-probabilities of the parallel decode
-(`planning.replay`); `rewards`: the verifiable rewards (exact match, GSM8K and MATH
-answer checks, sandboxed HumanEval / MBPP tests).
+`trainer`: GRPO with exact trajectory log-probabilities of the parallel decode, a task
+of the training loop wired from `rollout` (the engine's samples, each token's deciding
+pass recorded), `scoring` (their log-probabilities under given weights,
+`planning.replay`) and `learner` (GRPO's loss and the update); `rewards`: the
+verifiable rewards (exact match, GSM8K and MATH answer checks, sandboxed HumanEval /
+MBPP tests).
 """

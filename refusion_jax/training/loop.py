@@ -1,174 +1,227 @@
-"""The training loop: resume, step, log, checkpoint, evaluate, export.
+"""The one training loop: restore, step, log, checkpoint, stop.
 
-`train_and_evaluate(config, workdir)`:
+Every trainer (`training.supervised`, `distill`, `rl.trainer`) is a `Task`: its
+state (`{"params", "opt_state"}`), its step (which draws its own batch or
+rollouts) and what a resume must match. `run_loop(task, options)` does the rest,
+the same way for all of them:
 
-* checks everything before anything is compiled, loaded or written: the
-  config (`settings.resolve`: every check, the model config and the
-  tokenizer), the export folder, the workdir, and the data files (every line
-  read; over-long examples; a training set with nothing left after dropping
-  them); a failure is an `InputError` naming the field, file or line;
-* builds the model on a (data, fsdp, tensor) mesh: a preset plus overrides,
-  or a Hugging Face Qwen3 folder (`config.init_from_hf`) extended with
-  ReFusion's two special tokens (`trainer.add_special_token_rows`);
-* resumes from the newest intact checkpoint in `W/checkpoints` when there is
-  one (a damaged one, with a missing or truncated file or unreadable JSON, is
-  named in a warning and moved to `<step>.damaged`):
-  parameters, AdamW state, step and data position are restored and the step
-  rng is `fold_in(fold_in(key(seed), 0), step)`, so a resumed run is
-  bit-identical to an uninterrupted one;
-* logs `W/metrics.jsonl` (one JSON object per logged step) and TensorBoard
-  events in `W/tensorboard`, stops on a non-finite loss or gradient without
-  saving the bad state, and finally writes `W/final_model` (our model
-  folder) and, when `config.export_hf_dir` is set, a HF folder.
+* **restore**: the newest intact checkpoint in `W/checkpoints` (one damaged, with a
+  missing or truncated file or unreadable JSON, is named in a warning, moved to
+  `<step>.damaged` and the next older one tried); its meta must match the task's
+  (`check_resume`), else the run stops naming the setting;
+* **checkpoints**: one format (`checkpoint.TrainCheckpointer`, orbax, written under a
+  temporary name and renamed): the state, a JSON meta with the step, and the data
+  iterator's position when the task reads one (the others draw their batches from
+  (seed, step)); every `save_every` steps, at the last step and when stopped;
+* **stops**: SIGTERM (a preemption notice) and SIGINT (Ctrl-C) finish the step in
+  progress, save it, wait until it is on disk and raise `Stopped`, whose exit status
+  is 75 (`EXIT_PREEMPTED`, EX_TEMPFAIL) for SIGTERM and 130 (`EXIT_INTERRUPTED`, the
+  shell's status of a Ctrl-C) for SIGINT. Either way the same command resumes from
+  it, bit-identically. A second Ctrl-C stops at once (KeyboardInterrupt), without a
+  checkpoint. A task may abandon a step when the stop comes in it (`StepAbandoned`,
+  before it changed anything): the state before the step is saved instead. With
+  several processes, JAX's preemption service passes SIGTERM to all of them and
+  picks one step (`multihost_utils.reached_preemption_sync_point`); Ctrl-C keeps its
+  default there;
+* **metrics**: `W/metrics.jsonl` and the progress bar (`training.metrics`); a run
+  resumed from step N drops the lines after N first, so every step is logged once;
+* **non-finite numbers**: a NaN or infinite loss or gradient norm stops the run
+  (`NonFiniteLossError`) without saving that step.
+
+Entry points wrap their work in `stops_reported(program)`: a stop is one line on
+stderr and its exit status.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import signal
+import sys
 import threading
-import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NoReturn
 
 import jax
 import numpy as np
 from absl import logging
+from flax import nnx
+from jax.sharding import Mesh
 
-from refusion_jax import checkpoint, hf, sharding
+from refusion_jax import checkpoint, sharding
 from refusion_jax.checks import InputError
 from refusion_jax.config import ModelConfig
-from refusion_jax.training import outputs, settings
-from refusion_jax.training import trainer as trainer_lib
+from refusion_jax.training.metrics import MetricsWriter
+from refusion_jax.training.outputs import CHECKPOINT_DIR
 
-from refusion_jax.training.outputs import (CHECKPOINT_DIR, FINAL_MODEL_DIR, METRICS_FILE,
-                                           TENSORBOARD_DIR, TFDS_DIR)
+EXIT_PREEMPTED = 75  # SIGTERM: checkpoint on disk; run the same command again to resume
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT): checkpoint on disk, resumable the same way
+# Metrics every step reports that must stay finite.
+FINITE_METRICS = {"loss": "loss", "grad_norm": "gradient"}
 
 
 class NonFiniteLossError(FloatingPointError):
   """Training produced a NaN/inf loss or gradient; nothing of that step was saved."""
 
 
-# The exit status of a run stopped by a preemption notice after its checkpoint is on disk
-# (EX_TEMPFAIL: run the same command again to resume).
-EXIT_PREEMPTED = 75
+class Stopped(Exception):
+  """SIGTERM or Ctrl-C stopped training at a step boundary; its checkpoint is complete."""
 
-
-class Preempted(Exception):
-  """A preemption notice stopped training at a step boundary; its checkpoint is complete."""
-
-  def __init__(self, step: int, directory: str):
-    super().__init__(f"preempted: checkpoint of step {step} saved in {directory}; run the same "
+  def __init__(self, step: int, directory: str, signum: int | None):
+    interrupted = signum == signal.SIGINT
+    what = "interrupted (Ctrl-C)" if interrupted else "preempted"
+    super().__init__(f"{what}: checkpoint of step {step} saved in {directory}; run the same "
                      "command again to resume from it")
     self.step = step
+    self.exit_status = EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED
 
 
-class PreemptionNotice:
-  """Whether training should stop at this step boundary for a preemption.
+class StepAbandoned(Exception):
+  """Raised by a task's step that saw a stop request before it changed its state."""
 
-  One process: SIGTERM (what a spot / preemptible VM receives first) sets a flag
-  that the loop reads after each step, so the checkpoint is of the step running
-  when the signal came. Several processes: JAX's preemption service (set up by
-  `jax.distributed.initialize`) catches the signal on any process, and
-  `multihost_utils.reached_preemption_sync_point` agrees on one step at which
-  every process stops together.
+
+class StopNotice:
+  """Whether the run should stop at this step boundary, and which signal asked.
+
+  One process: SIGTERM and SIGINT set a flag; a step reads it mid-way through
+  `requested`, the loop after each step through `reached`. Several processes: the
+  preemption service's sync point decides (it must be reached by every process at
+  every step); SIGINT is left alone, since one process's Ctrl-C cannot pick a step
+  for the others.
   """
 
+  _NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
+
   def __init__(self):
-    self._signalled = False
-    self._previous = None
+    self.signum: int | None = None
+    self._previous: dict[int, Any] = {}
     self._multi = jax.process_count() > 1
     if not self._multi and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+      for signum in self._NAMES:
+        self._previous[signum] = signal.signal(signum, self._on_signal)
 
   def _on_signal(self, signum, frame):  # pylint: disable=unused-argument
-    if not self._signalled:
-      logging.warning("SIGTERM: saving a checkpoint after this step, then stopping")
-    self._signalled = True
+    if self.signum is not None:
+      if signum == signal.SIGINT:
+        raise KeyboardInterrupt("stopped at once, without a checkpoint")
+      return
+    self.signum = signum
+    again = " (Ctrl-C again: stop at once, without it)" if signum == signal.SIGINT else ""
+    logging.warning("%s: saving a checkpoint after this step, then stopping%s",
+                    self._NAMES[signum], again)
+
+  @property
+  def requested(self) -> bool:
+    """A signal came (this process only; for a step deciding to abandon itself)."""
+    return self.signum is not None
 
   def reached(self, step: int) -> bool:
+    """Whether to stop after `step` (a collective with several processes)."""
     if self._multi:
       from jax.experimental import multihost_utils  # only multi-process runs need it
-      return bool(multihost_utils.reached_preemption_sync_point(step))
-    return self._signalled
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.signum = signal.SIGTERM
+    return self.signum is not None
 
   def close(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    self._previous = {}
 
 
-class MetricsLog:
-  """`W/metrics.jsonl` plus TensorBoard scalars; only process 0 writes."""
+class Task(abc.ABC):
+  """A trainer as the loop sees it.
 
-  def __init__(self, workdir: str, resume_step: int, enabled: bool):
-    self.enabled = enabled
-    self.path = os.path.join(workdir, METRICS_FILE)
-    self._file = None
-    self._tb = None
-    if not enabled:
-      return
-    self._truncate_after(resume_step)
-    self._file = open(self.path, "a")
-    from tensorboardX import SummaryWriter  # heavy-ish; only the writing process needs it
-    self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
+  The state is a pytree `{"params": ..., "opt_state": ...}` of arrays placed where
+  the step wants them. `meta()` holds JSON values a resumed run must match (a
+  `model_config` entry is compared field by field, `check_resume`).
+  """
 
-  def _truncate_after(self, step: int) -> None:
-    # Lines logged after the checkpoint we resume from (and a line cut by a
-    # kill) are dropped: the resumed run logs those steps again.
-    if not os.path.exists(self.path):
-      return
-    kept = []
-    with open(self.path) as f:
-      for line in f:
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError:
-          continue
-        if isinstance(record, dict) and record.get("step", math.inf) <= step:
-          kept.append(json.dumps(record) + "\n")
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(kept)
-    os.replace(tmp, self.path)
+  label: str = "train"  # the progress bar's name
+  total_steps: int = 0
+  # A grain iterator whose position every checkpoint keeps, or None: the task draws its
+  # batches from (seed, step).
+  data_iterator: Any = None
 
-  def write(self, step: int, metrics: Mapping[str, float], prefix: str = "") -> None:
-    if not self.enabled:
-      return
-    record = {"step": int(step)}
-    record.update({prefix + k: float(v) for k, v in metrics.items()})
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
-    for k, v in metrics.items():
-      self._tb.add_scalar(prefix + k, float(v), int(step))
+  @abc.abstractmethod
+  def meta(self) -> dict:
+    """What the checkpoints are written with and a resume must match."""
 
-  def close(self) -> None:
-    if self._file is not None:
-      self._file.close()
-      self._file = None
-    if self._tb is not None:
-      self._tb.close()
-      self._tb = None
+  @abc.abstractmethod
+  def abstract_state(self) -> Any:
+    """The state's `jax.ShapeDtypeStruct`s, each with the sharding to restore it into."""
+
+  @abc.abstractmethod
+  def init_state(self) -> Any:
+    """The state of a run with no checkpoint."""
+
+  @abc.abstractmethod
+  def step(self, state, step: int, stop: StopNotice) -> tuple[Any, Mapping[str, float]]:
+    """Update `step` (0-based): `(new state, host metrics)`; the metrics hold a `loss`
+    and a `grad_norm`. May raise `StepAbandoned` if `stop.requested` before it drew a
+    batch or changed anything."""
+
+  def postfix(self, metrics: Mapping[str, float]) -> dict:
+    """The progress bar's numbers for a step."""
+    return {"loss": f"{metrics['loss']:.4f}"}
+
+  def evaluate(self, state, done: int) -> dict:  # pylint: disable=unused-argument
+    """Metrics logged on a line of their own after step `done` is saved ({}: none)."""
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopOptions:
+  workdir: str  # W: checkpoints/, metrics.jsonl (and tensorboard/ when asked)
+  save_every: int  # steps between checkpoints; the last step and a stop save too
+  max_to_keep: int = 2
+  async_save: bool = False  # saves run beside the next steps
+  log_every: int = 1  # steps between metrics lines (the last step is always logged)
+  progress: bool = True
+  tensorboard: bool = False
 
 
 @dataclasses.dataclass
-class TrainResult:
-  step: int  # steps completed
-  model_config: ModelConfig
-  params: dict  # final parameters (pure dict of arrays)
-  last_metrics: dict  # host metrics of the last step run in this call ({} if none)
-  eval_metrics: dict  # last eval ({} if none)
-  samples_per_step: float = math.nan  # mean over the steps run in this call (nan if none)
+class LoopResult:
+  start: int  # the step the run started (or resumed) at
+  step: int  # steps done, in this run and before it
+  state: Any  # the final state
+  metrics: dict  # the last step's metrics in this run ({} when it ran none)
 
 
-def _resume_meta(config, model_config: ModelConfig, total_steps: int) -> dict:
-  return {"seed": int(config.seed), "objective": config.objective,
-          "global_batch_size": int(config.global_batch_size),
-          "seq_len": int(config.data.seq_len), "packing": settings.packing(config),
-          "total_steps": int(total_steps), "model_config": dataclasses.asdict(model_config)}
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a trainer's arrays live: a (data, fsdp, tensor) mesh with its logical-axis
+  rules, or, with no mesh, JAX's default device."""
+
+  mesh: Mesh | None = None
+  rules: sharding.ShardingRules = dataclasses.field(default_factory=sharding.ShardingRules)
+
+  def shard_model(self, model) -> None:
+    """Moves every variable of `model` onto the mesh by its logical axes (in place)."""
+    if self.mesh is None:
+      return
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, sharding.state_shardings(state, self.mesh,
+                                                                     self.rules)))
+
+  def jit(self, fn: Callable, **jit_kwargs) -> Callable:
+    """`fn` jitted, traced and run under the mesh's activation constraints."""
+    jitted = jax.jit(fn, **jit_kwargs)
+
+    def call(*args):
+      with sharding.use_mesh(self.mesh, self.rules):
+        return jitted(*args)
+
+    return call
+
+
+def abstract_of(tree) -> Any:
+  """Each array of `tree` as a `jax.ShapeDtypeStruct` keeping its sharding."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      tree)
 
 
 # Model fields a resumed run may change: how the same parameters are computed, not what
@@ -176,8 +229,9 @@ def _resume_meta(config, model_config: ModelConfig, total_steps: int) -> dict:
 _RESUMABLE_MODEL_FIELDS = ("remat", "attention_impl")
 
 
-def _check_resume(saved: Mapping[str, Any], wanted: Mapping[str, Any], where: str) -> None:
-  # A run resumed with another seed, batch, shape or schedule would not be the same run.
+def check_resume(saved: Mapping[str, Any], wanted: Mapping[str, Any], where: str) -> None:
+  """Raises InputError naming the first setting of `wanted` that `saved` (a checkpoint's
+  meta, read from `where`) holds with another value; keys it lacks are not compared."""
   for key, value in wanted.items():
     if key not in saved:
       continue
@@ -185,7 +239,7 @@ def _check_resume(saved: Mapping[str, Any], wanted: Mapping[str, Any], where: st
       _check_resume_model(saved[key], value, where)
     elif saved[key] != value:
       raise InputError(f"{where} was written with {key}={saved[key]!r} but the config now "
-                       f"gives {value!r}; use a new workdir or restore the old setting")
+                       f"gives {value!r}; start in a new folder or restore the old setting")
 
 
 def _check_resume_model(saved: Mapping[str, Any], wanted: Mapping[str, Any], where: str) -> None:
@@ -201,93 +255,9 @@ def _check_resume_model(saved: Mapping[str, Any], wanted: Mapping[str, Any], whe
     hint = ("the parameters are stored in the other layer layout; resume with "
             f"--config.model.scan_layers={str(saved.get(name)).lower()} (a finished model "
             "folder converts with checkpoint.load_model(..., scan_layers=...))"
-            if name == "scan_layers" else "use a new workdir or restore the old setting")
+            if name == "scan_layers" else "start in a new folder or restore the old setting")
     raise InputError(f"{where} was written with model.{name}={saved.get(name)!r} but the config "
                      f"now gives {value!r}; {hint}")
-
-
-def _evaluate(trainer: trainer_lib.Trainer, params, data_config, tokenizer) -> dict:
-  from refusion_jax import data  # local: the TFDS import is slow and eval is optional
-
-  config = trainer.config
-  loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "eval",
-                                   jax.process_index(), jax.process_count(),
-                                   eos_pad_response_to=settings.eos_pad_response_to(config),
-                                   eos_pad_multiple=settings.eos_pad_multiple(config))
-  totals: dict[str, float] = {}
-  count = 0
-  batches = iter(loader)
-  while True:
-    batch = next(batches, None)
-    # The eval split keeps a short last batch; its shape would not shard evenly.
-    full = batch is not None and len(batch["tokens"]) == loader.per_process_batch
-    if jax.process_count() > 1:
-      # Each process drops its own shard's over-long rows, so the processes may
-      # hold different numbers of full batches; eval_step is a collective that
-      # every process must run, so all stop at the first batch one lacks.
-      from jax.experimental import multihost_utils  # only multi-process runs need it
-      full = bool(np.all(multihost_utils.process_allgather(np.asarray([full]))))
-    if not full:
-      break
-    metrics = jax.device_get(trainer.eval_step(params, trainer.shard_batch(batch), count))
-    for k, v in metrics.items():
-      totals[k] = totals.get(k, 0.0) + float(v)
-    count += 1
-    if config.eval_batches and count >= config.eval_batches:
-      break
-  if count == 0:
-    raise ValueError(f"config.data.eval_files hold no full batch of "
-                     f"{config.global_batch_size} rows")
-  return {k: v / count for k, v in totals.items()}
-
-
-@contextlib.contextmanager
-def _as_input_errors():
-  """Re-raises a ValueError or OSError (a bad setting, a missing or unreadable file) as an
-  InputError with the same message: the entry point reports it in one line."""
-  try:
-    yield
-  except InputError:
-    raise
-  except (ValueError, OSError) as e:
-    raise InputError(str(e)) from None
-
-
-def _check_data(config, data_config: dict, tokenizer) -> int:
-  """Checks the data files before anything is built, written or compiled; returns the
-  number of training examples.
-
-  Every line of every file is read (malformed JSON, missing fields); at least one
-  training example must fit in seq_len (with drop_overlong=False every one must,
-  else the loader would stop mid-run on it; with all of them dropped it would wait
-  forever); when evaluating, the eval files must fill a global batch.
-  """
-  from refusion_jax import data  # local: the TFDS import is slow
-
-  seq_len, drop = int(config.data.seq_len), bool(config.data.drop_overlong)
-  num_examples = data.validate_files(data_config["train_files"])
-  if data_config["eval_files"]:
-    data.validate_files(data_config["eval_files"])
-  data.check_lengths(data.iter_examples(data_config["train_files"]), tokenizer, seq_len,
-                     drop_overlong=drop, what="config.data.train_files", full=not drop)
-  if data_config["eval_files"] and config.eval_every_steps:
-    data.check_lengths(data.iter_examples(data_config["eval_files"]), tokenizer, seq_len,
-                       drop_overlong=drop, what="config.data.eval_files", full=True,
-                       min_fitting=int(config.global_batch_size))
-    if settings.packing(config) != "none":
-      # Packed, the samples that fill a batch one per row may fill only part of one.
-      layout = data.measure_layout(
-          list(data.iter_examples(data_config["eval_files"])), tokenizer, seq_len=seq_len,
-          packing=settings.packing(config), packing_bins=int(config.data.packing_bins),
-          batch_size=int(config.global_batch_size), seed=0, drop_overlong=drop,
-          eos_pad_response_to=settings.eos_pad_response_to(config),
-          eos_pad_multiple=settings.eos_pad_multiple(config), shuffle=False)
-      if layout.rows < config.global_batch_size:
-        raise ValueError(f"config.data.eval_files: packed ({settings.packing(config)}), their "
-                         f"{layout.samples} samples fill {layout.rows} rows, fewer than one "
-                         f"batch of config.global_batch_size={config.global_batch_size}; add "
-                         "eval data or set config.eval_every_steps=0")
-  return num_examples
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
@@ -301,34 +271,40 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
   return text if len(text) <= limit else text[:limit] + " ..."
 
 
-def _restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, trainer, meta: dict, data_iter,
-                           is_chief: bool):
+def _try_restore(ckpt: checkpoint.TrainCheckpointer, step: int, task: Task, meta: dict,
+                 abstract) -> tuple[Any, str | None]:
+  """`(state, None)` of checkpoint `step`, or `(None, what is wrong with it)`."""
+  problem = ckpt.damage(step)
+  if problem is not None:
+    return None, problem
+  try:
+    saved_meta = ckpt.read_meta(step)
+  except Exception as e:  # pylint: disable=broad-except
+    return None, f"its meta item cannot be read ({_first_line(e)})"
+  check_resume(saved_meta, meta, os.path.join(ckpt.directory, str(step)))
+  try:
+    return ckpt.restore(step, abstract, task.data_iterator)[0], None
+  except Exception as e:  # pylint: disable=broad-except
+    return None, f"it cannot be restored ({_first_line(e)})"
+
+
+def restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, task: Task, is_chief: bool):
   """`(step, state)` of the newest checkpoint that reads back whole, or None when there is none.
 
-  A checkpoint that cannot be read (a missing or truncated file, unreadable JSON) is
-  named with what is wrong in a warning and moved aside to `<step>.damaged` (by the
-  chief), so that it is neither retried nor confused with the step saved again later;
-  the next older one is tried. A checkpoint written with other settings is not damage:
-  it stops the run (`_check_resume`). When checkpoints exist but none is intact, an
-  InputError names each and what is wrong with it.
+  A checkpoint that cannot be read is named with what is wrong in a warning and moved
+  aside to `<step>.damaged` (by the chief), so that it is neither retried nor confused
+  with the step saved again later; the next older one is tried. A checkpoint written
+  with other settings is not damage: it stops the run (`check_resume`). When
+  checkpoints exist but none is intact, an InputError names each and what is wrong.
   """
+  meta, abstract = task.meta(), task.abstract_state()
   skipped, found = [], None
   for step in sorted(ckpt.all_steps(), reverse=True):
+    state, problem = _try_restore(ckpt, step, task, meta, abstract)
+    if problem is None:
+      found = step, state
+      break
     where = os.path.join(ckpt.directory, str(step))
-    problem = ckpt.damage(step)
-    saved_meta = None
-    if problem is None:
-      try:
-        saved_meta = ckpt.read_meta(step)
-      except Exception as e:  # pylint: disable=broad-except
-        problem = f"its meta item cannot be read ({_first_line(e)})"
-    if problem is None:
-      _check_resume(saved_meta, meta, where)
-      try:
-        found = step, ckpt.restore(step, trainer.abstract_train_state(), data_iter)[0]
-        break
-      except Exception as e:  # pylint: disable=broad-except
-        problem = f"it cannot be restored ({_first_line(e)})"
     moved = ckpt.move_aside(step) if is_chief else f"{where}.damaged by process 0"
     logging.warning("checkpoint %s is damaged and was skipped: %s; moved to %s", where,
                     problem, moved)
@@ -341,168 +317,103 @@ def _restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, trainer, meta: di
     agreed = int(np.min(multihost_utils.process_allgather(np.asarray([mine]))))
     ckpt.reload()
     if agreed != mine:
-      found = None if agreed < 0 else (agreed, ckpt.restore(
-          agreed, trainer.abstract_train_state(), data_iter)[0])
+      found = None if agreed < 0 else (agreed, ckpt.restore(agreed, abstract,
+                                                            task.data_iterator)[0])
       skipped.append(f"step {mine} is unreadable on another process")
-  if found is not None:
-    if skipped:
-      logging.warning("resuming from %s, the newest intact checkpoint",
-                      os.path.join(ckpt.directory, str(found[0])))
-    return found
-  if skipped:
+  if found is None and skipped:
     raise InputError("no intact checkpoint to resume from in " + ckpt.directory + ": "
                      + "; ".join(skipped) + ". Restore a checkpoint or use a new workdir")
-  return None
+  if found is not None and skipped:
+    logging.warning("resuming from %s, the newest intact checkpoint",
+                    os.path.join(ckpt.directory, str(found[0])))
+  return found
 
 
-def train_and_evaluate(config, workdir: str) -> TrainResult:
-  """Trains (resuming from `workdir` when it holds checkpoints); see the module doc."""
-  from refusion_jax import data  # local: the TFDS import is slow and validation comes first
+def _check_finite(metrics: Mapping[str, float], step: int,
+                  ckpt: checkpoint.TrainCheckpointer) -> None:
+  bad = [k for k in FINITE_METRICS if k in metrics and not math.isfinite(metrics[k])]
+  if not bad:
+    return
+  ckpt.wait()  # pending saves of good states complete; this state is never saved
+  values = ", ".join(f"{k}={metrics[k]}" for k in FINITE_METRICS if k in metrics)
+  raise NonFiniteLossError(
+      f"non-finite training {FINITE_METRICS[bad[0]]} at step {step + 1} (update {step} -> "
+      f"{step + 1}): {values}; training stopped, the last good checkpoint is step "
+      f"{ckpt.latest_step()} in {ckpt.directory}")
 
-  workdir = os.path.abspath(workdir)
-  # Everything the run reads or writes is checked before anything is compiled:
-  # a failure here is the config's or the data's, reported as an InputError.
-  with _as_input_errors():
-    resolved = settings.resolve(config)
-    tokenizer, model_config = resolved.tokenizer, resolved.model_config
-    outputs.check_export_dir(config.export_hf_dir, workdir, config.data.tfds_dir)
-    outputs.check_workdir(workdir)
-    data_config = config.data.to_dict()
-    data_config["train_files"] = list(data_config["train_files"])
-    data_config["eval_files"] = list(data_config["eval_files"])
-    data_config["tfds_dir"] = data_config["tfds_dir"] or os.path.join(workdir, TFDS_DIR)
-    if os.path.lexists(data_config["tfds_dir"]) and not os.path.isdir(data_config["tfds_dir"]):
-      raise ValueError(f"config.data.tfds_dir={config.data.tfds_dir!r} exists and is not a "
-                       "folder")
-    num_examples = _check_data(config, data_config, tokenizer)
-    # Epochs of packed rows count samples: how many share a row is measured on the built
-    # data below; every other step count is known now.
-    measure_rows = config.num_train_steps <= 0 and settings.packing(config) != "none"
-    if not measure_rows:
-      total_steps = settings.total_train_steps(config, num_examples)
-  # Nothing was written before this point: a run refused above leaves no trace.
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:  # e.g. a path under /proc or /sys, or a read-only mount
-    raise InputError(f"--workdir={workdir!r} cannot be created: "
-                     f"{e.strerror or e} ({e.filename or workdir})") from None
-  eos_pad = settings.eos_pad_response_to(config)
-  loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "train",
-                                   jax.process_index(), jax.process_count(),
-                                   eos_pad_response_to=eos_pad,
-                                   eos_pad_multiple=settings.eos_pad_multiple(config))
-  assert loader.num_records == num_examples, (loader.num_records, num_examples)
-  if measure_rows:
-    # Measured on the shuffled data as one process would read all of it, so that every
-    # process derives the same count.
-    layout = data.measure_layout(
-        data.split_source(data_config, "train"), tokenizer, seq_len=int(config.data.seq_len),
-        packing=settings.packing(config), packing_bins=int(config.data.get("packing_bins", 0)),
-        batch_size=loader.per_process_batch, seed=int(config.data.shuffle_seed),
-        drop_overlong=bool(config.data.drop_overlong), eos_pad_response_to=eos_pad,
-        eos_pad_multiple=settings.eos_pad_multiple(config),
-        max_samples=settings.SAMPLES_MEASURED)
-    logging.info("packing: %.2f samples per row, %.1f%% of row tokens real (measured on %d "
-                 "samples)", layout.samples_per_row, 100 * layout.real_token_fraction,
-                 layout.samples)
-    with _as_input_errors():
-      total_steps = settings.total_train_steps(config, num_examples, layout.samples_per_row)
-  mesh = sharding.make_mesh(devices=resolved.devices, **resolved.mesh_shape)
-  trainer = trainer_lib.Trainer(config, model_config, mesh=mesh, pad_id=tokenizer.pad_id,
-                                total_steps=total_steps)
-  meta = _resume_meta(config, model_config, total_steps)
+
+def _stop_at(step: int, ckpt: checkpoint.TrainCheckpointer, stop: StopNotice) -> NoReturn:
+  ckpt.wait()  # the checkpoint is complete on disk before the process goes away
+  raise Stopped(step, ckpt.directory, stop.signum)
+
+
+def _run_steps(task: Task, options: LoopOptions, ckpt, writer: MetricsWriter, stop: StopNotice,
+               start: int, state, saved: int | None):
+  """Steps `start` .. `task.total_steps - 1`; `saved`: the step already on disk, if any."""
+  meta, total, metrics = task.meta(), task.total_steps, {}
+  for step in range(start, total):
+    try:
+      state, metrics = task.step(state, step, stop)
+    except StepAbandoned:
+      if saved != step:
+        ckpt.save(step, state, task.data_iterator, meta)
+      _stop_at(step, ckpt, stop)
+    done = step + 1
+    _check_finite(metrics, step, ckpt)
+    if done % options.log_every == 0 or done == total:
+      writer.log(done, metrics)
+    writer.advance(task.postfix(metrics))
+    stopping = stop.reached(done)
+    if done % options.save_every == 0 or done == total or stopping:
+      ckpt.save(done, state, task.data_iterator, meta)
+      saved = done
+    if stopping and done < total:
+      _stop_at(done, ckpt, stop)
+    extra = task.evaluate(state, done)
+    if extra:
+      writer.log(done, extra)
+  return state, metrics
+
+
+def run_loop(task: Task, options: LoopOptions) -> LoopResult:
+  """Trains `task` to `task.total_steps`, resuming from `options.workdir`; see the module doc."""
   is_chief = jax.process_index() == 0
-
-  ckpt = checkpoint.TrainCheckpointer(os.path.join(workdir, CHECKPOINT_DIR),
-                                      max_to_keep=config.checkpoint.max_to_keep,
-                                      async_save=config.checkpoint.async_save)
-  log = preemption = None
+  ckpt = checkpoint.TrainCheckpointer(
+      os.path.join(options.workdir, CHECKPOINT_DIR), max_to_keep=options.max_to_keep,
+      async_save=options.async_save, with_data=task.data_iterator is not None)
+  writer = stop = None
   try:
-    data_iter = iter(loader)
-    resumed = _restore_newest_intact(ckpt, trainer, meta, data_iter, is_chief)
-    if resumed is not None:
-      start, state = resumed
-      params, opt_state = state["params"], state["opt_state"]
-      logging.info("resumed from %s", os.path.join(ckpt.directory, str(start)))
+    resumed = restore_newest_intact(ckpt, task, is_chief)
+    if resumed is None:
+      start, state = 0, task.init_state()
     else:
-      start = 0
-      if config.init_from_hf:
-        params = trainer_lib.init_params_from_hf(trainer, config.init_from_hf, tokenizer)
-      else:
-        params = trainer.init_params()
-      opt_state = trainer.init_opt_state(params)
-
-    log = MetricsLog(workdir, start, enabled=is_chief)
-    tokens_per_step = config.global_batch_size * config.data.seq_len
-    last_metrics, eval_metrics = {}, {}
-    progress = None
-    if config.progress_bar and is_chief:
-      import tqdm  # local: only the bar needs it
-      progress = tqdm.tqdm(total=total_steps, initial=start, desc="train", unit="step")
-    preemption = PreemptionNotice()
-    samples_seen = 0.0
-    tick = time.perf_counter()
-    for step in range(start, total_steps):
-      batch = trainer.shard_batch(next(data_iter))
-      params, opt_state, metrics = trainer.train_step(params, opt_state, batch, step)
-      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      done = step + 1
-      if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-        ckpt.wait()  # pending saves of good states complete; this state is never saved
-        what = "loss" if not math.isfinite(metrics["loss"]) else "gradient"
-        raise NonFiniteLossError(
-            f"non-finite training {what} at step {done} (update {step} -> {done}): loss="
-            f"{metrics['loss']}, grad_norm={metrics['grad_norm']}; training stopped, the "
-            f"last good checkpoint is step {ckpt.latest_step()} in {ckpt.directory}")
-      now = time.perf_counter()
-      seconds = max(now - tick, 1e-9)
-      # Row tokens (padding included), samples and real tokens per second.
-      metrics.update(tokens_per_sec=tokens_per_step / seconds,
-                     samples_per_sec=metrics["samples"] / seconds,
-                     real_tokens_per_sec=metrics["real_tokens"] / seconds)
-      tick = now
-      last_metrics = metrics
-      samples_seen += metrics["samples"]
-      if done % config.log_every_steps == 0 or done == total_steps:
-        log.write(done, metrics)
-      if progress is not None:
-        progress.update(1)
-        progress.set_postfix(loss=f"{metrics['loss']:.4f}", samples=int(metrics["samples"]),
-                             real=f"{metrics['real_tokens'] / tokens_per_step:.0%}",
-                             refresh=False)
-      preempted = preemption.reached(done)
-      if done % config.checkpoint.every_steps == 0 or done == total_steps or preempted:
-        ckpt.save(done, {"params": params, "opt_state": opt_state}, data_iter, meta)
-      if preempted and done < total_steps:
-        ckpt.wait()  # the checkpoint is complete on disk before the process goes away
-        if progress is not None:
-          progress.close()
-        raise Preempted(done, ckpt.directory)
-      if config.eval_every_steps and (done % config.eval_every_steps == 0
-                                      or done == total_steps):
-        eval_metrics = _evaluate(trainer, params, data_config, tokenizer)
-        log.write(done, eval_metrics, prefix="eval_")
-        logging.info("step %d eval %s", done, eval_metrics)
-        tick = time.perf_counter()  # eval time is not training throughput
-    if progress is not None:
-      progress.close()
+      start, state = resumed
+      logging.info("resumed from %s", os.path.join(ckpt.directory, str(start)))
+    writer = MetricsWriter(options.workdir, resume_step=start, total_steps=task.total_steps,
+                           label=task.label, enabled=is_chief, tensorboard=options.tensorboard,
+                           progress=options.progress and is_chief)
+    stop = StopNotice()
+    state, metrics = _run_steps(task, options, ckpt, writer, stop, start, state,
+                                saved=None if resumed is None else start)
     ckpt.wait()
-
-    model = trainer.model(params)
-    checkpoint.save_model(os.path.join(workdir, FINAL_MODEL_DIR), model_config, model,
-                          overwrite=True)
-    if config.export_hf_dir:
-      # Checked again: the folder may have gained files while the run trained.
-      outputs.check_export_dir(config.export_hf_dir, workdir, config.data.tfds_dir)
-      hf.save(model_config, model, config.export_hf_dir, overwrite=True,
-              extra_files=outputs.export_marker(workdir))
-    steps_run = max(0, total_steps - start)
-    return TrainResult(step=max(start, total_steps), model_config=model_config, params=params,
-                       last_metrics=last_metrics, eval_metrics=eval_metrics,
-                       samples_per_step=samples_seen / steps_run if steps_run else math.nan)
+    return LoopResult(start=start, step=max(start, task.total_steps), state=state,
+                      metrics=dict(metrics))
   finally:
-    if preemption is not None:
-      preemption.close()
+    if stop is not None:
+      stop.close()
     ckpt.close()
-    if log is not None:
-      log.close()
+    if writer is not None:
+      writer.close()
+
+
+@contextlib.contextmanager
+def stops_reported(program: str):
+  """An entry point's clean stops: `Stopped` becomes one line on stderr and its exit
+  status (75 or 130); a non-finite loss one line and status 1, without a traceback."""
+  try:
+    yield
+  except Stopped as e:
+    print(f"{program}: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(e.exit_status) from None
+  except NonFiniteLossError as e:
+    raise SystemExit(f"{program}: {e}") from None
