@@ -343,7 +343,7 @@ class MdmOptions(MethodOptions):
       switch="is one of LLaDA's sampler options")
   mdm_cfg_scale: float = option(
       0.0, "classifier-free guidance scale s: cond + s (cond - uncond), uncond with the "
-      "prompt masked (a second forward); 0: off",
+      "prompt masked (a second forward, so whether s > 0 is static); 0: off",
       rule=Rule(lambda v: opts.is_number(v) and v >= 0, "be a number >= 0 (0: no guidance)"),
       kind="traced", switch="is one of LLaDA's sampler options")
   mdm_cache: str | None = option(
