@@ -785,7 +785,7 @@ class DecodeConfig:
   # sample_drafts (traced): the infill's drafts are drawn at the temperature as the plan's
   # are (off: argmax, the release), so that every committed token is a draw with a
   # probability. record (static): each committed token's deciding pass is recorded
-  # (DecodeOutput.trace), which `planning.replay` scores exactly in one forward.
+  # (DecodeOutput.trace), which `rl.replay` scores exactly in one forward.
   sample_drafts: bool = False
   record: bool = False
   # The slot planner (ReFusion): "threshold" (the release's tau_s rule, the compiled

@@ -1,4 +1,4 @@
-"""GRPO's pieces (refusion_jax.planning.grpo) by hand, and one policy step on exact
+"""GRPO's pieces (refusion_jax.rl.grpo) by hand, and one policy step on exact
 trajectory log-probabilities moving probability towards the rewarded answer."""
 
 import math
@@ -10,7 +10,8 @@ import optax
 import pytest
 from flax import nnx
 
-from refusion_jax.planning import grpo, order_oracle, trajectory
+from refusion_jax.planning import order_oracle, trajectory
+from refusion_jax.rl import grpo
 from tests.test_order_oracle import PROMPTS, _model
 
 

@@ -52,7 +52,7 @@ RL rollouts (`decode.sample_drafts`, `decode.record`): the infill's drafts are d
 the temperature as the plan's are, and each committed token keeps the pass that drafted
 it (the plan of its step, or infill round r with m tokens of its slot kept), its
 probability there, whether its K/V came from one causal run of its step, and each
-step's plan feed (`DecodeOutput.trace`); `planning.replay` scores a rollout from it.
+step's plan feed (`DecodeOutput.trace`); `rl.replay` scores a rollout from it.
 
 `left_to_right` (ReFusion used as a plain AR model): slots strictly in
 position order over the whole response (blocks and thresholds play no part).

@@ -91,7 +91,7 @@ def logprobs(model, trajectories: Sequence[Trajectory], temperature: float = 1.0
   are built on the host)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax.planning import replay  # pylint: disable=import-outside-toplevel
+  from refusion_jax.rl import replay  # pylint: disable=import-outside-toplevel
   mask_id = model.config.mask_token_id
   if mask_id is None:
     raise ValueError("trajectory log-probabilities need the model's mask_token_id")

@@ -13,17 +13,17 @@ One step:
    samples.
 2. **Rewards** (`rl.rewards`): the completion's text (up to its stop token) against its
    row; optional speed term `reward * (1 + speed_weight * tokens / forwards)`.
-3. **Advantages**, group-relative (`planning.grpo.group_advantages`).
+3. **Advantages**, group-relative (`rl.grpo.group_advantages`).
 4. **Policy step**: each rollout's exact log-probability under the current weights,
-   one forward of its training layout (`planning.replay`); GRPO's clipped ratio and a
+   one forward of its training layout (`rl.replay`); GRPO's clipped ratio and a
    k3 KL to the frozen reference (the starting weights; its log-probabilities from the
-   same function) (`planning.grpo.policy_loss`); `num_iterations` optimizer steps on
+   same function) (`rl.grpo.policy_loss`); `num_iterations` optimizer steps on
    one batch of rollouts (the first one's old log-probabilities are the current ones),
    gradients accumulated over `micro_batch` rollouts; optax AdamW with clipping.
 
 What is trained (`train_policy`): "model", every parameter of the model; "selector",
 the small slot-selection policy alone (`decode.planner='policy'`, base frozen: the
-rollouts draw each plan step's slots from it, `planning.selector` scores the choices);
+rollouts draw each plan step's slots from it, `rl.selector` scores the choices);
 or "both" (each rollout's tokens and plan choices in one log-likelihood). Checkpoints
 (`OUT/checkpoints/<step>/`, orbax: parameters, optimizer state, step and seed; a
 rerun resumes from the newest) are written every `save_every` steps; SIGTERM during a
@@ -156,12 +156,12 @@ def make_optimizer(c):
 
 def trajectory_logprobs(merge, p, batch, temperature: float, entropy: bool = False):
   """Each rollout's log-probabilities under the trained parts of `p`, concatenated along
-  the last axis: `p["model"]` scores every committed token (`planning.replay`),
-  `p["selector"]` every plan step's choice (`planning.selector`). Returns `(lp [B, T],
+  the last axis: `p["model"]` scores every committed token (`rl.replay`),
+  `p["selector"]` every plan step's choice (`rl.selector`). Returns `(lp [B, T],
   valid [B, T], metrics)`."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax.planning import replay, selector  # pylint: disable=import-outside-toplevel
+  from refusion_jax.rl import replay, selector  # pylint: disable=import-outside-toplevel
   parts, valids, metrics = [], [], {}
   if "model" in p:
     lp, ent = replay.logprobs(merge(p["model"]), batch, temperature, entropy=True)
@@ -190,7 +190,7 @@ def make_loss(merge, *, temperature: float, epsilon: float, epsilon_high: float,
   reference)."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax.planning import grpo  # pylint: disable=import-outside-toplevel
+  from refusion_jax.rl import grpo  # pylint: disable=import-outside-toplevel
 
   def loss_of(p, batch, old_lp, ref_lp, adv):
     lp, valid, extra = trajectory_logprobs(merge, p, batch, temperature, entropy=True)
@@ -274,7 +274,7 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
 
   from refusion_jax import checkpoint, sample  # pylint: disable=import-outside-toplevel
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
-  from refusion_jax.planning import grpo, replay  # pylint: disable=import-outside-toplevel
+  from refusion_jax.rl import grpo, replay  # pylint: disable=import-outside-toplevel
 
   dc = decode_config_of(c)
   model_config, model = sample.load_model(c.model_dir, scan_layers=False)
