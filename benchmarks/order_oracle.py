@@ -1,6 +1,6 @@
 """How much can ReFusion's slot order matter? Every order of every problem, scored.
 
-For each problem, `refusion_jax.planning.order_oracle` decodes the answer in every
+For each problem, `refusion_jax.decode.order_oracle` decodes the answer in every
 order of its slots (a slot's first token planned from its own masks, the rest
 autoregressive: the left-to-right ablation's fill, only the order changes) and scores
 each answer. Per task: the accuracy of the position order (= `decode.left_to_right`),
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from refusion_jax import checkpoint, evaluate  # noqa: E402
 from refusion_jax import tasks as tasks_lib  # noqa: E402
-from refusion_jax.planning import order_oracle  # noqa: E402
+from refusion_jax.decode import order_oracle  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
 

@@ -789,7 +789,7 @@ class DecodeConfig:
   sample_drafts: bool = False
   record: bool = False
   # The slot planner (ReFusion): "threshold" (the release's tau_s rule, the compiled
-  # engine) or "mcts" (planning.mcts: a search over which slot to commit next, one slot
+  # engine) or "mcts" (decode.mcts: a search over which slot to commit next, one slot
   # per plan step with the left-to-right ablation's fill; mcts_budget simulations per
   # plan step, run mcts_batch at a time as rows of one forward; PUCT exploration mcts_c).
   # "policy": a small selection policy (base frozen, trained by refusion_jax.rl): slot s is

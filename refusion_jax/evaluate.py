@@ -197,7 +197,7 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
     task_problems = [p for p in problems if p.task == task]
     prompts = [list(p.prompt_ids) for p in task_problems]
     if decode_config.planner == "mcts":
-      from refusion_jax.planning import mcts  # pylint: disable=import-outside-toplevel
+      from refusion_jax.decode import mcts  # pylint: disable=import-outside-toplevel
       decoder = mcts.Decoder(model, decode_config)
     else:
       decoder = engine_lib.Decoder(model, decode_config)

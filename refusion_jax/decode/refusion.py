@@ -961,7 +961,7 @@ def validate(model_config, decode_config: DecodeConfig, prompt_len: int) -> None
                      "(ModelConfig.shift_logits): decode it with decode.method='mdm'")
   if decode_config.planner == "mcts":
     raise ValueError(f"decode.planner={decode_config.planner!r} is a host-driven search "
-                     "(refusion_jax.planning.mcts.Decoder; evaluate runs it); the compiled "
+                     "(refusion_jax.decode.mcts.Decoder; evaluate runs it); the compiled "
                      "decoder plans with decode.planner='threshold' or 'policy'")
   # `replace()` re-runs DecodeConfig's own field checks (block multiple of slot,
   # gen_length multiple of block, thresholds in [0, 1], ...), even on an instance
