@@ -234,18 +234,15 @@ def run(c, progress: bool = True) -> dict[str, Any]:
   import optax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax import data, lora, sample  # pylint: disable=import-outside-toplevel
-  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-  model_config, base = sample.load_model(c.base_dir, scan_layers=False)
+  from refusion_jax import data, loading, lora  # pylint: disable=import-outside-toplevel
+  model_config, base = loading.load_model(c.base_dir, scan_layers=False, flag="--config.base_dir")
   if model_config.attention != "bidirectional":
     raise ValueError(f"{c.base_dir}: D2F adapts an MDM (attention='bidirectional'), got "
                      f"{model_config.attention!r}")
   if model_config.mask_token_id is None or model_config.eos_token_id is None:
     raise ValueError(f"{c.base_dir}: the model config needs mask_token_id and eos_token_id")
-  tok_dir = c.tokenizer_dir or (c.base_dir if os.path.isfile(
-      os.path.join(c.base_dir, "tokenizer.json")) else "")
-  tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else Tokenizer.tiny()
-  tokenizer.check_compatible(model_config)
+  tokenizer = loading.load_tokenizer(c.base_dir, model_config, c.tokenizer_dir,
+                                     flag="--config.base_dir")
   tokens, plens, rlens, dropped = encode_rows(
       list(data.iter_examples(list(c.train_files))), tokenizer, c.seq_len,
       model_config.eos_token_id)

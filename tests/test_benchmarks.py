@@ -337,9 +337,9 @@ def _loop_prompts_and_offline(seed: int):
   """Seven short random prompts and the offline engine's run of them (4 rows, width 16,
   the settings of `_LOOP_FLAGS`) on the bundled base."""
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
-  _, model = sample.load_model(_LOOP_MODEL)
+  _, model = loading.load_model(_LOOP_MODEL)
   rs = np.random.RandomState(seed)
   prompts = [[int(t) for t in rs.randint(4, 60, size=rs.randint(2, 9))] for _ in range(7)]
   dc = DecodeConfig(gen_length=8, slot_size=4, block_size=8, slot_threshold=0.5,

@@ -130,7 +130,7 @@ def test_the_student_mask_is_block_causal_within_the_row():
 
 
 def test_entry_points_merge_an_adapter_at_load(tmp_path):
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
   base_dir, config, base = _mdm_dir(tmp_path)
   rng = np.random.default_rng(0)
   tensors = {}
@@ -141,14 +141,14 @@ def test_entry_points_merge_an_adapter_at_load(tmp_path):
                               rng.normal(0, 0.2, (out_dim, 2)).astype(np.float32))
   adapter = lora.Adapter(rank=2, alpha=2.0, tensors=tensors)
   lora.save_adapter(tmp_path / "ad", config, adapter)
-  _, merged = sample.load_model(base_dir, adapter_dir=str(tmp_path / "ad"))
+  _, merged = loading.load_model(base_dir, adapter_dir=str(tmp_path / "ad"))
   want = lora.merge(checkpoint.load_model(base_dir)[1], adapter)
   ids = jnp.asarray([[5, 6, 7, 3]])
   pos = jnp.arange(4)[None]
   np.testing.assert_array_equal(np.asarray(merged(ids, pos)), np.asarray(want(ids, pos)))
   assert np.abs(np.asarray(merged(ids, pos)) - np.asarray(base(ids, pos))).max() > 1e-3
   with pytest.raises(ValueError, match="scan_layers=True cannot be combined"):
-    sample.load_model(base_dir, scan_layers=True, adapter_dir=str(tmp_path / "ad"))
+    loading.load_model(base_dir, scan_layers=True, adapter_dir=str(tmp_path / "ad"))
 
 
 def test_a_shifted_model_distils_reading_each_token_one_position_left(tmp_path):

@@ -21,7 +21,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from refusion_jax import checkpoint, config as config_lib, hf, sample, sharding
+from refusion_jax import checkpoint, config as config_lib, hf, loading, sharding
 from refusion_jax.model import Qwen3
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
@@ -314,7 +314,7 @@ def test_vocab_size_comes_from_embedding(tmp_path):
   assert config.vocab_size == 128
   # Read without the weights (the server checks its tokenizer against it first).
   assert hf.read_config(folder) == config
-  assert sample.read_model_config(str(folder)) == config
+  assert loading.read_model_config(str(folder)) == config
 
 
 # ---------------------------------------------------------------- errors

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from configs.common import ASSETS_DIR, TINY_TEST
-from refusion_jax import evaluate, sample
+from refusion_jax import evaluate, loading
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine, mcts, order_oracle, ordered_fill
 from refusion_jax.tokenizer import Tokenizer
@@ -132,7 +132,7 @@ def test_the_planner_in_decode_config_and_evaluate():
 
 
 def test_evaluate_runs_the_mcts_planner():
-  _, model = sample.load_model(os.path.join(ASSETS_DIR, "refusion_tiny"))
+  _, model = loading.load_model(os.path.join(ASSETS_DIR, "refusion_tiny"))
   tok = Tokenizer.tiny()
   problems = evaluate.read_problems(TINY_TEST, tok, per_task=1, task_names=["copy", "sort"])
   dc = DecodeConfig(gen_length=16, slot_size=4, block_size=16, planner="mcts", mcts_budget=4,

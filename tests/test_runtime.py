@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from refusion_jax import packaged, runtime
+from refusion_jax import loading, packaged, runtime
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What libtpu prints when it starts on a machine without a TPU.
@@ -98,7 +98,7 @@ def test_the_cache_folder_auto_empty_or_named(monkeypatch, tmp_path):
 
 def test_the_shipped_refusion_model_matches_its_checksum():
   import hashlib  # pylint: disable=import-outside-toplevel
-  folder = packaged.model_dir("refusion_tiny")
+  folder = loading.resolve("refusion_tiny")
   assert folder == packaged.REFUSION_TINY_DIR
   assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*"))) == [
       "config.json", "metrics.jsonl", "model.safetensors", "model.safetensors.sha256"]

@@ -31,7 +31,7 @@ from flax import nnx
 
 from configs import sample as sample_config
 from configs import serve as serve_config
-from refusion_jax import checkpoint, sample, serve
+from refusion_jax import checkpoint, loading, sample, serve
 from refusion_jax import config as config_lib
 from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.decode import engine
@@ -994,7 +994,7 @@ def test_a_hugging_face_folder_serves_what_its_model_folder_does(oracle, tmp_pat
   # The released checkpoints come as HF folders (config.json + safetensors): served from
   # one (here an export of the test model), greedy answers equal the model folder's.
   from refusion_jax import hf  # pylint: disable=import-outside-toplevel
-  config, model = sample.load_model(oracle["model_dir"])
+  config, model = loading.load_model(oracle["model_dir"])
   hf_dir = str(tmp_path / "hf")
   hf.save(config, model, hf_dir)
   info, stop = _serving({**oracle, "model_dir": hf_dir}, "thread")

@@ -272,15 +272,16 @@ def run(c, progress: bool = True, hook: Callable[[str, int, int], None] | None =
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax import checkpoint, sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax import checkpoint, loading  # pylint: disable=import-outside-toplevel
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
   from refusion_jax.rl import grpo, replay  # pylint: disable=import-outside-toplevel
 
   dc = decode_config_of(c)
-  model_config, model = sample.load_model(c.model_dir, scan_layers=False)
+  model_config, model = loading.load_model(c.model_dir, scan_layers=False)
   if model_config.mask_token_id is None:
     raise ValueError(f"{c.model_dir}: ReFusion RL needs the model's mask_token_id")
-  tokenizer = sample.load_tokenizer(c, model_config)  # sample's rule: the config's, the model's
+  tokenizer = loading.load_tokenizer(c.model_dir, model_config, c.tokenizer_dir,  # loading's rule
+                                     required=False)
   if tokenizer is None:
     raise ValueError(f"{c.model_dir}: no tokenizer.json there and --config.tokenizer_dir is "
                      "empty (the rewards read the answers' text)")
