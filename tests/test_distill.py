@@ -16,6 +16,7 @@ from configs import d2f_tiny
 from refusion_jax import checkpoint, config as config_lib, distill, lora, masks
 from refusion_jax.decode import engine
 from refusion_jax.model import Qwen3
+from tests.test_lora import _random_adapter
 
 
 def test_loss_by_hand():
@@ -132,14 +133,7 @@ def test_the_student_mask_is_block_causal_within_the_row():
 def test_entry_points_merge_an_adapter_at_load(tmp_path):
   from refusion_jax import loading  # pylint: disable=import-outside-toplevel
   base_dir, config, base = _mdm_dir(tmp_path)
-  rng = np.random.default_rng(0)
-  tensors = {}
-  for layer in range(config.num_layers):
-    for proj in lora.PROJECTIONS:
-      out_dim, in_dim = lora._hf_shape(config, proj)  # pylint: disable=protected-access
-      tensors[layer, proj] = (rng.normal(0, 0.2, (2, in_dim)).astype(np.float32),
-                              rng.normal(0, 0.2, (out_dim, 2)).astype(np.float32))
-  adapter = lora.Adapter(rank=2, alpha=2.0, tensors=tensors)
+  adapter = _random_adapter(config, rank=2, alpha=2.0)
   lora.save_adapter(tmp_path / "ad", config, adapter)
   _, merged = loading.load_model(base_dir, adapter_dir=str(tmp_path / "ad"))
   want = lora.merge(checkpoint.load_model(base_dir)[1], adapter)

@@ -22,12 +22,19 @@ def _config(**overrides):
   return config_lib.tiny(**base)
 
 
+def _hf_linear_shape(config, proj):
+  """The HF Linear weight `[out, in]` of an attention projection."""
+  q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+  return {"q_proj": (q, config.hidden_size), "k_proj": (kv, config.hidden_size),
+          "v_proj": (kv, config.hidden_size), "o_proj": (config.hidden_size, q)}[proj]
+
+
 def _random_adapter(config, rank=4, alpha=8.0, seed=0, projections=lora.PROJECTIONS):
   rng = np.random.default_rng(seed)
   tensors = {}
   for layer in range(config.num_layers):
     for proj in projections:
-      out_dim, in_dim = lora._hf_shape(config, proj)  # pylint: disable=protected-access
+      out_dim, in_dim = _hf_linear_shape(config, proj)
       tensors[layer, proj] = (rng.normal(0, 0.3, (rank, in_dim)).astype(np.float32),
                               rng.normal(0, 0.3, (out_dim, rank)).astype(np.float32))
   return lora.Adapter(rank=rank, alpha=alpha, tensors=tensors)
@@ -77,7 +84,7 @@ def test_adapter_tensor_names_follow_the_family(tmp_path):
                            ("qwen3", "base_model.model.model.layers.0.self_attn.o_proj")):
     config = _config(model_type=model_type)
     lora.save_adapter(tmp_path / model_type, config, _random_adapter(config))
-    header = hf._read_header(str(tmp_path / model_type / lora.ADAPTER_WEIGHTS))  # pylint: disable=protected-access
+    header = hf.read_safetensors(str(tmp_path / model_type / lora.ADAPTER_WEIGHTS))
     assert f"{name}.lora_A.weight" in header and f"{name}.lora_B.weight" in header
     cfg = json.loads((tmp_path / model_type / lora.ADAPTER_CONFIG).read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
