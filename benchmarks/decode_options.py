@@ -40,7 +40,7 @@ from refusion_jax import evaluate, loading  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import tasks as tasks_lib  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402
-from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax.model import Transformer  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
 # name -> DecodeConfig changes on top of the settings.
@@ -141,7 +141,7 @@ def main(argv=None):
   if args.model_dir:
     model = loading.load_model(args.model_dir, flag="--model_dir")[1]
   else:
-    model = Qwen3(config_lib.tiny(), rngs=nnx.Rngs(args.seed))
+    model = Transformer(config_lib.tiny(), rngs=nnx.Rngs(args.seed))
   problems, tok = _problems(args, model.config)
   settings = _settings(args)
   width = max(args.prompt_len, max(len(p) for _, p, _ in problems))

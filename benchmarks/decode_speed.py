@@ -44,7 +44,7 @@ from flax import nnx  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import loading  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402  (registers every decoder)
-from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax.model import Transformer  # noqa: E402
 
 METHODS = ("refusion", "ar", "mdm", "bd3lm")
 # The release's tiny test model (2 layers, d=64, 4 query / 2 KV heads, vocab 256).
@@ -141,7 +141,7 @@ def load_models(args):
         if args.dtype:
           shape.update(dtype=args.dtype, param_dtype=args.dtype)
         config = config_lib.tiny(attention=attention, **shape)
-        make = lambda c=config: Qwen3(c, rngs=nnx.Rngs(args.seed))  # noqa: E731
+        make = lambda c=config: Transformer(c, rngs=nnx.Rngs(args.seed))  # noqa: E731
         shared[attention] = nnx.eval_shape(make) if args.memory_only else make()
       models[method] = shared[attention]
   return models

@@ -35,7 +35,7 @@ from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import loading  # noqa: E402
 from refusion_jax import masks  # noqa: E402
 from refusion_jax.decode import common  # noqa: E402
-from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax.model import Transformer  # noqa: E402
 from benchmarks.decode_speed import PRESETS  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def load(model_dir: str, preset: str = ""):
     _, model = loading.load_model(model_dir, flag="--model_dir")
     return model
   config = config_lib.tiny(**PRESETS[preset]) if preset else config_lib.tiny(num_layers=4)
-  return Qwen3(config, rngs=nnx.Rngs(0))
+  return Transformer(config, rngs=nnx.Rngs(0))
 
 
 def time_width(model, width: int, batch: int, context: int, passes: int,

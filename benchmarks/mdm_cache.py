@@ -35,7 +35,7 @@ from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import evaluate, loading  # noqa: E402
 from refusion_jax import tasks as tasks_lib  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402
-from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax.model import Transformer  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -88,7 +88,7 @@ def parse_args(argv=None):
 def _model(args):
   if args.model_dir:
     return loading.load_model(args.model_dir, flag="--model_dir")[1]
-  model = Qwen3(config_lib.tiny(attention="bidirectional",
+  model = Transformer(config_lib.tiny(attention="bidirectional",
                                 max_position_embeddings=args.prompt_len + args.gen_length),
                 rngs=nnx.Rngs(args.seed))
   # Scaled-up random weights give peaked, varied predictions (std 0.02 is near uniform).

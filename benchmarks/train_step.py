@@ -24,7 +24,7 @@ from flax import nnx  # noqa: E402
 
 from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import objective as objective_lib  # noqa: E402
-from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax.model import Transformer  # noqa: E402
 
 TARGET_RATIO = 1.15
 
@@ -109,7 +109,7 @@ def main(argv=None):
   tx = optax.adamw(1e-3, weight_decay=0.0)
   states, compile_s = {}, {}
   for objective in ("arm", "refusion"):
-    model = Qwen3(config, rngs=nnx.Rngs(args.seed))
+    model = Transformer(config, rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     step = make_step(graphdef, tx, objective, config)
     opt_state = tx.init(params)

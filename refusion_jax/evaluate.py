@@ -157,7 +157,7 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
   """Accuracy (batched) and batch-1 speed per task; see the module docstring.
 
   Args:
-    model: a Qwen3 whose attention fits the decoders' methods.
+    model: a `Transformer` whose attention fits the decoders' methods.
     tokenizer: decodes generated ids to text for scoring.
     problems: from `read_problems`.
     decode_configs: one DecodeConfig, or one per task (the paper tunes them per

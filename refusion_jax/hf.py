@@ -416,8 +416,8 @@ def _dtype_name(dtype) -> str:
 def _abstract_model(config: ModelConfig):
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax.model import Qwen3  # pylint: disable=import-outside-toplevel
-  abstract = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
+  from refusion_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   return nnx.split(abstract)
 
 

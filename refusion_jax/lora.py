@@ -165,7 +165,7 @@ def _lora_key(layer: int, proj: str, factor: str) -> tuple:
 
 
 def merge(model, adapter: Adapter):
-  """`model` (an unrolled `Qwen3`) with `W + (alpha / r) B A` in every adapted projection,
+  """`model` (an unrolled `Transformer`) with `W + (alpha / r) B A` in every adapted projection,
   computed in float32 and stored in the weight's dtype. The model is updated in place
   and returned."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel

@@ -15,7 +15,7 @@ from flax import nnx
 from configs import d2f_tiny
 from refusion_jax import checkpoint, config as config_lib, distill, lora, masks
 from refusion_jax.decode import engine
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from tests.test_lora import _random_adapter
 
 
@@ -64,7 +64,7 @@ def test_noise_masks_only_the_response_at_its_blocks_ratio():
 def _mdm_dir(tmp_path):
   config = config_lib.tiny(num_layers=2, hidden_size=64, mlp_dim=128, num_heads=2,
                            num_kv_heads=1, head_dim=32, attention="bidirectional")
-  model = Qwen3(config, rngs=nnx.Rngs(0))
+  model = Transformer(config, rngs=nnx.Rngs(0))
   path = tmp_path / "mdm"
   checkpoint.save_model(str(path), config, model)
   return str(path), config, model
@@ -120,7 +120,7 @@ def test_bad_configs_are_one_line(tmp_path):
     with pytest.raises(ValueError, match=match):
       distill.check_config(_config(base_dir, tmp_path / "x", **changes))
   causal = config_lib.tiny(num_layers=1)
-  checkpoint.save_model(str(tmp_path / "arm"), causal, Qwen3(causal, rngs=nnx.Rngs(0)))
+  checkpoint.save_model(str(tmp_path / "arm"), causal, Transformer(causal, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="D2F adapts an MDM"):
     distill.run(_config(str(tmp_path / "arm"), tmp_path / "y"), progress=False)
 
@@ -149,7 +149,7 @@ def test_a_shifted_model_distils_reading_each_token_one_position_left(tmp_path):
   config = config_lib.tiny(num_layers=1, hidden_size=64, mlp_dim=128, num_heads=2,
                            num_kv_heads=1, head_dim=32, attention="bidirectional",
                            model_type="dream")
-  model = Qwen3(config, rngs=nnx.Rngs(0))
+  model = Transformer(config, rngs=nnx.Rngs(0))
   checkpoint.save_model(str(tmp_path / "dream"), config, model)
   out = distill.run(_config(str(tmp_path / "dream"), tmp_path / "d", steps=2), progress=False)
   assert os.path.isdir(out["adapter_dir"]) and math.isfinite(out["final_loss"])

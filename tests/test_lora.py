@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from refusion_jax import config as config_lib, hf, lora
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 
 
 def _config(**overrides):
@@ -51,7 +51,7 @@ IDS = jnp.asarray([[5, 9, 17, 3, 3, 3, 4, 8]], jnp.int32)
 @pytest.mark.parametrize("model_type", ["llada", "qwen3"])
 def test_merged_weights_equal_the_adapter_run_live(model_type, tmp_path):
   config = _config(model_type=model_type)
-  base = Qwen3(config, rngs=nnx.Rngs(0))
+  base = Transformer(config, rngs=nnx.Rngs(0))
   adapter = _random_adapter(config)
   lora.save_adapter(tmp_path / "a", config, adapter, base_model="tiny")
   read = lora.read_adapter(tmp_path / "a", config)
@@ -63,7 +63,7 @@ def test_merged_weights_equal_the_adapter_run_live(model_type, tmp_path):
   before = _logits(live, IDS)
   np.testing.assert_allclose(before, _logits(base, IDS), atol=1e-6)  # B starts at zero
   lora.load_into(live, read)
-  merged = lora.merge(Qwen3(config, rngs=nnx.Rngs(0)), read)
+  merged = lora.merge(Transformer(config, rngs=nnx.Rngs(0)), read)
   got, want = _logits(merged, IDS), _logits(live, IDS)
   assert np.abs(want - before).max() > 0.1  # the adapter changes the model
   np.testing.assert_allclose(got, want, atol=2e-5)
@@ -126,7 +126,7 @@ def test_bad_adapters_are_one_clear_line(tmp_path):
 
 def test_scanned_layers_are_refused():
   config = _config(scan_layers=True)
-  model = Qwen3(config, rngs=nnx.Rngs(0))
+  model = Transformer(config, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="scanned layers is not supported"):
     lora.apply(model, 4, 8.0)
   with pytest.raises(ValueError, match="scanned layers is not supported"):

@@ -12,7 +12,7 @@ from flax import nnx
 from refusion_jax import config as config_lib
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import refusion
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from refusion_jax.decode import order_oracle
 
 MASK, EOS = 3, 59  # 59: a token this model emits early for some prompts
@@ -23,7 +23,7 @@ def _model(**overrides):
                         num_kv_heads=1, head_dim=16, mlp_dim=64, tie_embeddings=False,
                         max_position_embeddings=128, eos_token_id=EOS, mask_token_id=MASK,
                         pad_token_id=0, bos_token_id=2, **overrides)
-  model = Qwen3(cfg, rngs=nnx.Rngs(7))
+  model = Transformer(cfg, rngs=nnx.Rngs(7))
   # As the decoder's own oracle tests do: a sharper head, small embeddings.
   model.lm_head[...] = (model.lm_head[...] * 60.0).at[:, MASK].set(0.0)
   model.embed[...] = (model.embed[...] * 0.1).at[MASK].set(0.0)

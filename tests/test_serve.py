@@ -35,7 +35,7 @@ from refusion_jax import checkpoint, loading, sample, serve
 from refusion_jax import config as config_lib
 from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.decode import engine
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from refusion_jax.serve import engine_process, protocol, text as text_lib
 from refusion_jax.serve.scheduler import Job, Scheduler
 from refusion_jax.tokenizer import Tokenizer
@@ -51,7 +51,7 @@ TEXTS = ["sort 5 2 9", "hello world", "add 3 4", "reverse abc", "count to 3", "a
 def _save_model(path):
   mc = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                        mlp_dim=64, attention="causal", max_position_embeddings=256)
-  model = Qwen3(mc, rngs=nnx.Rngs(0))
+  model = Transformer(mc, rngs=nnx.Rngs(0))
   # Scaled weights, so that greedy texts vary and ReFusion commits slots out of order.
   nnx.update(model, jax.tree.map(lambda x: x * 4.0, nnx.state(model, nnx.Param)))
   checkpoint.save_model(path, mc, model)

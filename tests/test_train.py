@@ -23,7 +23,7 @@ from configs import tiny_arm, tiny_bd3lm, tiny_mdm, tiny_refusion
 from refusion_jax import checkpoint, data, hf, objective, sharding
 from refusion_jax import config as config_lib
 from refusion_jax.checks import InputError
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from refusion_jax.training import loop, outputs, settings
 from refusion_jax.training import trainer as trainer_lib
 from refusion_jax.tokenizer import TINY_TOKENIZER_DIR, Tokenizer
@@ -345,7 +345,7 @@ def test_sharded_step_equals_single_device_step(tfds_dir, objective_name):
   tok = Tokenizer.tiny()
   model_config = settings.build_model_config(c, tok)
   batch = next(iter(data.loader_from_config(c.data, tok, c.global_batch_size)))
-  params_host = host(nnx.to_pure_dict(nnx.state(Qwen3(model_config, rngs=nnx.Rngs(1)),
+  params_host = host(nnx.to_pure_dict(nnx.state(Transformer(model_config, rngs=nnx.Rngs(1)),
                                                 nnx.Param)))
   devices = jax.devices()
   assert len(devices) == 8
@@ -376,7 +376,7 @@ def test_loss_chunk_step_equals_full_logits_step(tfds_dir, monkeypatch):
   response_len = rng.integers(1, 64 - prompt_len + 1).astype(np.int32)
   tokens = rng.integers(4, tok.id_limit, (8, 64)).astype(np.int32)
   batch = {"tokens": tokens, "prompt_len": prompt_len, "response_len": response_len}
-  params_host = host(nnx.to_pure_dict(nnx.state(Qwen3(model_config, rngs=nnx.Rngs(2)),
+  params_host = host(nnx.to_pure_dict(nnx.state(Transformer(model_config, rngs=nnx.Rngs(2)),
                                                 nnx.Param)))
   single = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   _, m_full, _, o_full = _one_step(c, model_config, single, params_host, batch)
@@ -489,7 +489,7 @@ def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir, model_type):
   # head: ReFusion trained on Qwen2.5 is the paper's Table 3 row.
   hf_config = config_lib.tiny(num_layers=1, vocab_size=500, tie_embeddings=False,
                               mask_token_id=None, bos_token_id=None, model_type=model_type)
-  source = Qwen3(hf_config, rngs=nnx.Rngs(7))
+  source = Transformer(hf_config, rngs=nnx.Rngs(7))
   if model_type == "qwen2":  # biases start at 0: make them count
     attn = source.layers[0].attn
     attn.q_bias[...] = jax.random.normal(jax.random.key(1), attn.q_bias[...].shape)

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from refusion_jax import hf, loading, objective, sharding
 from refusion_jax.config import ModelConfig
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from refusion_jax.tokenizer import Tokenizer
 from refusion_jax.training import settings
 
@@ -125,7 +125,7 @@ class Trainer:
         loss_chunk=objective.check_loss_chunk(config.loss_chunk),
         boundary_label=bool(config.get("boundary_label", False)), **bd3lm_kwargs(config))
 
-    abstract_model = nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0)))
+    abstract_model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract_model)
     self.param_shardings = nnx.to_pure_dict(
         sharding.state_shardings(abstract_state, mesh, self.rules))
@@ -181,7 +181,7 @@ class Trainer:
     """Random initialisation, computed directly in the target shardings."""
 
     def init():
-      model = Qwen3(self.model_config, rngs=nnx.Rngs(self.seed))
+      model = Transformer(self.model_config, rngs=nnx.Rngs(self.seed))
       return nnx.to_pure_dict(nnx.split(model)[1])
 
     return jax.jit(init, out_shardings=self.param_shardings)()
