@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from refusion_jax import attention_kernels, masks, objective  # noqa: E402
+from refusion_jax import attention_kernels, masks, objective, runtime  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax.model import Transformer, attend  # noqa: E402
 
@@ -175,6 +175,7 @@ def model_checks(b=4, t=256):
 
 def main(argv=None):
   global IMPL
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--impl", default="cudnn", choices=["cudnn", "splash"],

@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from refusion_jax import evaluate, loading  # noqa: E402
+from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import tasks as tasks_lib  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402
@@ -137,6 +137,7 @@ def _settings(args):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   if args.model_dir:
     model = loading.load_model(args.model_dir, flag="--model_dir")[1]

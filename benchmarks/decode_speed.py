@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from refusion_jax import config as config_lib  # noqa: E402
-from refusion_jax import loading  # noqa: E402
+from refusion_jax import loading, runtime  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402  (registers every decoder)
 from refusion_jax.model import Transformer  # noqa: E402
 
@@ -291,6 +291,7 @@ def bench_one(method, model, batch, args):
 
 
 def main(argv=None) -> list[dict]:
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   models = load_models(args)
   if args.task_prompts:

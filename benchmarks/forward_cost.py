@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from refusion_jax import config as config_lib  # noqa: E402
-from refusion_jax import loading  # noqa: E402
+from refusion_jax import loading, runtime  # noqa: E402
 from refusion_jax import masks  # noqa: E402
 from refusion_jax.decode import common  # noqa: E402
 from refusion_jax.model import Transformer  # noqa: E402
@@ -113,6 +113,7 @@ def time_width(model, width: int, batch: int, context: int, passes: int,
 
 
 def main(argv=None) -> list[dict]:
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   model = load(args.model_dir, args.preset)
   c = model.config

@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs.common import TINY_TEST  # noqa: E402
-from refusion_jax import evaluate, loading  # noqa: E402
+from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax.config import DecodeConfig  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
@@ -43,6 +43,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   a = parse_args(argv)
   tok = Tokenizer.tiny()
   _, model = loading.load_model(a.model_dir, flag="--model_dir")

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from refusion_jax import config as config_lib  # noqa: E402
-from refusion_jax import evaluate, loading  # noqa: E402
+from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax import tasks as tasks_lib  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402
 from refusion_jax.model import Transformer  # noqa: E402
@@ -112,6 +112,7 @@ def _problems(args, model_config):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   model = _model(args)
   problems, tok = _problems(args, model.config)

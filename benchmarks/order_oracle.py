@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from refusion_jax import evaluate, loading  # noqa: E402
+from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax import tasks as tasks_lib  # noqa: E402
 from refusion_jax.decode import order_oracle  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
@@ -55,6 +55,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   _, model = loading.load_model(args.model_dir, flag="--model_dir")
   tok = Tokenizer.tiny()

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import rl_tiny  # noqa: E402
 from configs.common import TINY_TEST, TINY_VALID  # noqa: E402
-from refusion_jax import evaluate, loading  # noqa: E402
+from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax.config import DecodeConfig  # noqa: E402
 from refusion_jax.rl import trainer  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
@@ -104,6 +104,7 @@ def headroom(a, c):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   a = parse_args(argv)
   c = rl_tiny.get_config()
   c.model_dir, c.output_dir, c.steps = a.model_dir, a.workdir, a.steps

@@ -30,7 +30,7 @@ from flax import nnx  # noqa: E402
 
 from configs import rl_tiny  # noqa: E402
 from configs.common import TINY_TRAIN  # noqa: E402
-from refusion_jax import data, distill, loading, objective  # noqa: E402
+from refusion_jax import data, distill, loading, objective, runtime  # noqa: E402
 from refusion_jax.rl import trainer  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
@@ -87,6 +87,7 @@ def supervised_times(model_dir, rows_per_step, seq_len, steps):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   a = parse_args(argv)
   n = a.prompts_per_step * a.group_size
   sup = supervised_times(a.model_dir, n, a.seq_len, a.steps)

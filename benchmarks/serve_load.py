@@ -55,6 +55,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from refusion_jax import runtime  # noqa: E402
 from refusion_jax.config import MATMUL_PRECISIONS  # noqa: E402  (no JAX import)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -550,6 +551,7 @@ def compile_cache(setting: str):
 
 
 def main(argv=None) -> list[dict]:
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   with compile_cache(args.compile_cache) as folder:
     args.cache_dir = folder

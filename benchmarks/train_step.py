@@ -24,6 +24,7 @@ from flax import nnx  # noqa: E402
 
 from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import objective as objective_lib  # noqa: E402
+from refusion_jax import runtime  # noqa: E402
 from refusion_jax.model import Transformer  # noqa: E402
 
 TARGET_RATIO = 1.15
@@ -103,6 +104,7 @@ def timed_step(state, batch, rng):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   config = make_config(args)
   batches = make_batches(args, config, count=4)

@@ -340,10 +340,7 @@ def main(argv: Sequence[str]) -> dict:
     raise ValueError("--config=configs/eval/<benchmark>.py is required (mmlu_pro, arc_c, "
                      "gsm8k, math, gpqa, humaneval, mbpp, or synthetic for the bundled suite)")
   from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
-  cache = c.get("compile_cache_dir", runtime.AUTO)
-  runtime.check_compile_cache(cache)
-  runtime.quiet_tpu_probe()  # no libtpu start-up errors where no TPU is
-  runtime.use_compile_cache(cache)
+  runtime.start_up(c.get("compile_cache_dir", runtime.AUTO))
   if c.benchmark == "synthetic":
     return run_synthetic(c)
   from refusion_jax.lmeval import run  # pylint: disable=import-outside-toplevel
