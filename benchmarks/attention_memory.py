@@ -26,7 +26,7 @@ from flax import nnx  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import objective, sharding  # noqa: E402
 from refusion_jax.attention_kernels import SPLASH_BLOCK  # noqa: E402
-from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax.model import Transformer  # noqa: E402
 
 GIB = 2**30
 
@@ -61,7 +61,8 @@ def parse_args(argv=None):
 def compile_step(model_config, mesh, rows: int, seq: int):
   """The compiled gradient of the ReFusion loss on `rows` x `seq` tokens, and its seconds."""
   rules = sharding.ShardingRules()
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0))))
+  graphdef, abstract = nnx.split(nnx.eval_shape(
+      lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                        abstract, sharding.state_shardings(abstract, mesh, rules))
   per_row = sharding.data_sharding(mesh, rules, 1)

@@ -35,9 +35,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from refusion_jax import attention_kernels, masks, objective  # noqa: E402
+from refusion_jax import attention_kernels, masks, objective, runtime  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
-from refusion_jax.model import Qwen3, attend  # noqa: E402
+from refusion_jax.model import Transformer, attend  # noqa: E402
 
 ROWS: list[tuple] = []
 IMPL = "cudnn"
@@ -133,7 +133,7 @@ def model_checks(b=4, t=256):
     shape = dict(num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=64,
                  mlp_dim=512, vocab_size=512, max_position_embeddings=1024,
                  attention=attention)
-    models = {name: Qwen3(config_lib.tiny(attention_impl=impl, dtype=dtype, **shape),
+    models = {name: Transformer(config_lib.tiny(attention_impl=impl, dtype=dtype, **shape),
                           rngs=nnx.Rngs(1))
               for name, impl, dtype in (("cudnn", IMPL, "bfloat16"),
                                         ("xla", "xla", "bfloat16"),
@@ -175,6 +175,7 @@ def model_checks(b=4, t=256):
 
 def main(argv=None):
   global IMPL
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--impl", default="cudnn", choices=["cudnn", "splash"],

@@ -26,7 +26,7 @@ A variant is `REV[:FIELD=VALUE;...]`: REV a git revision, or `.` for the work
 tree (HEAD with any uncommitted changes); the fields are DecodeConfig fields
 set in that variant only (a field its revision lacks is an error). The
 workload uses only APIs that exist at e57c5b9 and after: `config.tiny`,
-`model.Qwen3`, `decode.engine.Decoder` (`generate`, `engine`) and `Engine`
+`model.Transformer`, `decode.engine.Decoder` (`generate`, `engine`) and `Engine`
 (`warm_up`, `run`).
 """
 
@@ -74,10 +74,10 @@ def worker(cfg: dict) -> None:
 
   from refusion_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
-  from refusion_jax.model import Qwen3  # pylint: disable=import-outside-toplevel
+  from refusion_jax.model import Transformer  # pylint: disable=import-outside-toplevel
 
   mc = config_lib.tiny(**MODEL)
-  model = Qwen3(mc, rngs=nnx.Rngs(cfg["seed"]))
+  model = Transformer(mc, rngs=nnx.Rngs(cfg["seed"]))
   ids_np, lens_np = _prompts(mc, cfg["prompts"], cfg["prompt_len"], cfg["seed"])
   width = max(cfg["width"], cfg["prompt_len"])  # generate's padded prompts, the Engine's width
   ids_np = np.pad(ids_np, ((0, 0), (0, width - ids_np.shape[1])))

@@ -36,11 +36,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from refusion_jax import checkpoint, evaluate  # noqa: E402
+from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import tasks as tasks_lib  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402
-from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax.model import Transformer  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
 # name -> DecodeConfig changes on top of the settings.
@@ -85,9 +85,9 @@ def parse_args(argv=None):
   for o in args.options:
     if o not in OPTIONS:
       p.error(f"--options: unknown {o!r}; choose from {list(OPTIONS)}")
-  for name in ("model_dir",):
-    if getattr(args, name) and not os.path.isdir(getattr(args, name)):
-      p.error(f"--{name}={getattr(args, name)!r} is not a folder")
+  args.model_dir = loading.resolve(args.model_dir)  # a shipped model's short name: its folder
+  if args.model_dir and not os.path.isdir(args.model_dir):
+    p.error(f"--model_dir={args.model_dir!r} is not a folder")
   for name in ("task_prompts", "settings_json"):
     if getattr(args, name) and not os.path.isfile(getattr(args, name)):
       p.error(f"--{name}={getattr(args, name)!r} is not a file")
@@ -137,11 +137,12 @@ def _settings(args):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   if args.model_dir:
-    model = checkpoint.load_model(args.model_dir)[1]
+    model = loading.load_model(args.model_dir, flag="--model_dir")[1]
   else:
-    model = Qwen3(config_lib.tiny(), rngs=nnx.Rngs(args.seed))
+    model = Transformer(config_lib.tiny(), rngs=nnx.Rngs(args.seed))
   problems, tok = _problems(args, model.config)
   settings = _settings(args)
   width = max(args.prompt_len, max(len(p) for _, p, _ in problems))

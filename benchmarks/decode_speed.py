@@ -41,14 +41,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from refusion_jax import checkpoint  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
-from refusion_jax.decode import (
-  compiled,
-  engine,  # noqa: E402  (registers every decoder)
-)
-from refusion_jax.decode import compiled as compiled_lib
-from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax import loading, runtime  # noqa: E402
+from refusion_jax.decode import compiled as compiled_lib  # noqa: E402
+from refusion_jax.decode import engine  # noqa: E402
+from refusion_jax.model import Transformer  # noqa: E402
 
 METHODS = ("refusion", "ar", "mdm", "bd3lm")
 # The release's tiny test model (2 layers, d=64, 4 query / 2 KV heads, vocab 256).
@@ -120,7 +117,8 @@ def parse_args(argv=None):
       parser.error(f"--{name} must be > 0, got {getattr(args, name)}")
   for name in ("model_dir", "refusion_dir", "ar_dir", "mdm_dir", "bd3lm_dir"):
     path = getattr(args, name)
-    if path and not os.path.isdir(path):
+    setattr(args, name, loading.resolve(path))  # a shipped model's short name: its folder
+    if path and not os.path.isdir(getattr(args, name)):
       parser.error(f"--{name}={path!r} does not exist")
   return args
 
@@ -131,14 +129,11 @@ def load_models(args):
   models = {}
   shared = {}
   for method in args.methods:
+    flag = f"--{method}_dir" if getattr(args, f"{method}_dir") else "--model_dir"
     folder = getattr(args, f"{method}_dir") or (args.model_dir if method != "mdm" else "")
     if folder:
       if folder not in shared:
-        if checkpoint.is_model_dir(folder):
-          shared[folder] = checkpoint.load_model(folder)[1]
-        else:
-          from refusion_jax import hf  # pylint: disable=import-outside-toplevel
-          shared[folder] = hf.load(folder)[1]
+        shared[folder] = loading.load_model(folder, flag=flag)[1]
       models[method] = shared[folder]
     else:
       attention = "bidirectional" if method == "mdm" else "causal"
@@ -147,7 +142,7 @@ def load_models(args):
         if args.dtype:
           shape.update(dtype=args.dtype, param_dtype=args.dtype)
         config = config_lib.tiny(attention=attention, **shape)
-        make = lambda c=config: Qwen3(c, rngs=nnx.Rngs(args.seed))  # noqa: E731
+        make = lambda c=config: Transformer(c, rngs=nnx.Rngs(args.seed))  # noqa: E731
         shared[attention] = nnx.eval_shape(make) if args.memory_only else make()
       models[method] = shared[attention]
   return models
@@ -297,6 +292,7 @@ def bench_one(method, model, batch, args):
 
 
 def main(argv=None) -> list[dict]:
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   models = load_models(args)
   if args.task_prompts:

@@ -14,6 +14,7 @@ forwards (no Python dispatch between passes), best of `--repeats` runs.
 
   python benchmarks/forward_cost.py                          # the repro_tiny model shape, random
   python benchmarks/forward_cost.py --model_dir W/models/refusion/final_model
+  python benchmarks/forward_cost.py --model_dir refusion_tiny        # the shipped model
   python benchmarks/forward_cost.py --preset release_tiny --batch 16   # the release's tiny shape
 """
 
@@ -30,19 +31,20 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from refusion_jax import checkpoint  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
+from refusion_jax import loading, runtime  # noqa: E402
 from refusion_jax import masks  # noqa: E402
 from refusion_jax.decode import common  # noqa: E402
-from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax.model import Transformer  # noqa: E402
 from benchmarks.decode_speed import PRESETS  # noqa: E402
 
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--model_dir", default="", help="refusion_jax model folder ('' = a "
-                      "random model of the repro_tiny shape: 4 layers, d=128)")
+  parser.add_argument("--model_dir", default="", help="model folder (refusion_jax or HF) or a "
+                      "shipped model's name ('' = a random model of the repro_tiny shape: 4 "
+                      "layers, d=128)")
   parser.add_argument("--preset", default="", choices=["", *PRESETS],
                       help="random model of a named shape (benchmarks/decode_speed.py's "
                            "presets) instead of the repro_tiny shape")
@@ -69,10 +71,10 @@ def parse_args(argv=None):
 
 def load(model_dir: str, preset: str = ""):
   if model_dir:
-    _, model = checkpoint.load_model(model_dir)
+    _, model = loading.load_model(model_dir, flag="--model_dir")
     return model
   config = config_lib.tiny(**PRESETS[preset]) if preset else config_lib.tiny(num_layers=4)
-  return Qwen3(config, rngs=nnx.Rngs(0))
+  return Transformer(config, rngs=nnx.Rngs(0))
 
 
 def time_width(model, width: int, batch: int, context: int, passes: int,
@@ -111,6 +113,7 @@ def time_width(model, width: int, batch: int, context: int, passes: int,
 
 
 def main(argv=None) -> list[dict]:
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   model = load(args.model_dir, args.preset)
   c = model.config

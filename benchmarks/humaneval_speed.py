@@ -30,6 +30,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from refusion_jax import runtime  # noqa: E402
 from refusion_jax.lmeval import run as run_lib  # noqa: E402
 
 
@@ -95,6 +96,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> list[dict]:
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   out_root = args.output_dir or tempfile.mkdtemp(prefix="humaneval_speed_")
   runs = [(d, m) for d, m in ((args.refusion_dir, "refusion"), (args.ar_dir, "ar")) if d]

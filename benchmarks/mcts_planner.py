@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs.common import TINY_TEST  # noqa: E402
-from refusion_jax import evaluate, sample  # noqa: E402
+from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax.config import DecodeConfig  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
@@ -43,9 +43,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   a = parse_args(argv)
   tok = Tokenizer.tiny()
-  _, model = sample.load_model(a.model_dir)
+  _, model = loading.load_model(a.model_dir, flag="--model_dir")
   problems = evaluate.read_problems(a.data, tok, per_task=a.per_task)
   base = dict(gen_length=a.gen_length, slot_size=a.slot_size, block_size=a.gen_length)
   rows = {"left to right": DecodeConfig(**base, left_to_right=True)}

@@ -32,10 +32,10 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from refusion_jax import config as config_lib  # noqa: E402
-from refusion_jax import evaluate  # noqa: E402
+from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax import tasks as tasks_lib  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402
-from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax.model import Transformer  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -75,6 +75,7 @@ def parse_args(argv=None):
     p.error(f"--refresh={args.refresh!r}: comma-separated ints")
   if any(r < 1 for r in args.refresh):
     p.error("--refresh intervals must be >= 1")
+  args.model_dir = loading.resolve(args.model_dir)  # a shipped model's short name: its folder
   if args.model_dir and not os.path.isdir(args.model_dir):
     p.error(f"--model_dir={args.model_dir!r} is not a folder")
   if args.task_prompts and not os.path.isfile(args.task_prompts):
@@ -86,9 +87,8 @@ def parse_args(argv=None):
 
 def _model(args):
   if args.model_dir:
-    from refusion_jax import sample  # pylint: disable=import-outside-toplevel
-    return sample.load_model(args.model_dir)[1]
-  model = Qwen3(config_lib.tiny(attention="bidirectional",
+    return loading.load_model(args.model_dir, flag="--model_dir")[1]
+  model = Transformer(config_lib.tiny(attention="bidirectional",
                                 max_position_embeddings=args.prompt_len + args.gen_length),
                 rngs=nnx.Rngs(args.seed))
   # Scaled-up random weights give peaked, varied predictions (std 0.02 is near uniform).
@@ -112,6 +112,7 @@ def _problems(args, model_config):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   model = _model(args)
   problems, tok = _problems(args, model.config)

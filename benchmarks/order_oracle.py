@@ -1,6 +1,6 @@
 """How much can ReFusion's slot order matter? Every order of every problem, scored.
 
-For each problem, `refusion_jax.planning.order_oracle` decodes the answer in every
+For each problem, `refusion_jax.decode.order_oracle` decodes the answer in every
 order of its slots (a slot's first token planned from its own masks, the rest
 autoregressive: the left-to-right ablation's fill, only the order changes) and scores
 each answer. Per task: the accuracy of the position order (= `decode.left_to_right`),
@@ -22,16 +22,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from refusion_jax import checkpoint, evaluate  # noqa: E402
+from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax import tasks as tasks_lib  # noqa: E402
-from refusion_jax.planning import order_oracle  # noqa: E402
+from refusion_jax.decode import order_oracle  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model_dir", required=True, help="a ReFusion model folder")
+  p.add_argument("--model_dir", required=True, help="a ReFusion model folder (refusion_jax or "
+                 "HF) or a shipped model's name")
   p.add_argument("--task_prompts", required=True, help="JSONL task file (the bundled tiny "
                  "tokenizer): its queries are decoded, its answers score")
   p.add_argument("--per_task", type=int, default=10, help="problems per task")
@@ -39,6 +40,7 @@ def parse_args(argv=None):
   p.add_argument("--slot_size", type=int, default=8, help="gen_length / slot_size slots: "
                  f"at most {order_oracle.MAX_SLOTS}")
   args = p.parse_args(argv)
+  args.model_dir = loading.resolve(args.model_dir)  # a shipped model's short name: its folder
   if not os.path.isdir(args.model_dir):
     p.error(f"--model_dir={args.model_dir!r} is not a folder")
   if not os.path.isfile(args.task_prompts):
@@ -53,8 +55,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
-  _, model = checkpoint.load_model(args.model_dir)
+  _, model = loading.load_model(args.model_dir, flag="--model_dir")
   tok = Tokenizer.tiny()
   problems = evaluate.read_problems(args.task_prompts, tok, per_task=args.per_task)
   n = args.gen_length // args.slot_size

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import rl_tiny  # noqa: E402
 from configs.common import TINY_TEST, TINY_VALID  # noqa: E402
-from refusion_jax import evaluate, sample  # noqa: E402
+from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax.config import DecodeConfig  # noqa: E402
 from refusion_jax.rl import trainer  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
@@ -35,7 +35,8 @@ from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model_dir", required=True, help="the miniature's ReFusion model folder")
+  p.add_argument("--model_dir", required=True, help="the miniature's ReFusion model folder (or "
+                 "a shipped model's name)")
   p.add_argument("--workdir", required=True, help="RL output folder (resumed when it exists)")
   p.add_argument("--steps", type=int, default=150)
   p.add_argument("--learning_rate", type=float, default=2e-5)
@@ -57,12 +58,14 @@ def parse_args(argv=None):
   p.add_argument("--train_policy", default="model", choices=["model", "selector", "both"])
   p.add_argument("--headroom_per_task", type=int, default=30,
                  help="training problems per task whose rollouts measure the headroom (0: skip)")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  args.model_dir = loading.resolve(args.model_dir)  # a shipped model's short name: its folder
+  return args
 
 
 def _eval(model_dir, data, dc, per_task):
   tok = Tokenizer.tiny()
-  _, model = sample.load_model(model_dir)
+  _, model = loading.load_model(model_dir, flag="--model_dir")
   problems = evaluate.read_problems(data, tok, per_task=per_task)
   return evaluate.evaluate(model, tok, problems, dc, batch_size=16, speed_per_task=0,
                            progress=False)
@@ -77,7 +80,7 @@ def headroom(a, c):
   from refusion_jax import tasks  # pylint: disable=import-outside-toplevel
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
   tok = Tokenizer.tiny()
-  _, model = sample.load_model(a.model_dir)
+  _, model = loading.load_model(a.model_dir, flag="--model_dir")
   problems = evaluate.read_problems(c.train_file, tok, per_task=a.headroom_per_task)
   dc = trainer.decode_config_of(c)
   prompts = [list(p.prompt_ids) for p in problems for _ in range(a.group_size)]
@@ -101,6 +104,7 @@ def headroom(a, c):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   a = parse_args(argv)
   c = rl_tiny.get_config()
   c.model_dir, c.output_dir, c.steps = a.model_dir, a.workdir, a.steps

@@ -30,7 +30,7 @@ from flax import nnx  # noqa: E402
 
 from configs import rl_tiny  # noqa: E402
 from configs.common import TINY_TRAIN  # noqa: E402
-from refusion_jax import data, distill, objective, sample  # noqa: E402
+from refusion_jax import data, distill, loading, objective, runtime  # noqa: E402
 from refusion_jax.rl import trainer  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
@@ -45,11 +45,13 @@ def parse_args(argv=None):
   p.add_argument("--group_size", type=int, default=8)
   p.add_argument("--seq_len", type=int, default=64, help="supervised rows' length")
   p.add_argument("--beta", type=float, default=0.04, help="KL weight (0: no reference forward)")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  args.model_dir = loading.resolve(args.model_dir)  # a shipped model's short name: its folder
+  return args
 
 
 def supervised_times(model_dir, rows_per_step, seq_len, steps):
-  config, model = sample.load_model(model_dir)
+  config, model = loading.load_model(model_dir, flag="--model_dir")
   tok = Tokenizer.tiny()
   tokens, plens, _, _ = distill.encode_rows(list(data.iter_examples([TINY_TRAIN])), tok,
                                             seq_len, config.eos_token_id)
@@ -85,6 +87,7 @@ def supervised_times(model_dir, rows_per_step, seq_len, steps):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   a = parse_args(argv)
   n = a.prompts_per_step * a.group_size
   sup = supervised_times(a.model_dir, n, a.seq_len, a.steps)

@@ -55,6 +55,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from refusion_jax import runtime  # noqa: E402
 from refusion_jax.decode.settings import MATMUL_PRECISIONS  # noqa: E402  (no JAX import)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,14 +145,6 @@ def models_for(model_dir: str, methods: list[str]) -> list[tuple[str, str]]:
   if all(os.path.isdir(os.path.join(REPO, MAIN_JOB[m])) for m in methods):
     return [(m, os.path.join(REPO, MAIN_JOB[m])) for m in methods]
   return [(m, os.path.join(REPO, "refusion_jax/assets/base_tiny")) for m in methods]
-
-
-def tokenizer_for(model_dir: str):
-  """The model folder's tokenizer when it has one, else the bundled tiny one."""
-  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-  if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-    return Tokenizer.from_dir(model_dir)
-  return Tokenizer.tiny()
 
 
 def _pct(xs, q):
@@ -558,6 +551,7 @@ def compile_cache(setting: str):
 
 
 def main(argv=None) -> list[dict]:
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   with compile_cache(args.compile_cache) as folder:
     args.cache_dir = folder
@@ -566,7 +560,7 @@ def main(argv=None) -> list[dict]:
 
 def _main(args) -> list[dict]:
   import jax  # pylint: disable=import-outside-toplevel
-  from refusion_jax import sample, serve  # pylint: disable=import-outside-toplevel
+  from refusion_jax import loading, serve  # pylint: disable=import-outside-toplevel
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
 
   models = models_for(args.model_dir, args.methods)
@@ -588,8 +582,8 @@ def _main(args) -> list[dict]:
            "no compilation cache"))
   rows_out = []
   for method, model_dir in models:
-    model_config, model = sample.load_model(model_dir)
-    tok = tokenizer_for(model_dir)
+    model_config, model = loading.load_model(model_dir, flag="--model_dir")
+    tok = loading.load_tokenizer(model_dir, model_config, flag="--model_dir")
     most = args.prompts or args.requests_per_client * max(args.clients)
     all_prompts = load_prompts(os.path.join(REPO, args.task_prompts), most, tok)
     width = -(-max(len(p) for p in all_prompts) // 16) * 16

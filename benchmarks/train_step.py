@@ -24,7 +24,8 @@ from flax import nnx  # noqa: E402
 
 from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import objective as objective_lib  # noqa: E402
-from refusion_jax.model import Qwen3  # noqa: E402
+from refusion_jax import runtime  # noqa: E402
+from refusion_jax.model import Transformer  # noqa: E402
 
 TARGET_RATIO = 1.15
 
@@ -103,13 +104,14 @@ def timed_step(state, batch, rng):
 
 
 def main(argv=None):
+  runtime.start_up()  # the entry points' start-up: no libtpu errors where no TPU is
   args = parse_args(argv)
   config = make_config(args)
   batches = make_batches(args, config, count=4)
   tx = optax.adamw(1e-3, weight_decay=0.0)
   states, compile_s = {}, {}
   for objective in ("arm", "refusion"):
-    model = Qwen3(config, rngs=nnx.Rngs(args.seed))
+    model = Transformer(config, rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     step = make_step(graphdef, tx, objective, config)
     opt_state = tx.init(params)

@@ -56,8 +56,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.tie_embeddings = placeholder(bool)  # share embedding and output head (None = preset's)
   c.model.max_position_embeddings = placeholder(int)  # longest sequence (None = preset's)
   c.model.mask_token_id = placeholder(int)  # <|mask|> id (None = preset's)
-  c.init_from_hf = ""  # HF Qwen3 folder to start from ("" = random init of config.model)
-  c.tokenizer_dir = ""  # "" = init_from_hf's folder, or the bundled tiny tokenizer
+  c.init_from_hf = ""  # HF Qwen3 folder or a shipped model (base_tiny) ("" = random init)
+  c.tokenizer_dir = ""  # "" = init_from_hf's tokenizer.json, else the bundled tiny one when it fits
 
   c.data = ml_collections.ConfigDict()
   c.data.train_files = (TINY_TRAIN,)  # JSON / JSONL files of {"query", "response"}

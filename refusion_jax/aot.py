@@ -518,8 +518,8 @@ def _abstract_sharded_model(mc: ModelConfig, mesh, rules):
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
-  from refusion_jax.model import Qwen3  # pylint: disable=import-outside-toplevel
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(mc, rngs=nnx.Rngs(0))))
+  from refusion_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))))
   shardings = sharding.state_shardings(state, mesh, rules)
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                        state, shardings)

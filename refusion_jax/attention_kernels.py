@@ -1,6 +1,6 @@
 """Memory-efficient full-sequence attention: `ModelConfig.attention_impl`.
 
-The training forward (`Qwen3.__call__` / `Qwen3.hidden` without an explicit
+The training forward (`Transformer.__call__` / `Transformer.hidden` without an explicit
 mask, the call every objective's loss makes) attends over the whole row with
 one fixed mask: causal in input order (ReFusion's reorganised row and the ARM)
 or full (the MDM baseline). The einsum reference (`model.attend`, "xla")

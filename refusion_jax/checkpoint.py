@@ -109,7 +109,7 @@ def load_model(directory: str, mesh=None, rules: sharding.ShardingRules | None =
   the first local device. `scan_layers` (None: as saved) asks for a layer
   layout: a folder saved in the other one is restacked (or sliced) on load.
   """
-  from refusion_jax.model import Qwen3  # local: model imports are heavy-ish
+  from refusion_jax.model import Transformer  # local: model imports are heavy-ish
 
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
@@ -117,19 +117,19 @@ def load_model(directory: str, mesh=None, rules: sharding.ShardingRules | None =
   config = read_model_config(directory)
   if scan_layers is not None and scan_layers != config.scan_layers:
     # The folder's own layout first, then the parameters restacked (or sliced).
-    from refusion_jax.model import convert_layer_layout  # local, as Qwen3 above
+    from refusion_jax.model import convert_layer_layout  # local, as Transformer above
 
     saved_config, saved = load_model(directory, mesh=mesh, rules=rules)
     config = saved_config.replace(scan_layers=scan_layers)
     params = convert_layer_layout(nnx.to_pure_dict(nnx.state(saved, nnx.Param)),
                                   config.num_layers, scan_layers)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0))))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     nnx.replace_by_pure_dict(state, params)
     if mesh is not None:
       state = jax.device_put(state, sharding.state_shardings(
           state, mesh, rules or sharding.ShardingRules()))
     return config, nnx.merge(graphdef, state)
-  abstract = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
   if mesh is not None:
     shardings = sharding.state_shardings(abstract_state, mesh, rules or sharding.ShardingRules())

@@ -1,6 +1,8 @@
 r"""Converts between Hugging Face Qwen3 folders and refusion_jax model folders.
 
-HF -> ours (config.json + safetensors -> model_config.json + orbax params):
+HF -> ours (config.json + safetensors -> model_config.json + orbax params; `--hf_dir`
+may name a shipped model, `refusion_tiny` or `base_tiny`, as any model reference may:
+`loading.resolve`):
 
   python -m refusion_jax.convert --hf_dir=/ckpt/ReFusion --out_dir=/models/refusion
 
@@ -20,9 +22,8 @@ import os
 from absl import app
 from absl import flags
 
+from refusion_jax import checkpoint, entry_flags, hf, loading
 from refusion_jax import config as config_lib
-from refusion_jax import entry_flags
-from refusion_jax import hf  # light: JAX loads when a model does
 
 _HF_DIR = flags.DEFINE_string(
     "hf_dir", None, "HF checkpoint folder (config.json + model.safetensors or shards): the "
@@ -49,6 +50,8 @@ def convert(hf_dir: str, out_dir: str, *, to_hf: bool = False, dtype: str | None
     raise ValueError("--hf_dir is required")
   if not out_dir:
     raise ValueError("--out_dir is required")
+  if not to_hf:
+    hf_dir = loading.resolve(hf_dir)  # a shipped model's short name: its folder
   src, dst = (out_dir, hf_dir) if to_hf else (hf_dir, out_dir)
   if os.path.abspath(src) == os.path.abspath(dst):
     raise ValueError(f"--hf_dir and --out_dir are the same folder {src!r}")
@@ -60,10 +63,9 @@ def convert(hf_dir: str, out_dir: str, *, to_hf: bool = False, dtype: str | None
     if not os.path.isdir(out_dir):
       raise FileNotFoundError(f"--out_dir={out_dir!r} does not exist (with --to_hf it is the "
                               "source model folder)")
-    config_lib.read_model_config(out_dir)  # not a model folder: said before JAX loads
+    config_lib.read_model_config(out_dir)  # not a model folder: said before the weights load
   else:
-    hf.read_config(hf_dir)  # config.json and the tensor headers, checked before JAX loads
-  from refusion_jax import checkpoint  # pylint: disable=import-outside-toplevel
+    hf.read_config(hf_dir)  # config.json and the tensor headers, checked before the weights load
   if to_hf:
     config, model = checkpoint.load_model(out_dir)
     hf.save(config, model, hf_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite)

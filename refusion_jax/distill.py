@@ -43,8 +43,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from refusion_jax import lora, masks, sample
-from refusion_jax.tokenizer import Tokenizer
+from refusion_jax import loading, lora, masks
 from refusion_jax.training import loop
 from refusion_jax.training.outputs import CHECKPOINT_DIR
 
@@ -154,8 +153,8 @@ def check_config(c, need_dirs: bool = True) -> None:
   (`need_dirs=False`: the folders are filled in later)."""
   if not c.base_dir:
     raise ValueError("--config.base_dir is required: the MDM model folder to adapt")
-  if need_dirs and not os.path.isdir(c.base_dir):
-    raise ValueError(f"--config.base_dir={c.base_dir!r} is not a folder")
+  if need_dirs:
+    loading.model_dir(c.base_dir, "--config.base_dir")  # a shipped name, or a folder
   if not c.output_dir:
     raise ValueError("--config.output_dir is required")
   for path in c.train_files:
@@ -268,16 +267,14 @@ def _refuse_old_checkpoints(output_dir: str) -> None:
 
 def _load(c):
   """`(model_config, base model, tokenizer)` of `c.base_dir`, checked for D2F."""
-  model_config, base = sample.load_model(c.base_dir, scan_layers=False)
+  model_config, base = loading.load_model(c.base_dir, scan_layers=False, flag="--config.base_dir")
   if model_config.attention != "bidirectional":
     raise ValueError(f"{c.base_dir}: D2F adapts an MDM (attention='bidirectional'), got "
                      f"{model_config.attention!r}")
   if model_config.mask_token_id is None or model_config.eos_token_id is None:
     raise ValueError(f"{c.base_dir}: the model config needs mask_token_id and eos_token_id")
-  tok_dir = c.tokenizer_dir or (c.base_dir if os.path.isfile(
-      os.path.join(c.base_dir, "tokenizer.json")) else "")
-  tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir else Tokenizer.tiny()
-  tokenizer.check_compatible(model_config)
+  tokenizer = loading.load_tokenizer(c.base_dir, model_config, c.tokenizer_dir,
+                                     flag="--config.base_dir")
   return model_config, base, tokenizer
 
 

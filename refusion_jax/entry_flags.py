@@ -226,7 +226,7 @@ def run_program(main: Callable[[list[str]], object], program: str,
 
   def wrapped(argv):
     from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
-    runtime.quiet_tpu_probe()  # no libtpu start-up errors where no TPU is
+    runtime.start_up()  # no libtpu start-up errors where no TPU is
     with errors_reported(program, user_errors):
       return main(argv)
 

@@ -157,7 +157,7 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
   """Accuracy (batched) and batch-1 speed per task; see the module docstring.
 
   Args:
-    model: a Qwen3 whose attention fits the decoders' methods.
+    model: a `Transformer` whose attention fits the decoders' methods.
     tokenizer: decodes generated ids to text for scoring.
     problems: from `read_problems`.
     decode_configs: one DecodeConfig, or one per task (the paper tunes them per
@@ -290,10 +290,8 @@ def summary_lines(result: dict) -> list[str]:
 
 def run_synthetic(c) -> dict:
   """The bundled suite (`configs/eval/synthetic.py`): prints a summary, writes results.json."""
-  from refusion_jax import packaged  # pylint: disable=import-outside-toplevel
-  c.model_dir = packaged.model_dir(c.model_dir)  # a shipped model's short name: its folder
-  if not c.model_dir or not os.path.isdir(c.model_dir):
-    raise ValueError(f"--config.model_dir={c.model_dir!r} is not a folder")
+  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
+  c.model_dir = loading.model_dir(c.model_dir)  # a shipped model's short name: its folder
   if not c.data or not os.path.isfile(c.data):
     raise ValueError(f"--config.data={c.data!r} is not a file")
   if c.output_dir and os.path.lexists(c.output_dir) and not os.path.isdir(c.output_dir):
@@ -302,12 +300,11 @@ def run_synthetic(c) -> dict:
     decode_config = DecodeConfig(**c.decode.to_dict())
   except (TypeError, ValueError) as e:
     raise ValueError(f"--config.decode: {e}") from None
-  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-  tokenizer = Tokenizer.from_dir(c.tokenizer_dir) if c.tokenizer_dir else Tokenizer.tiny()
+  # The tokenizer is checked against the model's config before the weights load.
+  tokenizer = loading.load_tokenizer(c.model_dir, loading.read_model_config(c.model_dir),
+                                     c.tokenizer_dir)
   problems = read_problems(c.data, tokenizer, per_task=c.per_task)
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
-  tokenizer.check_compatible(sample.read_model_config(c.model_dir))  # before the weights load
-  _, model = sample.load_model(c.model_dir, adapter_dir=c.get("adapter_dir", ""))
+  _, model = loading.load_model(c.model_dir, adapter_dir=c.get("adapter_dir", ""))
   result = evaluate(model, tokenizer, problems, decode_config, batch_size=c.batch_size,
                     speed_per_task=c.speed_per_task, speed_repeats=c.speed_repeats,
                     seed=c.seed, desc=decode_config.method)
@@ -339,10 +336,7 @@ def main(argv: Sequence[str]) -> dict:
     raise ValueError("--config=configs/eval/<benchmark>.py is required (mmlu_pro, arc_c, "
                      "gsm8k, math, gpqa, humaneval, mbpp, or synthetic for the bundled suite)")
   from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
-  cache = c.get("compile_cache_dir", runtime.AUTO)
-  runtime.check_compile_cache(cache)
-  runtime.quiet_tpu_probe()  # no libtpu start-up errors where no TPU is
-  runtime.use_compile_cache(cache)
+  runtime.start_up(c.get("compile_cache_dir", runtime.AUTO))
   if c.benchmark == "synthetic":
     return run_synthetic(c)
   from refusion_jax.lmeval import run  # pylint: disable=import-outside-toplevel

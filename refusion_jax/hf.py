@@ -190,16 +190,25 @@ def _our_path(path: tuple, layer: int | None, scanned: bool) -> tuple[tuple, int
   return tuple(layer if p == "{i}" else p for p in path), None
 
 
-def _parse_name(hf_name: str, scanned: bool = False, table: str = "hf"):
-  """`(our_path, kind, stacked_index)` for a HF tensor name of a family whose names are
-  `table`'s, or None when no rule matches."""
+def _match(hf_name: str, table: str):
+  """`(table path, kind, layer)` of a HF tensor name of a family whose names are
+  `table`'s (layer None outside the layers), or None when no rule matches."""
   for regex, path, kind in _REGEXES[table]:
     m = regex.match(hf_name)
     if m:
-      layer = int(m.group(1)) if m.groups() else None
-      ours, index = _our_path(path, layer, scanned)
-      return ours, kind, index
+      return path, kind, int(m.group(1)) if m.groups() else None
   return None
+
+
+def _parse_name(hf_name: str, scanned: bool = False, table: str = "hf"):
+  """`(our_path, kind, stacked_index)` for a HF tensor name of a family whose names are
+  `table`'s, or None when no rule matches."""
+  matched = _match(hf_name, table)
+  if matched is None:
+    return None
+  path, kind, layer = matched
+  ours, index = _our_path(path, layer, scanned)
+  return ours, kind, index
 
 
 def _has(kind: str, config: ModelConfig) -> bool:
@@ -344,6 +353,50 @@ def _write_safetensors(path: str, entries, fetch: Callable[[int], np.ndarray]) -
 
 
 # --------------------------------------------------------------------------
+# The name table and safetensors files, for formats over the same tensors (LoRA
+# adapters name the projections they adapt by their HF names, in HF's layout).
+# --------------------------------------------------------------------------
+
+
+def tensor_kind(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | None:
+  """`(kind, layer)` of a HF tensor name in the names of `config`'s family (kind: a key
+  of the layout table, e.g. "q_proj", "kv_proj", "o_proj"; layer None outside the
+  layers), or None when it names no tensor of that family."""
+  matched = _match(hf_name, config.family.tensor_names)
+  return None if matched is None else matched[1:]
+
+
+def hf_shape(kind: str, config: ModelConfig) -> tuple[int, ...]:
+  """The shape of a `kind` tensor of a model of `config` in HF's layout (a Linear weight:
+  `[out, in]`)."""
+  return tuple(_KINDS[kind].hf_shape(config))
+
+
+def to_ours(kind: str, hf_array: np.ndarray, config: ModelConfig) -> np.ndarray:
+  """A `kind` tensor in HF's layout as our parameter's layout (a view where it can be)."""
+  return _KINDS[kind].to_ours(hf_array, config)
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of one safetensors file by name, memory-mapped (read when sliced);
+  a malformed file is one ValueError naming it."""
+  return {name: t.array() for name, t in _read_header(path).items()}
+
+
+def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
+  """Writes `tensors` (name -> array, each in its own dtype) to one safetensors file, in
+  that order."""
+  arrays = [np.asarray(x) for x in tensors.values()]
+  entries = []
+  for name, x in zip(tensors, arrays):
+    if x.dtype not in _NP_TO_ST:
+      raise ValueError(f"write_safetensors: tensor {name!r} has dtype {x.dtype}, which "
+                       f"safetensors does not hold (its dtypes: {sorted(_ST_TO_NP)})")
+    entries.append((name, _NP_TO_ST[x.dtype], tuple(x.shape)))
+  _write_safetensors(path, entries, lambda i: arrays[i])
+
+
+# --------------------------------------------------------------------------
 # Public API.
 # --------------------------------------------------------------------------
 
@@ -363,8 +416,8 @@ def _dtype_name(dtype) -> str:
 def _abstract_model(config: ModelConfig):
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax.model import Qwen3  # pylint: disable=import-outside-toplevel
-  abstract = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
+  from refusion_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   return nnx.split(abstract)
 
 

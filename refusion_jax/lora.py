@@ -70,11 +70,6 @@ class Adapter:
 _KIND_OF = {"q_proj": "q_proj", "k_proj": "kv_proj", "v_proj": "kv_proj", "o_proj": "o_proj"}
 
 
-def _hf_shape(config: ModelConfig, proj: str) -> tuple[int, int]:
-  """The HF Linear weight `[out, in]` of one of our projections."""
-  return tuple(hf._KINDS[_KIND_OF[proj]].hf_shape(config))  # pylint: disable=protected-access
-
-
 def _module_names(config: ModelConfig) -> dict[str, str]:
   return _MODULE_NAMES[config.family.tensor_names]
 
@@ -116,10 +111,10 @@ def read_adapter(directory: str, config: ModelConfig) -> Adapter:
     raise ValueError(f"{cfg_path}: target_modules {unknown} are not attention projections of a "
                      f"{config.model_type} model (supported: {sorted(by_module)})")
 
-  tensors = hf._read_header(weights)  # pylint: disable=protected-access
+  tensors = hf.read_safetensors(weights)
   parts: dict[tuple[int, str], dict[str, np.ndarray]] = {}
   problems = []
-  for name, t in sorted(tensors.items()):
+  for name, array in sorted(tensors.items()):
     base = name[len(_PREFIX):] if name.startswith(_PREFIX) else name
     for side in ("lora_A", "lora_B"):
       for marker in (f".{side}.weight", f".{side}.default.weight"):
@@ -128,19 +123,18 @@ def read_adapter(directory: str, config: ModelConfig) -> Adapter:
           break
       else:
         continue
-      parsed = hf._parse_name(module + ".weight", False,  # pylint: disable=protected-access
-                              config.family.tensor_names)
+      found = hf.tensor_kind(module + ".weight", config)
       proj = module.rsplit(".", 1)[-1]
-      if parsed is None or proj not in by_module or parsed[1] not in ("q_proj", "kv_proj",
-                                                                      "o_proj"):
+      if found is None or proj not in by_module or found[0] not in ("q_proj", "kv_proj",
+                                                                    "o_proj"):
         problems.append(f"tensor {name!r} adapts no attention projection of a "
                         f"{config.model_type} model")
         break
-      layer = parsed[0][1]
+      layer = found[1]
       if layer >= config.num_layers:
         problems.append(f"tensor {name!r}: layer {layer}, but the model has {config.num_layers}")
         break
-      parts.setdefault((layer, by_module[proj]), {})[side] = t.array()
+      parts.setdefault((layer, by_module[proj]), {})[side] = array
       break
     else:
       problems.append(f"unexpected tensor {name!r} (not a lora_A / lora_B weight)")
@@ -150,7 +144,7 @@ def read_adapter(directory: str, config: ModelConfig) -> Adapter:
       problems.append(f"layer {layer} {proj}: only {sorted(ab)} present")
       continue
     a, b = np.asarray(ab["lora_A"], np.float32), np.asarray(ab["lora_B"], np.float32)
-    out_dim, in_dim = _hf_shape(config, proj)
+    out_dim, in_dim = hf.hf_shape(_KIND_OF[proj], config)
     if a.shape != (rank, in_dim) or b.shape != (out_dim, rank):
       problems.append(f"layer {layer} {proj}: lora_A {list(a.shape)} and lora_B "
                       f"{list(b.shape)}, but r={rank} and the model's {names[proj]} is "
@@ -171,7 +165,7 @@ def _lora_key(layer: int, proj: str, factor: str) -> tuple:
 
 
 def merge(model, adapter: Adapter):
-  """`model` (an unrolled `Qwen3`) with `W + (alpha / r) B A` in every adapted projection,
+  """`model` (an unrolled `Transformer`) with `W + (alpha / r) B A` in every adapted projection,
   computed in float32 and stored in the weight's dtype. The model is updated in place
   and returned."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -180,8 +174,7 @@ def merge(model, adapter: Adapter):
     raise ValueError("lora.merge: a model with scanned layers is not supported")
   for (layer, proj), (a, b) in adapter.tensors.items():
     param = getattr(model.layers[layer].attn, proj)
-    delta = hf._KINDS[_KIND_OF[proj]].to_ours(  # pylint: disable=protected-access
-        adapter.scale * (b @ a), config)
+    delta = hf.to_ours(_KIND_OF[proj], adapter.scale * (b @ a), config)
     w = param[...]
     param[...] = (jnp.asarray(w, jnp.float32) + jnp.asarray(delta)).astype(w.dtype)
   return model
@@ -275,15 +268,14 @@ def save_adapter(directory: str, config: ModelConfig, adapter: Adapter, *,
   names = _module_names(config)
   table = {"hf": "model.layers.{i}.self_attn.{m}", "llada": "model.transformer.blocks.{i}.{m}"}[
       config.family.tensor_names]
-  entries, arrays = [], []
+  tensors = {}
   for (layer, proj), (a, b) in sorted(adapter.tensors.items()):
     module = _PREFIX + table.format(i=layer, m=names[proj])
     for side, x in (("lora_A", a), ("lora_B", b)):
-      entries.append((f"{module}.{side}.weight", "F32", tuple(x.shape)))
-      arrays.append(np.asarray(x, np.float32))
+      tensors[f"{module}.{side}.weight"] = np.asarray(x, np.float32)
   os.makedirs(directory, exist_ok=True)
   tmp = os.path.join(directory, ADAPTER_WEIGHTS + ".tmp")
-  hf._write_safetensors(tmp, entries, lambda i: arrays[i])  # pylint: disable=protected-access
+  hf.write_safetensors(tmp, tensors)
   os.replace(tmp, os.path.join(directory, ADAPTER_WEIGHTS))
   cfg: dict[str, Any] = {
       "peft_type": "LORA", "r": adapter.rank, "lora_alpha": adapter.alpha,

@@ -1,4 +1,5 @@
-"""The decoder of every family (Qwen3, Qwen2 / Qwen2.5, Dream, Llama) in Flax NNX.
+"""`Transformer`: the decoder of every family (Qwen3, Qwen2 / Qwen2.5, Dream, Llama, LLaDA)
+in Flax NNX.
 
 `ModelConfig.model_type` picks the family (`config.FAMILIES`, data, not code):
 Qwen3 normalises q and k per head, Qwen2 adds biases to the q, k and v
@@ -384,10 +385,11 @@ def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
   return stacked
 
 
-class Qwen3(nnx.Module):
-  """Qwen3, Qwen2 or Dream LM (`ModelConfig.model_type`). `model(ids, positions)` is the
-  public full-sequence call (position i's output, as HF computes it; `token_logits`
-  re-indexes a Dream model's by the token each predicts)."""
+class Transformer(nnx.Module):
+  """The LM of every family: Qwen3, Qwen2.5, Dream, Llama-3 or LLaDA
+  (`ModelConfig.model_type`). `model(ids, positions)` is the public full-sequence call
+  (position i's output, as HF computes it; `token_logits` re-indexes a Dream model's by
+  the token each predicts)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config

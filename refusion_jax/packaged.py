@@ -12,8 +12,8 @@ outside a checkout too:
   directory when it is there (a checkout: the files you edit), else the installed
   package's copy (`config_file`). The config files import each other as `configs.X`;
   with the package's copy, `configs` is the package's (`use_packaged_configs`).
-- `--config.model_dir=base_tiny` (sample, serve, evaluate) names the shipped base when
-  the working directory has no folder of that name (`model_dir`); its path is
+- `--config.model_dir=base_tiny` (any model reference: `loading.resolve`) names the
+  shipped base when the working directory has no folder of that name; its path is
   `BASE_TINY_DIR`. `refusion_tiny` names the shipped ReFusion model (`REFUSION_TINY_DIR`).
 """
 
@@ -112,11 +112,3 @@ def use_packaged_configs(force: bool) -> None:
   spec = importlib.machinery.ModuleSpec(_CONFIGS, None, is_package=True)
   spec.submodule_search_locations = [folder]
   sys.modules[_CONFIGS] = importlib.util.module_from_spec(spec)
-
-
-def model_dir(name: str) -> str:
-  """`name` when it is a folder (or empty); else the shipped model it names
-  (`SHIPPED_MODELS`, e.g. "base_tiny"); else `name` (the caller reports it)."""
-  if not name or os.path.isdir(name):
-    return name
-  return SHIPPED_MODELS.get(name, name)

@@ -1,4 +1,12 @@
-"""What an entry point sets up in its process before JAX starts a backend.
+"""What an entry point or a benchmark sets up in its process before JAX starts a backend.
+
+`start_up` is that, called first: the quiet probe below, and the compilation cache
+where the caller keeps one. Every entry point calls it (through
+`entry_flags.run_program`, `evaluate` and `lmeval`), and so does every benchmark that
+runs JAX in its own process, except those that compile for a TPU topology as `aot`
+does (`aot_fit`, `attention_memory`); `first_sample` and `decode_commits` run no JAX
+themselves (the first runs `sample`, the second workers that import each revision's
+own tree).
 
 **No TPU probe where no TPU is.** JAX starts its TPU backend whenever libtpu
 is installed (`requirements-tpu.txt` installs it everywhere, for `aot`): on a
@@ -68,6 +76,17 @@ def quiet_tpu_probe() -> bool:
   # look no further either.
   os.environ["JAX_PLATFORMS"] = "cpu"
   return True
+
+
+def start_up(compile_cache_dir: str | None = None) -> None:
+  """The process's start-up, before anything asks JAX for a device: `quiet_tpu_probe`,
+  and with `compile_cache_dir` ("auto", "" or a folder) that setting checked and used
+  (`check_compile_cache`, `use_compile_cache`); None leaves JAX's own cache setting."""
+  if compile_cache_dir is not None:
+    check_compile_cache(compile_cache_dir)
+  quiet_tpu_probe()
+  if compile_cache_dir is not None:
+    use_compile_cache(compile_cache_dir)
 
 
 def default_cache_dir() -> str:

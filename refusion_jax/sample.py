@@ -3,8 +3,8 @@
   python -m refusion_jax.sample --config=configs/sample.py \\
       --config.model_dir=DIR --config.prompt="What is 2+3?"
 
-The model folder is either a HF checkpoint (config.json + safetensors, read
-by `hf.load`) or a refusion_jax model folder (`checkpoint.load_model`).
+The model is loaded by `loading`'s rule: a HF checkpoint folder (config.json +
+safetensors), a refusion_jax model folder, or the short name of a shipped model:
 `--config.model_dir=base_tiny` names the tiny pretrained Qwen3 base shipped inside
 the package (refusion_jax/assets/base_tiny, `refusion_jax.packaged.BASE_TINY_DIR`)
 unless the working directory has a folder of that name; with `configs/sample.py`
@@ -15,10 +15,10 @@ tasks: it answers "4230"):
   python -m refusion_jax.sample --config=configs/sample.py \\
       --config.model_dir=base_tiny --config.decode.method=ar --config.prompt="copy 4230"
 
-Mask and EOS ids come from the model's config. Tokenizer: `tokenizer_dir`, else
-`model_dir` when it holds a tokenizer.json, else the bundled tiny tokenizer
-when the model has `config.tiny()`'s vocabulary and special ids; otherwise
-there is none (prompts must then be token ids and "text" is null).
+Mask and EOS ids come from the model's config. Tokenizer (`loading`'s rule):
+`tokenizer_dir`, else `model_dir` when it holds a tokenizer.json, else the bundled
+tiny tokenizer when the model has `config.tiny()`'s vocabulary and special ids;
+otherwise there is none (prompts must then be token ids and "text" is null).
 
 Prompts go through the continuous-batching engine (`decode.engine`) with
 `batch_size` rows (fewer when there are fewer prompts): when a row finishes,
@@ -40,33 +40,23 @@ import os
 import sys
 import time
 
+import jax
 import ml_collections
+import tqdm
 from ml_collections import config_flags
 
-from refusion_jax import config as config_lib
-from refusion_jax import entry_flags, fileio, packaged, runtime, trace
-from refusion_jax.config import DecodeConfig, ModelConfig, tiny
-
-# JAX, the model and the decoder are imported where they are used: every check of the
-# flags, the model folder's config, the tokenizer and the prompts runs first, so a bad
-# input is reported in a fraction of a second.
+from refusion_jax import entry_flags, fileio, loading, runtime, trace
+from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import engine as engine_lib
 
 
 def _log(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
 
 
-def check_model_dir(c: ml_collections.ConfigDict) -> None:
-  """--config.model_dir is given and is a folder (sample and serve)."""
-  if not c.model_dir:
-    raise ValueError("--config.model_dir is required (a HF or refusion_jax model folder)")
-  if not os.path.isdir(c.model_dir):
-    raise FileNotFoundError(f"--config.model_dir={c.model_dir!r} does not exist")
-
-
 def check_flags(c: ml_collections.ConfigDict) -> None:
-  """Everything that can be checked before loading anything."""
-  check_model_dir(c)
+  """Everything that can be checked before loading anything, besides the model folder
+  (`loading.model_dir`)."""
   given = [name for name in ("prompt", "prompt_ids", "prompts_file") if c[name]]
   if len(given) != 1:
     raise ValueError("set exactly one of --config.prompt, --config.prompt_ids, "
@@ -92,91 +82,6 @@ def decode_config_from(c: ml_collections.ConfigDict) -> DecodeConfig:
     return DecodeConfig(**c.decode.to_dict())
   except (TypeError, ValueError) as e:
     raise ValueError(f"--config.decode: {e}") from None
-
-
-def _is_hf_folder(model_dir: str) -> bool:
-  """False for a refusion_jax model folder, True for a HF checkpoint folder; neither
-  is an error naming both."""
-  if config_lib.is_model_dir(model_dir):
-    return False
-  if os.path.exists(os.path.join(model_dir, "config.json")):
-    return True
-  below = _model_dirs_below(model_dir)
-  raise FileNotFoundError(
-      f"--config.model_dir={model_dir!r} has neither model_config.json (refusion_jax) nor "
-      "config.json (HF)" + (f"; model folders below it: {', '.join(below)}" if below else ""))
-
-
-def _model_dirs_below(folder: str, depth: int = 3, most: int = 5) -> list[str]:
-  """Up to `most` model folders (refusion_jax or HF) at most `depth` levels below
-  `folder` (a training workdir holds its model in models/NAME/final_model), sorted;
-  the first 2000 folders are looked at."""
-  found = []
-  if not os.path.isdir(folder):
-    return found
-  root = folder.rstrip(os.sep).count(os.sep)
-  for seen, (path, dirs, files) in enumerate(os.walk(folder)):
-    if seen == 2000:  # an error message's search, not a crawl
-      break
-    dirs.sort()
-    if config_lib.MODEL_CONFIG_FILE in files or "config.json" in files:
-      found.append(path)
-      dirs.clear()  # a model folder's own subfolders are its weights
-    if path.count(os.sep) - root >= depth:
-      dirs.clear()
-    if len(found) >= most:
-      break
-  return sorted(found)
-
-
-def load_model(model_dir: str, scan_layers: bool | None = None, adapter_dir: str = ""):
-  """`(config, model)` from a refusion_jax model folder or a HF checkpoint folder.
-
-  `scan_layers` picks the layer layout (None: a model folder's own, unrolled for
-  a HF folder); decoding gives the same tokens in either. `adapter_dir`: a PEFT LoRA
-  folder (a D2F adapter) merged into the weights (`lora.merge`; unrolled layers).
-  """
-  if adapter_dir:
-    if scan_layers:
-      raise ValueError("an adapter (adapter_dir) merges into unrolled layers; "
-                       "scan_layers=True cannot be combined with it")
-    from refusion_jax import lora  # pylint: disable=import-outside-toplevel
-    config, model = load_model(model_dir, scan_layers=False)
-    return config, lora.merge(model, lora.read_adapter(adapter_dir, config))
-  if _is_hf_folder(model_dir):
-    from refusion_jax import hf  # pylint: disable=import-outside-toplevel
-    return hf.load(model_dir, scan_layers=bool(scan_layers))
-  from refusion_jax import checkpoint  # pylint: disable=import-outside-toplevel
-  return checkpoint.load_model(model_dir, scan_layers=scan_layers)
-
-
-def read_model_config(model_dir: str) -> ModelConfig:
-  """The config `load_model` gives, read without loading the weights."""
-  if _is_hf_folder(model_dir):
-    from refusion_jax import hf  # pylint: disable=import-outside-toplevel
-    return hf.read_config(model_dir)
-  return config_lib.read_model_config(model_dir)
-
-
-def _is_tiny_shaped(config: ModelConfig) -> bool:
-  ref = tiny()
-  return all(getattr(config, name) == getattr(ref, name)
-             for name in ("vocab_size", "mask_token_id", "eos_token_id"))
-
-
-def load_tokenizer(c: ml_collections.ConfigDict, model_config: ModelConfig):
-  """The tokenizer to use, or None (see the module docstring for the rule)."""
-  from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-  if c.tokenizer_dir:
-    tok = Tokenizer.from_dir(c.tokenizer_dir)
-  elif os.path.isfile(os.path.join(c.model_dir, "tokenizer.json")):
-    tok = Tokenizer.from_dir(c.model_dir)
-  elif _is_tiny_shaped(model_config):
-    tok = Tokenizer.tiny()
-  else:
-    return None
-  tok.check_compatible(model_config)
-  return tok
 
 
 def _parse_ids(text: str, where: str) -> list[int]:
@@ -238,13 +143,13 @@ def batch_rows(n: int, batch_size: int) -> int:
 
 def run(c: ml_collections.ConfigDict) -> list[dict]:
   """Loads, decodes and writes the results; returns them."""
-  c.model_dir = packaged.model_dir(c.model_dir)  # a shipped model's short name: its folder
+  c.model_dir = loading.model_dir(c.model_dir)  # a shipped model's short name: its folder
   check_flags(c)
   decode_config = decode_config_from(c)
   # Everything that can be wrong with the inputs is checked from the model's config
-  # alone, before JAX and the weights load.
-  model_config = read_model_config(c.model_dir)
-  tokenizer = load_tokenizer(c, model_config)
+  # alone, before the weights load.
+  model_config = loading.read_model_config(c.model_dir)
+  tokenizer = loading.load_tokenizer(c.model_dir, model_config, c.tokenizer_dir, required=False)
   prompts = read_prompts(c, tokenizer)
   for i, (_, ids) in enumerate(prompts):
     bad = [t for t in ids if not 0 <= t < model_config.vocab_size]
@@ -257,12 +162,10 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
                         model_config.max_position_embeddings - decode_config.gen_length)
   rows = batch_rows(len(prompts), c.batch_size)
 
-  import jax  # pylint: disable=import-outside-toplevel
-  from refusion_jax.decode import engine as engine_lib  # pylint: disable=import-outside-toplevel
   runtime.use_compile_cache(c.get("compile_cache_dir", runtime.AUTO))  # before any compile
   t0 = time.perf_counter()
-  model_config, model = load_model(c.model_dir, c.get("scan_layers"),  # its layer layout
-                                   c.get("adapter_dir", ""))
+  model_config, model = loading.load_model(c.model_dir, scan_layers=c.get("scan_layers"),
+                                           adapter_dir=c.get("adapter_dir", ""))
   _log(f"[sample] loaded {c.model_dir} ({model_config.num_layers} layers, d="
        f"{model_config.hidden_size}, vocab {model_config.vocab_size}) in "
        f"{time.perf_counter() - t0:.1f}s")
@@ -275,7 +178,6 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
     _log(f"[sample] warm-up (compile) {time.perf_counter() - t:.1f}s")
   bar = None
   if len(prompts) > 1:
-    import tqdm  # pylint: disable=import-outside-toplevel
     bar = tqdm.tqdm(total=len(prompts), desc="sample", unit="prompt", leave=False,
                     file=sys.stderr)
   run_ = eng.run([ids for _, ids in prompts], rng, progress=bar)

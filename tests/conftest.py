@@ -65,10 +65,10 @@ def save_tiny_random_model(path: str, seed: int) -> str:
   folder: for tests of what wraps a model, not of what it has learned."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from refusion_jax import checkpoint, config  # pylint: disable=import-outside-toplevel
-  from refusion_jax.model import Qwen3  # pylint: disable=import-outside-toplevel
+  from refusion_jax.model import Transformer  # pylint: disable=import-outside-toplevel
   model_config = config.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
                              head_dim=16, mlp_dim=64, max_position_embeddings=256)
-  checkpoint.save_model(path, model_config, Qwen3(model_config, rngs=nnx.Rngs(seed)))
+  checkpoint.save_model(path, model_config, Transformer(model_config, rngs=nnx.Rngs(seed)))
   return path
 
 

@@ -18,7 +18,7 @@ from configs import tiny_refusion
 from refusion_jax import attention_kernels, masks, objective, sharding
 from refusion_jax import config as config_lib
 from refusion_jax.kv_cache import KVCache
-from refusion_jax.model import Qwen3, attend
+from refusion_jax.model import Transformer, attend
 from refusion_jax.training import settings
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -125,8 +125,8 @@ def _assert_trees_close(got, want, atol):
     ("refusion", False, "save_dots"), ("refusion", True, "full"), ("mdm", True, "none")])
 def test_model_logits_loss_and_gradients_equal_the_einsum_path(objective_name, scan, remat):
   attention = objective.attention_for(objective_name)
-  ref = Qwen3(_config(scan_layers=scan, remat=remat, attention=attention), rngs=nnx.Rngs(1))
-  fast = Qwen3(_config("splash", scan_layers=scan, remat=remat, attention=attention),
+  ref = Transformer(_config(scan_layers=scan, remat=remat, attention=attention), rngs=nnx.Rngs(1))
+  fast = Transformer(_config("splash", scan_layers=scan, remat=remat, attention=attention),
                rngs=nnx.Rngs(1))
   batch = _batch()
   pos = jnp.stack([jax.random.permutation(jax.random.key(i), T) for i in range(4)])
@@ -142,14 +142,14 @@ def test_model_logits_loss_and_gradients_equal_the_einsum_path(objective_name, s
 def test_sharded_kernel_equals_the_unsharded_einsum_path(data, fsdp, tensor):
   # tensor=2 splits the 2 key/value heads with the 4 query heads; tensor=4 splits only the
   # query heads (each device then holds the key/value head its queries read).
-  ref = Qwen3(_config(), rngs=nnx.Rngs(2))
+  ref = Transformer(_config(), rngs=nnx.Rngs(2))
   batch = _batch(b=4, seed=1)
   pos = jnp.broadcast_to(jnp.arange(T)[None], (4, T))
   _, want_logits, want_loss, want_grads = _outputs(ref, batch, pos, "refusion")
 
   mesh = sharding.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
   rules = sharding.ShardingRules()
-  model = sharding.shard_model(Qwen3(_config("splash"), rngs=nnx.Rngs(2)), mesh, rules)
+  model = sharding.shard_model(Transformer(_config("splash"), rngs=nnx.Rngs(2)), mesh, rules)
   batch = {name: jax.device_put(x, sharding.data_sharding(mesh, rules, x.ndim))
            for name, x in batch.items()}
   jaxpr, logits, loss, grads = _outputs(model, batch, pos, "refusion", mesh)
@@ -160,8 +160,8 @@ def test_sharded_kernel_equals_the_unsharded_einsum_path(data, fsdp, tensor):
 
 
 def test_explicit_masks_and_decode_passes_keep_the_einsum_path():
-  ref = Qwen3(_config(), rngs=nnx.Rngs(3))
-  fast = Qwen3(_config("splash"), rngs=nnx.Rngs(3))
+  ref = Transformer(_config(), rngs=nnx.Rngs(3))
+  fast = Transformer(_config("splash"), rngs=nnx.Rngs(3))
   ids = _batch(b=2)["tokens"][:, :40]  # not a tile multiple: only the einsum path takes it
   pos = jnp.broadcast_to(jnp.arange(40)[None], (2, 40))
   mask_btt = masks.prefix_causal_btt(jnp.array([40, 25]), 40)
@@ -196,7 +196,7 @@ def test_untileable_sequence_length_is_refused():
   c.data.seq_len = 256
   assert settings.resolve(c).model_config.attention_impl == "splash"
   # A direct call refuses before tracing any kernel, naming the field.
-  model = Qwen3(_config("splash"), rngs=nnx.Rngs(0))
+  model = Transformer(_config("splash"), rngs=nnx.Rngs(0))
   ids = jnp.zeros((1, 100), jnp.int32)
   with pytest.raises(ValueError, match="ModelConfig.attention_impl='splash' needs .* got 100"):
     model(ids, jnp.broadcast_to(jnp.arange(100)[None], (1, 100)))
@@ -246,7 +246,7 @@ def test_cudnn_is_refused_off_gpu():
     settings.resolve(c)
   with pytest.raises(ValueError, match="needs a bfloat16 or float16 compute dtype"):
     attention_kernels.check_supported("cudnn", seq_len=128, dtype="float32", platform="gpu")
-  model = Qwen3(_config("cudnn", dtype="bfloat16"), rngs=nnx.Rngs(0))
+  model = Transformer(_config("cudnn", dtype="bfloat16"), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="'cudnn' runs on NVIDIA GPUs only"):
     model(jnp.zeros((1, T), jnp.int32), jnp.broadcast_to(jnp.arange(T)[None], (1, T)))
   q, k, v = _qkv(jnp.bfloat16, t=T)
@@ -273,7 +273,7 @@ def test_tpu_training_program_holds_the_splash_kernel():
            "response_len": jax.ShapeDtypeStruct((b,), jnp.int32, sharding=row)}
   cfg = _config("splash", num_layers=1, hidden_size=128, num_heads=2, num_kv_heads=1,
                 head_dim=128, mlp_dim=256, max_position_embeddings=t, dtype="bfloat16")
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                        abstract, sharding.state_shardings(abstract, mesh, rules))
 

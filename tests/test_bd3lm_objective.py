@@ -18,7 +18,7 @@ from refusion_jax import config as config_lib
 from refusion_jax import masks
 from refusion_jax import objective as obj
 from refusion_jax import sharding
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from tests.test_objective import (_loss_and_grads, first_fit, layout, placed_draws,
                                   random_samples, sample_draws)
 
@@ -195,7 +195,7 @@ def _model(impl="xla", scan=False, remat="none", seed=0):
                         num_kv_heads=1, head_dim=16, mlp_dim=64, attention="causal",
                         attention_impl=impl, scan_layers=scan, remat=remat,
                         mask_token_id=MASK, eos_token_id=EOS, pad_token_id=PAD)
-  return Qwen3(cfg, rngs=nnx.Rngs(seed))
+  return Transformer(cfg, rngs=nnx.Rngs(seed))
 
 
 def test_loss_matches_numpy_on_the_oracle_mask():
@@ -314,5 +314,5 @@ def test_bidirectional_model_is_refused():
   batch = {"tokens": np.array([[10, 11, 20, EOS]], np.int32),
            "prompt_len": np.array([2], np.int32), "response_len": np.array([2], np.int32)}
   with pytest.raises(ValueError, match="needs a model with attention='causal'"):
-    obj.loss_fn(Qwen3(cfg, rngs=nnx.Rngs(0)), batch, jax.random.key(0), objective="bd3lm",
+    obj.loss_fn(Transformer(cfg, rngs=nnx.Rngs(0)), batch, jax.random.key(0), objective="bd3lm",
                 mask_id=MASK, pad_id=PAD)

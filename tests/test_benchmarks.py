@@ -337,9 +337,9 @@ def _loop_prompts_and_offline(seed: int):
   """Seven short random prompts and the offline engine's run of them (4 rows, width 16,
   the settings of `_LOOP_FLAGS`) on the bundled base."""
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
-  _, model = sample.load_model(_LOOP_MODEL)
+  _, model = loading.load_model(_LOOP_MODEL)
   rs = np.random.RandomState(seed)
   prompts = [[int(t) for t in rs.randint(4, 60, size=rs.randint(2, 9))] for _ in range(7)]
   dc = DecodeConfig(gen_length=8, slot_size=4, block_size=8, slot_threshold=0.5,
@@ -436,10 +436,10 @@ def test_order_oracle_scores_every_order_of_each_problem(tmp_path, capsys):
   from benchmarks import order_oracle as bench  # pylint: disable=import-outside-toplevel
   from refusion_jax import checkpoint, config as config_lib  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from refusion_jax.model import Qwen3  # pylint: disable=import-outside-toplevel
+  from refusion_jax.model import Transformer  # pylint: disable=import-outside-toplevel
   cfg = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                         mlp_dim=64)
-  checkpoint.save_model(str(tmp_path / "m"), cfg, Qwen3(cfg, rngs=nnx.Rngs(0)))
+  checkpoint.save_model(str(tmp_path / "m"), cfg, Transformer(cfg, rngs=nnx.Rngs(0)))
   rows = bench.main(["--model_dir", str(tmp_path / "m"), "--task_prompts", os.path.join(
       os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "refusion_jax", "assets",
       "data", "tiny_test.jsonl"), "--per_task", "1", "--gen_length", "8", "--slot_size", "4"])

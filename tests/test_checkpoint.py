@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from refusion_jax import checkpoint, sharding
 from refusion_jax import config as config_lib
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 
 
 def _params(model):
@@ -22,7 +22,7 @@ def _params(model):
 
 def test_save_model_load_model_round_trip(tmp_path):
   config = config_lib.tiny(num_layers=1, tie_embeddings=False)
-  model = Qwen3(config, rngs=nnx.Rngs(3))
+  model = Transformer(config, rngs=nnx.Rngs(3))
   directory = str(tmp_path / "model")
   checkpoint.save_model(directory, config, model)
   with pytest.raises(FileExistsError, match="already exists"):

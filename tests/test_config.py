@@ -145,7 +145,7 @@ def test_decode_config_fits_model_positions():
 
 def test_model_folder_round_trip_is_exact_and_atomic(tmp_path):
   cfg = config_lib.tiny(num_layers=1, tie_embeddings=False)
-  model = model_lib.Qwen3(cfg, rngs=nnx.Rngs(3))
+  model = model_lib.Transformer(cfg, rngs=nnx.Rngs(3))
   out = tmp_path / "m"
   checkpoint.save_model(str(out), cfg, model)
   with pytest.raises(FileExistsError, match="already exists"):

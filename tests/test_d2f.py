@@ -17,7 +17,7 @@ from flax import nnx
 from refusion_jax import config as config_lib
 from refusion_jax import masks
 from refusion_jax.decode import d2f, engine
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 
 GEN = 16
 MASK = 3
@@ -36,7 +36,7 @@ def _config(**overrides):
 
 @functools.lru_cache(maxsize=None)
 def _model(eos=None, seed=0, shift=False):
-  model = Qwen3(_config(eos_token_id=eos, **({"model_type": "dream"} if shift else {})),
+  model = Transformer(_config(eos_token_id=eos, **({"model_type": "dream"} if shift else {})),
                 rngs=nnx.Rngs(seed))
   nnx.update(model, jax.tree.map(lambda x: x * 3.0, nnx.state(model, nnx.Param)))
   return model
@@ -200,7 +200,7 @@ def test_bad_thresholds_are_one_line(changes, match):
     (dict(attention="causal"), "needs an MDM"),
 ])
 def test_models_d2f_cannot_decode_are_refused(overrides, match):
-  model = Qwen3(_config(**overrides), rngs=nnx.Rngs(0))
+  model = Transformer(_config(**overrides), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=match):
     engine.Decoder(model, config_lib.DecodeConfig(method="d2f", gen_length=GEN, block_size=4,
                                                   slot_size=1))

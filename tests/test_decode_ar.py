@@ -10,7 +10,7 @@ from flax import nnx
 
 from refusion_jax import config as config_lib
 from refusion_jax.decode import autoregressive
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 
 GEN = 8
 
@@ -25,7 +25,7 @@ def _config(**overrides):
 
 def _model(config, seed=0, scale=4.0):
   # Scaled-up random weights give peaked, varied predictions (std 0.02 is near uniform).
-  model = Qwen3(config, rngs=nnx.Rngs(seed))
+  model = Transformer(config, rngs=nnx.Rngs(seed))
   nnx.update(model, jax.tree.map(lambda x: x * scale, nnx.state(model, nnx.Param)))
   return model
 

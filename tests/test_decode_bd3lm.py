@@ -9,10 +9,10 @@ import pytest
 from flax import nnx
 
 from refusion_jax import config as config_lib
-from refusion_jax.decode import bd3lm, engine, heads, live
+from refusion_jax.decode import bd3lm, engine, heads
 from refusion_jax.decode import live as live_lib
 from refusion_jax.decode import program as program_lib
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 
 GEN = 12
 BLOCK = 4
@@ -32,7 +32,7 @@ def _config(**overrides):
 
 def _model(config, seed=0, scale=4.0):
   # Scaled-up random weights give peaked, varied predictions (std 0.02 is near uniform).
-  model = Qwen3(config, rngs=nnx.Rngs(seed))
+  model = Transformer(config, rngs=nnx.Rngs(seed))
   nnx.update(model, jax.tree.map(lambda x: x * scale, nnx.state(model, nnx.Param)))
   return model
 
@@ -343,7 +343,7 @@ def test_a_trained_tiny_bd3lm_decodes_its_training_answers():
            "response_len": np.array([len(a) for a in answers], np.int32)}
   config = _config(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, mlp_dim=128,
                    eos_token_id=eos)
-  model = Qwen3(config, rngs=nnx.Rngs(1))
+  model = Transformer(config, rngs=nnx.Rngs(1))
   optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
 
   @nnx.jit

@@ -19,7 +19,7 @@ from refusion_jax.decode import engine, heads, passes, refusion, settings
 from refusion_jax.decode import live as live_lib
 from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 
 VOCAB, MASK, PAD = 64, 3, 0
 
@@ -29,7 +29,7 @@ def _model(attention="causal", eos=None, seed=0, scale=4.0):
                         num_kv_heads=1, head_dim=16, mlp_dim=64, tie_embeddings=False,
                         eos_token_id=eos, mask_token_id=MASK, pad_token_id=PAD,
                         attention=attention, max_position_embeddings=96)
-  model = Qwen3(cfg, rngs=nnx.Rngs(seed))
+  model = Transformer(cfg, rngs=nnx.Rngs(seed))
   nnx.update(model, jax.tree.map(lambda x: x * scale, nnx.state(model, nnx.Param)))
   return model
 
@@ -641,7 +641,7 @@ def test_decode_program_holds_no_copy_of_the_kv_cache(method):
   cfg = config_lib.tiny(num_layers=2, vocab_size=VOCAB, hidden_size=32, num_heads=2,
                         num_kv_heads=2, head_dim=16, mlp_dim=64, mask_token_id=MASK,
                         pad_token_id=PAD, max_position_embeddings=1024)
-  model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   dc = DecodeConfig(method=method, gen_length=512, slot_size=4, block_size=8)
   d = engine.Decoder(model, dc)
   b, p = 4, 8
@@ -914,7 +914,7 @@ def test_matmul_precision_reaches_every_product_of_the_decode_programs(method):
   cfg = config_lib.tiny(num_layers=1, vocab_size=VOCAB, hidden_size=32, num_heads=2,
                         num_kv_heads=2, head_dim=16, mlp_dim=64, mask_token_id=MASK,
                         pad_token_id=PAD, attention=attention)
-  model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   base = DecodeConfig(method=method, gen_length=8, slot_size=4, block_size=8)
 
   def products(dc):

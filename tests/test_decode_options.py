@@ -14,7 +14,7 @@ from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine, options, settings
 from refusion_jax.decode import program as program_lib
 from refusion_jax.lmeval import model as lm_model
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from refusion_jax.tokenizer import Tokenizer
 
 SHAPE = dict(gen_length=16, block_size=8)
@@ -147,7 +147,7 @@ def test_a_host_side_planner_runs_where_offered_and_is_refused_by_name_elsewhere
     serve.decode_configs(c)
   mc = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                        mlp_dim=64)
-  model = Qwen3(mc, rngs=nnx.Rngs(0))
+  model = Transformer(mc, rngs=nnx.Rngs(0))
   dc = DecodeConfig(gen_length=8, slot_size=4, block_size=8, planner="mcts", mcts_budget=2)
   host = engine.decoder_for(model, dc)
   assert not isinstance(host, engine.Decoder)

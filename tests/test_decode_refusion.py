@@ -26,7 +26,7 @@ from flax import nnx
 from refusion_jax import config as config_lib
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import common, refusion
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 
 VOCAB = 96
 MASK_ID = 3
@@ -39,7 +39,7 @@ def _make_model(eos_id, num_layers=1):
                         num_kv_heads=1, head_dim=16, mlp_dim=64, tie_embeddings=False,
                         max_position_embeddings=128, eos_token_id=eos_id, mask_token_id=MASK_ID,
                         pad_token_id=PAD_ID, bos_token_id=2)
-  model = Qwen3(cfg, rngs=nnx.Rngs(SEED))
+  model = Transformer(cfg, rngs=nnx.Rngs(SEED))
   # Random weights give near-uniform distributions; a larger head spreads the
   # probabilities over (0, 1) so that every threshold branch happens.
   # Random weights give near-uniform distributions. A 60x head spreads the

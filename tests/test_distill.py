@@ -15,7 +15,8 @@ from flax import nnx
 from configs import d2f_tiny
 from refusion_jax import checkpoint, config as config_lib, distill, lora, masks
 from refusion_jax.decode import engine
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
+from tests.test_lora import _random_adapter
 
 
 def test_loss_by_hand():
@@ -63,7 +64,7 @@ def test_noise_masks_only_the_response_at_its_blocks_ratio():
 def _mdm_dir(tmp_path):
   config = config_lib.tiny(num_layers=2, hidden_size=64, mlp_dim=128, num_heads=2,
                            num_kv_heads=1, head_dim=32, attention="bidirectional")
-  model = Qwen3(config, rngs=nnx.Rngs(0))
+  model = Transformer(config, rngs=nnx.Rngs(0))
   path = tmp_path / "mdm"
   checkpoint.save_model(str(path), config, model)
   return str(path), config, model
@@ -120,7 +121,7 @@ def test_bad_configs_are_one_line(tmp_path):
     with pytest.raises(ValueError, match=match):
       distill.check_config(_config(base_dir, tmp_path / "x", **changes))
   causal = config_lib.tiny(num_layers=1)
-  checkpoint.save_model(str(tmp_path / "arm"), causal, Qwen3(causal, rngs=nnx.Rngs(0)))
+  checkpoint.save_model(str(tmp_path / "arm"), causal, Transformer(causal, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="D2F adapts an MDM"):
     distill.run(_config(str(tmp_path / "arm"), tmp_path / "y"), progress=False)
 
@@ -131,32 +132,25 @@ def test_the_student_mask_is_block_causal_within_the_row():
 
 
 def test_entry_points_merge_an_adapter_at_load(tmp_path):
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
   base_dir, config, base = _mdm_dir(tmp_path)
-  rng = np.random.default_rng(0)
-  tensors = {}
-  for layer in range(config.num_layers):
-    for proj in lora.PROJECTIONS:
-      out_dim, in_dim = lora._hf_shape(config, proj)  # pylint: disable=protected-access
-      tensors[layer, proj] = (rng.normal(0, 0.2, (2, in_dim)).astype(np.float32),
-                              rng.normal(0, 0.2, (out_dim, 2)).astype(np.float32))
-  adapter = lora.Adapter(rank=2, alpha=2.0, tensors=tensors)
+  adapter = _random_adapter(config, rank=2, alpha=2.0)
   lora.save_adapter(tmp_path / "ad", config, adapter)
-  _, merged = sample.load_model(base_dir, adapter_dir=str(tmp_path / "ad"))
+  _, merged = loading.load_model(base_dir, adapter_dir=str(tmp_path / "ad"))
   want = lora.merge(checkpoint.load_model(base_dir)[1], adapter)
   ids = jnp.asarray([[5, 6, 7, 3]])
   pos = jnp.arange(4)[None]
   np.testing.assert_array_equal(np.asarray(merged(ids, pos)), np.asarray(want(ids, pos)))
   assert np.abs(np.asarray(merged(ids, pos)) - np.asarray(base(ids, pos))).max() > 1e-3
   with pytest.raises(ValueError, match="scan_layers=True cannot be combined"):
-    sample.load_model(base_dir, scan_layers=True, adapter_dir=str(tmp_path / "ad"))
+    loading.load_model(base_dir, scan_layers=True, adapter_dir=str(tmp_path / "ad"))
 
 
 def test_a_shifted_model_distils_reading_each_token_one_position_left(tmp_path):
   config = config_lib.tiny(num_layers=1, hidden_size=64, mlp_dim=128, num_heads=2,
                            num_kv_heads=1, head_dim=32, attention="bidirectional",
                            model_type="dream")
-  model = Qwen3(config, rngs=nnx.Rngs(0))
+  model = Transformer(config, rngs=nnx.Rngs(0))
   checkpoint.save_model(str(tmp_path / "dream"), config, model)
   out = distill.run(_config(str(tmp_path / "dream"), tmp_path / "d", steps=2), progress=False)
   assert os.path.isdir(out["adapter_dir"]) and math.isfinite(out["final_loss"])

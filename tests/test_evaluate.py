@@ -15,7 +15,7 @@ from refusion_jax import config as config_lib
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import autoregressive, engine
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from refusion_jax.tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,7 +203,7 @@ def test_evaluate_scores_and_counts_like_a_hand_tally(tmp_path, tok, monkeypatch
 
 def test_evaluate_rejects_bad_settings_before_decoding(tmp_path, tok):
   problems = evaluate.read_problems(_write(tmp_path / "p.jsonl", ROWS), tok)
-  model = Qwen3(config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
+  model = Transformer(config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
                                 head_dim=16, mlp_dim=32, max_position_embeddings=48),
                 rngs=nnx.Rngs(0))
   ar = DecodeConfig(method="ar", gen_length=32, slot_size=32, block_size=32)
@@ -221,7 +221,7 @@ def test_batched_accuracy_decodes_like_single_prompts(tmp_path, tok):
   """Padding rows and a shared width change nothing: batch results = batch-1 decodes."""
   config = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
                            head_dim=16, mlp_dim=64)
-  model = Qwen3(config, rngs=nnx.Rngs(3))
+  model = Transformer(config, rngs=nnx.Rngs(3))
   problems = evaluate.read_problems(_write(tmp_path / "p.jsonl", ROWS[:3]), tok)
   ar = DecodeConfig(method="ar", gen_length=8, slot_size=8, block_size=8)
   result = evaluate.evaluate(model, tok, problems, ar, batch_size=4, speed_per_task=0,
@@ -241,7 +241,7 @@ def test_command_line_writes_a_json_result(tmp_path, tok):
   config = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
                            head_dim=16, mlp_dim=64)
   model_dir = str(tmp_path / "model")
-  checkpoint.save_model(model_dir, config, Qwen3(config, rngs=nnx.Rngs(0)))
+  checkpoint.save_model(model_dir, config, Transformer(config, rngs=nnx.Rngs(0)))
   data = _write(tmp_path / "p.jsonl", ROWS[:2])
   out_dir = tmp_path / "out"
   synthetic = os.path.join(REPO, "configs", "eval", "synthetic.py")

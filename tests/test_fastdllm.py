@@ -19,7 +19,7 @@ from flax import nnx
 from refusion_jax import config as config_lib
 from refusion_jax.decode import engine, mdm
 from refusion_jax.decode import program as program_lib
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 
 GEN = 12
 MASK = 3
@@ -40,7 +40,7 @@ def _config(**overrides):
 def _model(shift: bool = False, eos: int | None = None, seed: int = 0):
   cfg = _config(eos_token_id=eos, **({"model_type": "dream"}
                                      if shift else {}))
-  model = Qwen3(cfg, rngs=nnx.Rngs(seed))
+  model = Transformer(cfg, rngs=nnx.Rngs(seed))
   # Scaled-up random weights give peaked, varied predictions (std 0.02 is near uniform).
   nnx.update(model, jax.tree.map(lambda x: x * 3.0, nnx.state(model, nnx.Param)))
   return model

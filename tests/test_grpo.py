@@ -1,5 +1,6 @@
-"""GRPO's pieces (refusion_jax.planning.grpo) by hand, and one policy step on exact
-trajectory log-probabilities moving probability towards the rewarded answer."""
+"""GRPO's pieces (refusion_jax.rl.grpo) by hand, and one policy step on the exact
+log-probabilities of recorded rollouts (rl.replay) moving probability towards the
+rewarded answer."""
 
 import math
 
@@ -10,8 +11,10 @@ import optax
 import pytest
 from flax import nnx
 
-from refusion_jax.planning import grpo, order_oracle, trajectory
-from tests.test_order_oracle import PROMPTS, _model
+from refusion_jax.config import DecodeConfig
+from refusion_jax.decode import engine
+from refusion_jax.rl import grpo, replay
+from tests.test_order_oracle import MASK, PROMPTS, _model
 
 
 def test_group_advantages_by_hand():
@@ -58,28 +61,31 @@ def test_policy_loss_by_hand():
     grpo.policy_loss(new, new, new, jnp.ones((1, 1), bool), jnp.asarray([0.0]), beta=-1.0)
 
 
-def test_a_policy_step_moves_probability_towards_the_rewarded_trajectory():
+def test_a_policy_step_moves_probability_towards_the_rewarded_rollout():
   model = _model()
+  # One group of four rollouts of one prompt, every committed token a draw (recorded).
+  dc = DecodeConfig(gen_length=12, slot_size=4, block_size=12, temperature=1.0,
+                    slot_threshold=0.5, token_threshold=0.5, sample_drafts=True, record=True)
   prompt = PROMPTS[3]
-  results = [r for r in order_oracle.all_orders(model, prompt, gen_length=12, slot_size=4)
-             if len(r.tokens) == 12]  # answers that run to the end: every slot is full
-  assert len(results) >= 4
-  trajs = [trajectory.Trajectory(tuple(prompt), r.order, tuple(
-      tuple(r.tokens[s * 4:(s + 1) * 4]) for s in range(3)), 4) for r in results[:4]]
-  rewards = [1.0, 0.0, 0.0, 0.0]  # one group of four; the first answer is "correct"
+  run = engine.Decoder(model, dc, method="refusion").engine(rows=4).run(
+      [prompt] * 4, rng=jax.random.PRNGKey(5))
+  assert len({tuple(r.tokens) for r in run.results}) > 1  # the group's samples differ
+  batch = replay.pack([replay.layout(prompt, r.trace, 4, 12, MASK) for r in run.results])
+  valid = jnp.asarray(batch["valid"])
+  rewards = [1.0, 0.0, 0.0, 0.0]  # the first answer is "correct"
   adv = jnp.asarray(grpo.group_advantages(rewards, 4))
   graphdef, state = nnx.split(model)
-  old, valid = trajectory.logprobs(model, trajs)
+  old = replay.logprobs(model, batch)
 
   def loss_fn(state):
-    lp, _ = trajectory.logprobs(nnx.merge(graphdef, state), trajs)
+    lp = replay.logprobs(nnx.merge(graphdef, state), batch)
     return grpo.policy_loss(lp, jax.lax.stop_gradient(old), old, valid, adv, beta=0.0)[0]
 
   tx = optax.adam(1e-5)  # one small step (the 60x head makes the loss steep)
   grads = jax.grad(loss_fn)(state)
   updates, _ = tx.update(grads, tx.init(state), state)
   new_state = optax.apply_updates(state, updates)
-  new, _ = trajectory.logprobs(nnx.merge(graphdef, new_state), trajs)
+  new = replay.logprobs(nnx.merge(graphdef, new_state), batch)
   seq_old = (old * valid).sum(-1)
   seq_new = (new * valid).sum(-1)
   # The step moves log-likelihood towards the better-than-average samples: the

@@ -21,8 +21,8 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from refusion_jax import checkpoint, config as config_lib, hf, sample, sharding
-from refusion_jax.model import Qwen3
+from refusion_jax import checkpoint, config as config_lib, hf, loading, sharding
+from refusion_jax.model import Transformer
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -235,7 +235,7 @@ def test_llama31_rope_scaling_is_read_and_matters():
   assert (config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
           config.rope_original_max_positions) == (8.0, 1.0, 4.0, 32)
   # The oracle shows it: the same weights without the scaling give other logits.
-  plain = Qwen3(config.replace(rope_scaling_factor=0.0), rngs=nnx.Rngs(0))
+  plain = Transformer(config.replace(rope_scaling_factor=0.0), rngs=nnx.Rngs(0))
   nnx.update(plain, nnx.state(model))
   golden = np.load(os.path.join(folder, "golden.npz"))
   assert np.abs(_logits(plain, golden) - golden["logits_perm"]).max() > 0.1
@@ -314,7 +314,7 @@ def test_vocab_size_comes_from_embedding(tmp_path):
   assert config.vocab_size == 128
   # Read without the weights (the server checks its tokenizer against it first).
   assert hf.read_config(folder) == config
-  assert sample.read_model_config(str(folder)) == config
+  assert loading.read_model_config(str(folder)) == config
 
 
 # ---------------------------------------------------------------- errors

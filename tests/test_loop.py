@@ -17,9 +17,9 @@ from flax import nnx
 
 from configs import d2f_tiny, rl_tiny, tiny_refusion
 from configs.common import ASSETS_DIR, TINY_TRAIN
-from refusion_jax import checkpoint, distill, lora, sample
+from refusion_jax import checkpoint, distill, loading, lora
 from refusion_jax import config as config_lib
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from refusion_jax.rl import trainer as rl_trainer
 from refusion_jax.training import loop, outputs, supervised
 
@@ -100,7 +100,7 @@ class _Distill:
     self.model_config = config_lib.tiny(num_layers=2, hidden_size=64, mlp_dim=128, num_heads=2,
                                         num_kv_heads=1, head_dim=32, attention="bidirectional")
     base = str(tmp_path / "mdm")
-    checkpoint.save_model(base, self.model_config, Qwen3(self.model_config, rngs=nnx.Rngs(0)))
+    checkpoint.save_model(base, self.model_config, Transformer(self.model_config, rngs=nnx.Rngs(0)))
     c = d2f_tiny.get_config()
     c.base_dir, c.steps, c.batch_size, c.save_every = base, 6, 4, 3
     c.lora_rank, c.lora_alpha, c.seq_len = 4, 4.0, 48
@@ -139,7 +139,7 @@ class _RL:
   def run(self, workdir):
     self.config.output_dir = str(workdir)
     final = rl_trainer.run(self.config, progress=False)["final_model"]
-    return _leaves(nnx.state(sample.load_model(final)[1], nnx.Param))
+    return _leaves(nnx.state(loading.load_model(final)[1], nnx.Param))
 
 
 TRAINERS = {"supervised": _Supervised, "distill": _Distill, "rl": _RL}

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from refusion_jax import config as config_lib, hf, lora
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 
 
 def _config(**overrides):
@@ -22,12 +22,19 @@ def _config(**overrides):
   return config_lib.tiny(**base)
 
 
+def _hf_linear_shape(config, proj):
+  """The HF Linear weight `[out, in]` of an attention projection."""
+  q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+  return {"q_proj": (q, config.hidden_size), "k_proj": (kv, config.hidden_size),
+          "v_proj": (kv, config.hidden_size), "o_proj": (config.hidden_size, q)}[proj]
+
+
 def _random_adapter(config, rank=4, alpha=8.0, seed=0, projections=lora.PROJECTIONS):
   rng = np.random.default_rng(seed)
   tensors = {}
   for layer in range(config.num_layers):
     for proj in projections:
-      out_dim, in_dim = lora._hf_shape(config, proj)  # pylint: disable=protected-access
+      out_dim, in_dim = _hf_linear_shape(config, proj)
       tensors[layer, proj] = (rng.normal(0, 0.3, (rank, in_dim)).astype(np.float32),
                               rng.normal(0, 0.3, (out_dim, rank)).astype(np.float32))
   return lora.Adapter(rank=rank, alpha=alpha, tensors=tensors)
@@ -44,7 +51,7 @@ IDS = jnp.asarray([[5, 9, 17, 3, 3, 3, 4, 8]], jnp.int32)
 @pytest.mark.parametrize("model_type", ["llada", "qwen3"])
 def test_merged_weights_equal_the_adapter_run_live(model_type, tmp_path):
   config = _config(model_type=model_type)
-  base = Qwen3(config, rngs=nnx.Rngs(0))
+  base = Transformer(config, rngs=nnx.Rngs(0))
   adapter = _random_adapter(config)
   lora.save_adapter(tmp_path / "a", config, adapter, base_model="tiny")
   read = lora.read_adapter(tmp_path / "a", config)
@@ -56,7 +63,7 @@ def test_merged_weights_equal_the_adapter_run_live(model_type, tmp_path):
   before = _logits(live, IDS)
   np.testing.assert_allclose(before, _logits(base, IDS), atol=1e-6)  # B starts at zero
   lora.load_into(live, read)
-  merged = lora.merge(Qwen3(config, rngs=nnx.Rngs(0)), read)
+  merged = lora.merge(Transformer(config, rngs=nnx.Rngs(0)), read)
   got, want = _logits(merged, IDS), _logits(live, IDS)
   assert np.abs(want - before).max() > 0.1  # the adapter changes the model
   np.testing.assert_allclose(got, want, atol=2e-5)
@@ -77,7 +84,7 @@ def test_adapter_tensor_names_follow_the_family(tmp_path):
                            ("qwen3", "base_model.model.model.layers.0.self_attn.o_proj")):
     config = _config(model_type=model_type)
     lora.save_adapter(tmp_path / model_type, config, _random_adapter(config))
-    header = hf._read_header(str(tmp_path / model_type / lora.ADAPTER_WEIGHTS))  # pylint: disable=protected-access
+    header = hf.read_safetensors(str(tmp_path / model_type / lora.ADAPTER_WEIGHTS))
     assert f"{name}.lora_A.weight" in header and f"{name}.lora_B.weight" in header
     cfg = json.loads((tmp_path / model_type / lora.ADAPTER_CONFIG).read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
@@ -119,7 +126,7 @@ def test_bad_adapters_are_one_clear_line(tmp_path):
 
 def test_scanned_layers_are_refused():
   config = _config(scan_layers=True)
-  model = Qwen3(config, rngs=nnx.Rngs(0))
+  model = Transformer(config, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="scanned layers is not supported"):
     lora.apply(model, 4, 8.0)
   with pytest.raises(ValueError, match="scanned layers is not supported"):

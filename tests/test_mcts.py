@@ -1,4 +1,4 @@
-"""The MCTS slot planner (refusion_jax.planning.mcts): the search on a hand-made tree,
+"""The MCTS slot planner (refusion_jax.decode.mcts): the search on a hand-made tree,
 its budget-1 order against a plain re-computation, its answers against the order
 oracle's fill of the same order, and its place in DecodeConfig and evaluate."""
 
@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from configs.common import ASSETS_DIR, TINY_TEST
-from refusion_jax import evaluate, sample
+from refusion_jax import evaluate, loading
 from refusion_jax.config import DecodeConfig
-from refusion_jax.decode import engine
-from refusion_jax.planning import mcts, order_oracle
+from refusion_jax.decode import engine, mcts, order_oracle, ordered_fill
 from refusion_jax.tokenizer import Tokenizer
 from tests.test_order_oracle import EOS, MASK, PROMPTS, _model
 
@@ -54,8 +53,11 @@ def _greedy_order(model, prompt, gen_length, k):
   its own masks after the committed slots (float64 softmax); the most confident one is
   filled (its first token from that pass, the rest one causal pass a token, to a stop);
   until every position up to a committed EOS, or every slot, is committed."""
-  run = order_oracle._forward(model, len(prompt) + 2 * gen_length)  # pylint: disable=protected-access
+  fill = ordered_fill.OrderedFill(model, gen_length=gen_length, slot_size=k)
   p, n = len(prompt), gen_length // k
+
+  def run(tokens, positions):
+    return fill.causal(tokens, positions, p + 2 * gen_length)
 
   def dist(logits):
     x = np.array(logits, np.float64)
@@ -105,6 +107,15 @@ def test_any_budget_answers_as_the_oracle_fills_its_order(budget, c):
     assert res.search_rows >= 1 and res.passes >= len(res.tokens) // 4
 
 
+def test_decode_ignore_eos_leaves_every_slot_full():
+  model = _model()
+  dc = DecodeConfig(gen_length=12, slot_size=4, block_size=12, planner="mcts", mcts_budget=4)
+  ended = [len(mcts.Decoder(model, dc).planner.decode(p).tokens) < 12 for p in PROMPTS]
+  assert any(ended)  # some answers end at EOS
+  ignoring = mcts.Decoder(model, dc.replace(ignore_eos=True))
+  assert all(len(ignoring.planner.decode(p).tokens) == 12 for p in PROMPTS)
+
+
 def test_the_planner_in_decode_config_and_evaluate():
   with pytest.raises(ValueError, match="planner must be one of"):
     DecodeConfig(planner="beam")
@@ -121,7 +132,7 @@ def test_the_planner_in_decode_config_and_evaluate():
 
 
 def test_evaluate_runs_the_mcts_planner():
-  _, model = sample.load_model(os.path.join(ASSETS_DIR, "refusion_tiny"))
+  _, model = loading.load_model(os.path.join(ASSETS_DIR, "refusion_tiny"))
   tok = Tokenizer.tiny()
   problems = evaluate.read_problems(TINY_TEST, tok, per_task=1, task_names=["copy", "sort"])
   dc = DecodeConfig(gen_length=16, slot_size=4, block_size=16, planner="mcts", mcts_budget=4,

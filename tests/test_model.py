@@ -16,7 +16,7 @@ from flax import nnx
 from refusion_jax import hf, masks
 from refusion_jax.config import tiny
 from refusion_jax.kv_cache import KVCache
-from refusion_jax.model import Qwen3, attend
+from refusion_jax.model import Transformer, attend
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 # Qwen3, Qwen2 (Qwen2.5) and Llama (Llama-3; llama31: 3.1's RoPE scaling) layouts.
@@ -240,7 +240,7 @@ def test_model_rejects_mismatched_positions():
   config = tiny(num_layers=1, vocab_size=32, hidden_size=16, num_heads=2, num_kv_heads=1,
                 head_dim=8, mlp_dim=32)
   # Abstract parameters suffice: the check runs before any computation.
-  model = nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match=r"input_ids \(2, 5\) and positions \(2, 4\)"):
     model(jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 4), jnp.int32))
   with pytest.raises(ValueError, match="must both be"):
@@ -253,7 +253,7 @@ def test_remat_gives_the_same_loss_and_gradients():
   def loss_and_grads(remat):
     cfg = tiny(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                mlp_dim=96, vocab_size=128, remat=remat)
-    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, 128)
     pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
 

@@ -20,7 +20,7 @@ from jax.extend import core as jax_core
 from refusion_jax import config as config_lib
 from refusion_jax import objective as obj
 from refusion_jax import sharding
-from refusion_jax.model import Qwen3, Unembed
+from refusion_jax.model import Transformer, Unembed
 
 MASK = 3
 PAD = 0
@@ -514,7 +514,7 @@ def test_mdm_rows_fill_the_eos_tail_and_mask_it_like_the_answer():
 def tiny_model(attention="causal", seed=0):
   cfg = config_lib.tiny(num_layers=1, vocab_size=64, hidden_size=32, num_heads=2,
                         num_kv_heads=1, head_dim=16, mlp_dim=64, attention=attention)
-  return Qwen3(cfg, rngs=nnx.Rngs(seed))
+  return Transformer(cfg, rngs=nnx.Rngs(seed))
 
 
 @nnx.jit
@@ -624,7 +624,7 @@ def _model(attention, impl="xla", scan=False, remat="none", seed=0):
   cfg = config_lib.tiny(num_layers=2, vocab_size=64, hidden_size=32, num_heads=2,
                         num_kv_heads=1, head_dim=16, mlp_dim=64, attention=attention,
                         attention_impl=impl, scan_layers=scan, remat=remat)
-  return Qwen3(cfg, rngs=nnx.Rngs(seed))
+  return Transformer(cfg, rngs=nnx.Rngs(seed))
 
 
 def _loss_and_grads(model, batch, draws, objective, loss_chunk, mesh):
@@ -798,7 +798,7 @@ def tiny_untied_model(attention="causal"):
   cfg = config_lib.tiny(num_layers=1, vocab_size=64, hidden_size=32, num_heads=2,
                         num_kv_heads=1, head_dim=16, mlp_dim=64, attention=attention,
                         tie_embeddings=False)
-  return Qwen3(cfg, rngs=nnx.Rngs(1))
+  return Transformer(cfg, rngs=nnx.Rngs(1))
 
 
 def loss_and_grads(model, batch, rng, objective, loss_chunk):
@@ -850,7 +850,7 @@ def test_loss_chunk_never_builds_full_logits():
   batch_size, seq_len, vocab, chunk = 2, 256, 8192, 32
   cfg = config_lib.tiny(num_layers=1, vocab_size=vocab, hidden_size=32, num_heads=2,
                         num_kv_heads=1, head_dim=16, mlp_dim=64)
-  graphdef, state = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
   samples = random_samples(np.random.default_rng(2), batch_size, seq_len, vocab=vocab,
                            min_resp=seq_len // 2)
   batch = one_per_row(samples, seq_len)

@@ -1,4 +1,4 @@
-"""The exhaustive slot-order oracle (refusion_jax.planning.order_oracle): its position
+"""The exhaustive slot-order oracle (refusion_jax.decode.order_oracle): its position
 order is the jitted left-to-right decoder token for token; every order is visited once."""
 
 import math
@@ -12,18 +12,18 @@ from flax import nnx
 from refusion_jax import config as config_lib
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import refusion
-from refusion_jax.model import Qwen3
-from refusion_jax.planning import order_oracle
+from refusion_jax.model import Transformer
+from refusion_jax.decode import order_oracle
 
 MASK, EOS = 3, 59  # 59: a token this model emits early for some prompts
 
 
-def _model():
+def _model(**overrides):
   cfg = config_lib.tiny(vocab_size=96, hidden_size=32, num_layers=2, num_heads=2,
                         num_kv_heads=1, head_dim=16, mlp_dim=64, tie_embeddings=False,
                         max_position_embeddings=128, eos_token_id=EOS, mask_token_id=MASK,
-                        pad_token_id=0, bos_token_id=2)
-  model = Qwen3(cfg, rngs=nnx.Rngs(7))
+                        pad_token_id=0, bos_token_id=2, **overrides)
+  model = Transformer(cfg, rngs=nnx.Rngs(7))
   # As the decoder's own oracle tests do: a sharper head, small embeddings.
   model.lm_head[...] = (model.lm_head[...] * 60.0).at[:, MASK].set(0.0)
   model.embed[...] = (model.embed[...] * 0.1).at[MASK].set(0.0)
@@ -55,6 +55,26 @@ def test_the_position_order_is_the_left_to_right_decoder(gen_length, slot_size):
     assert ltr.passes == int(out.counters.nfe_b()[i]) or want[-1] == EOS
     ended += want[-1] == EOS and len(want) < gen_length
   assert 0 < ended < len(PROMPTS)  # some answers end at EOS, some run to the end
+
+
+def test_a_slot_ends_at_any_stop_id_as_the_decoder_does():
+  # A token the position order emits mid-answer (not EOS) made one of the model's other
+  # stop ids: the oracle's position order ends there, as the left-to-right decoder does;
+  # under ignore_eos nothing ends a slot.
+  prompt = PROMPTS[0]
+  plain = order_oracle.all_orders(_model(), prompt, gen_length=12, slot_size=4,
+                                  orders=[(0, 1, 2)])[0]
+  stop = next(t for t in plain.tokens[1:-1] if t != EOS)
+  model = _model(stop_token_ids=(stop,))
+  got = order_oracle.all_orders(model, prompt, gen_length=12, slot_size=4, orders=[(0, 1, 2)])
+  assert list(got[0].tokens) == list(plain.tokens[:plain.tokens.index(stop) + 1])
+  out = refusion.generate(model, jnp.asarray([prompt]), jnp.asarray([len(prompt)]),
+                          DecodeConfig(gen_length=12, slot_size=4, block_size=12,
+                                       left_to_right=True))
+  assert list(got[0].tokens) == [int(t) for t in out.tokens_bg[0, :int(out.length_b[0])]]
+  ignored = order_oracle.all_orders(model, prompt, gen_length=12, slot_size=4,
+                                    orders=[(0, 1, 2)], ignore_eos=True)
+  assert len(ignored[0].tokens) == 12
 
 
 def test_orders_can_be_chosen_and_bad_ones_are_refused():

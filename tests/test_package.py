@@ -22,7 +22,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from refusion_jax import packaged
+from refusion_jax import loading, packaged
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.repro import pipeline, scoring
 
@@ -91,11 +91,11 @@ def test_version_and_entry_point_are_declared_once():
 def test_packaged_names_resolve_only_when_the_working_directory_lacks_them(tmp_path,
                                                                           monkeypatch):
   monkeypatch.chdir(tmp_path)
-  assert packaged.model_dir("base_tiny") == packaged.BASE_TINY_DIR
+  assert loading.resolve("base_tiny") == packaged.BASE_TINY_DIR
   assert os.path.isfile(os.path.join(packaged.BASE_TINY_DIR, "model.safetensors"))
-  assert packaged.model_dir("elsewhere") == "elsewhere"
+  assert loading.resolve("elsewhere") == "elsewhere"
   (tmp_path / "base_tiny").mkdir()
-  assert packaged.model_dir("base_tiny") == "base_tiny"  # a folder of that name wins
+  assert loading.resolve("base_tiny") == "base_tiny"  # a folder of that name wins
   # Without a packaged copy (a checkout run in place) nothing moves.
   monkeypatch.setattr(packaged, "configs_dir", lambda: None)
   assert packaged.config_file("configs/sample.py") == "configs/sample.py"

@@ -1,4 +1,4 @@
-"""Exact log-probabilities of ReFusion's parallel decode (refusion_jax.planning.replay):
+"""Exact log-probabilities of ReFusion's parallel decode (refusion_jax.rl.replay):
 the one-forward training layout of a recorded rollout against the decoder's own
 probabilities and against each deciding pass run alone; the record and the sampled
 drafts leave the release's tokens alone when off."""
@@ -10,7 +10,7 @@ from flax import nnx
 
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine
-from refusion_jax.planning import replay
+from refusion_jax.rl import replay
 from tests.test_order_oracle import MASK, PROMPTS, _model
 
 GEN, K, BLOCK = 24, 4, 12

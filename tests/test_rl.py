@@ -11,7 +11,7 @@ import pytest
 
 from configs import rl_tiny
 from configs.common import ASSETS_DIR, TINY_TRAIN
-from refusion_jax import checkpoint, sample
+from refusion_jax import checkpoint, loading
 from refusion_jax.rl import rewards, trainer
 
 MODEL = os.path.join(ASSETS_DIR, "refusion_tiny")
@@ -39,7 +39,7 @@ def _train_file(tmp_path):
 
 
 def _params(path):
-  _, model = sample.load_model(path)
+  _, model = loading.load_model(path)
   from flax import nnx  # pylint: disable=import-outside-toplevel
   return [np.asarray(x) for x in __import__("jax").tree.leaves(nnx.state(model, nnx.Param))]
 
@@ -150,7 +150,7 @@ def test_the_selection_policy_trains_alone_with_the_base_frozen(tmp_path):
   # The learnt weights decode (deterministic choice: above one half).
   from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
-  _, model = sample.load_model(MODEL)
+  _, model = loading.load_model(MODEL)
   dc = DecodeConfig(gen_length=16, slot_size=4, block_size=16, planner="policy",
                     plan_weights=tuple(saved["plan_weights"]))
   res = engine.Decoder(model, dc).engine(rows=2).run([[2, 10, 11, 12]])

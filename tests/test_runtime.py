@@ -1,6 +1,6 @@
-"""refusion_jax/runtime.py: no libtpu start-up errors where no TPU is, and the persistent
-compilation cache of sample, evaluate and reproduce, each through a real command line
-on the shipped ReFusion model."""
+"""refusion_jax/runtime.py: no libtpu start-up errors where no TPU is (an entry point's and
+a benchmark's), and the persistent compilation cache of sample, evaluate and reproduce,
+each through a real command line on the shipped ReFusion model."""
 
 import glob
 import importlib.util
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from refusion_jax import packaged, runtime
+from refusion_jax import loading, packaged, runtime
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What libtpu prints when it starts on a machine without a TPU.
@@ -64,6 +64,19 @@ def test_a_cpu_run_starts_without_libtpu_errors_and_a_second_run_loads_its_progr
   assert none.returncode == 0 and "Persistent compilation cache hit" not in none.stderr
 
 
+@pytest.mark.skipif(ACCELERATOR or not LIBTPU,
+                    reason="needs libtpu installed on a machine without accelerators")
+def test_a_benchmark_starts_as_the_entry_points_do(tmp_path):
+  # forward_cost on the shipped model by its short name, run from a folder without one.
+  done = subprocess.run(
+      [sys.executable, os.path.join(REPO, "benchmarks", "forward_cost.py"),
+       "--model_dir=refusion_tiny", "--widths=1,4", "--passes=2", "--repeats=1"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env())
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "device: cpu" in done.stdout and "| 4 |" in done.stdout, done.stdout
+  assert not any(n in done.stderr for n in LIBTPU_NOISE), done.stderr[-3000:]
+
+
 def test_the_probe_leaves_a_set_platform_a_tpu_and_a_gpu_alone(monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   assert runtime.quiet_tpu_probe() is False
@@ -98,7 +111,7 @@ def test_the_cache_folder_auto_empty_or_named(monkeypatch, tmp_path):
 
 def test_the_shipped_refusion_model_matches_its_checksum():
   import hashlib  # pylint: disable=import-outside-toplevel
-  folder = packaged.model_dir("refusion_tiny")
+  folder = loading.resolve("refusion_tiny")
   assert folder == packaged.REFUSION_TINY_DIR
   assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*"))) == [
       "config.json", "metrics.jsonl", "model.safetensors", "model.safetensors.sha256"]

@@ -15,7 +15,7 @@ from flax import nnx
 from configs import sample as sample_config
 from refusion_jax import checkpoint, sample, trace
 from refusion_jax import config as config_lib
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = {"tokens", "text", "nfe", "tokens_per_forward", "tpf_paper", "seconds"}
@@ -24,7 +24,7 @@ REQUIRED = {"tokens", "text", "nfe", "tokens_per_forward", "tpf_paper", "seconds
 def _save(folder, attention):
   config = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
                            head_dim=16, mlp_dim=64, attention=attention)
-  model = Qwen3(config, rngs=nnx.Rngs(0))
+  model = Transformer(config, rngs=nnx.Rngs(0))
   # Scaled weights so that greedy outputs vary (the EOS id 1 may or may not appear).
   nnx.update(model, jax.tree.map(lambda x: x * 4.0, nnx.state(model, nnx.Param)))
   checkpoint.save_model(str(folder), config, model)

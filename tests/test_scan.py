@@ -19,7 +19,7 @@ from refusion_jax import config as config_lib
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine
 from refusion_jax.kv_cache import KVCache
-from refusion_jax.model import Qwen3, convert_layer_layout
+from refusion_jax.model import Transformer, convert_layer_layout
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 
@@ -36,8 +36,8 @@ def _params(model):
 
 
 def _pair(**changes):
-  return (Qwen3(_config(False, **changes), rngs=nnx.Rngs(3)),
-          Qwen3(_config(True, **changes), rngs=nnx.Rngs(3)))
+  return (Transformer(_config(False, **changes), rngs=nnx.Rngs(3)),
+          Transformer(_config(True, **changes), rngs=nnx.Rngs(3)))
 
 
 def test_same_seed_gives_the_same_values_stacked():

@@ -1,4 +1,4 @@
-"""The slot-selection policy (decode.planner='policy', refusion_jax.planning.selector):
+"""The slot-selection policy (decode.planner='policy', refusion_jax.rl.selector):
 a sharp policy is the threshold rule token for token; the recorded plan choices' log-
 probabilities equal a plain sum over every draw of the slots; bad weights are refused."""
 
@@ -9,7 +9,7 @@ import pytest
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine
 from refusion_jax.decode.methods import PLAN_FEATURES
-from refusion_jax.planning import selector
+from refusion_jax.rl import selector
 from tests.test_order_oracle import PROMPTS, _model
 
 BASE = dict(gen_length=24, slot_size=4, block_size=12, slot_threshold=0.5, token_threshold=0.5)

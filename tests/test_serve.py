@@ -31,11 +31,11 @@ from flax import nnx
 
 from configs import sample as sample_config
 from configs import serve as serve_config
-from refusion_jax import checkpoint, sample, serve
+from refusion_jax import checkpoint, loading, sample, serve
 from refusion_jax import config as config_lib
 from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.decode import compiled as compiled_lib
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from refusion_jax.serve import engine_process, protocol
 from refusion_jax.serve import text as text_lib
 from refusion_jax.serve.scheduler import Job, Scheduler
@@ -52,7 +52,7 @@ TEXTS = ["sort 5 2 9", "hello world", "add 3 4", "reverse abc", "count to 3", "a
 def _save_model(path):
   mc = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                        mlp_dim=64, attention="causal", max_position_embeddings=256)
-  model = Qwen3(mc, rngs=nnx.Rngs(0))
+  model = Transformer(mc, rngs=nnx.Rngs(0))
   # Scaled weights, so that greedy texts vary and ReFusion commits slots out of order.
   nnx.update(model, jax.tree.map(lambda x: x * 4.0, nnx.state(model, nnx.Param)))
   checkpoint.save_model(path, mc, model)
@@ -996,7 +996,7 @@ def test_a_hugging_face_folder_serves_what_its_model_folder_does(oracle, tmp_pat
   # The released checkpoints come as HF folders (config.json + safetensors): served from
   # one (here an export of the test model), greedy answers equal the model folder's.
   from refusion_jax import hf  # pylint: disable=import-outside-toplevel
-  config, model = sample.load_model(oracle["model_dir"])
+  config, model = loading.load_model(oracle["model_dir"])
   hf_dir = str(tmp_path / "hf")
   hf.save(config, model, hf_dir)
   info, stop = _serving({**oracle, "model_dir": hf_dir}, "thread")

@@ -63,7 +63,7 @@ def _tiny(**kw):
 @pytest.mark.parametrize("tie", [True, False])
 def test_sharded_forward_matches_unsharded(tie):
   cfg = _tiny(tie_embeddings=tie)
-  model = model_lib.Qwen3(cfg, rngs=nnx.Rngs(0))
+  model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
   ids = jax.random.randint(jax.random.key(1), (4, 24), 0, cfg.vocab_size)
   perm = jnp.stack([jax.random.permutation(jax.random.key(i), 24) for i in range(4)])
   expected = np.asarray(model(ids, perm))

@@ -21,10 +21,10 @@ import pytest
 from flax import nnx
 
 from configs import tiny_arm, tiny_bd3lm, tiny_mdm, tiny_refusion
-from refusion_jax import checkpoint, data, hf, objective, sharding
+from refusion_jax import checkpoint, data, hf, objective, packaged, sharding
 from refusion_jax import config as config_lib
 from refusion_jax.checks import InputError
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from refusion_jax.training import loop, outputs, settings, supervised
 from refusion_jax.training import trainer as trainer_lib
 from refusion_jax.tokenizer import TINY_TOKENIZER_DIR, Tokenizer
@@ -349,7 +349,7 @@ def test_sharded_step_equals_single_device_step(tfds_dir, objective_name):
   tok = Tokenizer.tiny()
   model_config = settings.build_model_config(c, tok)
   batch = next(iter(data.loader_from_config(c.data, tok, c.global_batch_size)))
-  params_host = host(nnx.to_pure_dict(nnx.state(Qwen3(model_config, rngs=nnx.Rngs(1)),
+  params_host = host(nnx.to_pure_dict(nnx.state(Transformer(model_config, rngs=nnx.Rngs(1)),
                                                 nnx.Param)))
   devices = jax.devices()
   assert len(devices) == 8
@@ -380,7 +380,7 @@ def test_loss_chunk_step_equals_full_logits_step(tfds_dir, monkeypatch):
   response_len = rng.integers(1, 64 - prompt_len + 1).astype(np.int32)
   tokens = rng.integers(4, tok.id_limit, (8, 64)).astype(np.int32)
   batch = {"tokens": tokens, "prompt_len": prompt_len, "response_len": response_len}
-  params_host = host(nnx.to_pure_dict(nnx.state(Qwen3(model_config, rngs=nnx.Rngs(2)),
+  params_host = host(nnx.to_pure_dict(nnx.state(Transformer(model_config, rngs=nnx.Rngs(2)),
                                                 nnx.Param)))
   single = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   _, m_full, _, o_full = _one_step(c, model_config, single, params_host, batch)
@@ -493,7 +493,7 @@ def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir, model_type):
   # head: ReFusion trained on Qwen2.5 is the paper's Table 3 row.
   hf_config = config_lib.tiny(num_layers=1, vocab_size=500, tie_embeddings=False,
                               mask_token_id=None, bos_token_id=None, model_type=model_type)
-  source = Qwen3(hf_config, rngs=nnx.Rngs(7))
+  source = Transformer(hf_config, rngs=nnx.Rngs(7))
   if model_type == "qwen2":  # biases start at 0: make them count
     attn = source.layers[0].attn
     attn.q_bias[...] = jax.random.normal(jax.random.key(1), attn.q_bias[...].shape)
@@ -545,6 +545,37 @@ def test_init_from_hf_adds_special_rows_as_mean(tmp_path, tfds_dir, model_type):
   c.model.num_layers = 4
   with pytest.raises(ValueError, match=r"config\.model\.num_layers=4 conflicts with init_from_hf"):
     settings.build_model_config(c, tok)
+
+
+def test_init_from_hf_names_the_shipped_base_and_finds_its_tokenizer(tmp_path, tfds_dir,
+                                                                      monkeypatch):
+  # The shipped base by its short name (no folder of that name here); its folder has no
+  # tokenizer.json, and its vocabulary and special ids are the bundled tokenizer's.
+  monkeypatch.chdir(tmp_path)
+  c = small_config(tfds_dir, init_from_hf="base_tiny", num_train_steps=4)
+  c.model.num_layers = None  # the folder decides the shapes
+  settings.validate_config(c, num_devices=1)
+  tok = settings.load_tokenizer(c)
+  assert tok.source == Tokenizer.tiny().source
+  model_config = settings.build_model_config(c, tok)
+  assert model_config.num_layers == config_lib.from_hf_config(packaged.BASE_TINY_DIR).num_layers
+  mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  trainer = trainer_lib.Trainer(c, model_config, mesh=mesh, pad_id=tok.pad_id, total_steps=1)
+  params = trainer_lib.init_params_from_hf(trainer, "base_tiny", tok)
+  _, base = hf.load(packaged.BASE_TINY_DIR)
+  np.testing.assert_array_equal(np.asarray(params["embed"]), np.asarray(base.embed[...]))
+  # A folder without a tokenizer.json whose model the bundled tokenizer does not fit.
+  folder = tmp_path / "other"
+  shutil.copytree(packaged.BASE_TINY_DIR, folder)
+  with open(folder / "config.json") as f:
+    hf_config = json.load(f)
+  hf_config["eos_token_id"] = 7
+  with open(folder / "config.json", "w") as f:
+    json.dump(hf_config, f)
+  c.init_from_hf = str(folder)
+  with pytest.raises(ValueError, match=r"config\.init_from_hf='.*other': no tokenizer .*; set "
+                     r"config\.tokenizer_dir"):
+    settings.load_tokenizer(c)
 
 
 def _export_case(tmp_path, case):

@@ -28,7 +28,7 @@ def benchmark_config(name: str) -> ml_collections.ConfigDict:
   b = benchmarks.get(name)
   c = ml_collections.ConfigDict()
   c.benchmark = b.name  # which benchmark (refusion_jax/lmeval/benchmarks.py)
-  c.model_dir = ""  # required unless `completions`: refusion_jax model folder or HF Qwen3 folder
+  c.model_dir = ""  # required unless `completions`: refusion_jax or HF folder, or a shipped model
   c.adapter_dir = ""  # a PEFT LoRA folder (a D2F adapter) merged into model_dir's weights
   c.tokenizer_dir = ""  # "" = model_dir's tokenizer.json (else the bundled tiny one when it fits)
   c.output_dir = ""  # required: results.json and samples.jsonl are written here

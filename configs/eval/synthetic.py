@@ -16,9 +16,9 @@ from configs.eval import common
 def get_config():
   c = ml_collections.ConfigDict()
   c.benchmark = "synthetic"  # the bundled suite (not an lm-eval task)
-  c.model_dir = ""  # required: refusion_jax model folder or HF Qwen3 folder
+  c.model_dir = ""  # required: refusion_jax or HF model folder, or a shipped model (refusion_tiny)
   c.adapter_dir = ""  # a PEFT LoRA folder (a D2F adapter) merged into model_dir's weights
-  c.tokenizer_dir = ""  # "" = the bundled tiny tokenizer
+  c.tokenizer_dir = ""  # "" = model_dir's tokenizer.json, else the bundled tiny one when it fits
   c.data = train_common.TINY_TEST  # JSONL of {"query": ...} held-out problems
   c.output_dir = ""  # "" = print only; else results.json is written here
   c.per_task = 0  # problems per task (0 = all)

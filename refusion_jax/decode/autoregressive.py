@@ -142,7 +142,7 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
   """Decodes `decode_config.gen_length` tokens (or up to EOS) after each prompt.
 
   Args:
-    model: a causal `Qwen3`.
+    model: a causal `Transformer`.
     prompt_ids_bp: `[B, P]` right-padded prompt ids.
     prompt_len_b: `[B]` real prompt lengths (1..P); row b's response starts at
       position `prompt_len_b[b]`.

@@ -213,7 +213,7 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
   """Decodes up to `decode_config.gen_length` tokens after each prompt, block by block.
 
   Args:
-    model: a causal `Qwen3` trained with the BD3-LM objective.
+    model: a causal `Transformer` trained with the BD3-LM objective.
     prompt_ids_bp: `[B, P]` right-padded prompt ids.
     prompt_len_b: `[B]` real prompt lengths (1..P).
     decode_config: `DecodeConfig` with `method='bd3lm'`.

@@ -106,5 +106,5 @@ class DecodeOutput:
   length_b: jax.Array  # generated tokens per row, up to and including EOS
   counters: DecodeCounters
   commit_step_bg: jax.Array  # loop step at which each position was committed (-1: never)
-  # ReFusion with decode.record: each committed token's deciding pass (planning.replay)
+  # ReFusion with decode.record: each committed token's deciding pass (rl.replay)
   trace: dict | None = None

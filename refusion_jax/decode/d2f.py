@@ -261,7 +261,7 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
   """Decodes up to `decode_config.gen_length` tokens after each prompt, D2F's way.
 
   Args:
-    model: a bidirectional `Qwen3` with a D2F adapter (merged: `lora.merge`).
+    model: a bidirectional `Transformer` with a D2F adapter (merged: `lora.merge`).
     prompt_ids_bp: `[B, P]` right-padded prompt ids.
     prompt_len_b: `[B]` real prompt lengths (1..P).
     decode_config: `DecodeConfig` with `method='d2f'`.

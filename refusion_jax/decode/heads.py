@@ -103,7 +103,7 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
 
   Args:
     h_btd: hidden states after the final norm.
-    unembed: the output projection, `Qwen3.unembed()` (a `model.Unembed`), or a
+    unembed: the output projection, `Transformer.unembed()` (a `model.Unembed`), or a
       plain `[V, D]` array.
     given_bt: token whose probability `p_given_bt` reports.
     sample_bt: where the pick is a sample (argmax of logits / temperature +

@@ -460,7 +460,7 @@ def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
   """Decodes up to `decode_config.gen_length` tokens after each prompt by unmasking.
 
   Args:
-    model: a bidirectional `Qwen3` (ModelConfig.attention == 'bidirectional'; a
+    model: a bidirectional `Transformer` (ModelConfig.attention == 'bidirectional'; a
       Dream model is read shifted by one, `ModelConfig.shift_logits`).
     prompt_ids_bp: `[B, P]` right-padded prompt ids.
     prompt_len_b: `[B]` real prompt lengths (1..P).

@@ -156,7 +156,7 @@ class MctsPlanner(MethodOptions):
   name = "mcts"
   title = "the MCTS planner"
   group = "planner"
-  host_decoder = "refusion_jax.planning.mcts:Decoder"
+  host_decoder = "refusion_jax.decode.mcts:Decoder"
 
   mcts_budget: int = option(16, "simulations per plan step", rule=POSITIVE_INT, kind="host")
   mcts_c: float = option(1.0, "PUCT exploration", rule=NON_NEGATIVE, kind="host",

@@ -52,7 +52,7 @@ RL rollouts (`decode.sample_drafts`, `decode.record`): the infill's drafts are d
 the temperature as the plan's are, and each committed token keeps the pass that drafted
 it (the plan of its step, or infill round r with m tokens of its slot kept), its
 probability there, whether its K/V came from one causal run of its step, and each
-step's plan feed (`DecodeOutput.trace`); `planning.replay` scores a rollout from it.
+step's plan feed (`DecodeOutput.trace`); `rl.replay` scores a rollout from it.
 
 `left_to_right` (ReFusion used as a plain AR model): slots strictly in
 position order over the whole response (blocks and thresholds play no part).
@@ -430,6 +430,13 @@ def plan_features(lay: _Layout, r: Rows, out: passes.PassOut) -> jax.Array:
                     left.astype(jnp.float32), progress], -1).astype(jnp.float32)
 
 
+def policy_logits(feats_sf, w_f, b):
+  """The selection policy's logit of each slot, `w . f + b` over its plan features
+  (`[..., slots, F]` -> `[..., slots]`); sigmoid of it is the slot's probability of being
+  chosen. `rl.selector` scores recorded choices with the same logit."""
+  return jnp.asarray(feats_sf, jnp.float32) @ w_f + b
+
+
 def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
   """Drafts every undecided slot; chooses the slots whose first token is confident
   (tau_s), or the single best one."""
@@ -446,7 +453,7 @@ def plan(lay: _Layout, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
     # The selection policy (decode.planner='policy'): slot s is chosen with probability
     # sigmoid(w . f_s + b) (drawn, or above one half), the most likely slot when none is.
     feats = plan_features(lay, r, out)
-    logit = jnp.where(undecided, feats @ knobs.plan_w + knobs.plan_b, -jnp.inf)
+    logit = jnp.where(undecided, policy_logits(feats, knobs.plan_w, knobs.plan_b), -jnp.inf)
     score = logit
     # Slot s draws with key blk + s of the plan pass (its tokens use 0..blk-1).
     u = program_lib.pass_uniforms(r.key_b2, r.counters.nfe_b(), lay.blk, lay.n_slots)

@@ -35,7 +35,7 @@ def with_our_tasks(argv: list[str]) -> list[str]:
 def main() -> None:
   from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel
   from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
-  runtime.quiet_tpu_probe()  # no libtpu start-up errors where no TPU is
+  runtime.start_up()  # no libtpu start-up errors where no TPU is
   sys.argv = [sys.argv[0]] + with_our_tasks(sys.argv[1:])
   cli_evaluate()
 

@@ -40,6 +40,7 @@ import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from refusion_jax import loading
 from refusion_jax.decode import settings
 from refusion_jax.lmeval import GenerativeOnlyError
 
@@ -138,14 +139,16 @@ class RefusionLM(LM):
     self.seed = settings.parse_value("seed", seed, _WHERE, int)
     if model is None:
       if not model_dir:
-        raise ValueError("refusion_jax: model_dir=... is required (a refusion_jax model folder "
-                         "or a HF Qwen3 checkpoint folder)")
-      from refusion_jax import sample  # pylint: disable=import-outside-toplevel
-      _, model = sample.load_model(str(model_dir), adapter_dir=str(adapter_dir or ""))
+        raise ValueError("refusion_jax: model_dir=... is required (a refusion_jax model folder, "
+                         "a HF Qwen3 checkpoint folder or a shipped model's name)")
+      _, model = loading.load_model(str(model_dir), adapter_dir=str(adapter_dir or ""),
+                                    flag="refusion_jax: model_dir")
     self.model = model
     self.model_dir = model_dir
     if tokenizer is None:
-      tokenizer = _load_tokenizer(str(tokenizer_dir or ""), str(model_dir or ""), model.config)
+      tokenizer = loading.load_tokenizer(str(model_dir or ""), model.config,
+                                         str(tokenizer_dir or ""), flag="refusion_jax: model_dir",
+                                         tokenizer_flag="tokenizer_dir=...")
     self.tokenizer = tokenizer
     from refusion_jax.decode import engine as engine_lib  # pylint: disable=import-outside-toplevel
     self.decoder = engine_lib.decoder_for(model, self.decode_config)
@@ -286,15 +289,3 @@ def _all_gather(local, total: int, world: int, gen_length: int, wall: float, pas
       out[i] = ([int(t) for t in g_tokens[p, j, :n]], int(g_stats[p, j, 0]),
                 float(g_stats[p, j, 1]), float(g_stats[p, j, 2]))
   return out, float(np.max(g_extra[:, 0])), int(np.sum(g_extra[:, 1]))
-
-
-def _load_tokenizer(tokenizer_dir: str, model_dir: str, model_config):
-  import ml_collections  # pylint: disable=import-outside-toplevel
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
-  tok = sample.load_tokenizer(
-      ml_collections.ConfigDict({"tokenizer_dir": tokenizer_dir, "model_dir": model_dir}),
-      model_config)
-  if tok is None:
-    raise ValueError("refusion_jax: the model has no tokenizer.json beside it and is not "
-                     "shaped for the bundled tiny tokenizer; pass tokenizer_dir=...")
-  return tok

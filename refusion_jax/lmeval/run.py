@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import lm_eval
 
-from refusion_jax import fileio
+from refusion_jax import fileio, loading
 from refusion_jax.config import DecodeConfig
 from refusion_jax.lmeval import benchmarks, replay, sandbox
 
@@ -62,7 +62,7 @@ def check_config(c) -> tuple[benchmarks.Benchmark, DecodeConfig]:
   if c.completions:
     if not os.path.isfile(c.completions):
       raise FileNotFoundError(f"--config.completions={c.completions!r} is not a file")
-  elif not c.model_dir or not os.path.isdir(c.model_dir):
+  elif not c.model_dir or not os.path.isdir(loading.resolve(c.model_dir)):
     raise ValueError(f"--config.model_dir={c.model_dir!r} is not a folder (a model is needed "
                      "unless --config.completions gives the answers)")
   if c.limit is not None and (not isinstance(c.limit, int) or c.limit < 1):

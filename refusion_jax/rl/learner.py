@@ -1,6 +1,6 @@
 """The learner: GRPO's loss and the optimizer's update over a step's scored rollouts.
 
-The loss is `planning.grpo.policy_loss` (tunix's clipped ratio with `epsilon` /
+The loss is `rl.grpo.policy_loss` (tunix's clipped ratio with `epsilon` /
 `epsilon_high` and the k3 KL to the reference) over each rollout's log-probabilities
 (`scoring.trajectory_logprobs`). `Learner.update` makes `num_iterations` optimizer steps
 on one batch of rollouts, each from gradients accumulated over its micro-batches.
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from refusion_jax.planning import grpo
+from refusion_jax.rl import grpo
 from refusion_jax.rl import scoring
 
 

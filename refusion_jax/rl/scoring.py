@@ -1,6 +1,6 @@
 """Scoring: each rollout's per-token log-probabilities under given parameters.
 
-`micro_batches` lays a step's rollouts out for the forward (`planning.replay`: one
+`micro_batches` lays a step's rollouts out for the forward (`rl.replay`: one
 training layout per rollout, every pass that decided a token in one sequence, packed
 `micro_batch` rollouts at a time; with the selection policy trained, each plan step's
 features and choice too). `trajectory_logprobs` scores a micro-batch under the trained
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.planning import replay, selector
+from refusion_jax.rl import replay, selector
 from refusion_jax.rl.rollout import Rollouts
 
 # The record's fields the selection policy's log-likelihood reads (`selector.choice_logprobs`).
@@ -43,8 +43,8 @@ def micro_batches(rollouts: Rollouts, decode_config, mask_id: int, size: int,
 
 def trajectory_logprobs(merge, p, batch, temperature: float, entropy: bool = False):
   """Each rollout's log-probabilities under the trained parts of `p`, concatenated along
-  the last axis: `p["model"]` scores every committed token (`planning.replay`),
-  `p["selector"]` every plan step's choice (`planning.selector`). Returns `(lp [B, T],
+  the last axis: `p["model"]` scores every committed token (`rl.replay`),
+  `p["selector"]` every plan step's choice (`rl.selector`). Returns `(lp [B, T],
   valid [B, T], metrics)`."""
   parts, valids, metrics = [], [], {}
   if "model" in p:

@@ -15,17 +15,17 @@ and `learner` (the loss and the update). One step:
    step redone after a restart draws the same samples.
 2. **Rewards** (`rl.rewards`): the completion's text (up to its stop token) against its
    row; optional speed term `reward * (1 + speed_weight * tokens / forwards)`.
-3. **Advantages**, group-relative (`planning.grpo.group_advantages`).
+3. **Advantages**, group-relative (`rl.grpo.group_advantages`).
 4. **Scoring** (`scoring`): each rollout's training layout, `micro_batch` rollouts per
    forward; the reference's log-probabilities (the starting weights) when beta > 0, the
    current ones as GRPO's old log-probabilities when `num_iterations` > 1.
 5. **Update** (`learner`): GRPO's clipped ratio and a k3 KL to the reference
-   (`planning.grpo.policy_loss`); `num_iterations` optimizer steps on one batch of
+   (`rl.grpo.policy_loss`); `num_iterations` optimizer steps on one batch of
    rollouts, gradients accumulated over its micro-batches; optax AdamW with clipping.
 
 What is trained (`train_policy`): "model", every parameter of the model; "selector",
 the small slot-selection policy alone (`decode.planner='policy'`, base frozen: the
-rollouts draw each plan step's slots from it, `planning.selector` scores the choices);
+rollouts draw each plan step's slots from it, `rl.selector` scores the choices);
 or "both" (each rollout's tokens and plan choices in one log-likelihood). The loop
 writes the checkpoints (`OUT/checkpoints/<step>/`: parameters, optimizer state, the
 step, and the seed, policy and model they were made with; a rerun resumes from the
@@ -54,10 +54,10 @@ import numpy as np
 from absl import app
 from flax import nnx
 
-from refusion_jax import checkpoint, fileio, sample, sharding
+from refusion_jax import checkpoint, fileio, loading, sharding
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode.methods import PLAN_FEATURES
-from refusion_jax.planning import grpo
+from refusion_jax.rl import grpo
 from refusion_jax.rl import learner, scoring
 from refusion_jax.rl import rewards as rewards_lib
 from refusion_jax.rl import rollout as rollout_lib
@@ -70,9 +70,9 @@ def check_config(c, need_model: bool = True) -> None:
   (`need_model=False`: the folders and files are not read, as aot's)."""
   if need_model:
     if not c.model_dir:
-      raise ValueError("--config.model_dir is required: the ReFusion model folder to train")
-    if not os.path.isdir(c.model_dir):
-      raise ValueError(f"--config.model_dir={c.model_dir!r} is not a folder")
+      raise ValueError("--config.model_dir is required: the ReFusion model to train (a shipped "
+                       "name, a refusion_jax or a HF folder)")
+    loading.model_dir(c.model_dir)  # a shipped name, or a folder
     if not c.output_dir:
       raise ValueError("--config.output_dir is required")
     if not c.train_file or not os.path.isfile(c.train_file):
@@ -280,10 +280,11 @@ class RLTask(loop.Task):
 
 def _load(c):
   """`(model_config, model, tokenizer, tokenizer folder or "")` of `c.model_dir`."""
-  model_config, model = sample.load_model(c.model_dir, scan_layers=False)
+  model_config, model = loading.load_model(c.model_dir, scan_layers=False)
   if model_config.mask_token_id is None:
     raise ValueError(f"{c.model_dir}: ReFusion RL needs the model's mask_token_id")
-  tokenizer = sample.load_tokenizer(c, model_config)  # sample's rule: the config's, the model's
+  tokenizer = loading.load_tokenizer(c.model_dir, model_config, c.tokenizer_dir,  # loading's rule
+                                     required=False)
   if tokenizer is None:
     raise ValueError(f"{c.model_dir}: no tokenizer.json there and --config.tokenizer_dir is "
                      "empty (the rewards read the answers' text)")

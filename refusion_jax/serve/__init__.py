@@ -35,8 +35,8 @@ def _log(message: str) -> None:
 
 def check_flags(c: ml_collections.ConfigDict) -> None:
   """Everything that can be checked before loading anything."""
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
-  sample.check_model_dir(c)
+  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
+  loading.model_dir(c.model_dir)
   if c.tokenizer_dir and not os.path.isdir(c.tokenizer_dir):
     raise FileNotFoundError(f"--config.tokenizer_dir={c.tokenizer_dir!r} does not exist")
   for name in ("rows", "max_prompt_len", "max_queue", "max_lanes", "chunk_passes",
@@ -126,15 +126,14 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
   """The model loaded and its `Scheduler`, every bucket compiled (the engine thread
   not started). Runs in the engine process under `--config.engine=process`."""
   import jax  # pylint: disable=import-outside-toplevel
-
-  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
   from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
   check_flags(c)
   use_compile_cache(c.compile_cache_dir)  # before loading: that may compile already
   configs = decode_configs(c)
   t = time.perf_counter()
-  model_config, model = sample.load_model(c.model_dir, c.get("scan_layers"),
-                                          c.get("adapter_dir", ""))
+  model_config, model = loading.load_model(c.model_dir, scan_layers=c.get("scan_layers"),
+                                           adapter_dir=c.get("adapter_dir", ""))
   for dc in configs:
     dc.check_fits(model_config, c.max_prompt_len)
   scheduler = sched_lib.Scheduler(model, configs, rows=c.rows, width=c.max_prompt_len,
@@ -179,14 +178,15 @@ def build(c: ml_collections.ConfigDict):
   started (the app's lifespan starts it). With `--config.engine=process` the model
   lives in the engine process, started here; this process loads only the tokenizer
   (checked against the model's config first)."""
-  from refusion_jax import packaged, sample  # pylint: disable=import-outside-toplevel
+  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
   from refusion_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
-  c.model_dir = packaged.model_dir(c.model_dir)  # a shipped model's short name: its folder
+  c.model_dir = loading.resolve(c.model_dir)  # a shipped model's short name: its folder
   check_flags(c)
   decode_configs(c)  # flag errors before anything starts
   # A tokenizer that does not fit the model is reported before anything compiles
   # (the model's config is read without its weights).
-  tokenizer = sample.load_tokenizer(c, sample.read_model_config(c.model_dir))
+  tokenizer = loading.load_tokenizer(c.model_dir, loading.read_model_config(c.model_dir),
+                                     c.tokenizer_dir, required=False)
   metrics = app_lib.Metrics()
   if c.engine == "process":
     from refusion_jax.serve import engine_process  # pylint: disable=import-outside-toplevel

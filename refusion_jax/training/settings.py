@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from refusion_jax import attention_kernels, objective, sharding
+from refusion_jax import attention_kernels, loading, objective, sharding
 from refusion_jax import config as config_lib
 from refusion_jax.checks import is_int, is_real, require
 from refusion_jax.config import ModelConfig
@@ -187,7 +187,8 @@ def validate_config(config, *, num_devices: int, process_count: int = 1,
   if not config.init_from_hf and config.model.preset not in config_lib.PRESETS:
     raise ValueError(f"config.model.preset must be one of {sorted(config_lib.PRESETS)}, "
                      f"got {config.model.preset!r}")
-  if check_files and config.init_from_hf and not os.path.isdir(config.init_from_hf):
+  if (check_files and config.init_from_hf
+      and not os.path.isdir(loading.resolve(config.init_from_hf))):
     raise ValueError(f"config.init_from_hf={config.init_from_hf!r} is not a directory")
 
   sizes = mesh_shape(config.mesh, num_devices)
@@ -204,9 +205,20 @@ def validate_config(config, *, num_devices: int, process_count: int = 1,
 
 
 def load_tokenizer(config) -> Tokenizer:
-  """config.tokenizer_dir, else init_from_hf's folder, else the bundled tiny tokenizer."""
-  directory = config.tokenizer_dir or config.init_from_hf
-  return Tokenizer.from_dir(directory) if directory else Tokenizer.tiny()
+  """From init_from_hf: `loading`'s rule for that model (config.tokenizer_dir, else the
+  folder's tokenizer.json, else the bundled tiny tokenizer when the model is shaped for
+  it). From scratch: config.tokenizer_dir, else the bundled tiny tokenizer. Not checked
+  against the folder's vocabulary: training resizes it to the tokenizer's."""
+  if not config.init_from_hf:
+    return Tokenizer.from_dir(config.tokenizer_dir) if config.tokenizer_dir else Tokenizer.tiny()
+  folder = loading.resolve(config.init_from_hf)
+  tokenizer = loading.find_tokenizer(folder, config_lib.from_hf_config(folder),
+                                     config.tokenizer_dir)
+  if tokenizer is None:
+    raise ValueError(f"config.init_from_hf={config.init_from_hf!r}: no tokenizer (the folder "
+                     f"has no {loading.TOKENIZER_FILE} and the model's vocabulary and special "
+                     "ids are not the bundled tiny tokenizer's); set config.tokenizer_dir")
+  return tokenizer
 
 
 def _model_overrides(config) -> dict[str, Any]:
@@ -235,7 +247,8 @@ def build_model_config(config, tokenizer: Tokenizer) -> ModelConfig:
       return config_lib.get_preset(config.model.preset, **overrides)
     except (TypeError, ValueError) as e:
       raise ValueError(f"config.model: {e}") from None
-  base = config_lib.from_hf_config(config.init_from_hf)
+  # config.json alone (no weights): `aot` sizes a run from it.
+  base = config_lib.from_hf_config(loading.resolve(config.init_from_hf))
   for name in SHAPE_FIELDS:
     if name in overrides and name != "vocab_size" and overrides[name] != getattr(base, name):
       raise ValueError(

@@ -15,9 +15,9 @@ from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from refusion_jax import hf, objective, sharding
+from refusion_jax import hf, loading, objective, sharding
 from refusion_jax.config import ModelConfig
-from refusion_jax.model import Qwen3
+from refusion_jax.model import Transformer
 from refusion_jax.tokenizer import Tokenizer
 from refusion_jax.training import settings
 
@@ -125,7 +125,7 @@ class Trainer:
         loss_chunk=objective.check_loss_chunk(config.loss_chunk),
         boundary_label=bool(config.get("boundary_label", False)), **bd3lm_kwargs(config))
 
-    abstract_model = nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0)))
+    abstract_model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
     self.graphdef, abstract_state = nnx.split(abstract_model)
     self.param_shardings = nnx.to_pure_dict(
         sharding.state_shardings(abstract_state, mesh, self.rules))
@@ -181,7 +181,7 @@ class Trainer:
     """Random initialisation, computed directly in the target shardings."""
 
     def init():
-      model = Qwen3(self.model_config, rngs=nnx.Rngs(self.seed))
+      model = Transformer(self.model_config, rngs=nnx.Rngs(self.seed))
       return nnx.to_pure_dict(nnx.split(model)[1])
 
     return jax.jit(init, out_shardings=self.param_shardings)()
@@ -248,15 +248,16 @@ class Trainer:
 
 
 def init_params_from_hf(trainer: Trainer, directory: str, tokenizer: Tokenizer) -> dict:
-  """Loads a HF Qwen3 folder and adds the special tokens' rows (`add_special_token_rows`).
+  """Loads a HF Qwen3 folder (or a shipped model's, by name: `loading.resolve`) and adds
+  the special tokens' rows (`add_special_token_rows`).
 
   A folder that is already a ReFusion checkpoint (its config.json names the
   tokenizer's mask id) keeps its trained special rows; only a vocabulary
   resize, if any, applies.
   """
   model_config = trainer.model_config
-  hf_config, hf_model = hf.load(directory, mesh=trainer.mesh, rules=trainer.rules,
-                                dtype=model_config.param_dtype,
+  hf_config, hf_model = hf.load(loading.resolve(directory), mesh=trainer.mesh,
+                                rules=trainer.rules, dtype=model_config.param_dtype,
                                 scan_layers=model_config.scan_layers)
   if hf_config.tie_embeddings != model_config.tie_embeddings:
     raise ValueError(f"init_from_hf {directory!r}: tie_embeddings={hf_config.tie_embeddings} "

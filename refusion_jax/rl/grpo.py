@@ -5,12 +5,14 @@ The formulas and their names are tunix's (`google-tunix` 0.1.7, `tunix/rl/algo_c
 `compute_advantages` "grpo", `grpo_loss_fn` with `epsilon` / `epsilon_high`, `beta`,
 the "sequence-mean-token-mean" aggregation and the k3 KL estimator), so a figure from
 one reads as one from the other (docs/DESIGN.md "RL on ReFusion" says why the trainer
-is not tunix's). The log-probabilities come from `trajectory.logprobs` (the tokens) and
+is not tunix's). The log-probabilities come from `replay.logprobs` (the tokens) and
 `plackett_luce_logprob` (a stochastic plan's slot choices).
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -32,8 +34,6 @@ def group_advantages(rewards, group_size: int) -> np.ndarray:
 def plackett_luce_logprob(scores, order):
   """log P(order) when each step draws the next slot with probability softmax(scores)
   over the slots not yet drawn (jittable; `scores [n]`, `order` a permutation)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   scores = jnp.asarray(scores, jnp.float32)
   order = jnp.asarray(order, jnp.int32)
   n = scores.shape[-1]
@@ -52,7 +52,6 @@ def policy_loss(logp_bt, old_logp_bt, ref_logp_bt, mask_bt, advantages_b, *,
   eps_high) A) + beta KL, KL = exp(ref - logp) - (ref - logp) - 1 (k3, >= 0). Each
   sequence's masked tokens are averaged, then the sequences. Returns `(loss, metrics)`.
   """
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   if not beta >= 0:
     raise ValueError(f"beta (the KL weight) must be >= 0, got {beta!r}")
   if not epsilon > 0:

@@ -1,10 +1,10 @@
 """An MCTS slot planner for ReFusion (`decode.planner = "mcts"`).
 
 ALGORITHM.md "Past the paper" ("Planning search and learning"). The decode is the
-ordered fill of `order_oracle` (one slot committed per plan step; its first token the
-argmax of a plan pass over its own masks, the rest one causal pass a token, until the
-slot is full or ends in a stop token); the planner chooses which undecided slot to
-commit next by a search:
+ordered fill (`ordered_fill`, the order oracle's: one slot committed per plan step; its
+first token the argmax of a plan pass over its own masks, the rest one causal pass a
+token, until the slot is full or ends in a stop token); the planner chooses which
+undecided slot to commit next by a search:
 
 * a node is the committed slots plus the moves of its path; a **move** commits one
   slot with its *draft* (the argmax at each of its masks, read in the parent's pass);
@@ -33,11 +33,10 @@ import time
 import types
 from typing import Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
-
-def _bucket(n: int, step: int = 16) -> int:
-  return -(-n // step) * step
+from refusion_jax.decode import engine, ordered_fill
 
 
 @dataclasses.dataclass
@@ -124,50 +123,19 @@ class Planner:
   """MCTS-planned ordered fill of one model (compiled forwards shared by every prompt)."""
 
   def __init__(self, model, *, gen_length: int, slot_size: int, budget: int, c: float,
-               batch: int, stop_ids: Sequence[int] = ()):
-    cfg = model.config
-    if cfg.mask_token_id is None:
-      raise ValueError("the MCTS planner needs the model's mask_token_id")
-    if gen_length % slot_size:
-      raise ValueError(f"gen_length={gen_length} must be a multiple of slot_size={slot_size}")
-    self.model, self.g, self.k = model, gen_length, slot_size
-    self.n_slots = gen_length // slot_size
+               batch: int, ignore_eos: bool = False):
+    self.fill = ordered_fill.OrderedFill(model, gen_length=gen_length, slot_size=slot_size,
+                                         ignore_eos=ignore_eos, what="the MCTS planner")
+    self.g, self.k, self.n_slots = gen_length, slot_size, self.fill.n_slots
     self.budget, self.c, self.batch = budget, c, batch
-    self.mask = cfg.mask_token_id
-    self.stops = set(int(s) for s in stop_ids)
-    if cfg.eos_token_id is not None:
-      self.stops.add(int(cfg.eos_token_id))
-    self._fns: dict[int, Callable] = {}
-
-  def _forward(self, width: int, rows: int):
-    key = (width, rows)
-    if key not in self._fns:
-      import jax  # pylint: disable=import-outside-toplevel
-      import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-      from flax import nnx  # pylint: disable=import-outside-toplevel
-      graphdef, state = nnx.split(self.model)
-
-      @jax.jit
-      def call(state, ids, pos, att):
-        return nnx.merge(graphdef, state)(ids, pos, attention_mask_btt=att)
-
-      def run(ids, pos, att):
-        return np.asarray(call(state, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(att)),
-                          np.float32)
-      self._fns[key] = run
-    return self._fns[key]
-
-  def _probs(self, logits_v):
-    x = np.array(logits_v, np.float64)
-    x[self.mask] = -np.inf
-    x = np.exp(x - x.max())
-    return x / x.sum()
+    self.mask = self.fill.mask_id
+    self.stops = self.fill.stops
 
   def _layouts(self, prompt, committed, nodes):
     """One row per node: [prompt | committed slots, then the node's moves, causal in
     commit order | each undecided slot's masks, slot-local]."""
     p, k = len(prompt), self.k
-    width = _bucket(p) + 2 * self.g  # one compiled forward per prompt bucket
+    width = ordered_fill.bucket(p) + 2 * self.g  # one compiled forward per prompt bucket
     rows = max(self.batch, len(nodes))
     ids = np.zeros((rows, width), np.int32)
     pos = np.zeros((rows, width), np.int32)
@@ -198,14 +166,14 @@ class Planner:
   def _expander(self, prompt, committed, stats):
     def expand(nodes):
       ids, pos, att, where, width, rows = self._layouts(prompt, committed, nodes)
-      logits = self._forward(width, rows)(ids, pos, att)
+      logits = self.fill.forward(ids, pos, att)
       stats["rounds"] += 1
       stats["rows"] += len(nodes)
       values = []
       for r, node in enumerate(nodes):
         prior, best = {}, 0.0
         for s, a in where[r].items():
-          probs = [self._probs(logits[r, a + j]) for j in range(self.k)]
+          probs = [self.fill.probs(logits[r, a + j]) for j in range(self.k)]
           draft = tuple(int(pr.argmax()) for pr in probs)
           # A draft ends at its first stop token (the fill would stop there).
           cut = next((j + 1 for j, t in enumerate(draft) if t in self.stops), self.k)
@@ -219,34 +187,6 @@ class Planner:
         values.append(float(np.mean(path)) if path else 0.0)
       return values
     return expand
-
-  def _fill(self, prompt, committed, s):
-    """The real fill of slot s after the committed slots (order_oracle's)."""
-    p, k = len(prompt), self.k
-    toks, places = list(prompt), list(range(p))
-    for t, slot_toks in committed:
-      toks += list(slot_toks)
-      places += [p + t * k + j for j in range(len(slot_toks))]
-    width = _bucket(p) + self.g + k
-    run = self._forward(width, 1)
-    slot_pos = [p + s * k + j for j in range(k)]
-
-    def causal(seq_t, seq_p):
-      n = len(seq_t)
-      ids = np.zeros((1, width), np.int32)
-      pos = np.zeros((1, width), np.int32)
-      ids[0, :n], pos[0, :n] = seq_t, seq_p
-      att = np.eye(width, dtype=bool)[None].copy()
-      att[0, :n, :n] |= np.tril(np.ones((n, n), bool))
-      return run(ids, pos, att)[0]
-
-    out = causal(toks + [self.mask] * k, places + slot_pos)
-    got, passes = [int(self._probs(out[len(toks)]).argmax())], 1
-    while len(got) < k and got[-1] not in self.stops:
-      out = causal(toks + got, places + slot_pos[:len(got)])
-      got.append(int(self._probs(out[len(toks) + len(got) - 1]).argmax()))
-      passes += 1
-    return tuple(got), passes
 
   def decode(self, prompt: Sequence[int]) -> Result:
     if not prompt:
@@ -263,38 +203,14 @@ class Planner:
         search(root, self._expander(prompt, committed, stats), budget=self.budget, c=self.c,
                batch=self.batch)
         slot = most_visited(root)
-      toks, used = self._fill(prompt, committed, slot)
+      toks, used = self.fill.fill(prompt, committed, slot)
       passes += used
       committed.append((slot, toks))
-      if self._answer_done(committed):
+      if self.fill.response(committed)[1]:
         break
-    canvas = {}
-    for s, toks in committed:
-      for j, t in enumerate(toks):
-        canvas[s * self.k + j] = t
-    answer = []
-    for i in range(self.g):
-      if i not in canvas:
-        break
-      answer.append(canvas[i])
-      if canvas[i] in self.stops:
-        break
-    return Result(tokens=answer, order=tuple(s for s, _ in committed),
+    return Result(tokens=self.fill.response(committed)[0], order=tuple(s for s, _ in committed),
                   passes=passes + stats["rounds"], search_rows=stats["rows"],
                   seconds=time.perf_counter() - t0)
-
-  def _answer_done(self, committed) -> bool:
-    """Every position up to a committed stop token is committed: the answer is final."""
-    canvas = {}
-    for s, toks in committed:
-      for j, t in enumerate(toks):
-        canvas[s * self.k + j] = t
-    for i in range(self.g):
-      if i not in canvas:
-        return False
-      if canvas[i] in self.stops:
-        return True
-    return True
 
 
 class Decoder:
@@ -305,11 +221,9 @@ class Decoder:
     dc = decode_config
     if dc.planner != "mcts":
       raise ValueError(f"mcts.Decoder runs decode.planner='mcts', got {dc.planner!r}")
-    from refusion_jax.decode import program  # pylint: disable=import-outside-toplevel
-    stops = [int(x) for x in program.stop_ids_of(model.config, dc) if x >= 0]
     self.planner = Planner(model, gen_length=dc.gen_length, slot_size=dc.slot_size,
                            budget=dc.mcts_budget, c=dc.mcts_c, batch=dc.mcts_batch,
-                           stop_ids=stops)
+                           ignore_eos=dc.ignore_eos)
 
   def engine(self, rows: int, **_):
     del rows
@@ -319,7 +233,6 @@ class Decoder:
     del lengths
 
   def _result(self, i: int, res: Result):
-    from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
     n = len(res.tokens)
     counters = {"nfe_b": float(res.passes), "tokens_b": float(n),
                 "tpf_paper_b": n / max(res.passes, 1), "steps_b": float(len(res.order)),
@@ -328,7 +241,6 @@ class Decoder:
                                commit_steps=[], seconds=res.seconds)
 
   def run(self, prompts: Sequence[Sequence[int]], rng=None, *, progress=None):
-    from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
     del rng  # greedy: the search draws nothing
     t0 = time.perf_counter()
     results, passes = [], 0
@@ -343,7 +255,6 @@ class Decoder:
 
   def generate(self, prompt_ids_bp, prompt_len_b, rng=None):
     del rng
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     lengths = []
     for ids, n in zip(np.asarray(prompt_ids_bp), np.asarray(prompt_len_b)):
       lengths.append(len(self.planner.decode([int(x) for x in ids[:int(n)]]).tokens))

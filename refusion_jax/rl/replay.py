@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -173,8 +175,6 @@ def logprobs(model, batch: dict, temperature: float = 1.0, entropy: bool = False
   """Per-token log-probabilities `[B, T]` of a packed batch (0 where not valid), in one
   forward of `model` (jittable); with `entropy`, also each scored distribution's entropy
   `[B, T]` (nats)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   mask_id = model.config.mask_token_id
   if mask_id is None:
     raise ValueError("replay log-probabilities need the model's mask_token_id")
@@ -196,7 +196,6 @@ def logprobs(model, batch: dict, temperature: float = 1.0, entropy: bool = False
 def logprobs_stepwise(model, x: Layout, temperature: float = 1.0) -> list[float]:
   """The oracle: for each scored token, the pass that drafted it run alone (only the
   entries it saw, in their order), read in float64."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   mask_id = model.config.mask_token_id
   out = []
   for at, tok in zip(x.score_at, x.targets):

@@ -2,7 +2,8 @@
 
 At each plan step the decoder chooses each undecided slot s of the block with
 probability pi_s = sigmoid(w . f_s + b) over its features f_s (`config.PLAN_FEATURES`,
-computed in the plan pass: decode/refusion.py `plan_features`), independently; when it
+computed in the plan pass: decode/refusion.py `plan_features`; the logit is its
+`policy_logits`, used here too), independently; when it
 draws none, the most likely slot is chosen. The chosen set's probability is therefore
 the product of the Bernoulli terms, except for a single chosen slot a that is the most
 likely: it is chosen either alone by the draws or by the fallback, with probability
@@ -18,21 +19,22 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from refusion_jax.decode import refusion
 
 
 def _logits(weights, feats_btsf):
-  """w . f + b of every slot (weights: w..., then b)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  """The decoder's logit of every slot, weights laid out as (w..., b)."""
   weights = jnp.asarray(weights, jnp.float32)
-  return jnp.asarray(feats_btsf, jnp.float32) @ weights[:-1] + weights[-1]
+  return refusion.policy_logits(feats_btsf, weights[:-1], weights[-1])
 
 
 def choice_logprobs(weights, feats_btsf, fed_bts, chosen_bts):
   """`(log P(chosen set) [B, T], valid [B, T])` of each plan step (jittable and
   differentiable in `weights` = (w..., b)); steps without a plan are not valid."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   fed = jnp.asarray(fed_bts, bool)
   chosen = jnp.asarray(chosen_bts, bool) & fed
   logit = _logits(weights, feats_btsf)
@@ -48,8 +50,6 @@ def choice_logprobs(weights, feats_btsf, fed_bts, chosen_bts):
 
 def plan_entropy(weights, feats_btsf, fed_bts):
   """Mean over plan steps of the summed Bernoulli entropies of the undecided slots (nats)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   fed = jnp.asarray(fed_bts, bool)
   logit = _logits(weights, feats_btsf)
   p = jax.nn.sigmoid(logit)

@@ -1,1 +1,0 @@
-"""Planning ReFusion's slot order beyond a threshold (ALGORITHM.md "Past the paper")."""
