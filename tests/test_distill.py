@@ -181,5 +181,6 @@ def test_the_command_line_reports_a_bad_setting_in_one_line(tmp_path):
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert done.returncode == 2, done.stderr
   assert done.stderr.strip().splitlines()[-1] == (
-      f"refusion_jax.distill: error: --config.base_dir='{tmp_path}/nope' is not a folder")
+      f"refusion_jax.distill: error: --config.base_dir='{tmp_path}/nope' is not a folder (nor "
+      "a shipped model: base_tiny, refusion_tiny)")
   assert not os.path.exists(tmp_path / "out")  # nothing written

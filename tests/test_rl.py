@@ -64,9 +64,10 @@ def test_bad_settings_are_one_line(tmp_path):
            ({"beta": -0.1}, "beta .the KL weight. must be >= 0"),
            ({"micro_batch": 3}, "micro_batch=3 must divide the step's 8 rollouts"),
            ({"reward": "bleu"}, "reward must be one of"),
-           ({"model_dir": str(tmp_path / "nope")}, "is not a folder")]
+           ({"model_dir": str(tmp_path / "nope")},
+            r"is not a folder \(nor a shipped model: base_tiny, refusion_tiny\)")]
   for changes, match in cases:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
       trainer.check_config(_config(tmp_path / "x", data, **changes))
   c = _config(tmp_path / "x", data)
   c.decode.temperature = 0.0
