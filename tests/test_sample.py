@@ -109,9 +109,10 @@ def test_cli_prompt_ids_to_stdout_with_trace(models, tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "refusion_jax.sample", "--config=configs/sample.py",
        f"--config.model_dir={model_dir}", "--config.prompt_ids=40,41",
+       # AR checks only its own fields: a gen_length that is no multiple of the
+       # config's default ReFusion block (32) is an AR decode of 16 tokens.
        "--config.decode.method=ar", "--config.prompt_bucket=16",
-       "--config.decode.gen_length=16", "--config.decode.block_size=8",
-       "--config.decode.slot_size=4", "--config.trace=true",
+       "--config.decode.gen_length=16", "--config.trace=true",
        f"--config.trace_html={html_path}", "--config.output_json=-"],
       cwd=REPO, capture_output=True, text=True, timeout=300,
       env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"))
