@@ -4,7 +4,7 @@ Each row runs `python -m refusion_jax.aot` in its own process (libtpu from
 requirements-tpu.txt) and reads the JSON of its last line; the markdown table
 gives per chip: the compiled program's HBM (GiB, and the share of the chip's),
 whether it fits, compile seconds on this machine, and the estimated step
-time and MFU (roofline estimates: see refusion_jax/aot.py), each row with the
+time and MFU (roofline estimates: see refusion_jax/aot/estimates.py), each row with the
 command that produced it.
 
   python benchmarks/aot_fit.py --rows=tiny-v5litepod-4      # a minute on 2 CPU cores

@@ -20,7 +20,9 @@ import sys
 
 import pytest
 
-from refusion_jax import aot, tpu
+from refusion_jax import tpu
+from refusion_jax.aot import estimates
+from refusion_jax.aot import train as aot_train
 from refusion_jax import config as config_lib
 from refusion_jax.decode import settings
 
@@ -216,7 +218,7 @@ def test_sample_lengths_come_from_a_data_file_or_a_mean():
   from refusion_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   config = tiny_refusion.get_config()
   path = tiny_refusion.common.TINY_TEST
-  lengths, source = aot.sample_lengths(config, 20, path)
+  lengths, source = aot_train.sample_lengths(config, 20, path)
   tok = Tokenizer.tiny()
   with open(path) as f:
     examples = [json.loads(line) for line in f]
@@ -224,33 +226,33 @@ def test_sample_lengths_come_from_a_data_file_or_a_mean():
           for e in examples]
   assert sorted(lengths) == sorted(want)  # every sample, in the loader's shuffled order
   assert source.startswith(f"{path} ({len(want)} samples, mean ")
-  lengths, source = aot.sample_lengths(config, 20, None)
-  assert len(lengths) > 0.99 * aot.LENGTH_DRAWS and abs(sum(lengths) / len(lengths) - 20) < 0.5
+  lengths, source = aot_train.sample_lengths(config, 20, None)
+  assert len(lengths) > 0.99 * aot_train.LENGTH_DRAWS and abs(sum(lengths) / len(lengths) - 20) < 0.5
   assert max(lengths) <= config.data.seq_len and "mean 20 tokens" in source
   # Samples longer than a row are dropped, as the trainer drops them.
-  lengths, source = aot.sample_lengths(config, 330, None)
-  assert max(lengths) <= 128 and 0.05 * aot.LENGTH_DRAWS < len(lengths) < 0.4 * aot.LENGTH_DRAWS
-  assert f"{aot.LENGTH_DRAWS - len(lengths)} over seq_len dropped" in source
+  lengths, source = aot_train.sample_lengths(config, 330, None)
+  assert max(lengths) <= 128 and 0.05 * aot_train.LENGTH_DRAWS < len(lengths) < 0.4 * aot_train.LENGTH_DRAWS
+  assert f"{aot_train.LENGTH_DRAWS - len(lengths)} over seq_len dropped" in source
   with pytest.raises(ValueError, match="no sample of that length distribution fits"):
-    aot.sample_lengths(config, 100_000, None)
+    aot_train.sample_lengths(config, 100_000, None)
 
 
 def test_train_flops_count_recomputation():
   mc = config_lib.qwen3_8b()
-  model, executed = aot.train_flops(mc, 512, 4096, 0)
+  model, executed = estimates.train_flops(mc, 512, 4096, 0)
   assert model == executed  # no remat, full logits
   tokens = 512 * 4096
   # 6 N T for Qwen3-8B's 7.57B matmul weights (layers + LM head; not the embedding lookup).
-  assert 6 * 7.56e9 * tokens < model - 3 * 512 * aot.attention_flops(mc, 4096, 4096) < \
+  assert 6 * 7.56e9 * tokens < model - 3 * 512 * estimates.attention_flops(mc, 4096, 4096) < \
       6 * 7.58e9 * tokens
-  _, full = aot.train_flops(mc.replace(remat="full"), 512, 4096, 512)
-  layers = aot.layer_matmul_params(mc)
-  assert full - model == (2 * layers * tokens + 512 * aot.attention_flops(mc, 4096, 4096)
-                          + 2 * aot.head_params(mc) * tokens)
+  _, full = estimates.train_flops(mc.replace(remat="full"), 512, 4096, 512)
+  layers = estimates.layer_matmul_params(mc)
+  assert full - model == (2 * layers * tokens + 512 * estimates.attention_flops(mc, 4096, 4096)
+                          + 2 * estimates.head_params(mc) * tokens)
   # BD3-LM: the layers run both halves (8192 tokens a row, attention over their square),
   # the LM head the noised half only.
-  bd3, _ = aot.train_flops(mc, 512, 4096, 0, two_halves=True)
-  assert bd3 == (6 * layers * 2 * tokens + 6 * aot.head_params(mc) * tokens
+  bd3, _ = estimates.train_flops(mc, 512, 4096, 0, two_halves=True)
+  assert bd3 == (6 * layers * 2 * tokens + 6 * estimates.head_params(mc) * tokens
                  + 3 * 512 * 4 * 36 * 32 * 128 * 8192 * 8192)
 
 
@@ -376,12 +378,12 @@ def test_out_of_memory_messages_are_read():
        "temporaries (35.35G) exceeds available HBM (15.75G).", 35.35, 15.75),
       ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
        "space hbm. Used 101.5G of 95.74G hbm. Exceeded hbm capacity by 5.8G.", 101.5, 95.74)):
-    with pytest.raises(aot.DoesNotFit) as e:
-      aot.compile_program(Lowered(message), "x")
+    with pytest.raises(estimates.DoesNotFit) as e:
+      estimates.compile_program(Lowered(message), "x")
     assert e.value.used == pytest.approx(used * 2**30)
     assert e.value.limit == pytest.approx(limit * 2**30)
   with pytest.raises(RuntimeError, match="something else"):
-    aot.compile_program(Lowered("something else"), "x")
+    estimates.compile_program(Lowered("something else"), "x")
 
 
 @pytest.mark.parametrize("args,message", [
@@ -397,6 +399,10 @@ def test_out_of_memory_messages_are_read():
       "--config.global_batch_size=6"], "error: config.global_batch_size=6 is not divisible"),
     (["--program=train", "--topology=v5e-4", "--config=configs/tiny_refusion.py",
       "--sample_tokens=0"], "error: --sample_tokens must be >= 1, got 0"),
+    # A host-side planner has no program: refused at the config, before any model.
+    (["--program=decode", "--topology=v5e-4", "--config=configs/sample.py", "--model=tiny",
+      "--config.decode.planner=mcts"],
+     "error: decode.planner='mcts' is a host-driven search; aot runs compiled decoders only"),
 ])
 def test_bad_flags_exit_2_on_one_line(args, message):
   done, report = _aot(*args)
