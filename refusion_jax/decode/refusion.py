@@ -1,5 +1,10 @@
 """ReFusion's iterative plan-and-infill decoder as a per-row phase machine.
 
+(One file on purpose, over 800 lines: its row state, the layout every phase computes
+positions from, the feeds and the transitions are one state machine whose parts share
+private helpers; its sections are marked `# ---` below: helpers, feeds, transitions,
+sub-slot re-masking, left to right, the row program.)
+
 ALGORITHM.md "Decoding: iterative plan-and-infill", with its "Deliberate
 differences". One iteration of the compiled loop is **one forward pass** in
 which every active row feeds what its own phase needs and then moves to its

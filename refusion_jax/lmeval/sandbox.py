@@ -1,5 +1,9 @@
 """Runs untrusted programs (a model's HumanEval/MBPP answers) in a sandbox.
 
+(One file on purpose, over 800 lines: the launcher inside the namespaces is this same
+file run as a script with the standard library only, so both sides of the boundary,
+and the spec and reports they exchange, are read and reviewed in one place.)
+
 Each program runs in its own process tree, never in the evaluating process:
 
     evaluator --Popen(new session)--> unshare or bwrap --> launcher (PID 1) --fork--> sample
