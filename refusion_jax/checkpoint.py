@@ -22,12 +22,19 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from refusion_jax import sharding
+
 # The model folder's config file and its readers live in config.py (no JAX needed) and
 # are part of this module's interface too.
 from refusion_jax.config import (  # noqa: F401  pylint: disable=unused-import
-    MODEL_CONFIG_FILE, ModelConfig, is_model_dir, read_model_config)
+  MODEL_CONFIG_FILE,
+  ModelConfig,
+  is_model_dir,
+  read_model_config,
+)
+from refusion_jax.model import Transformer, convert_layer_layout
 
 PARAMS_DIR = "params"
 
@@ -71,7 +78,6 @@ def _write_model(tmp: str, config: ModelConfig, model: nnx.Module, write_config:
 
 def _save_model_multiprocess(directory: str, parent: str, config: ModelConfig,
                              model: nnx.Module) -> None:
-  from jax.experimental import multihost_utils  # only multi-process runs need it
 
   # Orbax assembles one checkpoint from every process's shards, so all processes
   # must name the same temporary folder: a per-process mkdtemp name would leave
@@ -109,7 +115,6 @@ def load_model(directory: str, mesh=None, rules: sharding.ShardingRules | None =
   the first local device. `scan_layers` (None: as saved) asks for a layer
   layout: a folder saved in the other one is restacked (or sliced) on load.
   """
-  from refusion_jax.model import Transformer  # local: model imports are heavy-ish
 
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):
@@ -117,7 +122,6 @@ def load_model(directory: str, mesh=None, rules: sharding.ShardingRules | None =
   config = read_model_config(directory)
   if scan_layers is not None and scan_layers != config.scan_layers:
     # The folder's own layout first, then the parameters restacked (or sliced).
-    from refusion_jax.model import convert_layer_layout  # local, as Transformer above
 
     saved_config, saved = load_model(directory, mesh=mesh, rules=rules)
     config = saved_config.replace(scan_layers=scan_layers)

@@ -195,12 +195,12 @@ class ModelConfig:
 
   @property
   def compute_dtype(self):
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # reading and checking a config loads no JAX
     return getattr(jnp, self.dtype)
 
   @property
   def weight_dtype(self):
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # reading and checking a config loads no JAX
     return getattr(jnp, self.param_dtype)
 
   @property

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import os
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
 from refusion_jax import checkpoint, entry_flags, hf, loading
 from refusion_jax import config as config_lib

@@ -41,12 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import app
 from flax import nnx
+from ml_collections import config_flags
 
-from refusion_jax import loading, lora, masks
+from refusion_jax import data, entry_flags, loading, lora, masks
 from refusion_jax.training import loop
 from refusion_jax.training.outputs import CHECKPOINT_DIR
-
 
 # --------------------------------------------------------------------------- the objective
 
@@ -294,7 +295,6 @@ def run(c, progress: bool = True) -> dict[str, Any]:
   """Trains the adapter; returns `{"adapter_dir", "steps", "final_loss", "seconds",
   "dropped"}`. SIGTERM or Ctrl-C raises `loop.Stopped` once its checkpoint is saved."""
   check_config(c)
-  from refusion_jax import data  # pylint: disable=import-outside-toplevel  (TFDS: slow)
   _refuse_old_checkpoints(c.output_dir)
   model_config, base, tokenizer = _load(c)
   tokens, plens, rlens, dropped = encode_rows(
@@ -314,7 +314,6 @@ def run(c, progress: bool = True) -> dict[str, Any]:
 
 def main(argv, config_flag) -> None:
   if len(argv) > 1:
-    from absl import app  # pylint: disable=import-outside-toplevel
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   with loop.stops_reported("refusion_jax.distill"):
     result = run(config_flag.value)
@@ -322,9 +321,7 @@ def main(argv, config_flag) -> None:
 
 
 if __name__ == "__main__":
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax import entry_flags  # pylint: disable=import-outside-toplevel
   _CONFIG = config_flags.DEFINE_config_file(
       "config", None, "Distillation config file (configs/d2f_tiny.py).", lock_config=True)
   # Bad settings and inputs (config fields, folders, adapters) are ValueErrors: one line.

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 from absl import app, flags, logging
 from ml_collections import config_dict, config_flags
 
-from refusion_jax import packaged
+from refusion_jax import packaged, runtime
 from refusion_jax.checks import InputError
 
 __all__ = ["InputError", "define_config_and_workdir", "config_value", "parse_flags", "run_program",
@@ -225,7 +225,6 @@ def run_program(main: Callable[[list[str]], object], program: str,
       return parse_flags(argv)
 
   def wrapped(argv):
-    from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
     runtime.start_up()  # no libtpu start-up errors where no TPU is
     with errors_reported(program, user_errors):
       return main(argv)

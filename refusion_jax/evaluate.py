@@ -40,14 +40,17 @@ import sys
 import time
 from typing import Mapping, Sequence
 
+import jax
 import numpy as np
+import tqdm
+from absl import flags
+from ml_collections import config_flags
 
-from refusion_jax import fileio
+from refusion_jax import entry_flags, fileio, loading, runtime
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.config import DecodeConfig, ModelConfig
+from refusion_jax.decode import engine as engine_lib
 
-# JAX and the decoder are imported where they are used, so that the command line's
-# checks of its flags, data and model folder answer before they load.
 
 
 # ---------------------------------------------------------------------------
@@ -131,7 +134,6 @@ def _batch_arrays(prompts: Sequence[Sequence[int]], rows: int, width: int):
 def _progress(total: int, desc: str, enabled: bool):
   if not enabled:
     return None
-  import tqdm  # local: only the bar needs it
   return tqdm.tqdm(total=total, desc=desc, unit="prob", leave=False, file=sys.stderr)
 
 
@@ -188,8 +190,6 @@ def evaluate(model, tokenizer, problems: Sequence[Problem],
   for c in configs.values():
     # Checked for every task first, so a bad config fails before any compile.
     c.check_fits(config, width)
-  import jax  # pylint: disable=import-outside-toplevel
-  from refusion_jax.decode import engine as engine_lib  # pylint: disable=import-outside-toplevel
   rng = jax.random.key(seed)
 
   per_task, samples = {}, []
@@ -290,7 +290,6 @@ def summary_lines(result: dict) -> list[str]:
 
 def run_synthetic(c) -> dict:
   """The bundled suite (`configs/eval/synthetic.py`): prints a summary, writes results.json."""
-  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
   c.model_dir = loading.model_dir(c.model_dir)  # a shipped model's short name: its folder
   if not c.data or not os.path.isfile(c.data):
     raise ValueError(f"--config.data={c.data!r} is not a file")
@@ -319,15 +318,12 @@ def run_synthetic(c) -> dict:
 
 def main(argv: Sequence[str]) -> dict:
   """Parses `argv` (program name first) and runs the evaluation its --config names."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
 
   fv = flags.FlagValues()
   config_flag = config_flags.DEFINE_config_file(
       "config", None, "Evaluation config: configs/eval/<benchmark>.py (one of the paper's "
       "seven) or configs/eval/synthetic.py (the bundled suite).", flag_values=fv,
       lock_config=True, sys_argv=list(argv))
-  from refusion_jax import entry_flags  # pylint: disable=import-outside-toplevel
   rest = entry_flags.parse_flags(list(argv), fv)
   if len(rest) > 1:
     raise ValueError(f"unexpected arguments: {rest[1:]}")
@@ -335,15 +331,13 @@ def main(argv: Sequence[str]) -> dict:
   if c is None:
     raise ValueError("--config=configs/eval/<benchmark>.py is required (mmlu_pro, arc_c, "
                      "gsm8k, math, gpqa, humaneval, mbpp, or synthetic for the bundled suite)")
-  from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
   runtime.start_up(c.get("compile_cache_dir", runtime.AUTO))
   if c.benchmark == "synthetic":
     return run_synthetic(c)
-  from refusion_jax.lmeval import run  # pylint: disable=import-outside-toplevel
+  from refusion_jax.lmeval import run  # lm-eval (the eval extra): the paper's benchmarks only
   return run.run(c)
 
 
 if __name__ == "__main__":
-  from refusion_jax import entry_flags  # pylint: disable=import-outside-toplevel
   with entry_flags.errors_reported("refusion_jax.evaluate", (ValueError, OSError, TypeError)):
     main(sys.argv)

@@ -34,21 +34,20 @@ import re
 import shutil
 import struct
 import tempfile
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import SingleDeviceSharding
 
 from refusion_jax import config as config_lib
-from refusion_jax import fileio
+from refusion_jax import fileio, sharding
 from refusion_jax.config import ModelConfig
-
-# JAX, Flax and the sharding rules are imported where they are used: reading a folder's
-# config and headers (`read_config`, a command line's checks) does not load them.
-if TYPE_CHECKING:
-  from flax import nnx
-
-  from refusion_jax import sharding
+from refusion_jax.model import Transformer
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -402,7 +401,6 @@ def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
 
 
 def _dtype_name(dtype) -> str:
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   try:
     name = jnp.dtype(dtype).name
   except TypeError:
@@ -414,9 +412,7 @@ def _dtype_name(dtype) -> str:
 
 
 def _abstract_model(config: ModelConfig):
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax.model import Transformer  # pylint: disable=import-outside-toplevel
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   return nnx.split(abstract)
 
@@ -472,11 +468,7 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
   Qwen3's 151936 rows to 151671 while config.json may keep the old value).
   Every missing, unexpected or mis-shaped tensor is reported in one ValueError.
   """
-  import jax  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from jax.sharding import SingleDeviceSharding  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax import sharding  # pylint: disable=import-outside-toplevel
   directory = os.fspath(directory)
   _check_folder(directory)
   tensors = _read_all_headers(directory)
@@ -581,10 +573,8 @@ def load(directory: str, *, mesh=None, rules: sharding.ShardingRules | None = No
 
 
 def _to_host(array) -> np.ndarray:
-  import jax  # pylint: disable=import-outside-toplevel
   if getattr(array, "is_fully_addressable", True):
     return np.asarray(jax.device_get(array))
-  from jax.experimental import multihost_utils  # only multi-host runs need it
 
   return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
@@ -604,8 +594,6 @@ def save(config: ModelConfig, model: nnx.Module, directory: str, *,
   `extra_files` ({name: text}) are written into the folder before it is renamed
   into place (the trainer's export marker).
   """
-  import jax  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
   if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
     raise ValueError(f"hf.save: max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
   directory = os.path.abspath(os.fspath(directory))

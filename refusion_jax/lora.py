@@ -27,7 +27,10 @@ import os
 import warnings
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+import qwix
+from flax import nnx
 
 from refusion_jax import fileio, hf
 from refusion_jax.config import ModelConfig
@@ -168,7 +171,6 @@ def merge(model, adapter: Adapter):
   """`model` (an unrolled `Transformer`) with `W + (alpha / r) B A` in every adapted projection,
   computed in float32 and stored in the weight's dtype. The model is updated in place
   and returned."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   config = model.config
   if config.scan_layers:
     raise ValueError("lora.merge: a model with scanned layers is not supported")
@@ -183,9 +185,6 @@ def merge(model, adapter: Adapter):
 def apply(model, rank: int, alpha: float, *, dropout: float = 0.0, seed: int = 0):
   """A copy of `model` whose attention projections carry live LoRA parameters (qwix;
   A drawn by qwix's initialiser, B zero: the copy computes what `model` does)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import qwix  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
   if model.config.scan_layers:
     raise ValueError("LoRA on a model with scanned layers is not supported (qwix wraps one "
                      "module per layer); set model.scan_layers=false")
@@ -224,7 +223,6 @@ def _peft_pair(config: ModelConfig, proj: str, qa: np.ndarray, qb: np.ndarray):
 
 
 def _lora_vars(lora_model):
-  from flax import nnx  # pylint: disable=import-outside-toplevel
   return {tuple(path): var for path, var in nnx.to_flat_state(
       nnx.state(lora_model, nnx.LoRAParam))}
 
@@ -232,7 +230,6 @@ def _lora_vars(lora_model):
 def load_into(lora_model, adapter: Adapter) -> None:
   """Sets `apply`'s LoRA parameters from `adapter` (its rank and alpha must be the
   model's; projections the adapter does not name get B = 0)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   config = lora_model.config
   variables = _lora_vars(lora_model)
   for (layer, proj) in [(i, p) for i in range(config.num_layers) for p in PROJECTIONS]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from absl import app, flags, logging
 
 from refusion_jax import entry_flags
+from refusion_jax.repro import pipeline
 
 
 def define_flags():
@@ -30,7 +31,6 @@ def main(argv, config_flag, workdir_flag):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   # Imported once the flags parsed: a mistyped flag or config field is reported at once.
-  from refusion_jax.repro import pipeline  # pylint: disable=import-outside-toplevel
   pipeline.run(config_flag.value, workdir_flag.value)
 
 

@@ -36,6 +36,8 @@ import glob
 import importlib.util
 import os
 
+import jax
+
 AUTO = "auto"
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 
@@ -68,7 +70,6 @@ def quiet_tpu_probe() -> bool:
     installed = False
   if not installed or _has_tpu() or _has_gpu():
     return False
-  import jax  # pylint: disable=import-outside-toplevel
   if jax.config.jax_platforms:
     return False
   jax.config.update("jax_platforms", "cpu")
@@ -119,7 +120,6 @@ def use_compile_cache(folder: str) -> str:
   and loads those found there instead of compiling them; "" turns JAX's cache off.
   Call it before the process compiles anything: JAX opens its cache once. Returns
   the folder used ("" for none)."""
-  import jax  # pylint: disable=import-outside-toplevel
   if folder == AUTO:
     folder = default_cache_dir()
   if not folder:

@@ -21,6 +21,8 @@ import dataclasses
 import math
 import re
 
+from jax.experimental import topologies
+
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
@@ -137,7 +139,6 @@ def parse_slice(name: str, num_slices: int = 1) -> Slice:
 
 def slice_devices(tpu_slice: Slice) -> list:
   """The devices of the slice(s), for compiling without a TPU (libtpu must be installed)."""
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   try:
     return list(topologies.get_topology_desc(**tpu_slice.topology_kwargs()).devices)
   except Exception as e:  # libtpu's own refusal of a shape, or no libtpu

@@ -30,7 +30,8 @@ import os
 
 from absl import app, logging
 
-from refusion_jax import entry_flags
+from refusion_jax import distributed, entry_flags
+from refusion_jax.training import loop, supervised
 
 
 def define_flags():
@@ -51,8 +52,6 @@ def main(argv, config_flag, workdir_flag):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   # Imported here, once the flags parsed: a mistyped flag or config field is reported
   # in a fraction of a second, without loading JAX and the training stack first.
-  from refusion_jax import distributed  # pylint: disable=import-outside-toplevel
-  from refusion_jax.training import loop, supervised  # pylint: disable=import-outside-toplevel
   if config_flag.value.get("distributed", False):
     distributed.initialize()
   logging.get_absl_handler().addFilter(_QuietOrbax())

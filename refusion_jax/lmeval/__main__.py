@@ -16,8 +16,11 @@ statistics; this is the plain lm-eval route for any other task.
 
 import sys
 
-from refusion_jax.lmeval import benchmarks
-from refusion_jax.lmeval import model  # noqa: F401  (registers "refusion_jax")
+from refusion_jax import runtime
+from refusion_jax.lmeval import (
+  benchmarks,
+  model,  # noqa: F401  (registers "refusion_jax")
+)
 
 
 def with_our_tasks(argv: list[str]) -> list[str]:
@@ -33,8 +36,7 @@ def with_our_tasks(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-  from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel
-  from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
+  from lm_eval.__main__ import cli_evaluate  # lm-eval (the eval extra): loaded only to run
   runtime.start_up()  # no libtpu start-up errors where no TPU is
   sys.argv = [sys.argv[0]] + with_our_tasks(sys.argv[1:])
   cli_evaluate()

@@ -37,10 +37,13 @@ from typing import Any, Iterable, Sequence
 import jax
 import lm_eval.models  # noqa: F401  (lm-eval's own models first: it loads them only into an empty registry)
 import numpy as np
+import tqdm
+from jax.experimental import multihost_utils
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from refusion_jax import loading
+from refusion_jax.decode import engine as engine_lib
 from refusion_jax.decode import settings
 from refusion_jax.lmeval import GenerativeOnlyError
 
@@ -150,7 +153,6 @@ class RefusionLM(LM):
                                          str(tokenizer_dir or ""), flag="refusion_jax: model_dir",
                                          tokenizer_flag="tokenizer_dir=...")
     self.tokenizer = tokenizer
-    from refusion_jax.decode import engine as engine_lib  # pylint: disable=import-outside-toplevel
     self.decoder = engine_lib.decoder_for(model, self.decode_config)
     self.records: list[Record] = []
     self.decode_seconds = 0.0  # wall time of the engine runs (compiles excluded)
@@ -245,7 +247,6 @@ class RefusionLM(LM):
     engine.warm_up([len(prompts[i]) for i in mine])  # compiles are not decode time
     bar = None
     if progress and mine:
-      import tqdm  # pylint: disable=import-outside-toplevel
       bar = tqdm.tqdm(total=len(mine), desc=f"refusion_jax {self.decode_config.method}",
                       unit="req", file=sys.stderr)
     t0 = time.perf_counter()
@@ -268,7 +269,6 @@ class RefusionLM(LM):
 
 def _all_gather(local, total: int, world: int, gen_length: int, wall: float, passes: int):
   """Every process's results, back in request order, on every process."""
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   per = -(-total // world)
   tokens = np.zeros((per, gen_length), np.int32)
   lengths = np.full((per,), -1, np.int32)

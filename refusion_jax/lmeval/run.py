@@ -38,9 +38,10 @@ from typing import Any
 import jax
 import lm_eval
 
-from refusion_jax import fileio, loading
+from refusion_jax import distributed, fileio, loading
 from refusion_jax.config import DecodeConfig
 from refusion_jax.lmeval import benchmarks, replay, sandbox
+from refusion_jax.lmeval import model as model_lib
 
 RESULTS = "results.json"
 SAMPLES = "samples.jsonl"
@@ -96,7 +97,6 @@ def run(c) -> dict[str, Any]:
   if bench.name in CODE_BENCHMARKS:
     _configure_sandbox(c)
   if c.get("distributed", False):
-    from refusion_jax import distributed  # pylint: disable=import-outside-toplevel
     distributed.initialize()
   tm = benchmarks.task_manager(benchmark=bench)
   data_dir = c.data_dir or None
@@ -124,7 +124,6 @@ def run(c) -> dict[str, Any]:
 
 
 def _decode_and_score(c, bench, decode_config: DecodeConfig, tm, data_dir):
-  from refusion_jax.lmeval import model as model_lib  # pylint: disable=import-outside-toplevel
   task_dict = benchmarks.load_tasks(bench, data_dir=data_dir, tm=tm)
   lm = model_lib.RefusionLM(
       c.model_dir, tokenizer_dir=c.tokenizer_dir, adapter_dir=c.get("adapter_dir", ""),

@@ -76,11 +76,15 @@ sandbox arguments) are set once per process with `configure` and read with
 
 from __future__ import annotations
 
+import ctypes
+import errno
+
 # The launcher runs this file as a script and stops at the `__main__` check
 # below: it needs only these light modules, and each program's sandbox starts
 # that much faster (the evaluator's imports follow the check).
 import json
 import os
+import resource
 import signal
 import stat
 import sys
@@ -113,7 +117,6 @@ _MOUNT_OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_N
 
 
 def _libc():
-  import ctypes
   libc = ctypes.CDLL(None, use_errno=True)
   libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                          ctypes.c_char_p]
@@ -158,7 +161,6 @@ def _make_all_mounts_read_only() -> None:
     try:
       _mount(None, point, None, flags)
     except OSError as e:
-      import errno
       # A mount point hidden under a later mount (the host's /proc/* under our
       # fresh /proc) cannot be reached by the sample either.
       if e.errno not in (errno.EINVAL, errno.ENOENT):
@@ -246,7 +248,6 @@ def _write_program(spec: dict[str, Any], source: str) -> None:
 def _drop_capabilities() -> None:
   """Empties this process's capability sets for good (it is uid 0 of a user
   namespace: the securebits keep exec from granting them back)."""
-  import ctypes
 
   class Header(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
@@ -282,7 +283,6 @@ def _tasks_of(uid: int) -> int:
 
 def _enter_sample(spec: dict[str, Any]) -> None:
   """In the forked child: limits, an unprivileged identity, then the program."""
-  import resource
   limits, mode = spec["limits"], spec["mode"]
   cpu = int(limits["cpu_seconds"])
   # Processes of the sample's uid that are not the sample's (its launcher).

@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 
 import ml_collections
 
-from refusion_jax import runtime
+from refusion_jax import distill, runtime
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.checks import is_int, is_real, require
 from refusion_jax.config import DecodeConfig
@@ -257,7 +257,7 @@ def check_pretrained_base(folder: str) -> str:
 def distill_config(config, base_dir: str, output_dir: str) -> ml_collections.ConfigDict:
   """refusion_jax.distill's config for a DISTILLED model: configs/d2f_tiny.py's fields
   with config.distill's on top."""
-  from configs import d2f_tiny  # pylint: disable=import-outside-toplevel
+  from configs import d2f_tiny  # the configs (a checkout's or the package's) are found at run time
   c = d2f_tiny.get_config()
   c.update(config.get("distill", ml_collections.ConfigDict()).to_dict())
   c.base_dir, c.output_dir = base_dir, output_dir
@@ -281,7 +281,6 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
       raise ValueError(f"config.models: {name!r} is made from the {DISTILLED[name]!r} model, "
                        f"which config.models={models!r} does not train")
   if any(m in DISTILLED for m in models):
-    from refusion_jax import distill  # pylint: disable=import-outside-toplevel
     probe = distill_config(config, "", "")
     probe.base_dir, probe.output_dir = config.eval.data, "-"  # the fields it fills itself
     try:

@@ -26,7 +26,7 @@ from typing import Callable
 
 import ml_collections
 
-from refusion_jax import checkpoint, fileio, objective
+from refusion_jax import checkpoint, distill, fileio, lora, objective
 from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.repro import settings
 from refusion_jax.training import outputs, supervised
@@ -208,7 +208,6 @@ def distill_models(config, workdir: str, trained: dict[str, dict], log=print
   adapter distilled from the MDM and merged into its weights, saved as a model folder);
   skipped when its marker's budget (the distill settings and the source's marker) holds.
   {name: marker}."""
-  from refusion_jax import distill, lora  # pylint: disable=import-outside-toplevel
   out = {}
   for name in config.models:
     if name not in settings.DISTILLED:

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from refusion_jax.rl import grpo
-from refusion_jax.rl import scoring
+from refusion_jax.rl import grpo, scoring
 
 
 def make_optimizer(c):

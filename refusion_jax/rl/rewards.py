@@ -32,6 +32,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from refusion_jax import tasks
+from refusion_jax.lmeval import code, sandbox
+
 KINDS = ("tasks", "gsm8k", "math", "humaneval", "mbpp")
 _NUMBER = re.compile(r"-?[$0-9.,]{1,}")
 
@@ -50,7 +53,7 @@ def gsm8k_reward(row: Mapping[str, Any], text: str) -> float:
 
 
 def math_reward(row: Mapping[str, Any], text: str) -> float:
-  from lm_eval.tasks.minerva_math import utils  # pylint: disable=import-outside-toplevel
+  from lm_eval.tasks.minerva_math import utils  # lm-eval (the eval extra): MATH only
   boxed = utils.last_boxed_only_string(text)
   if boxed is None:
     return 0.0
@@ -62,12 +65,10 @@ def math_reward(row: Mapping[str, Any], text: str) -> float:
 
 
 def tasks_reward(row: Mapping[str, Any], text: str) -> float:
-  from refusion_jax import tasks  # pylint: disable=import-outside-toplevel
   return float(tasks.score(row["query"], text))
 
 
 def _code_reward(kind: str, limits) -> Callable[[Mapping[str, Any], str], float]:
-  from refusion_jax.lmeval import code, sandbox  # pylint: disable=import-outside-toplevel
 
   def reward(row, text):
     program = (code.humaneval_program(row, text) if kind == "humaneval"
@@ -83,7 +84,6 @@ def reward_fn(kind: str, sandbox_limits=None) -> Callable[[Mapping[str, Any], st
   if kind not in KINDS:
     raise ValueError(f"--config.reward must be one of {KINDS}, got {kind!r}")
   if kind in ("humaneval", "mbpp"):
-    from refusion_jax.lmeval import sandbox  # pylint: disable=import-outside-toplevel
     sandbox.check_platform()  # a sandbox that cannot run here stops the run now
     return _code_reward(kind, sandbox_limits or sandbox.Limits())
   return {"tasks": tasks_reward, "gsm8k": gsm8k_reward, "math": math_reward}[kind]

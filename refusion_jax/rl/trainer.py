@@ -57,8 +57,7 @@ from flax import nnx
 from refusion_jax import checkpoint, fileio, loading, sharding
 from refusion_jax.config import DecodeConfig
 from refusion_jax.decode.methods import PLAN_FEATURES
-from refusion_jax.rl import grpo
-from refusion_jax.rl import learner, scoring
+from refusion_jax.rl import grpo, learner, scoring
 from refusion_jax.rl import rewards as rewards_lib
 from refusion_jax.rl import rollout as rollout_lib
 from refusion_jax.training import loop

@@ -19,14 +19,16 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
 
+import jax
 import ml_collections
 
-# JAX and the model code are imported where they are used, so that `python -m
-# refusion_jax.serve` with a mistyped flag or config field answers at once.
-if TYPE_CHECKING:
-  from refusion_jax.config import DecodeConfig
+from refusion_jax import loading, runtime
+from refusion_jax.config import DecodeConfig
+from refusion_jax.serve import app as app_lib
+from refusion_jax.serve import engine_process
+from refusion_jax.serve import scheduler as sched_lib
+
 
 
 def _log(message: str) -> None:
@@ -35,7 +37,6 @@ def _log(message: str) -> None:
 
 def check_flags(c: ml_collections.ConfigDict) -> None:
   """Everything that can be checked before loading anything."""
-  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
   loading.model_dir(c.model_dir)
   if c.tokenizer_dir and not os.path.isdir(c.tokenizer_dir):
     raise FileNotFoundError(f"--config.tokenizer_dir={c.tokenizer_dir!r} does not exist")
@@ -107,7 +108,6 @@ def parse_admit_widths(text, width: int) -> tuple[int, ...]:
 def check_compile_cache(folder) -> None:
   """`--config.compile_cache_dir`: "", "auto" or a folder that is (or can be made) a
   directory (`runtime.check_compile_cache`)."""
-  from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
   runtime.check_compile_cache(folder)
 
 
@@ -118,16 +118,12 @@ def use_compile_cache(folder: str) -> None:
   compiling them. Call it before the process compiles anything: JAX opens its cache
   once. "" leaves JAX's own setting (JAX_COMPILATION_CACHE_DIR)."""
   if folder:
-    from refusion_jax import runtime  # pylint: disable=import-outside-toplevel
     runtime.use_compile_cache(folder)
 
 
 def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
   """The model loaded and its `Scheduler`, every bucket compiled (the engine thread
   not started). Runs in the engine process under `--config.engine=process`."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
-  from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
   check_flags(c)
   use_compile_cache(c.compile_cache_dir)  # before loading: that may compile already
   configs = decode_configs(c)
@@ -161,8 +157,6 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
 
 def decode_configs(c: ml_collections.ConfigDict) -> list[DecodeConfig]:
   """The default decode config and one per `--config.buckets` entry."""
-  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
-  from refusion_jax.serve import scheduler as sched_lib  # pylint: disable=import-outside-toplevel
   try:
     default = DecodeConfig(**c.decode.to_dict())
   except (TypeError, ValueError) as e:
@@ -178,8 +172,6 @@ def build(c: ml_collections.ConfigDict):
   started (the app's lifespan starts it). With `--config.engine=process` the model
   lives in the engine process, started here; this process loads only the tokenizer
   (checked against the model's config first)."""
-  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
-  from refusion_jax.serve import app as app_lib  # pylint: disable=import-outside-toplevel
   c.model_dir = loading.resolve(c.model_dir)  # a shipped model's short name: its folder
   check_flags(c)
   decode_configs(c)  # flag errors before anything starts
@@ -189,7 +181,6 @@ def build(c: ml_collections.ConfigDict):
                                      c.tokenizer_dir, required=False)
   metrics = app_lib.Metrics()
   if c.engine == "process":
-    from refusion_jax.serve import engine_process  # pylint: disable=import-outside-toplevel
     scheduler = engine_process.EngineProcess(c, metrics=metrics)
   else:
     scheduler = make_scheduler(c, metrics=metrics)

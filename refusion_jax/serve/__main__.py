@@ -19,7 +19,7 @@ from refusion_jax import entry_flags, serve
 def main(argv, config_flag):
   c = entry_flags.config_value(argv, config_flag, "configs/serve.py")
   asgi, app_server = serve.build(c)
-  import uvicorn  # pylint: disable=import-outside-toplevel
+  import uvicorn  # the serve extra: loaded only to listen
   config = uvicorn.Config(asgi, host=c.host, port=c.port, log_level=c.log_level,
                           timeout_graceful_shutdown=c.drain_timeout_s, access_log=False)
   server = uvicorn.Server(config)
@@ -52,7 +52,7 @@ def main(argv, config_flag):
   # uvloop when installed (as uvicorn's own "auto" loop picks): fewer microseconds per
   # event, so responses reach clients sooner while the decoder keeps the cores busy.
   try:
-    import uvloop  # pylint: disable=import-outside-toplevel
+    import uvloop  # optional: the faster event loop where installed
     loop_factory = uvloop.new_event_loop
   except ImportError:
     loop_factory = None

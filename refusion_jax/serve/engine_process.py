@@ -91,7 +91,7 @@ def _child(c_dict: dict, commands, events) -> None:
   # Signals go to the server process, which stops this one when it is done draining.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  from refusion_jax import serve  # pylint: disable=import-outside-toplevel
+  from refusion_jax import serve  # the child's own: serve starts this module (a cycle)
   send_lock = threading.Lock()
 
   def send(msg) -> None:

@@ -48,6 +48,7 @@ import jax
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from refusion_jax import checkpoint, sharding
@@ -120,7 +121,6 @@ class StopNotice:
   def reached(self, step: int) -> bool:
     """Whether to stop after `step` (a collective with several processes)."""
     if self._multi:
-      from jax.experimental import multihost_utils  # only multi-process runs need it
       if multihost_utils.reached_preemption_sync_point(step):
         self.signum = signal.SIGTERM
     return self.signum is not None
@@ -312,7 +312,6 @@ def restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, task: Task, is_chi
   if jax.process_count() > 1:
     # The processes must resume from one step: the oldest any of them could read (each
     # reads its own data-iterator file). The others then see process 0's renames.
-    from jax.experimental import multihost_utils  # only multi-process runs need it
     mine = -1 if found is None else found[0]
     agreed = int(np.min(multihost_utils.process_allgather(np.asarray([mine]))))
     ckpt.reload()

@@ -31,8 +31,9 @@ import time
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
-from refusion_jax import checkpoint, hf, sharding
+from refusion_jax import checkpoint, data, hf, sharding
 from refusion_jax.checks import InputError
 from refusion_jax.config import ModelConfig
 from refusion_jax.training import loop, outputs, settings
@@ -59,7 +60,6 @@ def _resume_meta(config, model_config: ModelConfig, total_steps: int) -> dict:
 
 
 def _evaluate(trainer: trainer_lib.Trainer, params, data_config, tokenizer) -> dict:
-  from refusion_jax import data  # local: the TFDS import is slow and eval is optional
 
   config = trainer.config
   loader = data.loader_from_config(data_config, tokenizer, config.global_batch_size, "eval",
@@ -77,7 +77,6 @@ def _evaluate(trainer: trainer_lib.Trainer, params, data_config, tokenizer) -> d
       # Each process drops its own shard's over-long rows, so the processes may
       # hold different numbers of full batches; eval_step is a collective that
       # every process must run, so all stop at the first batch one lacks.
-      from jax.experimental import multihost_utils  # only multi-process runs need it
       full = bool(np.all(multihost_utils.process_allgather(np.asarray([full]))))
     if not full:
       break
@@ -177,7 +176,6 @@ def _check_data(config, data_config: dict, tokenizer) -> int:
   else the loader would stop mid-run on it; with all of them dropped it would wait
   forever); when evaluating, the eval files must fill a global batch.
   """
-  from refusion_jax import data  # local: the TFDS import is slow
 
   seq_len, drop = int(config.data.seq_len), bool(config.data.drop_overlong)
   num_examples = data.validate_files(data_config["train_files"])
@@ -239,7 +237,6 @@ def _check_inputs(config, workdir: str) -> _Inputs:
 def _measured_total_steps(config, inputs: _Inputs, loader) -> int:
   """The step count of epochs of packed rows, measured on the shuffled data as one process
   would read all of it, so that every process derives the same count."""
-  from refusion_jax import data  # local: the TFDS import is slow
 
   layout = data.measure_layout(
       data.split_source(inputs.data_config, "train"), inputs.resolved.tokenizer,
@@ -268,7 +265,6 @@ def _export(config, workdir: str, model_config: ModelConfig, model) -> None:
 
 def train_and_evaluate(config, workdir: str) -> TrainResult:
   """Trains (resuming from `workdir` when it holds checkpoints); see the module doc."""
-  from refusion_jax import data  # local: the TFDS import is slow and validation comes first
 
   workdir = os.path.abspath(workdir)
   # Everything the run reads or writes is checked before anything is compiled: a
