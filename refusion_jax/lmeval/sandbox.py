@@ -911,7 +911,9 @@ def run_programs(sources: Sequence[str], limits: Limits = Limits(), *, allow_net
   plan = check_platform(allow_network, allow_no_namespaces)  # fail before starting any work
   bar = None
   if progress:
-    from tqdm import tqdm  # the launcher imports this module without site-packages
+    # Only here: the module otherwise needs the standard library alone (its tests run a
+    # copy of it under the system Python as another user).
+    from tqdm import tqdm
     bar = tqdm(total=len(sources), file=sys.stderr, desc="sandbox", unit="program")
 
   def one(source: str) -> Outcome:
