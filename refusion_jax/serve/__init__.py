@@ -30,7 +30,6 @@ from refusion_jax.serve import engine_process
 from refusion_jax.serve import scheduler as sched_lib
 
 
-
 def _log(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
 
@@ -181,7 +180,7 @@ def build(c: ml_collections.ConfigDict):
                                      c.tokenizer_dir, required=False)
   metrics = app_lib.Metrics()
   if c.engine == "process":
-    scheduler = engine_process.EngineProcess(c, metrics=metrics)
+    scheduler = engine_process.EngineProcess(c, make_scheduler=make_scheduler, metrics=metrics)
   else:
     scheduler = make_scheduler(c, metrics=metrics)
   name = c.model_name or os.path.basename(os.path.normpath(c.model_dir))
