@@ -28,7 +28,7 @@ import ml_collections
 from refusion_jax import distill, runtime
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.checks import is_int, is_real, require
-from refusion_jax.config import DecodeConfig
+from refusion_jax.decode.settings import DecodeConfig
 
 # ReFusion's per-task knobs (config.decode.tasks.<task>), the paper's Table 5 columns.
 TASK_SETTINGS = ("slot_size", "block_size", "slot_threshold", "token_threshold")
@@ -257,7 +257,9 @@ def check_pretrained_base(folder: str) -> str:
 def distill_config(config, base_dir: str, output_dir: str) -> ml_collections.ConfigDict:
   """refusion_jax.distill's config for a DISTILLED model: configs/d2f_tiny.py's fields
   with config.distill's on top."""
-  from configs import d2f_tiny  # the configs (a checkout's or the package's) are found at run time
+  from configs import (
+    d2f_tiny,  # the configs (a checkout's or the package's) are found at run time
+  )
   c = d2f_tiny.get_config()
   c.update(config.get("distill", ml_collections.ConfigDict()).to_dict())
   c.base_dir, c.output_dir = base_dir, output_dir
