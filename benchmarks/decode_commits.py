@@ -72,9 +72,17 @@ def worker(cfg: dict) -> None:
   import numpy as np  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
+  # The worker imports the revision it measures, so it reads that revision's names: a
+  # revision before the decode options moved (decode/settings.py) and the model class was
+  # renamed (Transformer) has them under their older names.
   from refusion_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from refusion_jax import model as model_lib  # pylint: disable=import-outside-toplevel
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
-  from refusion_jax.model import Transformer  # pylint: disable=import-outside-toplevel
+  try:
+    from refusion_jax.decode.settings import DecodeConfig  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    DecodeConfig = config_lib.DecodeConfig
+  Transformer = getattr(model_lib, "Transformer", None) or getattr(model_lib, "Qwen3")
 
   mc = config_lib.tiny(**MODEL)
   model = Transformer(mc, rngs=nnx.Rngs(cfg["seed"]))
@@ -85,8 +93,8 @@ def worker(cfg: dict) -> None:
   prompts = [ids_np[i, :lens_np[i]].tolist() for i in range(len(ids_np))]
   cases, info = [], []
   for api, rows, gen in cfg["cases"]:
-    dc = config_lib.DecodeConfig(method="refusion", gen_length=gen, slot_size=8,
-                                 block_size=min(32, gen), temperature=0.0)
+    dc = DecodeConfig(method="refusion", gen_length=gen, slot_size=8,
+                      block_size=min(32, gen), temperature=0.0)
     dc = dc.replace(**cfg["overrides"])
     decoder = engine.Decoder(model, dc)
     t = time.perf_counter()

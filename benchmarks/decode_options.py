@@ -36,10 +36,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax import config as config_lib  # noqa: E402
+from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax import tasks as tasks_lib  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
@@ -124,7 +125,7 @@ def _problems(args, model_config):
 
 def _settings(args):
   """{task or None: DecodeConfig} of the release's decoder."""
-  base = config_lib.DecodeConfig(gen_length=args.gen_length, slot_size=args.slot_size,
+  base = DecodeConfig(gen_length=args.gen_length, slot_size=args.slot_size,
                                  block_size=args.block_size,
                                  slot_threshold=args.slot_threshold,
                                  token_threshold=args.token_threshold)

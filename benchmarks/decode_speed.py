@@ -45,6 +45,7 @@ from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import loading, runtime  # noqa: E402
 from refusion_jax.decode import compiled as compiled_lib  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer  # noqa: E402
 
 METHODS = ("refusion", "ar", "mdm", "bd3lm")
@@ -187,7 +188,7 @@ def device_peak() -> int | None:
 
 
 def _decode_config(method, args):
-  return config_lib.DecodeConfig(
+  return DecodeConfig(
       method=method, gen_length=args.gen_length, slot_size=args.slot_size,
       block_size=args.block_size, slot_threshold=args.slot_threshold,
       token_threshold=args.token_threshold, mdm_tokens_per_step=args.mdm_tokens_per_step,

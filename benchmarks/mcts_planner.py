@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs.common import TINY_TEST  # noqa: E402
 from refusion_jax import evaluate, loading, runtime  # noqa: E402
-from refusion_jax.config import DecodeConfig  # noqa: E402
+from refusion_jax.decode.settings import DecodeConfig  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
 

@@ -35,6 +35,7 @@ from refusion_jax import config as config_lib  # noqa: E402
 from refusion_jax import evaluate, loading, runtime  # noqa: E402
 from refusion_jax import tasks as tasks_lib  # noqa: E402
 from refusion_jax.decode import engine  # noqa: E402
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 
@@ -119,7 +120,7 @@ def main(argv=None):
   width = max(args.prompt_len, max(len(p) for p, _ in problems))
   rule = (dict(mdm_factor=args.factor) if args.factor is not None
           else dict(mdm_threshold=args.threshold))
-  base = config_lib.DecodeConfig(method="mdm", gen_length=args.gen_length,
+  base = DecodeConfig(method="mdm", gen_length=args.gen_length,
                                  slot_size=args.block_size, block_size=args.block_size, **rule)
   variants = {c: dict(mdm_cache=None if c == "none" else c) for c in args.caches}
   variants.update({f"dual/refresh {r}": dict(mdm_cache="dual", mdm_cache_refresh=r)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import rl_tiny  # noqa: E402
 from configs.common import TINY_TEST, TINY_VALID  # noqa: E402
 from refusion_jax import evaluate, loading, runtime  # noqa: E402
-from refusion_jax.config import DecodeConfig  # noqa: E402
+from refusion_jax.decode.settings import DecodeConfig  # noqa: E402
 from refusion_jax.rl import trainer  # noqa: E402
 from refusion_jax.tokenizer import Tokenizer  # noqa: E402
 

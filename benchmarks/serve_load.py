@@ -276,6 +276,7 @@ def loop_job(prompt, bucket, knobs, args, deliver):
   """A request as the server's HTTP side would submit it for this benchmark's clients
   (greedy, key 0, the bucket's whole gen_length, progress watched when streaming)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   from refusion_jax.serve.scheduler import Job  # pylint: disable=import-outside-toplevel
   return Job(prompt=list(prompt), bucket=bucket, knobs=knobs, rng2=np.zeros((2,), np.uint32),
              max_tokens=args.gen_length, watch=not args.no_stream, slots=False,
@@ -527,6 +528,7 @@ def compile_cache(setting: str):
   kept, however quickly it compiled); JAX's settings are restored afterwards. Yields
   the folder, or None; `server_fields` hands it to the server."""
   import jax  # pylint: disable=import-outside-toplevel
+
   from refusion_jax import serve  # pylint: disable=import-outside-toplevel
   folder, made = setting, None
   if setting == "auto":
@@ -560,8 +562,9 @@ def main(argv=None) -> list[dict]:
 
 def _main(args) -> list[dict]:
   import jax  # pylint: disable=import-outside-toplevel
+
   from refusion_jax import loading, serve  # pylint: disable=import-outside-toplevel
-  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode.settings import DecodeConfig  # pylint: disable=import-outside-toplevel
 
   models = models_for(args.model_dir, args.methods)
   device = jax.devices()[0]

@@ -2,8 +2,8 @@
 
 `ModelConfig` is a frozen dataclass, so it is hashable and can be a static
 argument of `jax.jit`. Dtypes are stored by name for the same reason.
-`DecodeConfig`, the decoding half, is each decoding method's options
-(decode/methods.py), imported here so that both configs have one home.
+The decoding half, `DecodeConfig`, is decode/settings.py's (each decoding method's
+options, decode/methods.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from refusion_jax import fileio
-from refusion_jax.decode.settings import DecodeConfig  # noqa: F401  (the decoding half)
 
 ATTENTION_KINDS = ("causal", "bidirectional")
 # What a layer keeps for the backward pass (jax.checkpoint policies, see model.py):

@@ -48,10 +48,9 @@ from ml_collections import config_flags
 
 from refusion_jax import entry_flags, fileio, loading, runtime
 from refusion_jax import tasks as tasks_lib
-from refusion_jax.config import DecodeConfig, ModelConfig
+from refusion_jax.config import ModelConfig
 from refusion_jax.decode import engine as engine_lib
-
-
+from refusion_jax.decode.settings import DecodeConfig
 
 # ---------------------------------------------------------------------------
 # Problems.
@@ -334,7 +333,9 @@ def main(argv: Sequence[str]) -> dict:
   runtime.start_up(c.get("compile_cache_dir", runtime.AUTO))
   if c.benchmark == "synthetic":
     return run_synthetic(c)
-  from refusion_jax.lmeval import run  # lm-eval (the eval extra): the paper's benchmarks only
+  from refusion_jax.lmeval import (
+    run,  # lm-eval (the eval extra): the paper's benchmarks only
+  )
   return run.run(c)
 
 

@@ -46,8 +46,8 @@ import tqdm
 from ml_collections import config_flags
 
 from refusion_jax import entry_flags, fileio, loading, runtime, trace
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine as engine_lib
+from refusion_jax.decode.settings import DecodeConfig
 
 
 def _log(message: str) -> None:

@@ -136,6 +136,7 @@ def test_serve_load_counts_cpu_of_a_process_and_finds_its_child():
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
+
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
   # A parent that spins its child for a while: the child is found and its CPU counted.
   code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
@@ -161,6 +162,7 @@ def test_serve_load_counts_cpu_of_a_process_and_finds_its_child():
 def test_serve_load_reads_the_servers_passes_from_metrics():
   import http.server  # pylint: disable=import-outside-toplevel
   import threading  # pylint: disable=import-outside-toplevel
+
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
 
   class Metrics(http.server.BaseHTTPRequestHandler):
@@ -287,6 +289,7 @@ def test_serve_load_shares_a_compilation_cache_with_its_server_and_cleans_up(tmp
   afterwards (or takes the folder JAX already uses); a folder given is kept; '' sets
   nothing. The settings are restored."""
   import jax  # pylint: disable=import-outside-toplevel
+
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
   suite_cache = jax.config.jax_compilation_cache_dir  # the suite's own, if any
@@ -338,7 +341,7 @@ def _loop_prompts_and_offline(seed: int):
   the settings of `_LOOP_FLAGS`) on the bundled base."""
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
   from refusion_jax import loading  # pylint: disable=import-outside-toplevel
-  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode.settings import DecodeConfig  # pylint: disable=import-outside-toplevel
   _, model = loading.load_model(_LOOP_MODEL)
   rs = np.random.RandomState(seed)
   prompts = [[int(t) for t in rs.randint(4, 60, size=rs.randint(2, 9))] for _ in range(7)]
@@ -433,9 +436,11 @@ def test_decode_commits_reads_a_variants_decode_fields():
 
 
 def test_order_oracle_scores_every_order_of_each_problem(tmp_path, capsys):
-  from benchmarks import order_oracle as bench  # pylint: disable=import-outside-toplevel
-  from refusion_jax import checkpoint, config as config_lib  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from benchmarks import order_oracle as bench  # pylint: disable=import-outside-toplevel
+  from refusion_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from refusion_jax import config as config_lib
   from refusion_jax.model import Transformer  # pylint: disable=import-outside-toplevel
   cfg = config_lib.tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                         mlp_dim=64)

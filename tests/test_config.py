@@ -10,6 +10,7 @@ from refusion_jax import checkpoint
 from refusion_jax import config as config_lib
 from refusion_jax import model as model_lib
 from refusion_jax.decode import settings
+from refusion_jax.decode.settings import DecodeConfig
 
 
 def test_qwen3_8b_preset_has_qwen3_8b_shapes():
@@ -111,30 +112,30 @@ def test_read_model_config_names_its_file(tmp_path, text, message):
 ])
 def test_decode_config_rejects_bad_values(changes, message):
   with pytest.raises(ValueError, match=message):
-    config_lib.DecodeConfig(**changes)
+    DecodeConfig(**changes)
 
 
 def test_decode_config_kv_chunk_per_platform():
-  auto = config_lib.DecodeConfig()
+  auto = DecodeConfig()
   assert auto.kv_chunk is None
   assert [auto.kv_chunk_on(p) for p in ("cpu", "tpu", "gpu")] == [
       settings.KV_CHUNK_AUTO["cpu"], settings.KV_CHUNK_AUTO["tpu"], 0]
-  assert [config_lib.DecodeConfig(kv_chunk=k).kv_chunk_on("gpu") for k in (0, 16)] == [0, 16]
+  assert [DecodeConfig(kv_chunk=k).kv_chunk_on("gpu") for k in (0, 16)] == [0, 16]
 
 
 def test_decode_config_matmul_precision_per_platform():
   # Unset: "highest" on GPUs (whose float32 products are TF32 by default), JAX's default
   # (None) on CPUs and TPUs; a value given is used everywhere.
-  auto = config_lib.DecodeConfig()
+  auto = DecodeConfig()
   assert auto.matmul_precision is None
   assert [auto.matmul_precision_on(p) for p in ("cpu", "tpu", "gpu")] == [None, None, "highest"]
-  assert [config_lib.DecodeConfig(matmul_precision=v).matmul_precision_on(p)
+  assert [DecodeConfig(matmul_precision=v).matmul_precision_on(p)
           for v in ("default", "high") for p in ("cpu", "gpu")] == [
               "default", "default", "high", "high"]
 
 
 def test_decode_config_fits_model_positions():
-  decode = config_lib.DecodeConfig(gen_length=128)
+  decode = DecodeConfig(gen_length=128)
   model_cfg = config_lib.tiny(max_position_embeddings=256)
   decode.check_fits(model_cfg, prompt_len=128)
   with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=256"):

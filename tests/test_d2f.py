@@ -17,6 +17,7 @@ from flax import nnx
 from refusion_jax import config as config_lib
 from refusion_jax import masks
 from refusion_jax.decode import d2f, engine
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
 
 GEN = 16
@@ -129,7 +130,7 @@ def _decode(model, prompts, **dc):
   ids = np.zeros((len(prompts), WIDTH), np.int32)
   for i, p in enumerate(prompts):
     ids[i, :len(p)] = p
-  dcfg = config_lib.DecodeConfig(method="d2f", gen_length=GEN, slot_size=1, **dc)
+  dcfg = DecodeConfig(method="d2f", gen_length=GEN, slot_size=1, **dc)
   out = d2f.generate(model, jnp.asarray(ids), jnp.asarray([len(p) for p in prompts]), dcfg)
   return ([[int(t) for t in out.tokens_bg[i, :out.length_b[i]]] for i in range(len(prompts))],
           [int(x) for x in out.counters.nfe_b()])
@@ -175,7 +176,7 @@ def test_a_stop_token_ends_the_row():
 def test_rows_of_the_engine_decode_as_alone():
   model = _model()
   prompts = PROMPTS + [[6, 6, 12], [44, 2, 19, 23, 1], [8]]
-  dcfg = config_lib.DecodeConfig(method="d2f", gen_length=GEN, slot_size=1, block_size=4,
+  dcfg = DecodeConfig(method="d2f", gen_length=GEN, slot_size=1, block_size=4,
                                  d2f_add_threshold=0.5, d2f_act_threshold=0.5,
                                  d2f_conf_threshold=0.5)
   run = engine.Engine(engine.Decoder(model, dcfg), rows=2).run(prompts)
@@ -193,7 +194,7 @@ def test_rows_of_the_engine_decode_as_alone():
 ])
 def test_bad_thresholds_are_one_line(changes, match):
   with pytest.raises(ValueError, match=match):
-    config_lib.DecodeConfig(method="d2f", gen_length=GEN, block_size=4, slot_size=1, **changes)
+    DecodeConfig(method="d2f", gen_length=GEN, block_size=4, slot_size=1, **changes)
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -202,11 +203,11 @@ def test_bad_thresholds_are_one_line(changes, match):
 def test_models_d2f_cannot_decode_are_refused(overrides, match):
   model = Transformer(_config(**overrides), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=match):
-    engine.Decoder(model, config_lib.DecodeConfig(method="d2f", gen_length=GEN, block_size=4,
+    engine.Decoder(model, DecodeConfig(method="d2f", gen_length=GEN, block_size=4,
                                                   slot_size=1))
 
 
 def test_mdm_samplers_are_refused():
   with pytest.raises(ValueError, match="decode.mdm_ranking='entropy' is one of MDM's options; "
                      r"it needs decode.method='mdm' \(decode.method='d2f' has none\)"):
-    config_lib.DecodeConfig(method="d2f", gen_length=GEN, block_size=4, mdm_ranking="entropy")
+    DecodeConfig(method="d2f", gen_length=GEN, block_size=4, mdm_ranking="entropy")

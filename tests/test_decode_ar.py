@@ -10,6 +10,7 @@ from flax import nnx
 
 from refusion_jax import config as config_lib
 from refusion_jax.decode import autoregressive
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
 
 GEN = 8
@@ -69,7 +70,7 @@ def _pad(prompts, width=8):
 def _decode_config(**overrides):
   base = dict(method="ar", gen_length=GEN, slot_size=8, block_size=8)
   base.update(overrides)
-  return config_lib.DecodeConfig(**base)
+  return DecodeConfig(**base)
 
 
 def _check_against_oracle(model, prompts, eos, **overrides):

@@ -12,6 +12,7 @@ from refusion_jax import config as config_lib
 from refusion_jax.decode import bd3lm, engine, heads
 from refusion_jax.decode import live as live_lib
 from refusion_jax.decode import program as program_lib
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
 
 GEN = 12
@@ -41,7 +42,7 @@ def _decode_config(**overrides):
   base = dict(method="bd3lm", gen_length=GEN, slot_size=BLOCK, block_size=BLOCK,
               mdm_tokens_per_step=2)
   base.update(overrides)
-  return config_lib.DecodeConfig(**base)
+  return DecodeConfig(**base)
 
 
 # --- the oracle ---------------------------------------------------------------------------

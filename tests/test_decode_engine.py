@@ -13,12 +13,12 @@ from flax import nnx
 from refusion_jax import config as config_lib
 from refusion_jax import model as model_lib
 from refusion_jax import sharding
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import compiled as compiled_lib
 from refusion_jax.decode import engine, heads, passes, refusion, settings
 from refusion_jax.decode import live as live_lib
 from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
 
 VOCAB, MASK, PAD = 64, 3, 0

@@ -10,6 +10,7 @@ from flax import nnx
 
 from refusion_jax import config as config_lib
 from refusion_jax.decode import mdm
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
 
 GEN = 8
@@ -86,7 +87,7 @@ def _decode_config(**overrides):
   base = dict(method="mdm", gen_length=GEN, slot_size=BLOCK, block_size=BLOCK,
               mdm_tokens_per_step=2)
   base.update(overrides)
-  return config_lib.DecodeConfig(**base)
+  return DecodeConfig(**base)
 
 
 @pytest.mark.parametrize("per_step, threshold", [(2, None), (1, 0.3)])

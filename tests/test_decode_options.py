@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 from refusion_jax import config as config_lib
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine, options, settings
 from refusion_jax.decode import program as program_lib
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.lmeval import model as lm_model
 from refusion_jax.model import Transformer
 from refusion_jax.tokenizer import Tokenizer
@@ -138,8 +138,8 @@ def test_flat_names_route_to_the_method_and_round_trip():
 def test_a_host_side_planner_runs_where_offered_and_is_refused_by_name_elsewhere(tmp_path):
   """lm-eval and evaluate run the MCTS planner (engine.decoder_for); the server refuses it
   at its config, before any model loads."""
-  from refusion_jax import serve  # pylint: disable=import-outside-toplevel
   from configs import serve as serve_config  # pylint: disable=import-outside-toplevel
+  from refusion_jax import serve  # pylint: disable=import-outside-toplevel
   c = serve_config.get_config()
   c.decode.planner = "mcts"
   with pytest.raises(ValueError, match="decode.planner='mcts' is a host-driven search; serve "

@@ -15,8 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine, refusion, settings
+from refusion_jax.decode.settings import DecodeConfig
 from tests.test_decode_refusion import (
   Oracle,
   _check_row,

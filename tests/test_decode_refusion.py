@@ -24,8 +24,8 @@ import pytest
 from flax import nnx
 
 from refusion_jax import config as config_lib
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import common, refusion
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
 
 VOCAB = 96

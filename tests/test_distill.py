@@ -13,8 +13,10 @@ import pytest
 from flax import nnx
 
 from configs import d2f_tiny
-from refusion_jax import checkpoint, config as config_lib, distill, lora, masks
+from refusion_jax import checkpoint, distill, lora, masks
+from refusion_jax import config as config_lib
 from refusion_jax.decode import engine
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
 from tests.test_lora import _random_adapter
 
@@ -105,7 +107,7 @@ def test_a_short_run_trains_only_the_adapter_resumes_and_decodes(tmp_path):
     np.testing.assert_allclose(resumed.tensors[k][1], b, atol=1e-6)
   # The merged model decodes with D2F.
   merged = lora.merge(checkpoint.load_model(base_dir)[1], adapter)
-  dc = config_lib.DecodeConfig(method="d2f", gen_length=8, block_size=4, slot_size=1)
+  dc = DecodeConfig(method="d2f", gen_length=8, block_size=4, slot_size=1)
   res = engine.Decoder(merged, dc).engine(2).run([[5, 6, 7], [8, 9]])
   assert all(r.tokens for r in res.results)
   del base

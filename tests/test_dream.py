@@ -25,6 +25,7 @@ from refusion_jax import config as config_lib
 from refusion_jax import hf
 from refusion_jax.decode import engine, heads, mdm, methods
 from refusion_jax.decode import program as program_lib
+from refusion_jax.decode.settings import DecodeConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 DREAM = os.path.join(FIXTURES, "dream")
@@ -190,11 +191,11 @@ def test_decode_config_errors(changes, match):
   base = dict(method="mdm", gen_length=GEN, slot_size=4, block_size=GEN)
   base.update(changes)
   with pytest.raises(ValueError, match=match):
-    config_lib.DecodeConfig(**base)
+    DecodeConfig(**base)
 
 
 def test_decode_config_spec():
-  dc = config_lib.DecodeConfig(method="mdm", gen_length=16, slot_size=4, block_size=4,
+  dc = DecodeConfig(method="mdm", gen_length=16, slot_size=4, block_size=4,
                                mdm_ranking="entropy", mdm_steps=12)
   assert dc.options.steps_per_block(dc) == 3
   spec = program_lib.spec_of(dc)
@@ -202,7 +203,7 @@ def test_decode_config_spec():
   # Another method refuses Dream's samplers by name (they would change nothing there).
   ar = dict(method="ar", gen_length=16, slot_size=4, block_size=4)
   with pytest.raises(ValueError, match="mdm_ranking='origin' is one of MDM's options"):
-    config_lib.DecodeConfig(**ar, mdm_ranking="origin", mdm_steps=3)
+    DecodeConfig(**ar, mdm_ranking="origin", mdm_steps=3)
 
 
 # ---------------------------------------------------------------- the sampler's scores
@@ -338,7 +339,7 @@ def _with_eos(model, eos):
 def _decode_config(**changes):
   base = dict(method="mdm", gen_length=GEN, slot_size=4, block_size=GEN)
   base.update(changes)
-  return config_lib.DecodeConfig(**base)
+  return DecodeConfig(**base)
 
 
 # (ranking, settings): Dream's whole canvas on its schedule, blocks on the schedule, a
@@ -458,7 +459,7 @@ def test_sample_cli_with_a_dream_folder():
 def test_other_decoders_refuse_a_dream_model(method, match):
   _, model = _load()
   with pytest.raises(ValueError, match=match):
-    engine.Decoder(model, config_lib.DecodeConfig(method=method, gen_length=GEN, slot_size=4,
+    engine.Decoder(model, DecodeConfig(method=method, gen_length=GEN, slot_size=4,
                                                   block_size=GEN))
 
 
@@ -474,7 +475,7 @@ def test_eval_config_decodes_as_dream(benchmark):
   fv(argv)
   c = flag.value
   assert c.benchmark == benchmark
-  dc = config_lib.DecodeConfig(**c.decode.to_dict())
+  dc = DecodeConfig(**c.decode.to_dict())
   assert (dc.method, dc.gen_length, dc.block_size, dc.mdm_steps, dc.mdm_ranking,
           dc.temperature) == ("mdm", 512, 512, 512, "origin", 0.0)
   spec = program_lib.spec_of(dc)

@@ -12,9 +12,9 @@ from flax import nnx
 
 from refusion_jax import checkpoint, evaluate
 from refusion_jax import config as config_lib
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import autoregressive, engine
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
 from refusion_jax.tokenizer import Tokenizer
 

@@ -19,6 +19,7 @@ from flax import nnx
 from refusion_jax import config as config_lib
 from refusion_jax.decode import engine, mdm
 from refusion_jax.decode import program as program_lib
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
 
 GEN = 12
@@ -184,7 +185,7 @@ def _decode(model, prompts, **dc):
   ids = np.zeros((len(prompts), width), np.int32)
   for i, p in enumerate(prompts):
     ids[i, :len(p)] = p
-  dcfg = config_lib.DecodeConfig(method="mdm", gen_length=GEN, **dc)
+  dcfg = DecodeConfig(method="mdm", gen_length=GEN, **dc)
   out = mdm.generate(model, jnp.asarray(ids), jnp.asarray([len(p) for p in prompts]), dcfg)
   return ([list(np.asarray(out.tokens_bg[i, :out.length_b[i]])) for i in range(len(prompts))],
           np.asarray(out.counters.nfe_b()), np.asarray(out.counters.refresh_b))
@@ -244,7 +245,7 @@ def test_rows_of_the_engine_decode_as_alone():
   are those of the row decoded alone."""
   model = _model()
   prompts = PROMPTS + [[6, 6, 12], [44, 2, 19, 23, 1]]
-  dcfg = config_lib.DecodeConfig(method="mdm", gen_length=GEN, block_size=4, slot_size=4,
+  dcfg = DecodeConfig(method="mdm", gen_length=GEN, block_size=4, slot_size=4,
                                  mdm_cache="dual", mdm_threshold=0.6)
   run = engine.Engine(engine.Decoder(model, dcfg), rows=2).run(prompts)
   assert run.admissions > 1  # rows were refilled while others were inside a block
@@ -292,7 +293,7 @@ def test_the_decoders_factor_counts_are_the_rule():
 def test_bad_settings_are_one_line(changes, match):
   base = dict(method="mdm", gen_length=GEN, block_size=4, slot_size=4)
   with pytest.raises(ValueError, match=match):
-    config_lib.DecodeConfig(**{**base, **changes})
+    DecodeConfig(**{**base, **changes})
 
 
 def test_the_options_reach_the_entry_points_and_only_mdm_buckets():
@@ -302,16 +303,16 @@ def test_the_options_reach_the_entry_points_and_only_mdm_buckets():
   from refusion_jax.serve import scheduler  # pylint: disable=import-outside-toplevel
   for decode in (sample_config.get_config().decode, eval_common.decode_fields()):
     fields = {**decode.to_dict(), "method": "mdm", "slot_size": 32, "block_size": 32}
-    dc = config_lib.DecodeConfig(**fields)
+    dc = DecodeConfig(**fields)
     assert (dc.mdm_cache, dc.mdm_cache_refresh, dc.mdm_factor) == (None, 0, None)
-    dc = config_lib.DecodeConfig(**{**fields, "mdm_cache": "dual", "mdm_factor": 1.0})
+    dc = DecodeConfig(**{**fields, "mdm_cache": "dual", "mdm_factor": 1.0})
     assert program_lib.spec_of(dc).mdm_cache == "dual"
   lm = lm_model.RefusionLM(model=_model(), tokenizer=object(), method="mdm", gen_length=GEN,
                            slot_size=4, block_size=4, mdm_cache="prefix", mdm_factor="1.5",
                            mdm_cache_refresh="2", progress=False)
   assert (lm.decode_config.mdm_cache, lm.decode_config.mdm_factor,
           lm.decode_config.mdm_cache_refresh) == ("prefix", 1.5, 2)
-  default = config_lib.DecodeConfig(method="mdm", gen_length=16, slot_size=4, block_size=8,
+  default = DecodeConfig(method="mdm", gen_length=16, slot_size=4, block_size=8,
                                     mdm_cache="dual", mdm_threshold=0.9, mdm_defer_stop=True)
   parsed = scheduler.parse_buckets("ar:16, refusion:16:4:8, mdm:32:4:8", default)
   assert [(d.method, d.mdm_cache, d.mdm_defer_stop) for d in parsed] == [

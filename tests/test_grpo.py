@@ -11,8 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.rl import grpo, replay
 from tests.test_order_oracle import MASK, PROMPTS, _model
 

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from refusion_jax import config as config_lib, hf
+from refusion_jax import config as config_lib
+from refusion_jax import hf
 from refusion_jax.decode import engine
+from refusion_jax.decode.settings import DecodeConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 LLADA = os.path.join(FIXTURES, "llada")
@@ -102,7 +104,7 @@ def test_a_llada_folder_read_as_llama_names_every_tensor(tmp_path):
 
 def test_llada_decodes_as_an_mdm_and_is_refused_by_causal_decoders():
   config, model = hf.load(LLADA, dtype="float32")
-  dc = config_lib.DecodeConfig(method="mdm", gen_length=8, slot_size=4, block_size=4)
+  dc = DecodeConfig(method="mdm", gen_length=8, slot_size=4, block_size=4)
   ids = np.array([[5, 9, 30, 7]], np.int32)
   out = engine.Decoder(model, dc).generate(ids, np.array([4], np.int32))
   n = int(out.length_b[0])

@@ -17,6 +17,7 @@ from refusion_jax import config as config_lib
 from refusion_jax import hf
 from refusion_jax.decode import autoregressive, heads, mdm
 from refusion_jax.decode import program as program_lib
+from refusion_jax.decode.settings import DecodeConfig
 from tests.test_llada import FIXTURES, LLADA
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,7 +134,7 @@ def test_decoder_matches_plain_llada_generate(llada, settings):
   config, model = llada
   mask = config.mask_token_id
   base = dict(method="mdm", gen_length=12, slot_size=4, block_size=4, mdm_steps=9)
-  dc = config_lib.DecodeConfig(**{**base, **settings})
+  dc = DecodeConfig(**{**base, **settings})
   assert dc.mdm_schedule_on == "llada"  # the "confidence" ranking's own schedule
   rng = jax.random.PRNGKey(5)
   keys = [np.asarray(k) for k in program_lib.prompt_keys(rng, jnp.arange(len(PROMPTS)))]
@@ -157,7 +158,7 @@ def test_decoder_matches_plain_llada_generate(llada, settings):
 def test_guidance_and_flags_change_what_is_decoded(llada):
   """The options are live: each one's answer differs from the plain sampler's."""
   config, model = llada
-  dc = config_lib.DecodeConfig(method="mdm", gen_length=12, slot_size=4, block_size=4,
+  dc = DecodeConfig(method="mdm", gen_length=12, slot_size=4, block_size=4,
                                mdm_steps=12)
   base = np.asarray(mdm.generate(model, *_pad(PROMPTS), dc).tokens_bg)
   guided = np.asarray(mdm.generate(model, *_pad(PROMPTS), dc.replace(mdm_cfg_scale=2.0)).tokens_bg)
@@ -170,7 +171,7 @@ def test_guidance_and_flags_change_what_is_decoded(llada):
 
 def test_options_share_one_program_and_guidance_has_its_own(llada):
   _, model = llada
-  dc = config_lib.DecodeConfig(method="mdm", gen_length=8, slot_size=4, block_size=4,
+  dc = DecodeConfig(method="mdm", gen_length=8, slot_size=4, block_size=4,
                                mdm_steps=8)
   spec = program_lib.spec_of(dc)
   assert spec.mdm_schedule == "llada" and not spec.mdm_cfg
@@ -199,7 +200,7 @@ def test_options_share_one_program_and_guidance_has_its_own(llada):
 def test_bad_llada_options_are_one_error(changes, match):
   base = dict(method="mdm", gen_length=8, slot_size=4, block_size=4)
   with pytest.raises(ValueError, match=match):
-    config_lib.DecodeConfig(**{**base, **changes})
+    DecodeConfig(**{**base, **changes})
 
 
 # ------------------------------------------------------------------ stop ids
@@ -209,7 +210,7 @@ def test_any_stop_id_ends_an_answer_and_ignore_eos_ends_none():
   """Llama-3-Instruct ends a turn with <|eot_id|> and its base with <|end_of_text|>: an
   AR decode stops at whichever comes first."""
   config, model = hf.load(f"{FIXTURES}/llama_gqa", dtype="float32")
-  dc = config_lib.DecodeConfig(method="ar", gen_length=10, slot_size=10, block_size=10)
+  dc = DecodeConfig(method="ar", gen_length=10, slot_size=10, block_size=10)
   ids, lens = _pad([[5, 9, 30, 7]])
   free = np.asarray(autoregressive.generate(_with_ids(model, None), ids, lens, dc).tokens_bg[0])
   first = next(j for j in range(2, 10) if free[j] not in free[:j])
@@ -240,11 +241,11 @@ def test_stop_ids_come_from_the_folder_and_the_family(tmp_path):
   (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "3"}))
   with pytest.raises(ValueError, match="eos_token_id must be an id or a list of ids"):
     config_lib.from_hf_config(folder)
-  knobs = program_lib.knobs_of(config_lib.llada_8b(), config_lib.DecodeConfig(method="mdm"))
+  knobs = program_lib.knobs_of(config_lib.llada_8b(), DecodeConfig(method="mdm"))
   assert bool(knobs.is_stop(config_lib.LLADA_EOT_ID)) and bool(knobs.is_stop(126081))
   assert not bool(knobs.is_stop(5))
   knobs = program_lib.knobs_of(config_lib.llada_8b(),
-                          config_lib.DecodeConfig(method="mdm", ignore_eos=True))
+                          DecodeConfig(method="mdm", ignore_eos=True))
   assert not bool(knobs.is_stop(config_lib.LLADA_EOT_ID))
 
 
@@ -296,7 +297,7 @@ def _eval_config(arg: str):
 ])
 def test_llada_eval_configs_are_its_official_settings(arg, expected):
   c = _eval_config(arg)
-  dc = config_lib.DecodeConfig(**c.decode.to_dict())
+  dc = DecodeConfig(**c.decode.to_dict())
   assert (dc.gen_length, dc.block_size, dc.mdm_steps, dc.mdm_ban_eos,
           dc.mdm_defer_stop) == expected
   assert (dc.method, dc.mdm_ranking, dc.mdm_schedule_on, dc.temperature,
@@ -314,6 +315,6 @@ def test_llada_eval_config_refuses_an_unknown_setting():
 
 def test_llama_eval_config_is_greedy_ar():
   c = _eval_config("llama.py:mbpp")
-  dc = config_lib.DecodeConfig(**c.decode.to_dict())
+  dc = DecodeConfig(**c.decode.to_dict())
   assert (c.benchmark, dc.method, dc.temperature, c.enable_thinking) == ("mbpp", "ar", 0.0,
                                                                           False)

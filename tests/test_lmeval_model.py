@@ -16,7 +16,7 @@ from lm_eval.tasks import TaskManager
 
 from refusion_jax import checkpoint
 from refusion_jax.decode import engine
-from refusion_jax.config import DecodeConfig
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.lmeval import model as lm_model
 from refusion_jax.tokenizer import Tokenizer
 from tests.conftest import save_tiny_random_model

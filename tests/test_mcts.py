@@ -9,8 +9,8 @@ import pytest
 
 from configs.common import ASSETS_DIR, TINY_TEST
 from refusion_jax import evaluate, loading
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine, mcts, order_oracle, ordered_fill
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.tokenizer import Tokenizer
 from tests.test_order_oracle import EOS, MASK, PROMPTS, _model
 

@@ -10,10 +10,9 @@ import pytest
 from flax import nnx
 
 from refusion_jax import config as config_lib
-from refusion_jax.config import DecodeConfig
-from refusion_jax.decode import refusion
+from refusion_jax.decode import order_oracle, refusion
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
-from refusion_jax.decode import order_oracle
 
 MASK, EOS = 3, 59  # 59: a token this model emits early for some prompts
 

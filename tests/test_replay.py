@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.rl import replay
 from tests.test_order_oracle import MASK, PROMPTS, _model
 

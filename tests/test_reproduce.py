@@ -590,7 +590,7 @@ _OLD_KEYS = {
 def test_decode_cache_keys_written_before_still_count():
   """A result cached under a key of every method's fields (some inert) is the same decode
   as today's key of the method's own fields; a changed setting is not."""
-  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode.settings import DecodeConfig  # pylint: disable=import-outside-toplevel
   now = {"ar": DecodeConfig(method="ar", gen_length=24),
          "mdm": DecodeConfig(method="mdm", gen_length=24, block_size=8, mdm_threshold=0.9,
                              mdm_cache="dual"),

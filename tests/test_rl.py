@@ -149,8 +149,8 @@ def test_the_selection_policy_trains_alone_with_the_base_frozen(tmp_path):
   lines = [json.loads(x) for x in open(out / "metrics.jsonl", encoding="utf-8")]
   assert all(x["plan_entropy"] > 0 and "token_entropy" not in x for x in lines)
   # The learnt weights decode (deterministic choice: above one half).
-  from refusion_jax.config import DecodeConfig  # pylint: disable=import-outside-toplevel
   from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode.settings import DecodeConfig  # pylint: disable=import-outside-toplevel
   _, model = loading.load_model(MODEL)
   dc = DecodeConfig(gen_length=16, slot_size=4, block_size=16, planner="policy",
                     plan_weights=tuple(saved["plan_weights"]))

@@ -15,6 +15,7 @@ from flax import nnx
 from configs import sample as sample_config
 from refusion_jax import checkpoint, sample, trace
 from refusion_jax import config as config_lib
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +71,7 @@ def _single_decode(model, method, ids, **decode):
   """The decoder called directly on one exact-length prompt (no bucketing)."""
   from refusion_jax.decode import autoregressive, mdm, refusion  # pylint: disable=g-import-not-at-top
   fn = {"ar": autoregressive.generate, "mdm": mdm.generate, "refusion": refusion.generate}[method]
-  dc = config_lib.DecodeConfig(method=method, gen_length=16, block_size=8, slot_size=4, **decode)
+  dc = DecodeConfig(method=method, gen_length=16, block_size=8, slot_size=4, **decode)
   out = fn(model, np.array([ids], np.int32), np.array([len(ids)], np.int32), dc)
   return [int(t) for t in out.tokens_bg[0, :int(out.length_b[0])]]
 

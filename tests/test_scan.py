@@ -16,8 +16,8 @@ from safetensors import safe_open
 
 from refusion_jax import checkpoint, hf, objective, sharding
 from refusion_jax import config as config_lib
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.kv_cache import KVCache
 from refusion_jax.model import Transformer, convert_layer_layout
 

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine
 from refusion_jax.decode.methods import PLAN_FEATURES
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.rl import selector
 from tests.test_order_oracle import PROMPTS, _model
 

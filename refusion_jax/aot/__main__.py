@@ -15,7 +15,8 @@ from refusion_jax.aot import rl as rl_check
 from refusion_jax.aot import train as train_check
 from refusion_jax.aot.estimates import PAPER_SAMPLE_TOKENS, DoesNotFit
 from refusion_jax.aot.report import finish, not_fitting_report, render
-from refusion_jax.config import DECODE_PROGRAMS, DecodeConfig
+from refusion_jax.config import DECODE_PROGRAMS
+from refusion_jax.decode.settings import DecodeConfig
 
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
 EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 2, 3

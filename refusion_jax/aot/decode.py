@@ -26,10 +26,11 @@ from refusion_jax.aot.estimates import (
   xla_flops,
 )
 from refusion_jax.aot.report import program_entry
-from refusion_jax.config import DecodeConfig, ModelConfig
+from refusion_jax.config import ModelConfig
 from refusion_jax.decode import compiled as compiled_lib
 from refusion_jax.decode import engine, passes
 from refusion_jax.decode import program as program_lib
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.kv_cache import KVCache
 from refusion_jax.model import Transformer
 from refusion_jax.training import settings

@@ -55,11 +55,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import common, compiled, engine, mdm, passes
 from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.program import DONE, FIRST_PHASE, FREE
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.kv_cache import KVCache
 
 DENOISE = FIRST_PHASE

@@ -97,12 +97,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import compiled, engine, heads
 from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.methods import MDM_SCHEDULE_EPS
 from refusion_jax.decode.program import DONE, FIRST_PHASE, FREE
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.kv_cache import KVCache
 
 DENOISE = FIRST_PHASE

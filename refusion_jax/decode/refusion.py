@@ -77,12 +77,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import common, compiled, engine, heads, passes
 from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.methods import PLAN_FEATURES
 from refusion_jax.decode.program import DONE, FIRST_PHASE, FREE
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.kv_cache import KVCache
 
 PLAN, GLOBAL, DRAFT, VERIFY, RECOMPUTE, LTR_PLAN, LTR_AR, RECHECK = range(

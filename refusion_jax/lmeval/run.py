@@ -39,7 +39,7 @@ import jax
 import lm_eval
 
 from refusion_jax import distributed, fileio, loading
-from refusion_jax.config import DecodeConfig
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.lmeval import benchmarks, replay, sandbox
 from refusion_jax.lmeval import model as model_lib
 

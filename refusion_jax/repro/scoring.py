@@ -22,7 +22,7 @@ import jax
 
 from refusion_jax import checkpoint, evaluate, fileio
 from refusion_jax import tasks as tasks_lib
-from refusion_jax.config import DecodeConfig
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.repro import settings, stages
 
 RESULTS_DIR = "results"

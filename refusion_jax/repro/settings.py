@@ -28,7 +28,7 @@ import ml_collections
 from refusion_jax import distill, runtime
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.checks import is_int, is_real, require
-from refusion_jax.config import DecodeConfig
+from refusion_jax.decode.settings import DecodeConfig
 
 # ReFusion's per-task knobs (config.decode.tasks.<task>), the paper's Table 5 columns.
 TASK_SETTINGS = ("slot_size", "block_size", "slot_threshold", "token_threshold")

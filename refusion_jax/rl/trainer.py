@@ -55,8 +55,8 @@ from absl import app
 from flax import nnx
 
 from refusion_jax import checkpoint, fileio, loading, sharding
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode.methods import PLAN_FEATURES
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.rl import grpo, learner, scoring
 from refusion_jax.rl import rewards as rewards_lib
 from refusion_jax.rl import rollout as rollout_lib

@@ -24,7 +24,7 @@ import jax
 import ml_collections
 
 from refusion_jax import loading, runtime
-from refusion_jax.config import DecodeConfig
+from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.serve import app as app_lib
 from refusion_jax.serve import engine_process
 from refusion_jax.serve import scheduler as sched_lib

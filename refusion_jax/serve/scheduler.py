@@ -63,10 +63,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from refusion_jax.config import DecodeConfig
 from refusion_jax.decode import engine as engine_lib
 from refusion_jax.decode import live as live_lib
 from refusion_jax.decode import program as program_lib
+from refusion_jax.decode.settings import DecodeConfig
 
 log = logging.getLogger("refusion_jax.serve")
 
