@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec
 from refusion_jax import sharding
 from refusion_jax.config import ATTENTION_IMPLS
 
+
 @flax.struct.dataclass
 class RowSegments:
   """The mask of a kernel call: the whole row under the model's own attention (causal
