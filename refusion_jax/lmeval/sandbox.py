@@ -76,12 +76,11 @@ sandbox arguments) are set once per process with `configure` and read with
 
 from __future__ import annotations
 
-import ctypes
-import errno
-
 # The launcher runs this file as a script and stops at the `__main__` check
 # below: it needs only these light modules, and each program's sandbox starts
 # that much faster (the evaluator's imports follow the check).
+import ctypes
+import errno
 import json
 import os
 import resource
