@@ -47,6 +47,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention
 from jax.sharding import PartitionSpec
 
 from refusion_jax import sharding
@@ -147,7 +148,6 @@ def attend_full(q_btnh, k_btkh, v_btkh, *, impl: str, causal: bool = True,
 def _splash_kernel(t: int, n: int, causal: bool, interpret: bool):
   # Built once per shape: its block-mask tables are host constants (an unrolled model
   # would otherwise rebuild them in every layer).
-  from jax.experimental.pallas.ops.tpu import splash_attention  # TPU kernels: loaded only there
   head_mask = splash_attention.CausalMask((t, t)) if causal else splash_attention.FullMask((t, t))
   b = SPLASH_BLOCK
   # One fused backward kernel (dq and dk/dv together) instead of two passes over the scores.
@@ -161,8 +161,6 @@ def _splash_kernel(t: int, n: int, causal: bool, interpret: bool):
 
 
 def _splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, causal: bool, interpret: bool):
-  # Imported here: the Pallas TPU modules are needed only by this path.
-  from jax.experimental.pallas.ops.tpu import splash_attention  # TPU kernels: loaded only there
   _, t, n, _ = q_btnh.shape
   kernel = _splash_kernel(t, n, causal, interpret)
 

@@ -26,8 +26,8 @@ from jax.experimental import multihost_utils
 
 from refusion_jax import sharding
 
-# The model folder's config file and its readers live in config.py (no JAX needed) and
-# are part of this module's interface too.
+# The model folder's config file and its readers live in config.py and are part of
+# this module's interface too.
 from refusion_jax.config import (  # noqa: F401  pylint: disable=unused-import
   MODEL_CONFIG_FILE,
   ModelConfig,

@@ -12,6 +12,8 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
+import jax.numpy as jnp
+
 from refusion_jax import fileio
 
 ATTENTION_KINDS = ("causal", "bidirectional")
@@ -194,12 +196,10 @@ class ModelConfig:
 
   @property
   def compute_dtype(self):
-    import jax.numpy as jnp  # reading and checking a config loads no JAX
     return getattr(jnp, self.dtype)
 
   @property
   def weight_dtype(self):
-    import jax.numpy as jnp  # reading and checking a config loads no JAX
     return getattr(jnp, self.param_dtype)
 
   @property

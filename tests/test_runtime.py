@@ -1,6 +1,7 @@
 """refusion_jax/runtime.py: no libtpu start-up errors where no TPU is (an entry point's and
 a benchmark's), and the persistent compilation cache of sample, evaluate and reproduce,
-each through a real command line on the shipped ReFusion model."""
+each through a real command line on the shipped ReFusion model; and no module that
+starts a backend when imported (start_up runs after the imports)."""
 
 import glob
 import importlib.util
@@ -138,3 +139,26 @@ def test_processes_an_entry_point_starts_look_no_further_either():
   assert done.returncode == 0, done.stderr
   assert "CpuDevice" in done.stdout
   assert not any(n in done.stderr for n in LIBTPU_NOISE), done.stderr
+
+
+def test_importing_any_module_starts_no_jax_backend():
+  """Every module of the package imports without starting a JAX backend: an entry point
+  runs `runtime.start_up` after its imports, and the platform it sets must still count."""
+  code = """
+import importlib, os
+import jax
+jax.config.update("jax_platforms", "no_such_platform")  # a backend started now fails
+paths = [os.path.join(folder, f)[:-3] for folder, _, files in os.walk("refusion_jax")
+         for f in files if f.endswith(".py")]
+names = sorted(p.replace(os.sep, ".").removesuffix(".__init__") for p in paths)
+for name in names:
+  try:
+    importlib.import_module(name)
+  except RuntimeError as e:
+    raise SystemExit(f"importing {name} starts a JAX backend: {e}") from None
+print(len(names))
+"""
+  done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert int(done.stdout.split()[-1]) > 50  # the whole package, not a part of it

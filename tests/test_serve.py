@@ -1503,3 +1503,29 @@ def test_the_shipped_base_is_served_by_its_short_name(tmp_path, monkeypatch):
   with pytest.raises(Started):
     serve.build(c)
   assert seen == [packaged.BASE_TINY_DIR]
+
+
+def test_the_server_process_starts_no_jax_backend():
+  """Under --config.engine=process the server process reads the model's config and its
+  tokenizer but starts no JAX backend (on an accelerator, one process holds it: the
+  engine's), from build through an answered request."""
+  code = """
+import jax
+from starlette.testclient import TestClient
+from configs import serve as serve_config
+from refusion_jax import serve
+jax.config.update("jax_platforms", "no_such_platform")  # a backend started here fails
+c = serve_config.get_config()
+c.model_dir, c.rows, c.max_prompt_len = "base_tiny", 1, 32
+c.row_counts, c.admit_widths = "", ""
+c.decode.method, c.decode.gen_length = "ar", 8
+asgi, _ = serve.build(c)  # the engine process starts, with the environment's platform
+with TestClient(asgi) as client:
+  reply = client.post("/v1/completions",
+                      json={"model": "base_tiny", "prompt": "copy 42", "max_tokens": 8})
+print(reply.status_code, reply.json()["choices"][0]["finish_reason"])
+"""
+  done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.split()[-2:] in (["200", "stop"], ["200", "length"]), done.stdout

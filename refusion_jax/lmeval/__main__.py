@@ -16,6 +16,8 @@ statistics; this is the plain lm-eval route for any other task.
 
 import sys
 
+from lm_eval.__main__ import cli_evaluate
+
 from refusion_jax import runtime
 from refusion_jax.lmeval import (
   benchmarks,
@@ -36,7 +38,6 @@ def with_our_tasks(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-  from lm_eval.__main__ import cli_evaluate  # lm-eval (the eval extra): loaded only to run
   runtime.start_up()  # no libtpu start-up errors where no TPU is
   sys.argv = [sys.argv[0]] + with_our_tasks(sys.argv[1:])
   cli_evaluate()

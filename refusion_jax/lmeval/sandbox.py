@@ -76,12 +76,11 @@ sandbox arguments) are set once per process with `configure` and read with
 
 from __future__ import annotations
 
-import ctypes
-import errno
-
 # The launcher runs this file as a script and stops at the `__main__` check
 # below: it needs only these light modules, and each program's sandbox starts
 # that much faster (the evaluator's imports follow the check).
+import ctypes
+import errno
 import json
 import os
 import resource
@@ -911,7 +910,9 @@ def run_programs(sources: Sequence[str], limits: Limits = Limits(), *, allow_net
   plan = check_platform(allow_network, allow_no_namespaces)  # fail before starting any work
   bar = None
   if progress:
-    from tqdm import tqdm  # the launcher imports this module without site-packages
+    # Only here: the module otherwise needs the standard library alone (its tests run a
+    # copy of it under the system Python as another user).
+    from tqdm import tqdm
     bar = tqdm(total=len(sources), file=sys.stderr, desc="sandbox", unit="program")
 
   def one(source: str) -> Outcome:

@@ -405,6 +405,15 @@ def render_sweep_table(results: Mapping[tuple[str, float], dict], per_task: int)
 # Plots.
 
 
+def _pyplot():
+  """matplotlib's pyplot, drawing to files (Agg). Imported here: matplotlib is heavy and
+  only the plots, the pipeline's last step, need it."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
 def _save_figure(fig, path: str) -> None:
   tmp = f"{path}.tmp{os.getpid()}.png"
   fig.savefig(tmp, dpi=120)
@@ -413,11 +422,7 @@ def _save_figure(fig, path: str) -> None:
 
 def write_speed_accuracy_plot(results: Mapping[str, dict], path: str) -> None:
   """Accuracy vs tokens/s relative to ARM, one point per decoder (the paper's Figure 1)."""
-  import matplotlib  # local: plotting is the last step
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  import matplotlib.ticker  # pylint: disable=unused-import
-
+  plt = _pyplot()
   ref = results.get(REFERENCE_ROW)
   ref_tps = _avg(ref, "tokens_per_sec") if ref else None
   fig, ax = plt.subplots(figsize=(7.2, 4.6))
@@ -431,9 +436,8 @@ def write_speed_accuracy_plot(results: Mapping[str, dict], path: str) -> None:
                label=f"{name} ({x:.2f}x, {r['average']['accuracy']:.1f}%)" if ref_tps
                else name)
   ax.set_xscale("log")
-  times = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x")
-  ax.xaxis.set_major_formatter(times)
-  ax.xaxis.set_minor_formatter(times)
+  ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}x")
+  ax.xaxis.set_minor_formatter(lambda v, _: f"{v:g}x")
   ax.set_ylim(-3, 103)
   ax.set_xlabel(f"tokens / s relative to {REFERENCE_ROW} (batch 1, log scale)"
                 if ref_tps else "tokens / s (batch 1, log scale)")
@@ -448,10 +452,7 @@ def write_speed_accuracy_plot(results: Mapping[str, dict], path: str) -> None:
 
 def write_sweep_plot(results: Mapping[tuple[str, float], dict], path: str) -> None:
   """Accuracy and batch-1 tokens/s against each swept parameter (the paper's Figure 4)."""
-  import matplotlib  # local: plotting is the last step
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
+  plt = _pyplot()
   params = settings.SWEEP_PARAMS
   fig, axes = plt.subplots(1, len(params), figsize=(4.2 * len(params), 3.4))
   for ax, param in zip(np.atleast_1d(axes), params):

@@ -257,9 +257,9 @@ def check_pretrained_base(folder: str) -> str:
 def distill_config(config, base_dir: str, output_dir: str) -> ml_collections.ConfigDict:
   """refusion_jax.distill's config for a DISTILLED model: configs/d2f_tiny.py's fields
   with config.distill's on top."""
-  from configs import (
-    d2f_tiny,  # the configs (a checkout's or the package's) are found at run time
-  )
+  # Not at the top: which `configs` this is (a checkout's or the package's copy) is settled
+  # only when the command line reads its config file (packaged.use_packaged_configs).
+  from configs import d2f_tiny
   c = d2f_tiny.get_config()
   c.update(config.get("distill", ml_collections.ConfigDict()).to_dict())
   c.base_dir, c.output_dir = base_dir, output_dir

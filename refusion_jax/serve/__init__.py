@@ -180,7 +180,7 @@ def build(c: ml_collections.ConfigDict):
                                      c.tokenizer_dir, required=False)
   metrics = app_lib.Metrics()
   if c.engine == "process":
-    scheduler = engine_process.EngineProcess(c, metrics=metrics)
+    scheduler = engine_process.EngineProcess(c, make_scheduler=make_scheduler, metrics=metrics)
   else:
     scheduler = make_scheduler(c, metrics=metrics)
   name = c.model_name or os.path.basename(os.path.normpath(c.model_dir))

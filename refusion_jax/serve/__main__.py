@@ -11,15 +11,22 @@ import asyncio
 import signal
 import sys
 
+import uvicorn
 from ml_collections import config_flags
 
 from refusion_jax import entry_flags, serve
+
+# uvloop where installed (as uvicorn's own "auto" loop picks): fewer microseconds per
+# event, so responses reach clients sooner while the decoder keeps the cores busy.
+try:
+  import uvloop
+except ImportError:  # optional: asyncio's own loop then
+  uvloop = None
 
 
 def main(argv, config_flag):
   c = entry_flags.config_value(argv, config_flag, "configs/serve.py")
   asgi, app_server = serve.build(c)
-  import uvicorn  # the serve extra: loaded only to listen
   config = uvicorn.Config(asgi, host=c.host, port=c.port, log_level=c.log_level,
                           timeout_graceful_shutdown=c.drain_timeout_s, access_log=False)
   server = uvicorn.Server(config)
@@ -49,13 +56,7 @@ def main(argv, config_flag):
     for task in tasks:
       task.cancel()
 
-  # uvloop when installed (as uvicorn's own "auto" loop picks): fewer microseconds per
-  # event, so responses reach clients sooner while the decoder keeps the cores busy.
-  try:
-    import uvloop  # optional: the faster event loop where installed
-    loop_factory = uvloop.new_event_loop
-  except ImportError:
-    loop_factory = None
+  loop_factory = None if uvloop is None else uvloop.new_event_loop
   with asyncio.Runner(loop_factory=loop_factory) as runner:
     runner.run(run())
 

@@ -38,7 +38,7 @@ import pickle
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ml_collections
 import numpy as np
@@ -86,12 +86,12 @@ class _Tally:
     self.queue_depth = self._Counter()
 
 
-def _child(c_dict: dict, commands, events) -> None:
-  """The engine process: builds the scheduler, then serves commands until `stop`."""
+def _child(make_scheduler: Callable, c_dict: dict, commands, events) -> None:
+  """The engine process: builds the scheduler (`make_scheduler(config, metrics=...)`),
+  then serves commands until `stop`."""
   # Signals go to the server process, which stops this one when it is done draining.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  from refusion_jax import serve  # the child's own: serve starts this module (a cycle)
   send_lock = threading.Lock()
 
   def send(msg) -> None:
@@ -106,7 +106,7 @@ def _child(c_dict: dict, commands, events) -> None:
   last_sent = [0.0]
   try:
     c = ml_collections.ConfigDict(c_dict)
-    sched = serve.make_scheduler(c, metrics=tally)
+    sched = make_scheduler(c, metrics=tally)
     sched.capacity = None  # the server process counts the bounded queue
   except Exception as e:  # pylint: disable=broad-except
     send(("failed", type(e).__name__, str(e)))
@@ -179,14 +179,18 @@ def _child(c_dict: dict, commands, events) -> None:
 class EngineProcess:
   """A `Scheduler` run in a child process (module docstring), as the app sees it."""
 
-  def __init__(self, c: ml_collections.ConfigDict, *, metrics: Any = None,
-               start_timeout_s: float = 3600.0):
+  def __init__(self, c: ml_collections.ConfigDict, *, make_scheduler: Callable,
+               metrics: Any = None, start_timeout_s: float = 3600.0):
+    """`make_scheduler(config, metrics=...)` builds the `Scheduler` in the child
+    (`serve.make_scheduler`); a module-level function, which the spawned child imports
+    by name."""
     self.metrics = metrics
     self.capacity = Capacity(c.rows, c.max_queue)
     ctx = multiprocessing.get_context("spawn")
     cmd_recv, self._commands = ctx.Pipe(duplex=False)
     self._events, evt_send = ctx.Pipe(duplex=False)
-    self._proc = ctx.Process(target=_child, args=(c.to_dict(), cmd_recv, evt_send),
+    self._proc = ctx.Process(target=_child,
+                             args=(make_scheduler, c.to_dict(), cmd_recv, evt_send),
                              name="refusion-engine", daemon=True)
     self._proc.start()
     cmd_recv.close()
