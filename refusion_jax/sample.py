@@ -183,10 +183,7 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
   run_ = eng.run([ids for _, ids in prompts], rng, progress=bar)
   if bar is not None:
     bar.close()
-  tokens_done = sum(len(r.tokens) for r in run_.results)
-  _log(f"[sample] {len(prompts)} prompt(s) through {rows} row(s): {tokens_done} tokens, "
-       f"{run_.passes} forward passes in {run_.seconds:.2f}s"
-       + ("" if c.warmup else " (includes compile)"))
+  _log(summary_line(run_, len(prompts), rows, c.warmup))
   results, records = [], []
   for (label, _), res in zip(prompts, run_.results):
     tokens = res.tokens
@@ -219,6 +216,27 @@ def run(c: ml_collections.ConfigDict) -> list[dict]:
     fileio.write_text_atomic(c.output_json, text)
     _log(f"[sample] wrote {c.output_json}")
   return results
+
+
+def _plural(n: int, word: str, words: str = "") -> str:
+  return f"{n} {word}" if n == 1 else f"{n} {words or word + 's'}"
+
+
+def summary_line(run_, prompts: int, rows: int, warmed_up: bool) -> str:
+  """What a sample run did, under the names its JSON uses: `nfe` is each prompt's forward
+  passes (its prefill included), summed over the prompts; the engine's batched passes,
+  each advancing every busy row, follow when there are several prompts."""
+  tokens = sum(len(r.tokens) for r in run_.results)
+  nfe = sum(int(r.counters["nfe_b"]) for r in run_.results)
+  line = (f"[sample] {_plural(prompts, 'prompt')} through {_plural(rows, 'row')}: "
+          f"{_plural(tokens, 'token')}, nfe {nfe}")
+  if prompts > 1:
+    line += (f" ({_plural(run_.passes, 'batched pass', 'batched passes')}, "
+             f"{_plural(run_.admissions, 'admission')})")
+  line += f" in {run_.seconds:.2f}s"
+  if not warmed_up:  # compiled, or loaded from the compilation cache, inside the run
+    line += " (programs compiled or loaded included; --config.warmup=true excludes them)"
+  return line
 
 
 def define_flags():

@@ -216,3 +216,20 @@ def test_hf_model_folder(models, tmp_path):
                                **{"decode.method": "ar"}))
   _check_results(results, 1, 16)
   assert results[0]["tokens"] == _single_decode(model, "ar", [40, 41])
+
+
+def test_the_summary_line_counts_as_the_json_does():
+  """One prompt's line says its tokens and nfe as its JSON result does (the prefill
+  counted), in the singular where there is one, and what the time includes."""
+  import types  # pylint: disable=import-outside-toplevel
+  from refusion_jax import sample  # pylint: disable=import-outside-toplevel
+  one = types.SimpleNamespace(tokens=[5], counters={"nfe_b": 1.0})
+  run = types.SimpleNamespace(results=[one], passes=0, admissions=1, seconds=0.5)
+  assert sample.summary_line(run, 1, 1, False) == (
+      "[sample] 1 prompt through 1 row: 1 token, nfe 1 in 0.50s (programs compiled or "
+      "loaded included; --config.warmup=true excludes them)")
+  two = types.SimpleNamespace(tokens=[5, 6, 7], counters={"nfe_b": 2.0})
+  run = types.SimpleNamespace(results=[one, two], passes=2, admissions=1, seconds=1.0)
+  assert sample.summary_line(run, 2, 2, True) == (
+      "[sample] 2 prompts through 2 rows: 4 tokens, nfe 3 (2 batched passes, 1 admission) "
+      "in 1.00s")
