@@ -35,6 +35,7 @@ program serves every prompt of a decode config.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -288,7 +289,11 @@ def summary_lines(result: dict) -> list[str]:
 
 
 def run_synthetic(c) -> dict:
-  """The bundled suite (`configs/eval/synthetic.py`): prints a summary, writes results.json."""
+  """The bundled suite (`configs/eval/synthetic.py`): prints a summary; with
+  `output_dir`, writes results.json (the model, method and sample count, per-task
+  metrics, their means, the decode settings) and samples.jsonl (one record per problem),
+  which `evaluate_table` tabulates."""
+  model_ref = c.model_dir
   c.model_dir = loading.model_dir(c.model_dir)  # a shipped model's short name: its folder
   if not c.data or not os.path.isfile(c.data):
     raise ValueError(f"--config.data={c.data!r} is not a file")
@@ -309,9 +314,15 @@ def run_synthetic(c) -> dict:
   print("\n".join(summary_lines(result)))
   if c.output_dir:
     os.makedirs(c.output_dir, exist_ok=True)
+    samples = os.path.join(c.output_dir, "samples.jsonl")
+    fileio.write_text_atomic(samples, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                              for r in result["samples"]))
     out = os.path.join(c.output_dir, "results.json")
-    fileio.write_json_atomic(out, result)
-    print(f"wrote {out}", file=sys.stderr)
+    summary = {"benchmark": "synthetic", "model": model_ref.rstrip("/"),
+               "method": decode_config.method, "samples": len(result["samples"]),
+               **{k: v for k, v in result.items() if k != "samples"}}
+    fileio.write_json_atomic(out, summary)
+    print(f"wrote {out} and {samples}", file=sys.stderr)
   return result
 
 

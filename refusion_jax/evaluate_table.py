@@ -18,7 +18,8 @@ on a "dream" model (Dream-7B-Instruct). Two different models filling one row
 are an error naming both. Speed-up is over the table's first row.
 
 Each input is a `results.json` written by `python -m refusion_jax.evaluate` (or
-the folder holding one: its `--config.output_dir`). One row per (model, method)
+the folder holding one: its `--config.output_dir`). The bundled suite's
+(`configs/eval/synthetic.py`) get their own table, a column per task. One row per (model, method)
 pair, labelled with the model's name, or "NAME (method)" when that name has
 rows for several methods; rows are ordered ar, mdm, bd3lm, d2f, refusion (the
 paper's order, BD3-LM from its Table 2), then by first appearance. Columns are the paper's seven benchmarks in
@@ -142,12 +143,75 @@ def load_results(paths: Iterable[str]) -> list[dict]:
       raise ValueError(f"{file} is given more than once")
     files.append(file)
     result = fileio.read_json(file)
-    check_result(result, file)
+    if is_bundled(result):
+      check_bundled(result, file)
+    else:
+      check_result(result, file)
     results.append({**result, "source": file})
   if not results:
     raise ValueError("no results files given")
-  _check_unique(results)
+  _check_unique([r for r in results if not is_bundled(r)])
   return results
+
+
+# --- the bundled suite (configs/eval/synthetic.py): its own tasks, its own table ---------
+
+
+def is_bundled(result: Any) -> bool:
+  """Whether `result` is the bundled suite's (`evaluate` on configs/eval/synthetic.py:
+  per-task metrics under "per_task" and their means under "average")."""
+  return isinstance(result, dict) and "per_task" in result and "average" in result
+
+
+def check_bundled(result: Mapping[str, Any], where: str) -> None:
+  per_task = result["per_task"]
+  if not isinstance(per_task, dict) or not per_task:
+    raise ValueError(f"{where}: field 'per_task' must be a non-empty object of tasks")
+  for task, m in per_task.items():
+    for field in ("accuracy", "tokens_per_forward"):
+      value = m.get(field) if isinstance(m, dict) else None
+      if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{where}: per_task.{task}.{field} must be a number >= 0, got "
+                         f"{value!r}")
+
+
+def _bundled_key(result: Mapping[str, Any]) -> tuple[str, str]:
+  """(model, method) of a bundled result; files written before they carried them name
+  the model by their folder and the method by their decode settings."""
+  model = result.get("model") or os.path.basename(os.path.dirname(result["source"]))
+  method = result.get("method") or next(iter(result.get("decode", {}).values()),
+                                        {}).get("method", "?")
+  return model, method
+
+
+def bundled_markdown(results: Sequence[Mapping[str, Any]]) -> str:
+  """The bundled suite's results: a row per (model, method), a column per task, each cell
+  "accuracy (%) / tokens per second" (– where the speed was not timed), then the mean."""
+  tasks: list[str] = []
+  for r in results:
+    tasks += [t for t in r["per_task"] if t not in tasks]
+  header = ["Model", *tasks, "Avg", "Tok/fwd"]
+  lines = ["## The bundled suite: accuracy (%) / tokens per second", "",
+           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  seen = set()
+  for r in results:
+    model, method = _bundled_key(r)
+    if (model, method) in seen:
+      raise ValueError(f"{r['source']}: a second bundled result of model {model!r}, method "
+                       f"{method!r}: give one of them")
+    seen.add((model, method))
+    cells = []
+    for t in tasks:
+      m = r["per_task"].get(t)
+      tps = None if m is None else m.get("tokens_per_sec")
+      cells.append(MISSING if m is None else
+                   f"{m['accuracy']:.2f} / {MISSING if tps is None else f'{tps:.2f}'}")
+    a = r["average"]
+    tps = a.get("tokens_per_sec")
+    cells.append(f"{a['accuracy']:.2f} / {MISSING if tps is None else f'{tps:.2f}'}")
+    cells.append(f"{a['tokens_per_forward']:.2f}")
+    lines.append(f"| {_md(model)} ({method}) | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
 
 
 def _md(text: str) -> str:
@@ -410,14 +474,23 @@ def main(argv: Sequence[str], output: flags.FlagHolder, baseline: flags.FlagHold
     raise app.UsageError("give one or more results.json files or evaluation output folders")
   which = 0 if table is None else table.value
   try:
-    results = load_results(argv[1:])
-    if which == 0:
-      text = table_markdown(results, baseline=baseline.value, tpf=tpf.value)
-    else:
+    loaded = load_results(argv[1:])
+    results = [r for r in loaded if not is_bundled(r)]
+    bundled = [r for r in loaded if is_bundled(r)]
+    parts = []
+    if results and which == 0:
+      parts.append(table_markdown(results, baseline=baseline.value, tpf=tpf.value))
+    elif results:
       if baseline.value is not None:
         raise ValueError("--baseline applies to --table=0 (the paper's tables compare with "
                          "their first row)")
-      text = paper_table_markdown(results, which, tpf=tpf.value)
+      parts.append(paper_table_markdown(results, which, tpf=tpf.value))
+    if bundled:
+      if which:
+        raise ValueError(f"{bundled[0]['source']} is the bundled suite's (no row of the "
+                         f"paper's Table {which}); use --table=0")
+      parts.append(bundled_markdown(bundled))
+    text = "\n".join(parts)
     if output.value:
       fileio.write_text_atomic(output.value, text)
   except (ValueError, FileNotFoundError) as e:

@@ -25,11 +25,19 @@ def write_text_atomic(path: str, text: str, make_dirs: bool = False) -> None:
   try:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       f.write(text)
+    # mkstemp makes the file 0600; the written one gets the mode any new file would.
+    os.chmod(tmp, 0o666 & ~_umask())
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def _umask() -> int:
+  mask = os.umask(0)  # read by setting it: restored at once
+  os.umask(mask)
+  return mask
 
 
 def write_json_atomic(path: str, value: Any) -> None:

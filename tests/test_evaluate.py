@@ -256,6 +256,23 @@ def test_command_line_writes_a_json_result(tmp_path, tok):
   assert result["decode"]["sort"]["method"] == "ar"
   assert all(m["speed_n"] == 1 and m["tokens_per_sec"] > 0 for m in result["per_task"].values())
   assert not [n for n in os.listdir(out_dir) if ".tmp" in n]  # nothing half-written left
+  # Beside it, one record per problem; the summary carries what evaluate_table reads, and
+  # the files get the mode any new file gets (not mkstemp's 0600).
+  assert (result["benchmark"], result["model"], result["method"], result["samples"]) == (
+      "synthetic", model_dir, "ar", 2)
+  with open(out_dir / "samples.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  assert sorted(r["query"] for r in records) == sorted(r["query"] for r in ROWS[:2])
+  mask = os.umask(0)
+  os.umask(mask)
+  assert all(os.stat(out_dir / n).st_mode & 0o777 == 0o666 & ~mask
+             for n in ("results.json", "samples.jsonl"))
+  from refusion_jax import evaluate_table  # pylint: disable=import-outside-toplevel
+  table = evaluate_table.bundled_markdown(evaluate_table.load_results([str(out_dir)]))
+  acc = {t: m["accuracy"] for t, m in result["per_task"].items()}
+  tasks = list(result["per_task"])
+  assert f"| Model | {tasks[0]} | {tasks[1]} | Avg | Tok/fwd |" in table
+  assert f"| {model_dir} (ar) | {acc[tasks[0]]:.2f} / " in table
   with pytest.raises(ValueError, match="--config.decode: decode.block_size=8 must be a multiple"):
     evaluate.main(["evaluate", f"--config={synthetic}", f"--config.model_dir={model_dir}",
                    f"--config.data={data}", "--config.decode.slot_size=3",

@@ -365,3 +365,23 @@ def test_table1_the_nine_rows_in_the_papers_order_with_their_settings():
   assert ("- ReFusion (GSM8K): gen_length 512, slot_size 32, block_size 32, slot_threshold 0.9, "
           "token_threshold 0.4") in text
   assert "- Qwen3-8B (GSM8K): gen_length 512" in text
+
+
+def test_the_bundled_suites_results_get_their_own_table(tmp_path):
+  """The bundled suite's results.json (per-task metrics) is tabulated a column per task,
+  also one written before it named its model and method (its folder, its decode)."""
+  old = {"per_task": {"sort": {"accuracy": 50.0, "tokens_per_sec": 12.5,
+                               "tokens_per_forward": 2.0},
+                      "copy": {"accuracy": 100.0, "tokens_per_sec": None,
+                               "tokens_per_forward": 3.0}},
+         "average": {"accuracy": 75.0, "tokens_per_sec": None, "tokens_per_forward": 2.5},
+         "decode": {"sort": {"method": "refusion"}}, "samples": []}
+  (tmp_path / "runA").mkdir()
+  (tmp_path / "runA" / "results.json").write_text(json.dumps(old))
+  text = et.bundled_markdown(et.load_results([str(tmp_path / "runA")]))
+  assert "| Model | sort | copy | Avg | Tok/fwd |" in text
+  assert "| runA (refusion) | 50.00 / 12.50 | 100.00 / – | 75.00 / – | 2.50 |" in text
+  bad = dict(old, per_task={"sort": {"accuracy": "x"}})
+  (tmp_path / "bad.json").write_text(json.dumps(bad))
+  with pytest.raises(ValueError, match=r"per_task.sort.accuracy must be a number"):
+    et.load_results([str(tmp_path / "bad.json")])
