@@ -35,10 +35,15 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import sys
+from typing import Sequence
 
 import jax
+import tqdm
+from absl import logging as absl_logging
 
 AUTO = "auto"
+_QUIET = False  # quiet_libraries' decision
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 
 
@@ -81,13 +86,39 @@ def quiet_tpu_probe() -> bool:
 
 def start_up(compile_cache_dir: str | None = None) -> None:
   """The process's start-up, before anything asks JAX for a device: `quiet_tpu_probe`,
-  and with `compile_cache_dir` ("auto", "" or a folder) that setting checked and used
-  (`check_compile_cache`, `use_compile_cache`); None leaves JAX's own cache setting."""
+  `quiet_libraries`, and with `compile_cache_dir` ("auto", "" or a folder) that setting
+  checked and used (`check_compile_cache`, `use_compile_cache`); None leaves JAX's own
+  cache setting."""
   if compile_cache_dir is not None:
     check_compile_cache(compile_cache_dir)
   quiet_tpu_probe()
+  quiet_libraries()
   if compile_cache_dir is not None:
     use_compile_cache(compile_cache_dir)
+
+
+def quiet_libraries(argv: Sequence[str] | None = None) -> bool:
+  """Turns the libraries' log lines off (orbax's and TFDS's INFO and WARNING lines through
+  absl; TFDS's progress bars and messages, `libraries_quiet()` tells data/build.py) unless
+  the command line asks for them with `--verbosity` (or `-v`); returns whether it did.
+  What this project says goes through `note`."""
+  global _QUIET
+  argv = sys.argv if argv is None else argv
+  _QUIET = not any(a.startswith(("--verbosity", "-v=")) or a == "-v" for a in argv[1:])
+  if _QUIET:
+    absl_logging.set_verbosity(absl_logging.ERROR)
+  return _QUIET
+
+
+def libraries_quiet() -> bool:
+  """Whether `quiet_libraries` turned the libraries' output off in this process."""
+  return _QUIET
+
+
+def note(program: str, message: str, *args) -> None:
+  """One line for the user on stderr, `[program] message` (`message % args` with args),
+  above any progress bar."""
+  tqdm.tqdm.write(f"[{program}] {message % args if args else message}", file=sys.stderr)
 
 
 def default_cache_dir() -> str:

@@ -25,10 +25,7 @@ task), `loop` (the loop every trainer shares).
 
 from __future__ import annotations
 
-import logging as std_logging
-import os
-
-from absl import app, logging
+from absl import app
 
 from refusion_jax import distributed, entry_flags
 from refusion_jax.training import loop, supervised
@@ -40,21 +37,11 @@ def define_flags():
       "Training config file.", "Checkpoints, logs and the final model go here.")
 
 
-class _QuietOrbax(std_logging.Filter):
-  """Drops orbax's per-save INFO chatter (it buries the progress bar); keeps warnings."""
-
-  def filter(self, record):
-    return record.levelno >= std_logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
-
-
 def main(argv, config_flag, workdir_flag):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  # Imported here, once the flags parsed: a mistyped flag or config field is reported
-  # in a fraction of a second, without loading JAX and the training stack first.
   if config_flag.value.get("distributed", False):
     distributed.initialize()
-  logging.get_absl_handler().addFilter(_QuietOrbax())
   # A stop (checkpoint on disk, the same command resumes) or a non-finite loss (not a
   # bug in the code) is one line and its exit status, without a traceback.
   with loop.stops_reported("refusion_jax.train"):

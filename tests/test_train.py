@@ -283,6 +283,19 @@ def _assert_same_run(workdir, reference):
   assert ours == theirs
 
 
+def test_a_run_says_only_its_own_lines_and_where_its_model_went(uninterrupted_run):
+  """No library's log lines (orbax's saves, TFDS's) unless --verbosity asks; the last line
+  names the model folder written and how to decode it."""
+  workdir, _ = uninterrupted_run
+  log = (workdir.parent / "train.log").read_text()
+  lines = [line for line in log.replace("\r", "\n").splitlines() if line.strip()]
+  assert not [line for line in lines if line[:1] in "IWE" and line[1:5].isdigit()], log[-3000:]
+  assert "Downloading and preparing" not in log
+  final = os.path.join(workdir, outputs.FINAL_MODEL_DIR)
+  assert lines[-1].startswith(f"[train] wrote {final} (decode it: python -m "
+                              "refusion_jax.sample"), lines[-3:]
+
+
 def test_kill_9_then_resume_is_bit_identical(tmp_path, tfds_dir, uninterrupted_run):
   reference, env = uninterrupted_run
   steps = INTERRUPTED_RUN["num_train_steps"]

@@ -6,14 +6,16 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import os
 import shutil
+import time
 from typing import Iterator, Mapping, Sequence
 
 import tensorflow_datasets as tfds
-from absl import logging
 from etils import epath
 
+from refusion_jax import runtime
 from refusion_jax.data.files import files_digest, iter_examples, validate_files
 
 
@@ -130,7 +132,20 @@ def prepare(json_paths: Sequence[str] | Mapping[str, Sequence[str]],
     builder = QueryResponse(config=config, data_dir=data_dir, file_format="array_record")
     if locked and not builder.is_prepared():
       remove_incomplete_builds(os.path.dirname(os.fspath(builder.data_path)))
-    builder.download_and_prepare()
+    if builder.is_prepared():
+      return builder
+    splits = ", ".join(f"{split} ({len(ps)} file{'s' if len(ps) > 1 else ''})"
+                       for split, ps in normalized)
+    runtime.note("data", f"building the TFDS dataset of {splits} in {data_dir} (once; later "
+                 "runs reuse it) ...")
+    t0 = time.perf_counter()
+    if runtime.libraries_quiet():  # TFDS's own bars and "Downloading and preparing" lines
+      tfds.disable_progress_bar()
+      with contextlib.redirect_stdout(io.StringIO()):
+        builder.download_and_prepare()
+    else:
+      builder.download_and_prepare()
+    runtime.note("data", f"built in {time.perf_counter() - t0:.1f}s")
   return builder
 
 
@@ -145,14 +160,14 @@ def _build_lock(path: str) -> Iterator[bool]:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     lock = open(path, "a")  # pylint: disable=consider-using-with
   except OSError as e:
-    logging.warning("cannot create the build lock %s (%s); building without it", path, e)
+    runtime.note("data", "cannot create the build lock %s (%s); building without it", path, e)
     yield False
     return
   with lock:
     try:
       fcntl.flock(lock, fcntl.LOCK_EX)
     except OSError as e:
-      logging.warning("cannot lock %s (%s); building without the lock", path, e)
+      runtime.note("data", "cannot lock %s (%s); building without the lock", path, e)
       yield False
       return
     try:
@@ -175,6 +190,6 @@ def remove_incomplete_builds(config_dir: str) -> list[str]:
       shutil.rmtree(path)
       removed.append(path)
   if removed:
-    logging.warning("removed %d unfinished dataset build(s) left by an interrupted run: %s",
+    runtime.note("data", "removed %d unfinished dataset build(s) left by an interrupted run: %s",
                     len(removed), ", ".join(removed))
   return removed

@@ -12,10 +12,9 @@ from typing import Any
 import grain
 import jax
 import numpy as np
-from absl import logging
 from jax.experimental import multihost_utils
 
-from refusion_jax import objective
+from refusion_jax import objective, runtime
 from refusion_jax.data.build import QueryResponse, prepare
 
 ITERATOR_HANDLER = grain.checkpoint.CheckpointHandler
@@ -120,7 +119,7 @@ class _KeepFitting(grain.transforms.Filter):
     # Log the first few and then every power of two, so a bad seq_len is loud
     # without flooding the log.
     if n <= 5 or not n & (n - 1):
-      logging.warning("dropped %d over-long example(s) so far; latest: %s", n, message)
+      runtime.note("data", "dropped %d over-long example(s) so far; latest: %s", n, message)
     return False
 
 

@@ -46,12 +46,11 @@ from typing import Any, Callable, Mapping, NoReturn
 
 import jax
 import numpy as np
-from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from refusion_jax import checkpoint, sharding
+from refusion_jax import checkpoint, runtime, sharding
 from refusion_jax.checks import InputError
 from refusion_jax.config import ModelConfig
 from refusion_jax.training.metrics import MetricsWriter
@@ -110,7 +109,7 @@ class StopNotice:
       return
     self.signum = signum
     again = " (Ctrl-C again: stop at once, without it)" if signum == signal.SIGINT else ""
-    logging.warning("%s: saving a checkpoint after this step, then stopping%s",
+    runtime.note("train", "%s: saving a checkpoint after this step, then stopping%s",
                     self._NAMES[signum], again)
 
   @property
@@ -306,7 +305,7 @@ def restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, task: Task, is_chi
       break
     where = os.path.join(ckpt.directory, str(step))
     moved = ckpt.move_aside(step) if is_chief else f"{where}.damaged by process 0"
-    logging.warning("checkpoint %s is damaged and was skipped: %s; moved to %s", where,
+    runtime.note("train", "checkpoint %s is damaged and was skipped: %s; moved to %s", where,
                     problem, moved)
     skipped.append(f"{where}: {problem} (moved to {moved})")
   if jax.process_count() > 1:
@@ -323,7 +322,7 @@ def restore_newest_intact(ckpt: checkpoint.TrainCheckpointer, task: Task, is_chi
     raise InputError("no intact checkpoint to resume from in " + ckpt.directory + ": "
                      + "; ".join(skipped) + ". Restore a checkpoint or use a new workdir")
   if found is not None and skipped:
-    logging.warning("resuming from %s, the newest intact checkpoint",
+    runtime.note("train", "resuming from %s, the newest intact checkpoint",
                     os.path.join(ckpt.directory, str(found[0])))
   return found
 
@@ -387,7 +386,7 @@ def run_loop(task: Task, options: LoopOptions) -> LoopResult:
       start, state = 0, task.init_state()
     else:
       start, state = resumed
-      logging.info("resumed from %s", os.path.join(ckpt.directory, str(start)))
+      runtime.note("train", "resumed from %s", os.path.join(ckpt.directory, str(start)))
     writer = MetricsWriter(options.workdir, resume_step=start, total_steps=task.total_steps,
                            label=task.label, enabled=is_chief, tensorboard=options.tensorboard,
                            progress=options.progress and is_chief)

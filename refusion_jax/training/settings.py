@@ -14,9 +14,8 @@ import os
 from typing import Any
 
 import jax
-from absl import logging
 
-from refusion_jax import attention_kernels, loading, objective, sharding
+from refusion_jax import attention_kernels, loading, objective, runtime, sharding
 from refusion_jax import config as config_lib
 from refusion_jax.checks import is_int, is_real, require
 from refusion_jax.config import ModelConfig
@@ -315,7 +314,7 @@ def validate_attention_impl(config, model_config: ModelConfig, platform: str) ->
   except ValueError as e:
     raise ValueError(f"{e} (config.data.seq_len={config.data.seq_len})") from None
   if model_config.attention_impl == "splash" and platform != "tpu":
-    logging.warning("config.model.attention_impl='splash' on %s devices runs the TPU kernel in "
+    runtime.note("train", "config.model.attention_impl='splash' on %s devices runs the TPU kernel in "
                     "Pallas interpret mode: exact but slow (meant for checking numerics)",
                     platform)
 

@@ -30,10 +30,9 @@ import time
 
 import jax
 import numpy as np
-from absl import logging
 from jax.experimental import multihost_utils
 
-from refusion_jax import checkpoint, data, hf, sharding
+from refusion_jax import checkpoint, data, hf, runtime, sharding
 from refusion_jax.checks import InputError
 from refusion_jax.config import ModelConfig
 from refusion_jax.training import loop, outputs, settings
@@ -150,7 +149,8 @@ class SupervisedTask(loop.Task):
       return {}
     self.eval_metrics = _evaluate(self.trainer, state["params"], self.data_config,
                                   self.tokenizer)
-    logging.info("step %d eval %s", done, self.eval_metrics)
+    runtime.note("train", f"step {done} eval: " + ", ".join(
+        f"{k} {v:.4g}" for k, v in sorted(self.eval_metrics.items())))
     self._tick = time.perf_counter()  # eval time is not training throughput
     return {"eval_" + k: v for k, v in self.eval_metrics.items()}
 
@@ -246,7 +246,7 @@ def _measured_total_steps(config, inputs: _Inputs, loader) -> int:
       drop_overlong=bool(config.data.drop_overlong),
       eos_pad_response_to=settings.eos_pad_response_to(config),
       eos_pad_multiple=settings.eos_pad_multiple(config), max_samples=settings.SAMPLES_MEASURED)
-  logging.info("packing: %.2f samples per row, %.1f%% of row tokens real (measured on %d "
+  runtime.note("train", "packing: %.2f samples per row, %.1f%% of row tokens real (measured on %d "
                "samples)", layout.samples_per_row, 100 * layout.real_token_fraction,
                layout.samples)
   with _as_input_errors():
@@ -254,13 +254,17 @@ def _measured_total_steps(config, inputs: _Inputs, loader) -> int:
 
 
 def _export(config, workdir: str, model_config: ModelConfig, model) -> None:
-  checkpoint.save_model(os.path.join(workdir, FINAL_MODEL_DIR), model_config, model,
-                        overwrite=True)
+  final = os.path.join(workdir, FINAL_MODEL_DIR)
+  checkpoint.save_model(final, model_config, model, overwrite=True)
+  written = final
   if config.export_hf_dir:
     # Checked again: the folder may have gained files while the run trained.
     outputs.check_export_dir(config.export_hf_dir, workdir, config.data.tfds_dir)
     hf.save(model_config, model, config.export_hf_dir, overwrite=True,
             extra_files=outputs.export_marker(workdir))
+    written += f" and the HF folder {config.export_hf_dir}"
+  runtime.note("train", f"wrote {written} (decode it: python -m refusion_jax.sample "
+               f"--config=configs/sample.py --config.model_dir={final} --config.prompt=...)")
 
 
 def train_and_evaluate(config, workdir: str) -> TrainResult:

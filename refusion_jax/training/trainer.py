@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from refusion_jax import hf, loading, objective, sharding
+from refusion_jax import hf, loading, objective, runtime, sharding
 from refusion_jax.config import ModelConfig
 from refusion_jax.model import Transformer
 from refusion_jax.tokenizer import Tokenizer
@@ -266,7 +265,7 @@ def init_params_from_hf(trainer: Trainer, directory: str, tokenizer: Tokenizer) 
   already = hf_config.mask_token_id == tokenizer.mask_id
   reset = () if already else tuple(i for i in (tokenizer.bos_id, tokenizer.mask_id)
                                      if i is not None)
-  logging.info("init_from_hf: %s, vocab %d -> %d, special rows reset to the mean: %s",
+  runtime.note("train", "init_from_hf: %s, vocab %d -> %d, special rows reset to the mean: %s",
                directory, hf_config.vocab_size, model_config.vocab_size, reset)
   resize = functools.partial(add_special_token_rows, vocab_size=model_config.vocab_size,
                              reset_ids=reset)
