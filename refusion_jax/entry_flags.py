@@ -80,6 +80,26 @@ def _nearest(name: str, candidates: Sequence[str]) -> str:
   return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _paths(node, prefix: str = "") -> list[str]:
+  """Every field's dotted path below `node` (groups included)."""
+  out = []
+  if isinstance(node, (config_dict.ConfigDict, dict)):
+    for key in node.keys():
+      path = f"{prefix}{key}"
+      out.append(path)
+      out += _paths(node[key], path + ".")
+  return out
+
+
+def _suggestion(name: str, node) -> str:
+  """The field `name` likely meant below `node`: the one field of that name in a nested
+  group (`--config.temperature`: 'decode.temperature'), else the closest name here."""
+  nested = [p for p in _paths(node) if p.rsplit(".", 1)[-1] == name and "." in p]
+  if len(nested) == 1:
+    return f" (did you mean {nested[0]!r}?)"
+  return _nearest(name, list(node.keys()))
+
+
 def _field_problem(config, flag_name: str, path: str) -> str | None:
   """Why `--flag_name.path` names no field of `config`, or None when it does."""
   node, walked = config, flag_name
@@ -87,7 +107,7 @@ def _field_problem(config, flag_name: str, path: str) -> str | None:
     if isinstance(node, (config_dict.ConfigDict, dict)):
       keys = list(node.keys())
       if part not in keys:
-        return (f"--{flag_name}.{path}: {walked} has no field {part!r}{_nearest(part, keys)}")
+        return f"--{flag_name}.{path}: {walked} has no field {part!r}{_suggestion(part, node)}"
       node = node[part]
     elif isinstance(node, (list, tuple)) and part.isdigit():
       if int(part) >= len(node):

@@ -267,6 +267,9 @@ def test_bad_input_gets_one_clear_error_line(outcomes, case):
     ("--config.data.seq_ln=8",
      "--config.data.seq_ln: config.data has no field 'seq_ln' (did you mean 'seq_len'?)"),
     ("--config.zzzz=1", "--config.zzzz: config has no field 'zzzz'"),
+    # A field of a nested group named at the top: that group's field is suggested.
+    ("--config.seq_len=8",
+     "--config.seq_len: config has no field 'seq_len' (did you mean 'data.seq_len'?)"),
     ("--config.seed.x=1", "--config.seed.x: config.seed is a value (int), not a group of fields"),
 ])
 def test_unknown_config_fields_are_named_with_the_nearest_one(override, message):
