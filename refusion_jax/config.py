@@ -126,6 +126,10 @@ class ModelConfig:
   # Ids besides eos_token_id that end a response (Llama-3-Instruct: <|end_of_text|> with
   # <|eot_id|> as EOS; LLaDA-Instruct: <|eot_id|>); decoding stops at any of them.
   stop_token_ids: tuple[int, ...] = ()
+  # The objective the weights were trained with ("refusion", "arm", "mdm", "bd3lm"; ""
+  # unknown, as in a folder from elsewhere): a decoder that needs its own (BD3-LM's blocks)
+  # refuses a model trained otherwise by name. HF config.json: "refusion_jax_objective".
+  objective: str = ""
 
   def __post_init__(self):
     if isinstance(self.stop_token_ids, list):  # read back from model_config.json
@@ -187,6 +191,9 @@ class ModelConfig:
       if value is not None and not 0 <= value < self.vocab_size:
         raise ValueError(
             f"ModelConfig.{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+    if not isinstance(self.objective, str):
+      raise ValueError(f"ModelConfig.objective must be a string (\"\": unknown), got "
+                       f"{self.objective!r}")
     stops = self.stop_token_ids
     if (not isinstance(stops, tuple) or len(stops) > MAX_STOP_IDS - 1
         or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.vocab_size
@@ -507,6 +514,7 @@ def from_hf_config(path_or_dict, **overrides) -> ModelConfig:
       bos_token_id=_first_id(hf.get("bos_token_id")),
       eos_token_id=_first_id(hf.get("eos_token_id")),
       pad_token_id=_first_id(hf.get("pad_token_id")),
+      objective=str(hf.get(HF_OBJECTIVE_KEY) or ""),
       model_type=model_type,
   )
   # Every EOS config.json and generation_config.json name, and the family's end-of-turn
@@ -587,6 +595,10 @@ def _llada_as_common(hf: Mapping[str, Any], where: str) -> dict:
   return out
 
 
+# The key of a HF config.json that holds `ModelConfig.objective` (transformers ignores it).
+HF_OBJECTIVE_KEY = "refusion_jax_objective"
+
+
 def to_hf_config(config: ModelConfig) -> dict:
   """The HF `config.json` dict (transformers 4.x layout, which 5.x also reads).
 
@@ -619,6 +631,8 @@ def to_hf_config(config: ModelConfig) -> dict:
       "use_sliding_window": False,
       "torch_dtype": config.param_dtype,
   }
+  if config.objective:
+    hf[HF_OBJECTIVE_KEY] = config.objective
   for ours, theirs in (("mask_token_id", "mask_token_id"), ("bos_token_id", "bos_token_id"),
                        ("eos_token_id", "eos_token_id"), ("pad_token_id", "pad_token_id")):
     value = getattr(config, ours)

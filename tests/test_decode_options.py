@@ -159,3 +159,22 @@ def test_a_host_side_planner_runs_where_offered_and_is_refused_by_name_elsewhere
   lm = lm_model.RefusionLM(model=model, tokenizer=Tokenizer.tiny(), gen_length=8, slot_size=4,
                            block_size=8, planner="mcts", mcts_budget="2", progress=False)
   assert [out[0] for out in lm.decode(prompts)] == want
+
+
+def test_a_decoder_that_needs_its_own_training_refuses_another_by_name():
+  """BD3-LM decodes blocks only a BD3-LM-trained model learnt (and ReFusion slots a
+  BD3-LM model never learnt): a model folder says what it was trained for (the shipped
+  ones included, through HF's config.json); an unknown one ("") is decoded as asked."""
+  from refusion_jax import loading  # pylint: disable=import-outside-toplevel
+  shipped = loading.read_model_config("refusion_tiny")
+  assert (shipped.objective, loading.read_model_config("base_tiny").objective) == (
+      "refusion", "arm")
+  bd3 = DecodeConfig(method="bd3lm", gen_length=16, block_size=8)
+  with pytest.raises(ValueError, match="trained with 'refusion' .* decode it with "
+                                       "decode.method='refusion'"):
+    bd3.check_fits(shipped, 8)
+  bd3.check_fits(shipped.replace(objective="bd3lm"), 8)
+  bd3.check_fits(shipped.replace(objective=""), 8)
+  with pytest.raises(ValueError, match="decode it with decode.method='bd3lm'"):
+    DecodeConfig(**SHAPE, slot_size=4).check_fits(shipped.replace(objective="bd3lm"), 8)
+  assert config_lib.from_hf_config(config_lib.to_hf_config(shipped)).objective == "refusion"

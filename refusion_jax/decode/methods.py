@@ -86,6 +86,12 @@ def _needs_mask_token(dc, model_config) -> None:
                      "has mask_token_id=None")
 
 
+def _decode_as(objective: str) -> str:
+  """The decode method a model trained with `objective` decodes with, as advice."""
+  method = {"refusion": "refusion", "arm": "ar", "mdm": "mdm"}.get(objective)
+  return f": decode it with decode.method={method!r}" if method else ""
+
+
 def _needs_attention(model_config, attention: str, message: str) -> None:
   if model_config.attention != attention:
     raise ValueError(f"{message}, got {model_config.attention!r}")
@@ -255,6 +261,9 @@ class ReFusionOptions(MethodOptions):
           f"left_to_right={self.left_to_right}, verify={self.verify!r}, remask={self.remask}")
 
   def check_model(self, dc, model_config) -> None:
+    if getattr(model_config, "objective", "") == "bd3lm":
+      raise ValueError("decode.method='refusion' decodes slots a BD3-LM model never learnt "
+                       "(ModelConfig.objective='bd3lm'): decode it with decode.method='bd3lm'")
     _needs_mask_token(dc, model_config)
     if model_config.shift_logits:
       raise ValueError(f"ReFusion decoding reads each slot's own logits; a "
@@ -447,6 +456,11 @@ class Bd3lmOptions(MethodOptions):
     _check_blocks(dc, self.block_size)
 
   def check_model(self, dc, model_config) -> None:
+    trained = getattr(model_config, "objective", "")
+    if trained and trained != "bd3lm":
+      raise ValueError(f"decode.method='bd3lm' decodes a model trained with the BD3-LM "
+                       f"objective; this one was trained with {trained!r} (ModelConfig."
+                       f"objective){_decode_as(trained)}")
     # Committed blocks live in a KV cache computed once: a bidirectional model's earlier
     # tokens would have to see the later blocks, which a cache cannot give.
     _needs_attention(model_config, "causal", "BD3-LM decoding needs a causal-backbone model "

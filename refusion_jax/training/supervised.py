@@ -255,6 +255,9 @@ def _measured_total_steps(config, inputs: _Inputs, loader) -> int:
 
 def _export(config, workdir: str, model_config: ModelConfig, model) -> None:
   final = os.path.join(workdir, FINAL_MODEL_DIR)
+  # The model folder says what it was trained for (a decoder that needs its own refuses
+  # it otherwise: ModelConfig.objective).
+  model_config = model_config.replace(objective=config.objective)
   checkpoint.save_model(final, model_config, model, overwrite=True)
   written = final
   if config.export_hf_dir:
