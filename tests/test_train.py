@@ -16,6 +16,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -915,3 +916,21 @@ def test_no_intact_checkpoint_is_a_clear_error(finished_run, tmp_path):
                                        r".*checkpoints/4: state/_METADATA .*missing.*"
                                        r"checkpoints/2: data/process_0-of-1\.json is not valid"):
     supervised.train_and_evaluate(c, str(copy))
+
+
+def test_training_on_your_files_says_when_it_evaluates_on_the_bundled_tasks(tmp_path, capsys):
+  """The configs evaluate on the bundled tasks by default: a run on the user's own files
+  says so (their eval loss measures other data), and says nothing otherwise."""
+  own = tmp_path / "mine.jsonl"
+  own.write_text('{"query": "q", "response": "r"}\n')
+  bundled = os.path.join(supervised.BUNDLED_DATA_DIR, "tiny_test.jsonl")
+  c = ml_collections.ConfigDict({"eval_every_steps": 10})
+  supervised._note_bundled_eval(c, {"train_files": [str(own)], "eval_files": [bundled]})  # pylint: disable=protected-access
+  err = capsys.readouterr().err
+  assert "[train] training on your files but evaluating on the bundled tasks' held-out " \
+         "split (tiny_test.jsonl): set --config.data.eval_files" in err
+  for train, evals, every in (([bundled], [bundled], 10), ([str(own)], [str(own)], 10),
+                              ([str(own)], [bundled], 0)):
+    supervised._note_bundled_eval(ml_collections.ConfigDict({"eval_every_steps": every}),  # pylint: disable=protected-access
+                                  {"train_files": train, "eval_files": evals})
+  assert capsys.readouterr().err == ""

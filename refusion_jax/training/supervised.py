@@ -39,6 +39,10 @@ from refusion_jax.training import loop, outputs, settings
 from refusion_jax.training import trainer as trainer_lib
 from refusion_jax.training.outputs import FINAL_MODEL_DIR, TFDS_DIR
 
+# The data shipped in the package (the tiny tasks' splits).
+BUNDLED_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "assets", "data")
+
 
 @dataclasses.dataclass
 class TrainResult:
@@ -167,6 +171,23 @@ def _as_input_errors():
     raise InputError(str(e)) from None
 
 
+def _is_bundled(path: str) -> bool:
+  """A data file shipped in the package (refusion_jax/assets/data)."""
+  return os.path.dirname(os.path.abspath(path)) == BUNDLED_DATA_DIR
+
+
+def _note_bundled_eval(config, data_config: dict) -> None:
+  """Says so when the run trains on the user's files but evaluates on the bundled tasks
+  (the configs' default eval_files): the two losses measure different data."""
+  if (config.eval_every_steps and data_config["eval_files"]
+      and all(_is_bundled(p) for p in data_config["eval_files"])
+      and not all(_is_bundled(p) for p in data_config["train_files"])):
+    names = ", ".join(os.path.basename(p) for p in data_config["eval_files"])
+    runtime.note("train", f"training on your files but evaluating on the bundled tasks' "
+                 f"held-out split ({names}): set --config.data.eval_files to your own "
+                 "held-out files, or --config.eval_every_steps=0")
+
+
 def _check_data(config, data_config: dict, tokenizer) -> int:
   """Checks the data files before anything is built, written or compiled; returns the
   number of training examples.
@@ -178,6 +199,7 @@ def _check_data(config, data_config: dict, tokenizer) -> int:
   """
 
   seq_len, drop = int(config.data.seq_len), bool(config.data.drop_overlong)
+  _note_bundled_eval(config, data_config)
   num_examples = data.validate_files(data_config["train_files"])
   if data_config["eval_files"]:
     data.validate_files(data_config["eval_files"])
