@@ -133,9 +133,29 @@ def served(oracle):
 def served_thread(oracle):
   """The engine on a thread of the server's process (its state can be inspected), with
   passes over 1, 2 or 3 of its 4 rows on every platform ("auto" has them on a CPU)."""
-  info, stop = _serving(oracle, "thread", row_counts="1,2,3")
-  yield info
+  start_log, say = [], serve._log  # pylint: disable=protected-access
+  serve._log = start_log.append  # pylint: disable=protected-access
+  try:
+    info, stop = _serving(oracle, "thread", row_counts="1,2,3")
+  finally:
+    serve._log = say  # pylint: disable=protected-access
+  yield dict(info, start_log="\n".join(start_log))
   stop()
+
+
+def test_the_server_says_what_it_compiles_and_which_endpoint_a_chat_model_wants(
+    served_thread):
+  """Between "loaded" and "listening": a line before the buckets compile and one as each is
+  ready; a chat model (its tokenizer has a chat template) names the endpoint it wants."""
+  lines = served_thread["start_log"].splitlines()
+  names = [f"refusion:{GEN}:{SLOT}:{BLOCK}", f"ar:{GEN}"]
+  assert lines[0].startswith("[serve] loaded ") and lines[1].startswith(
+      "[serve] compiling 2 bucket(s) before listening"), lines
+  assert [line.split(" ready in ")[0] for line in lines[2:4]] == [
+      f"[serve] bucket {i + 1}/2 {name}" for i, name in enumerate(names)], lines
+  assert lines[4].startswith("[serve] compiled 2 bucket(s)"), lines
+  assert lines[5].startswith("[serve] a chat model (its tokenizer has a chat template): ask "
+                             "/v1/chat/completions"), lines
 
 
 def _client(served):

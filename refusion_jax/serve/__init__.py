@@ -139,8 +139,11 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
                                   admit_widths=parse_admit_widths(c.admit_widths,
                                                                   c.max_prompt_len))
   _log(f"[serve] loaded {c.model_dir} in {time.perf_counter() - t:.1f}s")
+  _log(f"[serve] compiling {len(configs)} bucket(s) before listening (kept in the "
+       "compilation cache with --config.compile_cache_dir: a restart loads them) ...")
   t = time.perf_counter()
-  scheduler.warm_up()
+  scheduler.warm_up(on_bucket=lambda i, bucket, seconds: _log(
+      f"[serve] bucket {i + 1}/{len(configs)} {bucket.name} ready in {seconds:.1f}s"))
   _log(f"[serve] compiled {len(configs)} bucket(s) ("
        + ", ".join(b.name for b in scheduler.buckets)
        + f"), {c.rows} rows"
@@ -183,6 +186,10 @@ def build(c: ml_collections.ConfigDict):
     scheduler = engine_process.EngineProcess(c, make_scheduler=make_scheduler, metrics=metrics)
   else:
     scheduler = make_scheduler(c, metrics=metrics)
+  if tokenizer is not None and tokenizer.chat_template:
+    # OpenAI's completions send the prompt as it is; a chat-trained model wants its turns.
+    _log("[serve] a chat model (its tokenizer has a chat template): ask /v1/chat/completions; "
+         "/v1/completions sends prompts as they are, without the template")
   name = c.model_name or os.path.basename(os.path.normpath(c.model_dir))
   server = app_lib.Server(scheduler, tokenizer, name, request_timeout_s=c.request_timeout_s,
                           metrics=metrics, max_request_bytes=c.max_request_bytes)

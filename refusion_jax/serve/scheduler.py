@@ -295,13 +295,17 @@ class Scheduler:
     flat = self.decoders[bucket].config.flat()
     return tuple(flat.get(k) for k in KNOBS)
 
-  def warm_up(self) -> None:
-    """Compiles every program of every bucket; one lane per bucket stays ready."""
-    for bucket in self.decoders:
+  def warm_up(self, on_bucket: Callable[[int, Bucket, float], None] | None = None) -> None:
+    """Compiles every program of every bucket; one lane per bucket stays ready.
+    `on_bucket(i, bucket, seconds)` is called as each bucket is ready (progress)."""
+    for i, bucket in enumerate(self.decoders):
+      t = time.perf_counter()
       knobs = self.default_knobs(bucket)
       batch = self._batch(bucket, knobs)
       batch.warm_up()
       self._lanes[(bucket, knobs)] = _Lane(bucket, knobs, batch)
+      if on_bucket is not None:
+        on_bucket(i, bucket, time.perf_counter() - t)
 
   # --- called from other threads ----------------------------------------------------------
 
