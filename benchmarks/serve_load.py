@@ -529,7 +529,6 @@ def compile_cache(setting: str):
   the folder, or None; `server_fields` hands it to the server."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from refusion_jax import serve  # pylint: disable=import-outside-toplevel
   folder, made = setting, None
   if setting == "auto":
     folder = (os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir
@@ -542,7 +541,7 @@ def compile_cache(setting: str):
   before = {k: getattr(jax.config, k) for k in (
       "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
       "jax_persistent_cache_min_entry_size_bytes")}
-  serve.use_compile_cache(folder)
+  runtime.use_compile_cache(folder)
   try:
     yield folder
   finally:

@@ -23,9 +23,9 @@ def get_config():
   c.host = "127.0.0.1"  # address to listen on
   c.port = 8000  # TCP port (0 = any free port, printed at start-up)
   c.engine = "process"  # the engine loop in its own process ("thread": in the server's)
-  # Compiled programs kept here, loaded on a restart: a folder, "auto" (the user's cache
-  # folder, as sample's), or "" (JAX's own setting: $JAX_COMPILATION_CACHE_DIR)
-  c.compile_cache_dir = ""
+  # Compiled programs kept here and loaded by the next start of the same shapes: "auto"
+  # ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/refusion_jax/jax), a folder, or "" (none)
+  c.compile_cache_dir = "auto"
   c.rows = 16  # engine rows per lane: requests decoded at once
   c.max_prompt_len = 256  # prompt width of every compiled program (longer prompts get a 400)
   c.buckets = ""  # more compiled shapes, "method:gen_length:slot_size:block_size,..." (ar: "ar:G")

@@ -143,21 +143,6 @@ def served_thread(oracle):
   stop()
 
 
-def test_the_server_says_what_it_compiles_and_which_endpoint_a_chat_model_wants(
-    served_thread):
-  """Between "loaded" and "listening": a line before the buckets compile and one as each is
-  ready; a chat model (its tokenizer has a chat template) names the endpoint it wants."""
-  lines = served_thread["start_log"].splitlines()
-  names = [f"refusion:{GEN}:{SLOT}:{BLOCK}", f"ar:{GEN}"]
-  assert lines[0].startswith("[serve] loaded ") and lines[1].startswith(
-      "[serve] compiling 2 bucket(s) before listening"), lines
-  assert [line.split(" ready in ")[0] for line in lines[2:4]] == [
-      f"[serve] bucket {i + 1}/2 {name}" for i, name in enumerate(names)], lines
-  assert lines[4].startswith("[serve] compiled 2 bucket(s)"), lines
-  assert lines[5].startswith("[serve] a chat model (its tokenizer has a chat template): ask "
-                             "/v1/chat/completions"), lines
-
-
 def _client(served):
   return openai.OpenAI(base_url=served["url"] + "/v1", api_key="none", max_retries=0,
                        timeout=60)
@@ -1329,6 +1314,21 @@ def test_bad_server_flags_are_named_before_loading(oracle, field, value, needle)
   c[field] = value
   with pytest.raises(ValueError, match=re.escape(needle)):
     serve.check_flags(c)
+
+
+def test_the_server_says_what_it_compiles_and_which_endpoint_a_chat_model_wants(
+    served_thread):
+  """Between "loaded" and "listening": a line before the buckets compile and one as each is
+  ready; a chat model (its tokenizer has a chat template) names the endpoint it wants."""
+  lines = served_thread["start_log"].splitlines()
+  names = [f"refusion:{GEN}:{SLOT}:{BLOCK}", f"ar:{GEN}"]
+  assert lines[0].startswith("[serve] loaded ") and lines[1].startswith(
+      "[serve] compiling 2 bucket(s) before listening"), lines
+  assert [line.split(" ready in ")[0] for line in lines[2:4]] == [
+      f"[serve] bucket {i + 1}/2 {name}" for i, name in enumerate(names)], lines
+  assert lines[4].startswith("[serve] compiled 2 bucket(s)"), lines
+  assert lines[5].startswith("[serve] a chat model (its tokenizer has a chat template): ask "
+                             "/v1/chat/completions"), lines
 
 
 def test_served_passes_ran_over_fewer_rows(served_thread):

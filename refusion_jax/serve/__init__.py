@@ -47,7 +47,7 @@ def check_flags(c: ml_collections.ConfigDict) -> None:
     raise ValueError(f"--config.port must be in [0, 65536), got {c.port!r}")
   parse_row_counts(c.row_counts, c.rows, "cpu")
   parse_admit_widths(c.admit_widths, c.max_prompt_len)
-  check_compile_cache(c.compile_cache_dir)
+  runtime.check_compile_cache(c.compile_cache_dir)
   if c.engine not in ("process", "thread"):
     raise ValueError(f"--config.engine must be \"process\" or \"thread\", got {c.engine!r}")
   for name in ("request_timeout_s", "drain_timeout_s"):
@@ -104,27 +104,12 @@ def parse_admit_widths(text, width: int) -> tuple[int, ...]:
                        "max_prompt_len", width, auto)
 
 
-def check_compile_cache(folder) -> None:
-  """`--config.compile_cache_dir`: "", "auto" or a folder that is (or can be made) a
-  directory (`runtime.check_compile_cache`)."""
-  runtime.check_compile_cache(folder)
-
-
-def use_compile_cache(folder: str) -> None:
-  """Keeps every program this process compiles in `folder` (JAX's persistent
-  compilation cache, however quickly the program compiled; "auto": the user's cache
-  folder, `runtime.use_compile_cache`) and loads those found there instead of
-  compiling them. Call it before the process compiles anything: JAX opens its cache
-  once. "" leaves JAX's own setting (JAX_COMPILATION_CACHE_DIR)."""
-  if folder:
-    runtime.use_compile_cache(folder)
-
-
 def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
   """The model loaded and its `Scheduler`, every bucket compiled (the engine thread
   not started). Runs in the engine process under `--config.engine=process`."""
   check_flags(c)
-  use_compile_cache(c.compile_cache_dir)  # before loading: that may compile already
+  # The rule of every entry point, before loading (that may compile already).
+  cache = runtime.use_compile_cache(c.compile_cache_dir)
   configs = decode_configs(c)
   t = time.perf_counter()
   model_config, model = loading.load_model(c.model_dir, scan_layers=c.get("scan_layers"),
@@ -139,8 +124,10 @@ def make_scheduler(c: ml_collections.ConfigDict, *, metrics=None):
                                   admit_widths=parse_admit_widths(c.admit_widths,
                                                                   c.max_prompt_len))
   _log(f"[serve] loaded {c.model_dir} in {time.perf_counter() - t:.1f}s")
-  _log(f"[serve] compiling {len(configs)} bucket(s) before listening (kept in the "
-       "compilation cache with --config.compile_cache_dir: a restart loads them) ...")
+  _log(f"[serve] compiling {len(configs)} bucket(s) before listening ("
+       + (f"kept in {cache}: a restart loads them" if cache else
+          "no compilation cache: --config.compile_cache_dir keeps them for a restart")
+       + ") ...")
   t = time.perf_counter()
   scheduler.warm_up(on_bucket=lambda i, bucket, seconds: _log(
       f"[serve] bucket {i + 1}/{len(configs)} {bucket.name} ready in {seconds:.1f}s"))
