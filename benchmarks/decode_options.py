@@ -86,9 +86,7 @@ def parse_args(argv=None):
   for o in args.options:
     if o not in OPTIONS:
       p.error(f"--options: unknown {o!r}; choose from {list(OPTIONS)}")
-  args.model_dir = loading.resolve(args.model_dir)  # a shipped model's short name: its folder
-  if args.model_dir and not os.path.isdir(args.model_dir):
-    p.error(f"--model_dir={args.model_dir!r} is not a folder")
+  args.model_dir = loading.model_arg(p, args.model_dir)  # a shipped model's name, or a folder
   for name in ("task_prompts", "settings_json"):
     if getattr(args, name) and not os.path.isfile(getattr(args, name)):
       p.error(f"--{name}={getattr(args, name)!r} is not a file")

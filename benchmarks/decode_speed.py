@@ -117,10 +117,8 @@ def parse_args(argv=None):
     if getattr(args, name) <= 0:
       parser.error(f"--{name} must be > 0, got {getattr(args, name)}")
   for name in ("model_dir", "refusion_dir", "ar_dir", "mdm_dir", "bd3lm_dir"):
-    path = getattr(args, name)
-    setattr(args, name, loading.resolve(path))  # a shipped model's short name: its folder
-    if path and not os.path.isdir(getattr(args, name)):
-      parser.error(f"--{name}={path!r} does not exist")
+    # a shipped model's name, or a folder
+    setattr(args, name, loading.model_arg(parser, getattr(args, name), f"--{name}"))
   return args
 
 

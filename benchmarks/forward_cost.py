@@ -65,6 +65,7 @@ def parse_args(argv=None):
       parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
   if args.preset and args.model_dir:
     parser.error("--preset and --model_dir exclude each other")
+  args.model_dir = loading.model_arg(parser, args.model_dir)  # a shipped name, or a folder
   args.widths = widths
   return args
 

@@ -30,7 +30,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from refusion_jax import runtime  # noqa: E402
+from refusion_jax import loading, runtime  # noqa: E402
 from refusion_jax.lmeval import run as run_lib  # noqa: E402
 
 
@@ -55,9 +55,8 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   if not args.refusion_dir and not args.ar_dir:
     p.error("give --refusion_dir and/or --ar_dir")
-  for d in (args.refusion_dir, args.ar_dir):
-    if d and not os.path.isdir(d):
-      p.error(f"{d!r} is not a folder")
+  for name in ("refusion_dir", "ar_dir"):  # a shipped model's name, or a folder
+    setattr(args, name, loading.model_arg(p, getattr(args, name), f"--{name}"))
   try:
     args.rows = [int(r) for r in args.rows.split(",")]
   except ValueError:

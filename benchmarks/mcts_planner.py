@@ -39,7 +39,9 @@ def parse_args(argv=None):
   p.add_argument("--budgets", default="1,8", help="MCTS simulations per plan step")
   p.add_argument("--c", type=float, default=1.0, help="PUCT exploration")
   p.add_argument("--batch", type=int, default=8, help="simulations per batched forward")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  args.model_dir = loading.model_arg(p, args.model_dir)  # a shipped model's name, or a folder
+  return args
 
 
 def main(argv=None):

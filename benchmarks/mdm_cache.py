@@ -76,9 +76,7 @@ def parse_args(argv=None):
     p.error(f"--refresh={args.refresh!r}: comma-separated ints")
   if any(r < 1 for r in args.refresh):
     p.error("--refresh intervals must be >= 1")
-  args.model_dir = loading.resolve(args.model_dir)  # a shipped model's short name: its folder
-  if args.model_dir and not os.path.isdir(args.model_dir):
-    p.error(f"--model_dir={args.model_dir!r} is not a folder")
+  args.model_dir = loading.model_arg(p, args.model_dir)  # a shipped model's name, or a folder
   if args.task_prompts and not os.path.isfile(args.task_prompts):
     p.error(f"--task_prompts={args.task_prompts!r} is not a file")
   if args.repeats < 1 or args.prompts < 1 or args.rows < 1:

@@ -40,9 +40,7 @@ def parse_args(argv=None):
   p.add_argument("--slot_size", type=int, default=8, help="gen_length / slot_size slots: "
                  f"at most {order_oracle.MAX_SLOTS}")
   args = p.parse_args(argv)
-  args.model_dir = loading.resolve(args.model_dir)  # a shipped model's short name: its folder
-  if not os.path.isdir(args.model_dir):
-    p.error(f"--model_dir={args.model_dir!r} is not a folder")
+  args.model_dir = loading.model_arg(p, args.model_dir)  # a shipped model's name, or a folder
   if not os.path.isfile(args.task_prompts):
     p.error(f"--task_prompts={args.task_prompts!r} is not a file")
   if args.per_task < 1:

@@ -59,7 +59,7 @@ def parse_args(argv=None):
   p.add_argument("--headroom_per_task", type=int, default=30,
                  help="training problems per task whose rollouts measure the headroom (0: skip)")
   args = p.parse_args(argv)
-  args.model_dir = loading.resolve(args.model_dir)  # a shipped model's short name: its folder
+  args.model_dir = loading.model_arg(p, args.model_dir)  # a shipped model's name, or a folder
   return args
 
 

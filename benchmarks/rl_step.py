@@ -46,7 +46,7 @@ def parse_args(argv=None):
   p.add_argument("--seq_len", type=int, default=64, help="supervised rows' length")
   p.add_argument("--beta", type=float, default=0.04, help="KL weight (0: no reference forward)")
   args = p.parse_args(argv)
-  args.model_dir = loading.resolve(args.model_dir)  # a shipped model's short name: its folder
+  args.model_dir = loading.model_arg(p, args.model_dir)  # a shipped model's name, or a folder
   return args
 
 

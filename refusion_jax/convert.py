@@ -50,7 +50,7 @@ def convert(hf_dir: str, out_dir: str, *, to_hf: bool = False, dtype: str | None
   if not out_dir:
     raise ValueError("--out_dir is required")
   if not to_hf:
-    hf_dir = loading.resolve(hf_dir)  # a shipped model's short name: its folder
+    hf_dir = loading.model_dir(hf_dir, "--hf_dir")  # a shipped model's name, or a folder
   src, dst = (out_dir, hf_dir) if to_hf else (hf_dir, out_dir)
   if os.path.abspath(src) == os.path.abspath(dst):
     raise ValueError(f"--hf_dir and --out_dir are the same folder {src!r}")

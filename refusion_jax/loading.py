@@ -50,6 +50,15 @@ def model_dir(reference: str, flag: str = MODEL_FLAG) -> str:
   return folder
 
 
+def model_arg(parser, reference: str, flag: str = "--model_dir") -> str:
+  """A benchmark's model flag by the same rule (`model_dir`; "" stays "", the benchmark's
+  own default), its error through `parser.error` (argparse's usage line, exit 2)."""
+  try:
+    return model_dir(reference, flag) if reference else ""
+  except (ValueError, OSError) as e:
+    parser.error(str(e))
+
+
 def _model_dirs_below(folder: str, depth: int = 3, most: int = 5) -> list[str]:
   """Up to `most` model folders (refusion_jax or HF) at most `depth` levels below
   `folder` (a training workdir holds its model in models/NAME/final_model), sorted;

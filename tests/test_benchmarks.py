@@ -161,7 +161,6 @@ def test_serve_load_counts_cpu_of_a_process_and_finds_its_child():
 
 def test_serve_load_reads_the_servers_passes_from_metrics():
   import http.server  # pylint: disable=import-outside-toplevel
-  import threading  # pylint: disable=import-outside-toplevel
 
   from benchmarks import serve_load  # pylint: disable=import-outside-toplevel
 

@@ -5,7 +5,6 @@ a small local file in the hub's format, so nothing here needs the network.
 """
 
 import json
-import time
 
 import lm_eval
 import lm_eval.tasks

@@ -3,7 +3,10 @@ model's short name, a refusion_jax folder or a HF folder; the tokenizer from the
 the folder, or the bundled tiny one when the model fits it, else one error."""
 
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 from flax import nnx
@@ -69,3 +72,79 @@ def test_the_tokenizer_rule(tmp_path):
   # A tokenizer that is found is checked against the model.
   with pytest.raises(ValueError, match="does not match the model config"):
     loading.load_tokenizer(ours, config.replace(vocab_size=100), TINY_TOKENIZER_DIR)
+
+
+# Every entry point that loads a model, with a reference that names no folder and no
+# shipped model: each refuses it with the same line before it loads or compiles anything.
+_MISSING = "no_such_model_here"
+_SHIPPED = r"is not a folder \(nor a shipped model: base_tiny, refusion_tiny\)"
+_ENTRY_POINTS = {
+    "sample": ["-m", "refusion_jax.sample", "--config=configs/sample.py",
+               f"--config.model_dir={_MISSING}", "--config.prompt=copy 42"],
+    "serve": ["-m", "refusion_jax.serve", "--config=configs/serve.py",
+              f"--config.model_dir={_MISSING}"],
+    "evaluate": ["-m", "refusion_jax.evaluate", "--config=configs/eval/synthetic.py",
+                 f"--config.model_dir={_MISSING}", "--config.output_dir={out}"],
+    "evaluate a benchmark": ["-m", "refusion_jax.evaluate", "--config=configs/eval/gsm8k.py",
+                             f"--config.model_dir={_MISSING}", "--config.output_dir={out}"],
+    "train": ["-m", "refusion_jax.train", "--config=configs/tiny_refusion.py",
+              "--workdir={out}", f"--config.init_from_hf={_MISSING}"],
+    "distill": ["-m", "refusion_jax.distill", "--config=configs/d2f_tiny.py",
+                f"--config.base_dir={_MISSING}", "--config.output_dir={out}"],
+    "rl": ["-m", "refusion_jax.rl", "--config=configs/rl_tiny.py",
+           f"--config.model_dir={_MISSING}", "--config.output_dir={out}"],
+    "convert": ["-m", "refusion_jax.convert", f"--hf_dir={_MISSING}", "--out_dir={out}"],
+    "benchmark": ["benchmarks/decode_options.py", f"--model_dir={_MISSING}"],
+}
+
+
+def test_every_entry_point_refuses_a_missing_model_by_one_rule(tmp_path):
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=repo)
+  runs = {name: subprocess.Popen(
+      [sys.executable, *(a.replace("{out}", str(tmp_path / name.split()[0])) for a in args)],
+      cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for name, args in _ENTRY_POINTS.items()}
+  for name, run in runs.items():
+    _, err = run.communicate(timeout=300)
+    assert run.returncode != 0, name
+    last = err.strip().splitlines()[-1]
+    assert re.search(rf"{_MISSING}' {_SHIPPED}$", last), (name, err[-2000:])
+    assert "Traceback" not in err, (name, err[-2000:])
+    assert not os.path.exists(tmp_path / name.split()[0]), name  # nothing written
+
+
+def test_every_entry_point_takes_a_shipped_models_name(tmp_path):
+  """Each entry point's checks (before loading) take the shipped names; the loaders
+  behind them are `loading`'s (sample and evaluate run on `refusion_tiny` in
+  test_runtime.py and below; serve in test_serve.py)."""
+  # pylint: disable=import-outside-toplevel
+  from configs import d2f_tiny, rl_tiny, serve as serve_config, tiny_refusion
+  from configs.eval import gsm8k
+  from refusion_jax import convert, distill, serve
+  from refusion_jax.lmeval import model as lm_model, run as lmeval_run
+  from refusion_jax.rl import trainer as rl_trainer
+  from refusion_jax.training import settings
+
+  c = serve_config.get_config()
+  c.model_dir = "refusion_tiny"
+  serve.check_flags(c)
+  c = rl_tiny.get_config()
+  c.model_dir, c.output_dir = "refusion_tiny", str(tmp_path / "rl")
+  rl_trainer.check_config(c)
+  c = d2f_tiny.get_config()
+  c.base_dir, c.output_dir = "base_tiny", str(tmp_path / "d2f")
+  distill.check_config(c)
+  c = gsm8k.get_config()
+  c.model_dir, c.output_dir = "refusion_tiny", str(tmp_path / "lmeval")
+  lmeval_run.check_config(c)
+  lm = lm_model.RefusionLM("refusion_tiny", gen_length=8, slot_size=4, block_size=8)
+  assert lm.model_dir == "refusion_tiny" and lm.tokenizer.vocab_size == lm.model.config.vocab_size
+  with pytest.raises(FileNotFoundError, match=rf"model_dir='{_MISSING}' {_SHIPPED}$"):
+    lm_model.RefusionLM(_MISSING)
+  c = tiny_refusion.get_config()
+  c.init_from_hf = "base_tiny"
+  settings.validate_config(c, num_devices=1)
+  convert.convert("base_tiny", str(tmp_path / "ours"))
+  assert loading.read_model_config(str(tmp_path / "ours")) == loading.read_model_config(
+      "base_tiny")

@@ -4,7 +4,6 @@ the adapter run live through qwix, and an adapter for another base is one clear 
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

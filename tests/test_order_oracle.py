@@ -3,7 +3,6 @@ order is the jitted left-to-right decoder token for token; every order is visite
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

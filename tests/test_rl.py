@@ -11,7 +11,7 @@ import pytest
 
 from configs import rl_tiny
 from configs.common import ASSETS_DIR, TINY_TRAIN
-from refusion_jax import checkpoint, loading
+from refusion_jax import loading
 from refusion_jax.rl import rewards, trainer
 
 MODEL = os.path.join(ASSETS_DIR, "refusion_tiny")

@@ -125,7 +125,7 @@ def test_qwen3_configs_follow_the_paper_recipe(tmp_path):
   assert settings.validate_config(c, num_devices=64, check_files=False) == {
       "data": 1, "fsdp": 64, "tensor": 1}
   c.data.train_files = (tiny_refusion.common.TINY_TRAIN,)
-  with pytest.raises(ValueError, match=r"config\.init_from_hf='Qwen3-8B' is not a directory"):
+  with pytest.raises(ValueError, match=r"--config\.init_from_hf='Qwen3-8B' is not a folder \(nor a shipped model: "):
     settings.validate_config(c, num_devices=128)
   c.init_from_hf = str(tmp_path)
   # 64 rows do not split over 128 chips of fsdp; with tensor=2 (v4-256) they do.

@@ -63,9 +63,11 @@ def check_config(c) -> tuple[benchmarks.Benchmark, DecodeConfig]:
   if c.completions:
     if not os.path.isfile(c.completions):
       raise FileNotFoundError(f"--config.completions={c.completions!r} is not a file")
-  elif not c.model_dir or not os.path.isdir(loading.resolve(c.model_dir)):
-    raise ValueError(f"--config.model_dir={c.model_dir!r} is not a folder (a model is needed "
-                     "unless --config.completions gives the answers)")
+  elif not c.model_dir:
+    raise ValueError("--config.model_dir is required (a model folder or a shipped model's "
+                     "name) unless --config.completions gives the answers")
+  else:
+    loading.model_dir(c.model_dir)  # a shipped name, or a folder: one rule everywhere
   if c.limit is not None and (not isinstance(c.limit, int) or c.limit < 1):
     raise ValueError(f"--config.limit must be a positive int, got {c.limit!r}")
   if not isinstance(c.batch_size, int) or isinstance(c.batch_size, bool) or c.batch_size < 1:

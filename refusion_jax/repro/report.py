@@ -215,7 +215,6 @@ def _preamble(config, results: Mapping[str, dict], trained: Mapping[str, dict], 
               chosen: Mapping[str, Mapping] | None = None,
               distilled: Mapping[str, dict] | None = None) -> list[str]:
   """The lines above the tables: date, machine, base, training budget, problems, settings."""
-  task_names = list(tasks_lib.TASKS)
   budget = next(iter(trained.values()))["budget"]
   params = next(iter(trained.values())).get("num_params")
   any_result = next(iter(results.values()), None)

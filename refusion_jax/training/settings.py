@@ -186,9 +186,11 @@ def validate_config(config, *, num_devices: int, process_count: int = 1,
   if not config.init_from_hf and config.model.preset not in config_lib.PRESETS:
     raise ValueError(f"config.model.preset must be one of {sorted(config_lib.PRESETS)}, "
                      f"got {config.model.preset!r}")
-  if (check_files and config.init_from_hf
-      and not os.path.isdir(loading.resolve(config.init_from_hf))):
-    raise ValueError(f"config.init_from_hf={config.init_from_hf!r} is not a directory")
+  if check_files and config.init_from_hf:
+    try:  # a shipped model's name, or a folder: the rule of every entry point
+      loading.model_dir(config.init_from_hf, "--config.init_from_hf")
+    except FileNotFoundError as e:
+      raise ValueError(str(e)) from None
 
   sizes = mesh_shape(config.mesh, num_devices)
   batch_shards = sizes["data"] * sizes["fsdp"]
