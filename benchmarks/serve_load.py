@@ -396,7 +396,7 @@ def server_passes(url) -> float:
   # launch/setup_env.sh builds without --test (no httpx there).
   with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
     text = r.read().decode()
-  return float(re.search(r"^refusion_forward_passes_total (\S+)$", text, re.M).group(1))
+  return float(re.search(r"^refusion_engine_passes_total (\S+)$", text, re.M).group(1))
 
 
 def server_command(model_dir, method, args, width) -> list[str]:

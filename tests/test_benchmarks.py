@@ -166,8 +166,8 @@ def test_serve_load_reads_the_servers_passes_from_metrics():
 
   class Metrics(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # pylint: disable=invalid-name
-      body = (b"# TYPE refusion_forward_passes_total counter\n"
-              b"refusion_forward_passes_total 1234.0\nrefusion_requests_total 7.0\n")
+      body = (b"# TYPE refusion_engine_passes_total counter\n"
+              b"refusion_engine_passes_total 1234.0\nrefusion_requests_total 7.0\n")
       self.send_response(200 if self.path == "/metrics" else 404)
       self.send_header("Content-Length", str(len(body)))
       self.end_headers()

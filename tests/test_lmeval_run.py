@@ -58,13 +58,13 @@ def test_benchmark_run_writes_results_and_samples(tmp_path, data_dir, model_dir)
   assert result["accuracy"] == pytest.approx(100 * sum(s["correct"] for s in samples) / 3)
   assert result["tokens_per_second"] == pytest.approx(result["tokens"] / result["seconds"])
   assert result["tokens_per_forward"] == pytest.approx(
-      result["tokens"] / sum(s["passes"] for s in samples))
+      result["tokens"] / sum(s["nfe"] for s in samples))
   assert result["tpf_paper"] == pytest.approx(sum(s["tpf_paper"] for s in samples) / 3)
   assert result["avg_length"] == pytest.approx(result["tokens"] / 3)
   assert result["latency"] == pytest.approx(sum(s["seconds"] for s in samples) / 3)
   for s in samples:
     assert s["task"] == "gsm8k_cot" and s["prompt"].startswith("<|im_start|>user")
-    assert set(s) >= {"completion", "extracted", "target", "correct", "tokens", "passes",
+    assert set(s) >= {"completion", "extracted", "target", "correct", "tokens", "nfe",
                       "seconds", "generation"}
   assert [s["doc_id"] for s in samples] == [0, 1, 2]
   assert not [n for n in os.listdir(out) if ".tmp" in n]

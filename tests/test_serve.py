@@ -201,7 +201,7 @@ def test_greedy_equals_sample(served, method):
       assert finish == _finish(want["tokens"])
       assert usage.completion_tokens == len(want["tokens"])
       assert usage.prompt_tokens == len(served["tok"].encode(TEXTS[i]))
-      assert usage.model_extra["forward_passes"] == want["nfe"]
+      assert usage.model_extra["nfe"] == want["nfe"]
   for i in range(3):
     want = served["chat"][method][i]
     for stream in (False, True):
@@ -246,7 +246,7 @@ def test_ignore_eos_equals_sample(served, method):
         r = cl.completions.create(**args)
         got, finish = r.choices[0].token_ids, r.choices[0].finish_reason
         assert r.usage.completion_tokens == GEN
-        assert r.usage.model_extra["forward_passes"] == w["nfe"]
+        assert r.usage.model_extra["nfe"] == w["nfe"]
       assert (got, finish) == (w["tokens"], "length"), (method, ids, stream)
 
 
@@ -848,14 +848,14 @@ def test_models_health_metrics(served):
   _complete(_client(served), 0, "refusion", True)
   text = httpx.get(served["url"] + "/metrics").text
   for name in ("refusion_requests_total", "refusion_prompt_tokens_total",
-               "refusion_completion_tokens_total", "refusion_forward_passes_total",
+               "refusion_completion_tokens_total", "refusion_engine_passes_total",
                "refusion_queue_depth", "refusion_busy_rows",
                "refusion_request_latency_seconds_bucket",
                "refusion_time_to_first_token_seconds_bucket"):
     assert name in text, name
-  passes = _metric(served, "refusion_forward_passes_total")
+  passes = _metric(served, "refusion_engine_passes_total")
   _complete(_client(served), 2, "ar", False)
-  assert _metric(served, "refusion_forward_passes_total") > passes
+  assert _metric(served, "refusion_engine_passes_total") > passes
 
 
 @pytest.mark.parametrize("raw, param", [
@@ -988,7 +988,7 @@ def _serves_the_same(served):
       for stream in (False, True):
         text, ids, _, usage = _complete(cl, i, method, stream)
         assert (text, ids) == (want["text"], want["tokens"]), (method, i, stream)
-        assert usage.model_extra["forward_passes"] == want["nfe"]
+        assert usage.model_extra["nfe"] == want["nfe"]
   _sixteen_concurrent_streams(served)
 
 
@@ -1012,7 +1012,7 @@ def test_a_hugging_face_folder_serves_what_its_model_folder_does(oracle, tmp_pat
         got = _complete(cl, i, method, stream)
         want = oracle["completion"][method][i]
         assert got[1] == want["tokens"], (method, i, stream)
-        assert got[3].model_extra["forward_passes"] == want["nfe"], (method, i)
+        assert got[3].model_extra["nfe"] == want["nfe"], (method, i)
   finally:
     stop()
 

@@ -152,7 +152,7 @@ def _decode_and_score(c, bench, decode_config: DecodeConfig, tm, data_dir):
           "prompt": r.prompt, "generation": r.generation, "completion": r.answer,
           "extracted": s["filtered_resps"][0] if s["filtered_resps"] else None,
           "target": s.get("target"), "correct": float(s[bench.metric_name]),
-          "tokens": r.tokens, "passes": r.passes, "tpf_paper": r.tpf_paper,
+          "tokens": r.tokens, "nfe": r.passes, "tpf_paper": r.tpf_paper,
           "seconds": r.seconds, "prompt_tokens": r.prompt_tokens,
           "prompt_truncated": r.truncated})
       samples.append(row)
@@ -167,7 +167,7 @@ def _decode_and_score(c, bench, decode_config: DecodeConfig, tm, data_dir):
       "tokens_per_forward": tokens / passes if passes else None,
       "tpf_paper": sum(r.tpf_paper for r in lm.records) / n if n else None,
       "avg_length": tokens / n if n else None,
-      "forward_passes": passes, "engine_passes": lm.passes, "wall_seconds": wall,
+      "nfe": passes, "engine_passes": lm.passes, "wall_seconds": wall,
       "model": os.path.basename(os.path.normpath(c.model_dir)), "model_dir": c.model_dir,
       "model_type": lm.model.config.model_type,
       "method": decode_config.method, "completions": None}

@@ -60,7 +60,7 @@ class Metrics:
     self.completion_tokens = prometheus_client.Counter(
         "refusion_completion_tokens", "Tokens generated and returned.", registry=r)
     self.forward_passes = prometheus_client.Counter(
-        "refusion_forward_passes", "Forward passes run by the engine (all rows at once).",
+        "refusion_engine_passes", "Forward passes run by the engine (all rows at once).",
         registry=r)
     self.cancelled_rows = prometheus_client.Counter(
         "refusion_cancelled_rows", "Rows freed mid-decode (disconnect, stop string, timeout).",
@@ -364,7 +364,7 @@ class _Reply:
 
   def _usage(self, tokens) -> dict:
     return {"prompt_tokens": len(self.ids), "completion_tokens": len(tokens),
-            "total_tokens": len(self.ids) + len(tokens), "forward_passes": self.forward_passes}
+            "total_tokens": len(self.ids) + len(tokens), "nfe": self.forward_passes}
 
   async def _next(self):
     """The next engine event, as (kind, payload). Progress reports already waiting
