@@ -45,7 +45,7 @@ from absl import app
 from flax import nnx
 from ml_collections import config_flags
 
-from refusion_jax import data, entry_flags, loading, lora, masks
+from refusion_jax import data, entry_flags, loading, lora, masks, runtime
 from refusion_jax.training import loop
 from refusion_jax.training.outputs import CHECKPOINT_DIR
 
@@ -315,8 +315,12 @@ def run(c, progress: bool = True) -> dict[str, Any]:
 def main(argv, config_flag) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  c = config_flag.value
   with loop.stops_reported("refusion_jax.distill"):
-    result = run(config_flag.value)
+    result = run(c)
+  adapter = result["adapter_dir"]
+  runtime.note("distill", f"wrote {adapter} (decode with it: " + runtime.sample_command(
+      c.base_dir, f"--config.adapter_dir={adapter}", "--config.decode.method=d2f") + ")")
   print(json.dumps(result))
 
 

@@ -121,6 +121,13 @@ def note(program: str, message: str, *args) -> None:
   tqdm.tqdm.write(f"[{program}] {message % args if args else message}", file=sys.stderr)
 
 
+def sample_command(model_dir: str, *flags: str) -> str:
+  """The command that decodes a prompt with the model in `model_dir` (and `flags`), for
+  the line a training run ends on."""
+  return " ".join(["python -m refusion_jax.sample --config=configs/sample.py",
+                   f"--config.model_dir={model_dir}", *flags, "--config.prompt=..."])
+
+
 def default_cache_dir() -> str:
   """Where "auto" keeps compiled programs."""
   if os.environ.get("JAX_COMPILATION_CACHE_DIR"):

@@ -5,6 +5,7 @@ exports a PEFT folder that decodes."""
 import json
 import math
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -81,10 +82,18 @@ def _config(base, out, **changes):
   return c
 
 
-def test_a_short_run_trains_only_the_adapter_resumes_and_decodes(tmp_path):
+def test_a_short_run_trains_only_the_adapter_resumes_and_decodes(tmp_path, capsys):
   base_dir, config, base = _mdm_dir(tmp_path)
-  out = distill.run(_config(base_dir, tmp_path / "a"), progress=False)
+  distill.main(["distill"], types.SimpleNamespace(value=_config(base_dir, tmp_path / "a")))
+  printed = capsys.readouterr()
+  out = json.loads(printed.out)
   assert out["steps"] == 4 and os.path.isdir(out["adapter_dir"])
+  # It ends on a line naming what it wrote and how to decode with it.
+  assert printed.err.strip().splitlines()[-1] == (
+      f"[distill] wrote {out['adapter_dir']} (decode with it: python -m refusion_jax.sample "
+      f"--config=configs/sample.py --config.model_dir={base_dir} "
+      f"--config.adapter_dir={out['adapter_dir']} --config.decode.method=d2f "
+      "--config.prompt=...)")
   lines = [json.loads(x) for x in open(tmp_path / "a" / "metrics.jsonl")]
   assert [x["step"] for x in lines] == [1, 2, 3, 4] and all(x["masked_tokens"] > 0
                                                             for x in lines)

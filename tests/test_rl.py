@@ -5,6 +5,7 @@ are tested with the other trainers', tests/test_loop.py.)"""
 import json
 import os
 import time
+import types
 
 import numpy as np
 import pytest
@@ -182,11 +183,22 @@ def test_the_command_line_reports_a_bad_setting_in_one_line(tmp_path):
   assert not os.path.exists(tmp_path / "out")  # nothing written
 
 
-def test_both_policies_train_in_one_likelihood(tmp_path):
+def test_both_policies_train_in_one_likelihood(tmp_path, capsys):
   data = _train_file(tmp_path)
   out = tmp_path / "both"
-  r = trainer.run(_config(out, data, train_policy="both", steps=1, learning_rate=0.01),
-                  progress=False)
+  c = _config(out, data, train_policy="both", steps=1, learning_rate=0.01)
+  trainer.main(["rl"], types.SimpleNamespace(value=c))
+  printed = capsys.readouterr()
+  r = json.loads(printed.out)
+  # It ends on the lines naming what it wrote and how to decode with each.
+  weights = ",".join(f"{w:.6g}" for w in r["plan_weights"])
+  assert printed.err.strip().splitlines()[-2:] == [
+      f"[rl] wrote {r['final_model']} (decode it: python -m refusion_jax.sample "
+      f"--config=configs/sample.py --config.model_dir={r['final_model']} --config.prompt=...)",
+      f"[rl] wrote {out}/plan_weights.json (decode with it: python -m refusion_jax.sample "
+      f"--config=configs/sample.py --config.model_dir={r['final_model']} "
+      f"--config.decode.planner=policy --config.decode.plan_weights='({weights})' "
+      "--config.prompt=...)"]
   (line,) = [json.loads(x) for x in open(out / "metrics.jsonl", encoding="utf-8")]
   assert line["token_entropy"] > 0 and line["plan_entropy"] > 0  # tokens and plan choices
   assert r["final_model"] and (out / "plan_weights.json").exists()

@@ -54,7 +54,7 @@ import numpy as np
 from absl import app
 from flax import nnx
 
-from refusion_jax import checkpoint, fileio, loading, sharding
+from refusion_jax import checkpoint, fileio, loading, runtime, sharding
 from refusion_jax.decode.methods import PLAN_FEATURES
 from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.rl import grpo, learner, scoring
@@ -338,6 +338,16 @@ def run(c, progress: bool = True) -> dict[str, Any]:
 def main(argv, config_flag) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  c = config_flag.value
   with loop.stops_reported("refusion_jax.rl"):
-    result = run(config_flag.value)
+    result = run(c)
+  if result["final_model"]:
+    runtime.note("rl", f"wrote {result['final_model']} (decode it: "
+                 f"{runtime.sample_command(result['final_model'])})")
+  if "plan_weights" in result:
+    weights = ",".join(f"{w:.6g}" for w in result["plan_weights"])
+    runtime.note("rl", f"wrote {os.path.join(c.output_dir, 'plan_weights.json')} (decode "
+                 "with it: " + runtime.sample_command(
+                     result["final_model"] or c.model_dir, "--config.decode.planner=policy",
+                     f"--config.decode.plan_weights='({weights})'") + ")")
   print(json.dumps(result))

@@ -288,8 +288,7 @@ def _export(config, workdir: str, model_config: ModelConfig, model) -> None:
     hf.save(model_config, model, config.export_hf_dir, overwrite=True,
             extra_files=outputs.export_marker(workdir))
     written += f" and the HF folder {config.export_hf_dir}"
-  runtime.note("train", f"wrote {written} (decode it: python -m refusion_jax.sample "
-               f"--config=configs/sample.py --config.model_dir={final} --config.prompt=...)")
+  runtime.note("train", f"wrote {written} (decode it: {runtime.sample_command(final)})")
 
 
 def train_and_evaluate(config, workdir: str) -> TrainResult:
