@@ -24,6 +24,10 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.distributed = False  # jax.distributed.initialize() first (multi-host pods / GPU clusters)
   c.seed = 0  # parameter init and per-step rng: fold_in(key(seed), step)
+  # Compiled programs kept here and loaded by the next run of the same shapes (a resumed
+  # run compiles nothing): "auto" ($JAX_COMPILATION_CACHE_DIR, else
+  # ~/.cache/refusion_jax/jax), a folder, or "" (none)
+  c.compile_cache_dir = "auto"
   c.objective = "refusion"  # "refusion" (slot AR + MDM), "arm", "mdm" or "bd3lm"
   c.slot_sizes = (4, 8, 16, 32)  # ReFusion draws each example's slot size from these
   c.eps = 1e-3  # mask probability floor: p = (1 - eps) * t + eps

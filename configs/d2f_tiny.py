@@ -20,6 +20,10 @@ def get_config():
   c.base_dir = ""  # required: the MDM model folder (refusion_jax or HF) to adapt
   c.tokenizer_dir = ""  # "" = base_dir's tokenizer.json, else the bundled tiny one
   c.output_dir = ""  # required: checkpoints/, adapter/ (the PEFT folder), metrics.jsonl
+  # Compiled programs kept here and loaded by the next run of the same shapes (a resumed
+  # run compiles nothing): "auto" ($JAX_COMPILATION_CACHE_DIR, else
+  # ~/.cache/refusion_jax/jax), a folder, or "" (none)
+  c.compile_cache_dir = "auto"
   c.train_files = (TINY_TRAIN,)  # JSONL of {"query", "response"}
   c.seq_len = 64  # tokens per row: prompt, answer, EOS padding to the end
   c.block_size = 8  # D2F's block (its inference block may differ)

@@ -19,6 +19,10 @@ def get_config():
   c.model_dir = ""  # required: the ReFusion model folder (refusion_jax or HF) to train
   c.tokenizer_dir = ""  # "" = model_dir's tokenizer.json, else the bundled tiny one
   c.output_dir = ""  # required: checkpoints/, final_model/, metrics.jsonl
+  # Compiled programs kept here and loaded by the next run of the same shapes (a resumed
+  # run compiles nothing): "auto" ($JAX_COMPILATION_CACHE_DIR, else
+  # ~/.cache/refusion_jax/jax), a folder, or "" (none)
+  c.compile_cache_dir = "auto"
   c.train_file = TINY_TRAIN  # JSONL rows the reward reads ({"query"} for "tasks")
   c.train_policy = "model"  # "model" (every parameter), "selector" (the slot-selection
   #                           policy, decode.planner='policy', base frozen) or "both"

@@ -220,6 +220,15 @@ def parse_flags(argv: Sequence[str], fv: flags.FlagValues | None = None) -> list
   return rest
 
 
+def _compile_cache_dir(fv) -> str | None:
+  """The `compile_cache_dir` of the entry point's config, or None where it has none."""
+  for flag_name in _config_flags(fv):
+    value = fv[flag_name].value
+    if value is not None and "compile_cache_dir" in value:
+      return value.compile_cache_dir
+  return None
+
+
 @contextlib.contextmanager
 def errors_reported(program: str, user_errors: tuple[type[BaseException], ...] = ()):
   """Turns InputError (and `user_errors`) raised inside into `fail(program, ...)`."""
@@ -245,7 +254,10 @@ def run_program(main: Callable[[list[str]], object], program: str,
       return parse_flags(argv)
 
   def wrapped(argv):
-    runtime.start_up()  # no libtpu start-up errors where no TPU is
+    with errors_reported(program, (ValueError,)):
+      # No libtpu start-up errors where no TPU is; the config's compile_cache_dir, where
+      # it has one, kept and loaded by one rule (runtime.use_compile_cache).
+      runtime.start_up(_compile_cache_dir(flags.FLAGS))
     with errors_reported(program, user_errors):
       return main(argv)
 

@@ -162,3 +162,41 @@ print(len(names))
                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
   assert done.returncode == 0, done.stderr[-3000:]
   assert int(done.stdout.split()[-1]) > 50  # the whole package, not a part of it
+
+
+_ENTRY = """
+import sys
+import jax
+from ml_collections import config_flags
+from refusion_jax import entry_flags
+
+CONFIG = config_flags.DEFINE_config_file("config", None, "a config file")
+
+def main(argv):
+  on = jax.config.jax_enable_compilation_cache
+  print(on and jax.config.jax_compilation_cache_dir or "none")
+
+entry_flags.run_program(main, "probe")
+"""
+
+
+@pytest.mark.parametrize("config, flag, want", [
+    ("configs/tiny_refusion.py", "", "{env}"),  # train: "auto"
+    ("configs/rl_tiny.py", "--config.compile_cache_dir={tmp}/rl", "{tmp}/rl"),
+    ("configs/d2f_tiny.py", "--config.compile_cache_dir=", "none"),
+    ("configs/sample.py", "", "{env}"),
+])
+def test_every_config_entry_point_keeps_its_programs_by_one_rule(tmp_path, config, flag, want):
+  """Every entry point started by entry_flags.run_program uses its config's
+  compile_cache_dir ("auto": $JAX_COMPILATION_CACHE_DIR, else the user's cache folder)."""
+  env = _env(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "env"))
+  flags = [f"--config={config}"] + ([flag.format(tmp=tmp_path)] if flag else [])
+  done = subprocess.run([sys.executable, "-c", _ENTRY, *flags], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip() == want.format(env=tmp_path / "env", tmp=tmp_path)
+  bad = subprocess.run([sys.executable, "-c", _ENTRY, f"--config={config}",
+                        f"--config.compile_cache_dir={__file__}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+      f"probe: error: --config.compile_cache_dir={__file__!r} is a file, not a folder")

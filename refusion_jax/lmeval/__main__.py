@@ -38,7 +38,7 @@ def with_our_tasks(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-  runtime.start_up()  # no libtpu start-up errors where no TPU is
+  runtime.start_up(runtime.AUTO)  # quiet where no TPU is; programs kept by the one rule
   sys.argv = [sys.argv[0]] + with_our_tasks(sys.argv[1:])
   cli_evaluate()
 
