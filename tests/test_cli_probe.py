@@ -165,7 +165,7 @@ CASES = [
     Case("evaluate: no config", "evaluate", (), "--config=configs/eval/<benchmark>.py is required"),
     # --- convert.
     Case("convert: missing source", "convert", ("--hf_dir={case}/none", "--out_dir={case}/out"),
-         "does not exist"),
+         "is not a folder (nor a shipped model: base_tiny, refusion_tiny)"),
     Case("convert: destination exists", "convert",
          ("--out_dir={model}", "--to_hf", "--hf_dir={inputs}"),
          "already exists (pass --overwrite"),
