@@ -76,11 +76,16 @@ def checked_prompts(model, prompt_ids_bp, prompt_len_b, decode_config,
   return ids, lens
 
 
-def prefill_rows(model, cache: KVCache, ids_ap, lens_a, rows_a, bidirectional: bool = False
-                 ) -> tuple[KVCache, jax.Array]:
+def prefill_rows(model, cache: KVCache, ids_ap, lens_a, rows_a, bidirectional: bool = False,
+                 tail_ids_am=None):
   """Prefills prompts into cache rows `rows_a` (index B: dropped); returns the cache
   and the final hidden state at each prompt's last token `[A, D]`. `bidirectional`:
-  every prompt token sees the whole prompt (D2F's prompt), else the ones before it."""
+  every prompt token sees the whole prompt (D2F's prompt), else the ones before it.
+
+  `tail_ids_am` (causal only): `[A, M]` tokens fed in the same pass after each prompt at
+  positions `len, len + 1, ...`, each seeing the prompt and the tail's earlier entries
+  (lossless decoding's first drafts from masks); their K/V are not kept, and their
+  final hidden states `[A, M, D]` are returned third."""
   a, p = ids_ap.shape
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (a, p))
   if bidirectional:
@@ -88,7 +93,21 @@ def prefill_rows(model, cache: KVCache, ids_ap, lens_a, rows_a, bidirectional: b
     mask = (live[:, None, :] & live[:, :, None]) | jnp.eye(p, dtype=bool)[None]
   else:
     mask = masks.prefix_causal_btt(lens_a, p)
+  if tail_ids_am is not None:
+    m = tail_ids_am.shape[1]
+    live = jnp.arange(p)[None] < lens_a[:, None]
+    sees_prompt = jnp.broadcast_to(live[:, None, :], (a, m, p))
+    tail_mask = jnp.concatenate([sees_prompt, jnp.broadcast_to(masks.causal_tt(m)[None],
+                                                               (a, m, m))], 2)
+    mask = jnp.concatenate([jnp.concatenate([mask, jnp.zeros((a, p, m), bool)], 2),
+                            tail_mask], 1)
+    positions = jnp.concatenate(
+        [positions, lens_a[:, None] + jnp.arange(m, dtype=jnp.int32)[None]], 1)
+    ids_ap = jnp.concatenate([ids_ap, tail_ids_am.astype(ids_ap.dtype)], 1)
   h, k, v = model.forward_hidden(ids_ap, positions, None, mask)
+  if tail_ids_am is not None:
+    h, tail_h = h[:, :p], h[:, p:]
+    k, v = k[:, :, :p], v[:, :, :p]
   keep = jnp.arange(p)[None] < lens_a[:, None]
   dst = jnp.where(keep, jnp.arange(p)[None], cache.max_len)
   rows_ap = jnp.broadcast_to(rows_a[:, None], (a, p))
@@ -99,6 +118,8 @@ def prefill_rows(model, cache: KVCache, ids_ap, lens_a, rows_a, bidirectional: b
           jnp.where(s < lens_a[:, None], s, -1).astype(jnp.int32), mode="drop"),
       length_b=cache.length_b.at[rows_a].set(lens_a, mode="drop"))
   last = jnp.take_along_axis(h, (lens_a - 1)[:, None, None], axis=1)[:, 0]
+  if tail_ids_am is not None:
+    return cache, last, tail_h
   return cache, last
 
 

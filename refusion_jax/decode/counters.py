@@ -46,6 +46,9 @@ class DecodeCounters:
   recheck_b: jax.Array = 0
   remasked_b: jax.Array = 0
   remasked_tokens_b: jax.Array = 0
+  # Lossless decoding (decode.verify='lossless'): its fused passes (check, make final and
+  # draft in one forward; the first token, read from the prefill, counts one).
+  fused_b: jax.Array = 0
 
   @classmethod
   def zeros(cls, batch: int) -> "DecodeCounters":
@@ -53,7 +56,7 @@ class DecodeCounters:
     return cls(plan_b=z, global_verify_b=z, draft_b=z, verify_b=z, prefill_b=z, tokens_b=z,
                steps_b=z, recompute_b=z, step_tpf_sum_b=jnp.zeros((batch,), jnp.float32),
                ar_b=z, corrected_b=z, refresh_b=z, recheck_b=z, remasked_b=z,
-               remasked_tokens_b=z)
+               remasked_tokens_b=z, fused_b=z)
 
   def _xp(self):
     """numpy for counters read back to the host (no device op per field), else jnp."""
@@ -73,9 +76,10 @@ class DecodeCounters:
 
   def nfe_b(self) -> jax.Array:
     """Forward passes over generated content (plan + global verification + draft
-    + infill verify + KV recomputation + single-token AR passes + re-checks)."""
+    + infill verify + KV recomputation + single-token AR passes + re-checks + lossless
+    fused passes)."""
     return (self.plan_b + self.global_verify_b + self.draft_b + self.verify_b
-            + self.recompute_b + self.ar_b + self.recheck_b)
+            + self.recompute_b + self.ar_b + self.recheck_b + self.fused_b)
 
   def add(self, active_b: jax.Array, **increments) -> "DecodeCounters":
     """Adds each increment (scalar or [B]) to the rows where `active_b` is set."""
@@ -91,7 +95,7 @@ class DecodeCounters:
     xp = self._xp()
     d["recompute_b"] = xp.zeros_like(self.plan_b) + self.recompute_b
     for name in ("ar_b", "corrected_b", "refresh_b", "recheck_b", "remasked_b",
-                 "remasked_tokens_b"):
+                 "remasked_tokens_b", "fused_b"):
       d[name] = xp.zeros_like(self.plan_b) + getattr(self, name)
     d["nfe_b"] = self.nfe_b()
     d["tpf_paper_b"] = self.tpf_paper_b()

@@ -36,7 +36,7 @@ from refusion_jax.decode.options import (
 # ReFusion's verified infill (ALGORITHM.md "Past the paper"): "off" (the release),
 # "correct" (the first draft that fails tau_t becomes the causal argmax), "exact" (a draft
 # stands only where it is the causal argmax).
-VERIFY_MODES = ("off", "correct", "exact")
+VERIFY_MODES = ("off", "correct", "exact", "lossless")
 # The selection policy's per-slot features (decode/refusion.py plan_features) and the
 # scale of its initial weights: sigmoid(PLAN_INIT_SCALE (p_first - tau_s)), a soft tau_s.
 PLAN_FEATURES = ("p_first", "p_slot", "distance", "left_committed", "progress")
@@ -218,7 +218,9 @@ class ReFusionOptions(MethodOptions):
   verify: str = option(
       "off", "past the paper: drafts checked against the causal argmax a pass computed, the "
       "first failing one replaced by it ('correct': a draft also stands above tau_t; "
-      "'exact': only the argmax); 'off' = the release", rule=one_of(VERIFY_MODES),
+      "'exact': only the argmax); 'lossless': the answer of decode.method='ar' token for "
+      "token, at every temperature (decode/lossless.py); 'off' = the release",
+      rule=one_of(VERIFY_MODES),
       switch="checks ReFusion's slots")
   boundary_check: bool = option(
       True, "with verify: slot-first tokens too, against a committed left neighbour's "
@@ -254,6 +256,14 @@ class ReFusionOptions(MethodOptions):
       raise ValueError("decode.remask=True re-checks a slot committed before its left "
                        "neighbour; decode.left_to_right=True commits slots in position order, "
                        "so there is none")
+    if self.verify == "lossless":
+      clash = [f"{name}=True" for name in ("left_to_right", "recompute_kv", "remask",
+                                           "sample_drafts") if getattr(self, name)]
+      if clash:
+        raise ValueError(
+            "decode.verify='lossless' checks every token causally in one fused pass (no "
+            "left-to-right ablation, infill KV, re-masking or sampled infill drafts); got "
+            + ", ".join(clash))
     if self.record and (self.left_to_right or _verify_or_remask(self)):
       raise ValueError(
           "decode.record=True records ReFusion's parallel plan-and-infill (method='refusion', "
@@ -284,7 +294,8 @@ class ReFusionOptions(MethodOptions):
     # Left to right, blocks play no part (one program for every block size).
     return dict(slot_size=self.slot_size,
                 block_size=dc.gen_length if self.left_to_right else self.block_size,
-                left_to_right=self.left_to_right, verify=self.verify != "off",
+                left_to_right=self.left_to_right, verify=self.verify in ("correct", "exact"),
+                lossless=self.verify == "lossless",
                 remask=self.remask and not self.left_to_right,
                 record=self.record and not self.left_to_right,
                 plan_policy=self.planner.name == "policy" and not self.left_to_right)
