@@ -95,7 +95,8 @@ def get_config():
                  "ReFusion", "ReFusion-L2R",
                  "ReFusion-recompute-KV", "ReFusion-verify", "ReFusion-BL",
                  "ReFusion-BL-verify", "ReFusion-BL-L2R",
-                 "ReFusion-BL-remask")  # decoders in the table (repro.settings.ROWS)
+                 "ReFusion-BL-remask", "ReFusion-BL-AR",
+                 "ReFusion-BL-lossless")  # decoders in the table (repro.settings.ROWS)
 
   # Decoding.
   c.decode = ml_collections.ConfigDict()

@@ -186,12 +186,14 @@ def step(model, spec, st: State, knobs) -> State:
   ids_w = jnp.where(e_w[None] == 0, head_b[:, None], jnp.where(has_w, draft_w, knobs.mask_id))
 
   # Fed order: the tokens (head, drafts) in position order, then the masks; what lies
-  # past gen_length last (not fed). Entry j of the layout is window offset order[j].
-  rank_key = jnp.where(tok_w, e_w, jnp.where(inside, w + e_w, 2 * w + e_w))
-  order_bw = jnp.argsort(rank_key, axis=-1)
-  back_bw = jnp.argsort(order_bw, axis=-1)  # layout entry of each offset
-  lay = lambda x: jnp.take_along_axis(x, order_bw, axis=1)
-  unlay = lambda x: jnp.take_along_axis(x, back_bw, axis=1)
+  # past gen_length last (not fed).
+  # (Ranks from running counts, no sort: the offsets past gen_length are the last ones.)
+  n_tok = tok_w.sum(-1, keepdims=True)
+  rank_bw = jnp.where(tok_w, jnp.cumsum(tok_w, -1) - 1,
+                      jnp.where(mask_w, n_tok + jnp.cumsum(mask_w, -1) - 1, e_w[None]))
+  at_bwj = rank_bw[:, :, None] == e_w[None, None]  # offset e sits at layout entry j
+  lay = lambda x: jnp.where(at_bwj, x[:, :, None], jnp.zeros((), x.dtype)).sum(1).astype(x.dtype)
+  unlay = lambda x: jnp.take_along_axis(x, rank_bw, axis=1)
   fed_l = lay(inside)
   target_w = idx_bw + tok_w.astype(jnp.int32)  # a token predicts the next index
   feed = passes.Feed(

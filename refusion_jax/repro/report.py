@@ -293,11 +293,14 @@ LEVERS = (
     ("ReFusion-BL-verify", "ReFusion-BL", "verified infill with the boundary check"),
     ("ReFusion-BL-verify", "ReFusion", "both: boundary label + verified infill"),
     ("ReFusion-BL-remask", "ReFusion-BL-verify", "sub-slot re-masking"),
+    ("ReFusion-BL-lossless", "ReFusion-BL-verify", "lossless decoding (the AR answer)"),
+    ("ReFusion-BL-lossless", "ReFusion-BL-AR", "lossless decoding against its own AR decode"),
 )
 # Each parallel ReFusion row and its own model's left-to-right row.
 OWN_L2R = {"ReFusion": "ReFusion-L2R", "ReFusion-recompute-KV": "ReFusion-L2R",
            "ReFusion-verify": "ReFusion-L2R", "ReFusion-BL": "ReFusion-BL-L2R",
-           "ReFusion-BL-verify": "ReFusion-BL-L2R", "ReFusion-BL-remask": "ReFusion-BL-L2R"}
+           "ReFusion-BL-verify": "ReFusion-BL-L2R", "ReFusion-BL-remask": "ReFusion-BL-L2R",
+           "ReFusion-BL-lossless": "ReFusion-BL-L2R"}
 
 
 def past_the_paper_lines(results: Mapping[str, dict]) -> list[str]:

@@ -150,6 +150,12 @@ ROWS: dict[str, Row] = {row.name: row for row in (
                   "label, verified infill and sub-slot re-masking (tau_remask 0.5)",
                   settings_of="ReFusion-BL-verify", remask=True, remask_threshold=0.5,
                   **_VERIFY),
+    Row("ReFusion-BL-AR", "refusion_bl", "ReFusion trained with the boundary label, greedy "
+        "AR decoding of its causal head (what lossless decoding returns)",
+        lambda c, t: _ar_decode_config(c)),
+    _refusion_row("ReFusion-BL-lossless", "refusion_bl", "ReFusion trained with the boundary "
+                  "label, lossless decoding (the AR answer; slots drafted and checked in one "
+                  "fused pass)", settings_of="ReFusion-BL-verify", verify="lossless"),
 )}
 
 
