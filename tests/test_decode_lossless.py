@@ -219,6 +219,22 @@ def test_rows_decode_as_they_do_alone(model):
     assert alone[0] == together[row], row
 
 
+def test_the_engine_admits_rows_mid_run_and_answers_as_ar(model):
+  # 7 prompts through 3 engine rows: each admitted as a row frees (continuous batching).
+  prompts = _prompts(7, 6, seed=1)
+  want, _ = _decode(model, prompts, DecodeConfig(method="ar", gen_length=16), width=6)
+  dc = DecodeConfig(gen_length=16, slot_size=2, block_size=8, verify="lossless")
+  res = engine.Decoder(model, dc).engine(rows=3).run(prompts)
+  assert [[int(x) for x in r.tokens] for r in res.results] == want
+
+
+def test_a_clashing_option_is_one_line_before_compiling():
+  with pytest.raises(ValueError, match=r"decode.verify='lossless' checks every token causally "
+                     r".*; got left_to_right=True"):
+    DecodeConfig(gen_length=16, slot_size=2, block_size=8, verify="lossless",
+                 left_to_right=True)
+
+
 def _enumerate_ar(model, prompt, gen_length, temperature, stops):
   """The AR distribution over every answer (a dict answer -> probability)."""
   dist = {(): 1.0}
