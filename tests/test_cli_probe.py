@@ -126,7 +126,7 @@ CASES = [
     Case("sample: unknown verify mode", "sample",
          _sample("--config.model_dir={model}", "--config.prompt=hi",
                  "--config.decode.verify=always"),
-         "decode.verify must be one of ('off', 'correct', 'exact'), got 'always'"),
+         "decode.verify must be one of ('off', 'correct', 'exact', 'lossless'), got 'always'"),
     Case("sample: re-masking with no slots", "sample",
          _sample("--config.model_dir={model}", "--config.prompt=hi", "--config.decode.method=ar",
                  "--config.decode.remask=true", "--config.decode.remask_threshold=0.3"),

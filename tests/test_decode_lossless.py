@@ -63,6 +63,10 @@ class Oracle:
     return np.asarray(_full_call(self.model, jnp.asarray(a), jnp.asarray(p), jnp.asarray(mask))[0],
                       np.float64)
 
+  def _p(self, logits):
+    """The distribution a pick is drawn from: softmax(logits / T) (T 0: the plain one)."""
+    return _probs(logits / self.dc.temperature if self.dc.temperature > 0 else logits)
+
   def _chosen(self, masks, probs):
     """Mask indices kept as drafts: every mask of a chosen slot."""
     k = self.dc.slot_size
@@ -81,7 +85,7 @@ class Oracle:
     logits = self._call(list(prompt) + [MASK_ID] * w, list(range(plen + w)))
     final = [_pick(logits[plen - 1], 0, dc, self.key)]
     picks = {i: _pick(logits[plen + i], i, dc, self.key) for i in range(1, w)}
-    probs = {i: _probs(logits[plen + i])[picks[i]] for i in range(1, w)}
+    probs = {i: self._p(logits[plen + i])[picks[i]] for i in range(1, w)}
     drafts = {i: picks[i] for i in self._chosen(list(range(1, w)), probs)}
     passes, corrected = 1, 0
     done = final[0] in self.stops or g <= 1
@@ -100,7 +104,7 @@ class Oracle:
       # The causal pick after each token entry, the pick at each mask.
       nxt = {i: _pick(logits[at[i]], i + 1, dc, self.key) for i in toks}
       mpick = {i: _pick(logits[at[i]], i, dc, self.key) for i in masks}
-      mprob = {i: _probs(logits[at[i]])[mpick[i]] for i in masks}
+      mprob = {i: self._p(logits[at[i]])[mpick[i]] for i in masks}
       # Check the chain.
       i = f
       while i in drafts and i - 1 in nxt and drafts[i] == nxt[i - 1] and i < g:
@@ -314,3 +318,26 @@ def test_sampled_answers_follow_the_exact_ar_distribution_and_the_releases_do_no
   assert _chi2_sigmas(lossless_counts, exact) < 5
   release = sample(slot_size=1, block_size=3, slot_threshold=0.0)
   assert _chi2_sigmas(release, exact) > 20
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_recorded_probabilities_are_the_answers_ar_likelihood(model, temperature):
+  """decode.record: each final token's probability under softmax(logits / T); their log
+  sum is the answer's AR log-likelihood at T from one independent causal forward."""
+  prompts = _prompts(4, 6, seed=1)
+  got, out = _decode(model, prompts, DecodeConfig(
+      gen_length=16, slot_size=2, block_size=8, verify="lossless", temperature=temperature,
+      record=True), jax.random.key(4), width=6)
+  p = np.asarray(out.trace["p"], np.float64)
+  for row, (prompt, answer) in enumerate(zip(prompts, got)):
+    ids = list(prompt) + answer
+    n = len(ids)
+    a = np.zeros((1, _WIDTH), np.int32)
+    a[0, :n] = ids
+    mask = np.tril(np.ones((_WIDTH, _WIDTH), bool))[None]
+    logits = np.asarray(_full_call(model, jnp.asarray(a), jnp.asarray(np.arange(_WIDTH)[None]),
+                                   jnp.asarray(mask))[0], np.float64)
+    want = sum(np.log(_probs(logits[len(prompt) - 1 + i] / temperature)[t])
+               for i, t in enumerate(answer))
+    assert abs(np.log(p[row, :len(answer)]).sum() - want) < 1e-4 * max(1, len(answer)), row
+    assert (p[row, len(answer):] == 1).all()

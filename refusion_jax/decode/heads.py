@@ -98,7 +98,8 @@ def _member(cols_c, ids):
 
 def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
                 keys_bt2=None, banned_id=None, unscored_ids=None,
-                vocab_chunk: int = DEFAULT_VOCAB_CHUNK) -> TokenStats:
+                vocab_chunk: int = DEFAULT_VOCAB_CHUNK, at_temperature: bool = False
+                ) -> TokenStats:
   """Per-token pick and probabilities from hidden states `[B, T, D]`.
 
   Args:
@@ -119,6 +120,8 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
       has probability 0 (LLaDA's `confidence_eos_eot_inf`). They can still be picked.
     vocab_chunk: the most vocabulary columns reduced at a time (static); fewer for
       a pass of many tokens (`chunk_columns`).
+    at_temperature: (static) `p_pick_bt` and `p_given_bt` under `softmax(logits / T)`,
+      the distribution a sampled pick is drawn from (the plain softmax at T <= 0).
   """
   if not isinstance(unembed, Unembed):
     unembed = Unembed(unembed, vocab_axis=0)
@@ -127,14 +130,21 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
   if sampling:
     any_sample = (temperature > 0) & sample_bt.any()
     inv_t = 1.0 / jnp.where(temperature > 0, temperature, 1.0)
+  # Probabilities under softmax(logits / T): the logits scaled once, the noisy score
+  # then adds the noise only (the same score either way).
+  if at_temperature:
+    scale = 1.0 / jnp.where(temperature > 0, temperature, 1.0)
+  noisy = (lambda x: x) if at_temperature else (lambda x: x * inv_t)
 
   def chunk_terms(logits_btc, cols_c, start, with_noise):
     if banned_id is not None:
       logits_btc = jnp.where(_member(cols_c, banned_id)[None, None], -jnp.inf, logits_btc)
+    if at_temperature:
+      logits_btc = logits_btc * scale
     score = logits_btc
     if with_noise:
       noise = _noise(keys_bt2, start, logits_btc.shape[-1])
-      score = jnp.where(sample_bt[..., None], logits_btc * inv_t + noise, logits_btc)
+      score = jnp.where(sample_bt[..., None], noisy(logits_btc) + noise, logits_btc)
     return logits_btc, score
 
   b, t = given_bt.shape
@@ -178,10 +188,12 @@ def token_stats(h_btd, unembed, given_bt, *, sample_bt=None, temperature=None,
       logits = jnp.where(fresh[None, None], logits, -jnp.inf)
       if banned_id is not None:
         logits = jnp.where(_member(cols, banned_id)[None, None], -jnp.inf, logits)
+      if at_temperature:
+        logits = logits * scale
       score = logits
       if with_noise:
         noise = _column_noise(keys_bt2, cols)
-        score = jnp.where(sample_bt[..., None], logits * inv_t + noise, logits)
+        score = jnp.where(sample_bt[..., None], noisy(logits) + noise, logits)
         score = jnp.where(fresh[None, None], score, -jnp.inf)
       if unscored_ids is not None:  # the pick above may be one; the softmax below leaves them out
         logits = jnp.where(_member(cols, unscored_ids)[None, None], -jnp.inf, logits)

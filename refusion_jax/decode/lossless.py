@@ -76,6 +76,7 @@ class Rows:
   final_b: jax.Array  # F: final tokens (index F - 1 is the head)
   draft_bg: jax.Array  # the draft at each index (meaningful where has_bg)
   has_bg: jax.Array
+  p_bg: jax.Array  # each final token's probability under its causal softmax(logits / T)
   counters: DecodeCounters
 
 
@@ -98,7 +99,7 @@ def _empty_rows(spec, b: int, pad) -> Rows:
               key_b2=jnp.zeros((b, 2), jnp.uint32), tokens_bg=jnp.full((b, g), pad, jnp.int32),
               commit_step_bg=jnp.full((b, g), -1, jnp.int32), final_b=zi,
               draft_bg=jnp.zeros((b, g), jnp.int32), has_bg=jnp.zeros((b, g), bool),
-              counters=DecodeCounters.zeros(b))
+              p_bg=jnp.zeros((b, g), jnp.float32), counters=DecodeCounters.zeros(b))
 
 
 def init(model, spec, rows: int, width: int) -> State:
@@ -134,7 +135,7 @@ def admit(model, spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs) -> Sta
   h = jnp.concatenate([last_ad[:, None], tail_amd[:, 1:]], 1)  # index 0: the causal pick
   stats = heads.token_stats(h, model.unembed(), jnp.zeros((a, w), jnp.int32),
                             sample_bt=jnp.ones((a, w), bool), temperature=knobs.temperature,
-                            keys_bt2=keys, vocab_chunk=spec.vocab_chunk)
+                            keys_bt2=keys, vocab_chunk=spec.vocab_chunk, at_temperature=True)
   first = stats.pick_bt[:, 0]
   done = knobs.is_stop(first) | (spec.gen_length <= 1)
   chosen = _chosen_masks(spec, idx_aw > 0, idx_aw, stats.p_pick_bt, knobs)
@@ -146,6 +147,7 @@ def admit(model, spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs) -> Sta
   fresh = fresh.replace(
       phase_b=jnp.where(done, DONE, DECODE), length_b=lens_a, prompt_len_b=lens_a,
       key_b2=keys_a2, tokens_bg=fresh.tokens_bg.at[:, 0].set(first),
+      p_bg=fresh.p_bg.at[:, 0].set(stats.p_pick_bt[:, 0]),
       commit_step_bg=fresh.commit_step_bg.at[:, 0].set(0), final_b=ones.astype(jnp.int32),
       counters=counters)
   return st.replace(cache=cache, rows=program_lib.set_rows(st.rows, fresh, rows_a))
@@ -204,7 +206,7 @@ def step(model, spec, st: State, knobs) -> State:
   keys = index_keys(r.key_b2, lay(jnp.minimum(target_w, g - 1)), knobs.temperature)
   cache, out = passes.run_pass(model, st.cache, feed, widths(spec),
                                temperature=knobs.temperature, keys_bn2=keys,
-                               vocab_chunk=spec.vocab_chunk)
+                               vocab_chunk=spec.vocab_chunk, at_temperature=True)
   pick_w, p_w = unlay(out.pick_bn), unlay(out.p_pick_bn)
 
   # Check: offset e (1..w-1) of the chain passes when its draft is the pick at e - 1.
@@ -227,6 +229,8 @@ def step(model, spec, st: State, knobs) -> State:
   dst_x = jnp.where(new_x, idx_x, g)
   rows_b1 = jnp.arange(b)[:, None]
   tokens = r.tokens_bg.at[rows_b1, dst_x].set(val_x, mode="drop")
+  # A new final token at offset e is the pick at offset e - 1 (a token entry).
+  p_bg = r.p_bg.at[rows_b1, dst_x].set(p_w, mode="drop")
   commit = r.commit_step_bg.at[rows_b1, dst_x].set(
       jnp.broadcast_to(step_b[:, None], dst_x.shape), mode="drop")
   final = r.final_b + n_b
@@ -257,16 +261,19 @@ def step(model, spec, st: State, knobs) -> State:
   # The head and the drafts made final keep the K/V of this pass (fed first, in order).
   length = r.length_b + jnp.where(active, a_b + 1, 0)
   new = r.replace(phase_b=jnp.where(done, DONE, r.phase_b), length_b=length, tokens_bg=tokens,
-                  commit_step_bg=commit, final_b=final, draft_bg=draft_bg, has_bg=has_bg,
+                  p_bg=p_bg, commit_step_bg=commit, final_b=final, draft_bg=draft_bg, has_bg=has_bg,
                   counters=counters)
   return State(passes=st.passes + 1, cache=cache.replace(length_b=length), rows=new)
 
 
 def output(spec, st: State, knobs) -> DecodeOutput:
-  del spec
+  """The final tokens; with `decode.record`, `trace["p"]`: each one's probability under
+  the causal softmax(logits / T) that decided it (the AR decoder's distribution, so a
+  trajectory's log-probability is its answer's AR log-likelihood at T)."""
   r = st.rows
   g = r.tokens_bg.shape[1]
   within = jnp.arange(g)[None] < r.final_b[:, None]
+  trace = dict(p=jnp.where(within, r.p_bg, 1.0)) if spec.record else None
   return DecodeOutput(tokens_bg=jnp.where(within, r.tokens_bg, knobs.pad_id),
                       length_b=r.final_b, counters=r.counters.replace(tokens_b=r.final_b),
-                      commit_step_bg=jnp.where(within, r.commit_step_bg, -1))
+                      commit_step_bg=jnp.where(within, r.commit_step_bg, -1), trace=trace)

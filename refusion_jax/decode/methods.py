@@ -238,7 +238,8 @@ class ReFusionOptions(MethodOptions):
       switch="samples ReFusion's infill drafts")
   record: bool = option(
       False, "RL rollouts: each committed token's deciding pass recorded "
-      "(DecodeOutput.trace, scored by rl.replay)", rule=BOOL,
+      "(DecodeOutput.trace, scored by rl.replay; with verify='lossless' each final token's "
+      "probability at the temperature, trace['p'])", rule=BOOL,
       switch="records ReFusion's parallel plan-and-infill")
   planner: MethodOptions = choice("planner", "threshold", "the slot planner: 'threshold' "
                                   "(tau_s), 'policy' or 'mcts' (a host-side search)")
@@ -264,7 +265,8 @@ class ReFusionOptions(MethodOptions):
             "decode.verify='lossless' checks every token causally in one fused pass (no "
             "left-to-right ablation, infill KV, re-masking or sampled infill drafts); got "
             + ", ".join(clash))
-    if self.record and (self.left_to_right or _verify_or_remask(self)):
+    if self.record and self.verify != "lossless" and (self.left_to_right
+                                                      or _verify_or_remask(self)):
       raise ValueError(
           "decode.record=True records ReFusion's parallel plan-and-infill (method='refusion', "
           f"left_to_right=False, verify='off', remask=False); got method={dc.method!r}, "

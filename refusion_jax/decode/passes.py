@@ -97,8 +97,8 @@ def compact(fed_bn: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temperature,
              keys_bn2, banned_id=None, vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK,
-             block_groups: bool = False, context_group: int | None = None
-             ) -> tuple[KVCache, PassOut]:
+             block_groups: bool = False, context_group: int | None = None,
+             at_temperature: bool = False) -> tuple[KVCache, PassOut]:
   """One forward pass over every row's fed entries (module docstring).
 
   `block_groups` (static): an entry sees every fed entry of its own group (both
@@ -108,6 +108,7 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
   `context_group` (static): entries of this group are seen by every entry of another
   group, wherever they sit (committed context fed again: ReFusion's re-check), and
   see the earlier entries of their own group.
+  `at_temperature` (static): probabilities under softmax(logits / T) (`heads.token_stats`).
   """
   b, n = feed.fed_bn.shape
   widths = tuple(sorted(set(int(w) for w in widths)))
@@ -160,7 +161,7 @@ def run_pass(model, cache: KVCache, feed: Feed, widths: Sequence[int], *, temper
       next_ids = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
       stats = heads.token_stats(h, unembed, next_ids, sample_bt=sample,
                                 temperature=temperature, keys_bt2=keys, banned_id=banned_id,
-                                vocab_chunk=vocab_chunk)
+                                vocab_chunk=vocab_chunk, at_temperature=at_temperature)
       p_prev = jnp.concatenate([jnp.ones((b, 1), jnp.float32), stats.p_given_bt[:, :-1]], 1)
       # Everything leaves the branch padded to the widest width. K/V go with where
       # each goes (-1: nowhere) and are written below, outside the switch: a cache
