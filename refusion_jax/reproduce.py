@@ -13,7 +13,7 @@ plots) and `pipeline` (`run`, the order of it all).
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+from absl import app
 
 from refusion_jax import entry_flags
 from refusion_jax.repro import pipeline
@@ -28,8 +28,6 @@ def define_flags():
 def main(argv, config_flag, workdir_flag):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   # Imported once the flags parsed: a mistyped flag or config field is reported at once.
   pipeline.run(config_flag.value, workdir_flag.value)
 
