@@ -52,14 +52,17 @@ class Oracle:
     cfg = model.config
     self.stops = {cfg.eos_token_id} | set(getattr(cfg, "stop_token_ids", ()))
 
-  def _call(self, ids, positions):
-    """Logits of a causal run over `ids` (the feed is causal in its order)."""
+  def _call(self, ids, positions, hidden=()):
+    """Logits of a causal run over `ids`, except that no entry of `hidden` (pairs of
+    entry indices: (who, whom)) sees the other."""
     n = len(ids)
     assert n <= _WIDTH
     a = np.zeros((1, _WIDTH), np.int32)
     p = np.zeros((1, _WIDTH), np.int32)
     a[0, :n], p[0, :n] = ids, positions
     mask = np.tril(np.ones((_WIDTH, _WIDTH), bool))[None]
+    for who, whom in hidden:
+      mask[0, who, whom] = False
     return np.asarray(_full_call(self.model, jnp.asarray(a), jnp.asarray(p), jnp.asarray(mask))[0],
                       np.float64)
 
@@ -87,24 +90,27 @@ class Oracle:
     picks = {i: _pick(logits[plen + i], i, dc, self.key) for i in range(1, w)}
     probs = {i: self._p(logits[plen + i])[picks[i]] for i in range(1, w)}
     drafts = {i: picks[i] for i in self._chosen(list(range(1, w)), probs)}
-    passes, corrected = 1, 0
+    passes, corrected, fresh = 1, 0, False
     done = final[0] in self.stops or g <= 1
     while not done:
       f = len(final)
       window = range(f - 1, min(f - 1 + w, g))
       toks = [f - 1] + [i for i in window if i >= f and i in drafts]
-      masks = [i for i in window if i >= f and i not in drafts]
-      feed = toks + masks
+      # A fresh pass (after a correction) plans every index afresh, its masks seeing
+      # the final context and each other only.
+      masks = [i for i in window if i >= f and (fresh or i not in drafts)]
       ids = list(prompt) + final[:-1] + [final[-1]] + [drafts[i] for i in toks[1:]] + [
           MASK_ID] * len(masks)
-      positions = list(range(plen + f - 1)) + [plen + i for i in feed]
-      logits = self._call(ids, positions)[plen + f - 1:]
+      positions = list(range(plen + f - 1)) + [plen + i for i in toks + masks]
+      base = plen + f - 1
+      hidden = [(base + len(toks) + m, base + t) for m in range(len(masks))
+                for t in range(1, len(toks))] if fresh else []
+      logits = self._call(ids, positions, hidden)[base:]
       passes += 1
-      at = {i: j for j, i in enumerate(feed)}
       # The causal pick after each token entry, the pick at each mask.
-      nxt = {i: _pick(logits[at[i]], i + 1, dc, self.key) for i in toks}
-      mpick = {i: _pick(logits[at[i]], i, dc, self.key) for i in masks}
-      mprob = {i: self._p(logits[at[i]])[mpick[i]] for i in masks}
+      nxt = {i: _pick(logits[j], i + 1, dc, self.key) for j, i in enumerate(toks)}
+      mpick = {i: _pick(logits[len(toks) + j], i, dc, self.key) for j, i in enumerate(masks)}
+      mprob = {i: self._p(logits[len(toks) + j])[mpick[i]] for j, i in enumerate(masks)}
       # Check the chain.
       i = f
       while i in drafts and i - 1 in nxt and drafts[i] == nxt[i - 1] and i < g:
@@ -126,15 +132,14 @@ class Oracle:
       chosen = self._chosen(masks, mprob)
       new = {}
       for j in range(i + 1, min(f - 1 + w + 1, g)):
-        if fixed:
-          continue  # after a correction: masks again
-        if j - 1 in nxt:
-          new[j] = nxt[j - 1]
+        if j - 1 in nxt and not (fixed and fresh):
+          new[j] = nxt[j - 1]  # its slot's next token (a stale one after a correction)
         elif j in chosen:
           new[j] = mpick[j]
         elif j in drafts:
           new[j] = drafts[j]
       drafts = new
+      fresh = fixed and not fresh
     return final, passes, corrected
 
 

@@ -5,10 +5,11 @@ its left is final and it has passed the causal check with that full context;
 everything else is a *draft*. Planning, drafting and checking stay parallel;
 only finality goes in position order. Every pass is one fused forward:
 
-    fed, causal, in this order, after the row's final context (the KV cache):
+    fed in this order, after the row's final context (the KV cache), causal:
       the head     the newest final token (its K/V not cached yet)
       the drafts   every drafted index of the window, in position order
       the masks    every undrafted index of the window, in position order
+                   (on a fresh pass, below: every index after the head)
 
 The window is the `block_size` indices from the head on (it slides with the
 head; blocks are not decoded one after another). Tokens before masks is the
@@ -30,9 +31,13 @@ From the one pass:
   else, at a mask of a *chosen* slot, the mask's pick (the plan). A slot (its
   `slot_size` indices) is chosen when its first masked token's probability
   exceeds `tau_s`, or when it is the leftmost slot holding a mask. A draft
-  with a mask on its left keeps its value. After a correction every later
-  draft saw the failed token: none is kept, and the next pass plans them afresh
-  as masks behind the corrected head.
+  with a mask on its left keeps its value.
+* **fresh pass**: after a correction every later draft saw the failed token.
+  The next pass still checks them, and beside them plans every index of the
+  window afresh: a mask at each, seeing the final context, the head and the
+  earlier masks only (run_pass's groups: the head is context, the drafts one
+  causal group, these masks another). Should that pass correct again, the
+  drafts come from the fresh plan alone. A fresh pass is twice as wide.
 
 The pick at every entry is the one AR decoding makes at the same index: the
 argmax at temperature 0, else the argmax of logits / T plus Gumbel noise drawn
@@ -77,6 +82,7 @@ class Rows:
   draft_bg: jax.Array  # the draft at each index (meaningful where has_bg)
   has_bg: jax.Array
   p_bg: jax.Array  # each final token's probability under its causal softmax(logits / T)
+  fresh_b: jax.Array  # the last pass corrected a draft: this one plans afresh beside them
   counters: DecodeCounters
 
 
@@ -88,8 +94,13 @@ class State:
 
 
 def widths(spec) -> tuple[int, ...]:
-  """Every pass feeds the window: the head and `block_size - 1` drafts or masks."""
-  return (min(spec.block_size, spec.gen_length),)
+  """A pass feeds the window (the head and `block_size - 1` drafts or masks); a fresh
+  pass also a mask behind every draft (module docstring)."""
+  w = min(spec.block_size, spec.gen_length)
+  return (w, 2 * w)
+
+
+_CONTEXT = 2  # run_pass's context group: the head, seen by every entry of the pass
 
 
 def _empty_rows(spec, b: int, pad) -> Rows:
@@ -99,7 +110,8 @@ def _empty_rows(spec, b: int, pad) -> Rows:
               key_b2=jnp.zeros((b, 2), jnp.uint32), tokens_bg=jnp.full((b, g), pad, jnp.int32),
               commit_step_bg=jnp.full((b, g), -1, jnp.int32), final_b=zi,
               draft_bg=jnp.zeros((b, g), jnp.int32), has_bg=jnp.zeros((b, g), bool),
-              p_bg=jnp.zeros((b, g), jnp.float32), counters=DecodeCounters.zeros(b))
+              p_bg=jnp.zeros((b, g), jnp.float32), fresh_b=jnp.zeros((b,), bool),
+              counters=DecodeCounters.zeros(b))
 
 
 def init(model, spec, rows: int, width: int) -> State:
@@ -184,30 +196,32 @@ def step(model, spec, st: State, knobs) -> State:
   draft_w = _take(r.draft_bg, idx_bw)
   has_w = _take(r.has_bg, idx_bw) & inside & (e_w > 0)[None]
   tok_w = has_w | ((e_w == 0)[None] & inside)
-  mask_w = inside & ~tok_w
-  ids_w = jnp.where(e_w[None] == 0, head_b[:, None], jnp.where(has_w, draft_w, knobs.mask_id))
+  fresh = r.fresh_b[:, None]
+  # Masks: the undrafted offsets; on a fresh pass every offset after the head, seeing
+  # only the final context and the earlier masks (a plan that no draft misled).
+  mask_w = inside & (e_w > 0)[None] & (fresh | ~tok_w)
 
-  # Fed order: the tokens (head, drafts) in position order, then the masks; what lies
-  # past gen_length last (not fed).
-  # (Ranks from running counts, no sort: the offsets past gen_length are the last ones.)
-  n_tok = tok_w.sum(-1, keepdims=True)
-  rank_bw = jnp.where(tok_w, jnp.cumsum(tok_w, -1) - 1,
-                      jnp.where(mask_w, n_tok + jnp.cumsum(mask_w, -1) - 1, e_w[None]))
-  at_bwj = rank_bw[:, :, None] == e_w[None, None]  # offset e sits at layout entry j
-  lay = lambda x: jnp.where(at_bwj, x[:, :, None], jnp.zeros((), x.dtype)).sum(1).astype(x.dtype)
-  unlay = lambda x: jnp.take_along_axis(x, rank_bw, axis=1)
-  fed_l = lay(inside)
-  target_w = idx_bw + tok_w.astype(jnp.int32)  # a token predicts the next index
-  feed = passes.Feed(
-      fed_bn=fed_l, ids_bn=lay(ids_w), positions_bn=lay(r.prompt_len_b[:, None] + idx_bw),
-      group_bn=jnp.zeros((b, w), jnp.int32),
-      dest_bn=jnp.where(fed_l, r.length_b[:, None] + e_w[None], -1),
-      sample_bn=jnp.ones((b, w), bool))
-  keys = index_keys(r.key_b2, lay(jnp.minimum(target_w, g - 1)), knobs.temperature)
+  # The layout: the window's token entries (the head, then the drafts, by offset), then
+  # its mask entries (by offset); run_pass feeds the fed ones in this order.
+  ids = jnp.concatenate([jnp.where(e_w[None] == 0, head_b[:, None], draft_w),
+                         jnp.broadcast_to(knobs.mask_id, (b, w))], 1)
+  pos = jnp.tile(r.prompt_len_b[:, None] + idx_bw, (1, 2))
+  fed = jnp.concatenate([tok_w, mask_w], 1)
+  # Groups: the head is context (every entry sees it); the drafts see each other
+  # causally; the masks see the drafts too, except on a fresh pass.
+  group = jnp.concatenate([jnp.where(e_w[None] == 0, _CONTEXT, 0) + jnp.zeros((b, w), jnp.int32),
+                           jnp.broadcast_to(jnp.where(fresh, 1, 0), (b, w))], 1)
+  target = jnp.concatenate([idx_bw + 1, idx_bw], 1)  # a token predicts the next index
+  dest = jnp.where(fed, r.length_b[:, None] + jnp.cumsum(fed, -1) - 1, -1)
+  feed = passes.Feed(fed_bn=fed, ids_bn=ids, positions_bn=pos, group_bn=group, dest_bn=dest,
+                     sample_bn=jnp.ones((b, 2 * w), bool))
+  keys = index_keys(r.key_b2, jnp.minimum(target, g - 1), knobs.temperature)
   cache, out = passes.run_pass(model, st.cache, feed, widths(spec),
                                temperature=knobs.temperature, keys_bn2=keys,
-                               vocab_chunk=spec.vocab_chunk, at_temperature=True)
-  pick_w, p_w = unlay(out.pick_bn), unlay(out.p_pick_bn)
+                               vocab_chunk=spec.vocab_chunk, at_temperature=True,
+                               context_group=_CONTEXT)
+  pick_w, p_w = out.pick_bn[:, :w], out.p_pick_bn[:, :w]  # token entries
+  mpick_w, mp_w = out.pick_bn[:, w:], out.p_pick_bn[:, w:]  # mask entries
 
   # Check: offset e (1..w-1) of the chain passes when its draft is the pick at e - 1.
   nxt_w = jnp.where(tok_w, pick_w, -1)  # the causal pick for offset e + 1
@@ -235,34 +249,34 @@ def step(model, spec, st: State, knobs) -> State:
       jnp.broadcast_to(step_b[:, None], dst_x.shape), mode="drop")
   final = r.final_b + n_b
   done = active & (stop_x.any(-1) | (final >= g))
+  corrected = active & (n_b == a_b + 1) & jnp.take_along_axis(
+      jnp.concatenate([has_w, jnp.zeros((b, 1), bool)], 1), a_b[:, None] + 1, axis=1)[:, 0]
 
   # Draft the indices after the new head: offsets a+2..w (offset w: past the window,
   # from the last entry when it was a token).
-  chosen_w = _chosen_masks(spec, mask_w, idx_bw, p_w, knobs)
-  left_tok_x = tok_w  # offset e + 1's left neighbour is offset e
-  jac_x = pick_w
-  mask_x = jnp.concatenate([chosen_w[:, 1:], jnp.zeros((b, 1), bool)], 1)
-  mp_x = jnp.concatenate([pick_w[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
-  has_x = jnp.concatenate([has_w[:, 1:], jnp.zeros((b, 1), bool)], 1)
-  d_has = left_tok_x | mask_x | has_x
-  d_val = jnp.where(left_tok_x, jac_x, jnp.where(mask_x, mp_x, draft_x))
+  chosen_w = _chosen_masks(spec, mask_w, idx_bw, mp_w, knobs)
+  shift = lambda x, fill: jnp.concatenate([x[:, 1:], jnp.full((b, 1), fill, x.dtype)], 1)
+  mask_x, mp_x, has_x = shift(chosen_w, False), shift(mpick_w, 0), shift(has_w, False)
+  # A causal pick after a token (its slot's next token); after a correction on a fresh
+  # pass, the fresh plan alone (every causal pick there saw the failed draft).
+  jac_x = tok_w & ~(corrected & r.fresh_b)[:, None]
+  d_has = jac_x | mask_x | has_x
+  d_val = jnp.where(jac_x, pick_w, jnp.where(mask_x, mp_x, draft_x))
   redraft = (e_x >= a_b[:, None] + 2) & (idx_x < g) & active[:, None] & ~done[:, None]
-  corrected = active & (n_b == a_b + 1) & jnp.take_along_axis(
-      jnp.concatenate([has_w, jnp.zeros((b, 1), bool)], 1), a_b[:, None] + 1, axis=1)[:, 0]
-  # After a correction every later draft saw the failed token: masks again, planned
-  # afresh behind the corrected head.
-  d_has = d_has & ~corrected[:, None]
   dst_d = jnp.where(redraft, idx_x, g)
   draft_bg = r.draft_bg.at[rows_b1, dst_d].set(d_val, mode="drop")
   has_bg = r.has_bg.at[rows_b1, dst_d].set(d_has, mode="drop")
+  # After a correction every later draft saw the failed token: the next pass checks them
+  # beside a fresh plan (a fresh pass's own correction drafts from its plan at once).
+  fresh_b = active & corrected & ~r.fresh_b
 
   counters = r.counters.add(active, fused_b=1, steps_b=1, corrected_b=corrected).add_step_tpf(
       active, n_b, active)
   # The head and the drafts made final keep the K/V of this pass (fed first, in order).
   length = r.length_b + jnp.where(active, a_b + 1, 0)
   new = r.replace(phase_b=jnp.where(done, DONE, r.phase_b), length_b=length, tokens_bg=tokens,
-                  p_bg=p_bg, commit_step_bg=commit, final_b=final, draft_bg=draft_bg, has_bg=has_bg,
-                  counters=counters)
+                  p_bg=p_bg, commit_step_bg=commit, final_b=final, draft_bg=draft_bg,
+                  has_bg=has_bg, fresh_b=fresh_b, counters=counters)
   return State(passes=st.passes + 1, cache=cache.replace(length_b=length), rows=new)
 
 
