@@ -152,6 +152,11 @@ def evaluate_rows(config, workdir: str, row_configs: Mapping[str, Mapping[str, D
 
     results[name] = _cached_or_run(os.path.join(workdir, RESULTS_DIR, f"{name}.json"), key, run,
                                    log)
+    # A row's programs serve no other row: freed, so that one process holding every
+    # row's compiled code does not run out of the memory maps the CPU compiler needs
+    # (LLVM "Unable to allocate section memory" after ~15 rows). The compilation cache
+    # on disk still holds them.
+    jax.clear_caches()
   return results
 
 
