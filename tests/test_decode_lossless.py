@@ -237,6 +237,43 @@ def test_the_engine_admits_rows_mid_run_and_answers_as_ar(model):
   assert [[int(x) for x in r.tokens] for r in res.results] == want
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_servers_live_batch_answers_as_ar(model, temperature):
+  """The server's path (decode/live.py): prompts join rows as they free up, a few passes
+  at a time; each answer is AR's with the same prompt key, its text a growing prefix."""
+  from refusion_jax.decode import live as live_lib  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import program as program_lib  # pylint: disable=import-outside-toplevel
+  prompts = _prompts(5, 6, seed=1)
+  rng = jax.random.key(3)
+  want, _ = _decode(model, prompts, DecodeConfig(method="ar", gen_length=16,
+                                                 temperature=temperature), rng, width=6)
+  dc = DecodeConfig(gen_length=16, slot_size=2, block_size=8, verify="lossless",
+                    temperature=temperature)
+  live = live_lib.LiveBatch(engine.Decoder(model, dc), 2, 8)
+  queue, jobs, got = list(range(len(prompts))), [None, None], {}
+  while queue or any(j is not None for j in jobs):
+    free_rows = [r for r, j in enumerate(jobs) if j is None]
+    if queue and free_rows:
+      take = [queue.pop(0) for _ in free_rows[:len(queue)]]
+      rows = free_rows[:len(take)]
+      live.admit([prompts[i] for i in take], rows,
+                 np.stack([program_lib.raw_key(rng)] * len(take)), pids=take)
+      for r, i in zip(rows, take):
+        jobs[r] = i
+    live.run(max_passes=1)
+    snap = live.read()
+    for r, i in enumerate(jobs):
+      if i is not None:  # what a stream may send: final tokens only, never revised
+        prefix = [int(t) for t in snap.tokens_bg[r, :snap.prefix_b()[r]]]
+        assert prefix == want[i][:len(prefix)], (i, prefix)
+    done = [r for r, j in enumerate(jobs) if j is not None and snap.phase_b[r] == program_lib.DONE]
+    for r in done:
+      got[jobs[r]] = [int(t) for t in snap.tokens_bg[r, :int(snap.length_b[r])]]
+      jobs[r] = None
+    live.free(done)
+  assert got == dict(enumerate(want))
+
+
 def test_a_clashing_option_is_one_line_before_compiling():
   with pytest.raises(ValueError, match=r"decode.verify='lossless' checks every token causally "
                      r".*; got left_to_right=True"):
