@@ -49,11 +49,7 @@ class Rows:
   counters: DecodeCounters
 
 
-@flax.struct.dataclass
-class State:
-  passes: jax.Array
-  cache: KVCache
-  rows: Rows
+State = program_lib.State
 
 
 def _empty_rows(spec: Spec, b: int, pad) -> Rows:

@@ -91,11 +91,7 @@ class Rows:
   counters: DecodeCounters
 
 
-@flax.struct.dataclass
-class State:
-  passes: jax.Array  # scalar: forward passes run (loop iterations)
-  cache: KVCache
-  rows: Rows
+State = program_lib.State
 
 
 def widths(spec: Spec) -> tuple[int, int]:

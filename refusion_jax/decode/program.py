@@ -79,6 +79,16 @@ class Knobs:
     return (tokens == self.eos_id) | (tokens[..., None] == self.stop_ids).any(-1)
 
 
+@flax.struct.dataclass
+class State:
+  """The state of a program over the KV buffer (every method but MDM, whose cache is
+  optional): forward passes run (loop iterations, a scalar), the buffer, the rows."""
+
+  passes: jax.Array
+  cache: KVCache
+  rows: object  # the method's own `Rows`
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
   """A decoding method as a row program (module docstring).

@@ -174,11 +174,7 @@ class Rows:
   plan_chosen_ts: jax.Array | None = None  # and the slots it chose
 
 
-@flax.struct.dataclass
-class State:
-  passes: jax.Array  # scalar: forward passes run (loop iterations)
-  cache: KVCache
-  rows: Rows
+State = program_lib.State
 
 
 # --- small helpers ------------------------------------------------------------------------
