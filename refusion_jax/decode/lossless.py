@@ -86,11 +86,7 @@ class Rows:
   counters: DecodeCounters
 
 
-@flax.struct.dataclass
-class State:
-  passes: jax.Array
-  cache: KVCache
-  rows: Rows
+State = program_lib.State
 
 
 def widths(spec) -> tuple[int, ...]:
@@ -124,12 +120,11 @@ def init(model, spec, rows: int, width: int) -> State:
 
 def index_keys(key_b2, index_bn, temperature) -> jax.Array:
   """`[B, N, 2]` keys of the picks at response indices `index_bn`: the AR decoder's key
-  of that token, `fold_in(fold_in(key, index), 0)` (zeros at temperature 0)."""
-  def derive():
-    one = lambda key, i: jax.random.fold_in(jax.random.fold_in(key, i), 0)
-    return jax.vmap(lambda key, idx: jax.vmap(lambda i: one(key, i))(idx))(key_b2, index_bn)
-  return jax.lax.cond(temperature > 0, derive,
-                      lambda: jnp.zeros(index_bn.shape + (2,), jnp.uint32))
+  of that token (its pass count is the token's index: `pass_keys(key, index, 1)`)."""
+  b, n = index_bn.shape
+  keys = program_lib.pass_keys(jnp.repeat(key_b2, n, axis=0), index_bn.reshape(-1), 1,
+                               temperature)
+  return keys.reshape(b, n, 2)
 
 
 def admit(model, spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs) -> State:
