@@ -75,3 +75,31 @@ def save_tiny_random_model(path: str, seed: int) -> str:
 def pytest_configure(config):
   # qwix 0.1.8 (LoRA) reads flax Variables through attributes flax deprecated.
   config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:qwix.*")
+
+
+def drive_live_batch(live, prompts, key2, max_passes: int, on_snapshot=None) -> dict:
+  """Decodes `prompts` through a `decode.live.LiveBatch` as the server does: prompts join
+  rows as rows free up (prompt i with key `key2` and id i), `max_passes` passes a run,
+  a read after each (`on_snapshot(snapshot, jobs)`: the prompt index in each row, or
+  None). Returns {prompt index: its tokens}."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import program as program_lib  # pylint: disable=import-outside-toplevel
+  queue, jobs, got = list(range(len(prompts))), [None] * live.rows, {}
+  while queue or any(j is not None for j in jobs):
+    free_rows = [r for r, j in enumerate(jobs) if j is None]
+    if queue and free_rows:
+      take = [queue.pop(0) for _ in free_rows[:len(queue)]]
+      into = free_rows[:len(take)]
+      live.admit([prompts[i] for i in take], into, np.stack([key2] * len(take)), pids=take)
+      for r, i in zip(into, take):
+        jobs[r] = i
+    live.run(max_passes=max_passes)
+    snap = live.read()
+    if on_snapshot is not None:
+      on_snapshot(snap, jobs)
+    done = [r for r, j in enumerate(jobs) if j is not None and snap.phase_b[r] == program_lib.DONE]
+    for r in done:
+      got[jobs[r]] = [int(t) for t in snap.tokens_bg[r, :int(snap.length_b[r])]]
+      jobs[r] = None
+    live.free(done)
+  return got

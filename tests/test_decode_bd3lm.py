@@ -14,6 +14,7 @@ from refusion_jax.decode import live as live_lib
 from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
+from tests.conftest import drive_live_batch
 
 GEN = 12
 BLOCK = 4
@@ -254,25 +255,7 @@ def test_engine_continuous_batching_equals_one_by_one(temperature):
   # Every pass advanced both rows while prompts waited: fewer passes than one by one.
   assert run.passes < sum(r.counters["nfe_b"] for r in run.results)
   # A live batch run a few passes at a time, prompts joining as rows free up, is the same.
-  live = live_lib.LiveBatch(dec, 2, WIDTH)
-  queue, jobs, got = list(range(len(prompts))), [None, None], {}
-  while queue or any(j is not None for j in jobs):
-    free_rows = [r for r, j in enumerate(jobs) if j is None]
-    if queue and free_rows:
-      take = [queue.pop(0) for _ in free_rows[:len(queue)]]
-      rows = free_rows[:len(take)]
-      live.admit([prompts[i] for i in take], rows,
-                 np.stack([program_lib.raw_key(rng)] * len(take)), pids=take)
-      for r, i in zip(rows, take):
-        jobs[r] = i
-    live.run(max_passes=2)
-    snap = live.read()
-    done = [r for r, j in enumerate(jobs) if j is not None and snap.phase_b[r] == program_lib.DONE]
-    for r in done:
-      n = int(snap.length_b[r])
-      got[jobs[r]] = [int(t) for t in snap.tokens_bg[r, :n]]
-      jobs[r] = None
-    live.free(done)
+  got = drive_live_batch(live_lib.LiveBatch(dec, 2, WIDTH), prompts, program_lib.raw_key(rng), 2)
   assert got == {i: _as_lists(want, i)[0] for i in range(len(prompts))}
 
 

@@ -17,10 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from refusion_jax import loading
+from configs.common import TINY_TEST
+from refusion_jax import config as config_lib
+from refusion_jax import evaluate, loading
 from refusion_jax.decode import engine, heads
+from refusion_jax.decode import live as live_lib
+from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.settings import DecodeConfig
+from refusion_jax.model import Transformer
+from tests.conftest import drive_live_batch
 from tests.test_decode_refusion import MASK_ID, PAD_ID, _full_call, _make_model, _pad
 
 _WIDTH = 64  # the oracle's padded call (one compiled forward for every pass)
@@ -205,8 +212,6 @@ def test_the_answer_is_ar_decodings_on_a_random_model(model, temperature):
 
 
 def test_the_answer_is_ar_decodings_on_the_trained_model_in_fewer_passes():
-  from configs.common import TINY_TEST  # pylint: disable=import-outside-toplevel
-  from refusion_jax import evaluate  # pylint: disable=import-outside-toplevel
   _, trained = loading.load_model("refusion_tiny")
   tok = loading.load_tokenizer("refusion_tiny", trained.config)
   prompts = [p.prompt_ids for p in evaluate.read_problems(TINY_TEST, tok, per_task=2)]
@@ -241,36 +246,21 @@ def test_the_engine_admits_rows_mid_run_and_answers_as_ar(model):
 def test_the_servers_live_batch_answers_as_ar(model, temperature):
   """The server's path (decode/live.py): prompts join rows as they free up, a few passes
   at a time; each answer is AR's with the same prompt key, its text a growing prefix."""
-  from refusion_jax.decode import live as live_lib  # pylint: disable=import-outside-toplevel
-  from refusion_jax.decode import program as program_lib  # pylint: disable=import-outside-toplevel
   prompts = _prompts(5, 6, seed=1)
   rng = jax.random.key(3)
   want, _ = _decode(model, prompts, DecodeConfig(method="ar", gen_length=16,
                                                  temperature=temperature), rng, width=6)
   dc = DecodeConfig(gen_length=16, slot_size=2, block_size=8, verify="lossless",
                     temperature=temperature)
-  live = live_lib.LiveBatch(engine.Decoder(model, dc), 2, 8)
-  queue, jobs, got = list(range(len(prompts))), [None, None], {}
-  while queue or any(j is not None for j in jobs):
-    free_rows = [r for r, j in enumerate(jobs) if j is None]
-    if queue and free_rows:
-      take = [queue.pop(0) for _ in free_rows[:len(queue)]]
-      rows = free_rows[:len(take)]
-      live.admit([prompts[i] for i in take], rows,
-                 np.stack([program_lib.raw_key(rng)] * len(take)), pids=take)
-      for r, i in zip(rows, take):
-        jobs[r] = i
-    live.run(max_passes=1)
-    snap = live.read()
+
+  def streamed_prefixes(snap, jobs):  # what a stream may send: final tokens, never revised
     for r, i in enumerate(jobs):
-      if i is not None:  # what a stream may send: final tokens only, never revised
+      if i is not None:
         prefix = [int(t) for t in snap.tokens_bg[r, :snap.prefix_b()[r]]]
         assert prefix == want[i][:len(prefix)], (i, prefix)
-    done = [r for r, j in enumerate(jobs) if j is not None and snap.phase_b[r] == program_lib.DONE]
-    for r in done:
-      got[jobs[r]] = [int(t) for t in snap.tokens_bg[r, :int(snap.length_b[r])]]
-      jobs[r] = None
-    live.free(done)
+
+  got = drive_live_batch(live_lib.LiveBatch(engine.Decoder(model, dc), 2, 8), prompts,
+                         program_lib.raw_key(rng), 1, streamed_prefixes)
   assert got == dict(enumerate(want))
 
 
@@ -308,9 +298,6 @@ def _enumerate_ar(model, prompt, gen_length, temperature, stops):
 
 
 def _small_model():
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from refusion_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from refusion_jax.model import Transformer  # pylint: disable=import-outside-toplevel
   cfg = config_lib.tiny(vocab_size=8, hidden_size=32, num_layers=1, num_heads=2,
                         num_kv_heads=1, head_dim=16, mlp_dim=64, tie_embeddings=False,
                         max_position_embeddings=64, eos_token_id=4, mask_token_id=MASK_ID,
