@@ -71,6 +71,13 @@ def test_every_option_is_declared_once_with_a_description_and_a_rule():
   # Each method's program names the method's own module.
   for name, cls in options.registry().items():
     assert program_lib.program(name).name == name and cls.module
+    spec = program_lib.spec_of(DecodeConfig(method=name, gen_length=32))
+    assert program_lib.program_of(spec) is program_lib.program(name) and not spec.program
+  # A variant the options choose: ReFusion's lossless mode is a program of its own over
+  # the method's Spec (a new program, no flag inside the method's).
+  spec = program_lib.spec_of(DecodeConfig(method="refusion", gen_length=32, verify="lossless"))
+  assert program_lib.program_of(spec).name == "refusion-lossless"
+  assert type(spec) is program_lib.program("refusion").spec_type
 
 
 @pytest.mark.parametrize("method", sorted(BASE))

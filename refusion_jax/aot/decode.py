@@ -93,7 +93,7 @@ def _pass_program(graphdef, params, cache, ids_bw, positions_bw, keys_bw2, tempe
 
 def _step_program(graphdef, params, state, knobs, *, spec):
   with program_lib.precision(spec):
-    return program_lib.program(spec.method).step(nnx.merge(graphdef, params), spec, state, knobs)
+    return program_lib.program_of(spec).step(nnx.merge(graphdef, params), spec, state, knobs)
 
 
 @functools.cache
@@ -177,7 +177,7 @@ def check_decode(decode_config: DecodeConfig, tpu_slice: tpu.Slice, *, model: st
             "flops": flops, "estimated_s": roofline(flops, nbytes, chip),
             "xla_flops": xla_flops(compiled), "compile_s": seconds}
 
-  prog, max_len = program_lib.program(decode_config.method), prompt_len + decode_config.gen_length
+  prog, max_len = program_lib.program_of(decoder.spec), prompt_len + decode_config.gen_length
   cached_widths = prog.pass_widths(decoder.spec)
   if prog.canvas_spec is not None:
     # Its steps feed prompt and canvas whole (with a cache, a block's first step): that

@@ -131,7 +131,7 @@ def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
 
 PROGRAM = program_lib.register(program_lib.Program(
     name="ar", init=init, admit=admit, step=step, output=output, pass_widths=lambda spec: (1,),
-    needs_rng_to_sample=False))
+    needs_rng_to_sample=False), __name__)
 
 
 def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,

@@ -201,7 +201,7 @@ def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
 PROGRAM = program_lib.register(program_lib.Program(
     # The response, its EOS rule and counters are the MDM decoder's (same Rows fields).
     name="bd3lm", init=init, admit=admit, step=step, output=mdm.output, spec_type=Spec,
-    knobs_type=Knobs, pass_widths=widths, needs_rng_to_sample=False))
+    knobs_type=Knobs, pass_widths=widths, needs_rng_to_sample=False), __name__)
 
 
 def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,

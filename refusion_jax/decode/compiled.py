@@ -173,7 +173,7 @@ def merge(graphdef, params):
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
 def generate(graphdef, params, ids_bp, lens_b, rng, knobs: Knobs, spec: Spec):
   model = merge(graphdef, params)
-  prog = program_lib.program(spec.method)
+  prog = program_lib.program_of(spec)
   b, p = ids_bp.shape
   state = prog.init(model, spec, b, p)
   rows = jnp.arange(b)
@@ -186,7 +186,7 @@ def generate(graphdef, params, ids_bp, lens_b, rng, knobs: Knobs, spec: Spec):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "spec", "rows", "width", "place"))
 def init(graphdef, params, spec: Spec, rows: int, width: int, place: Placement | None = None):
-  state = program_lib.program(spec.method).init(merge(graphdef, params), spec, rows, width)
+  state = program_lib.program_of(spec).init(merge(graphdef, params), spec, rows, width)
   return placed(state, place)
 
 
@@ -200,7 +200,7 @@ def admit(graphdef, params, state, ids_ap, lens_a, rows_a, pids_a, rng, knobs, s
   rng_a2 = jnp.broadcast_to(rng, (ids_ap.shape[0], 2))
   keys_a2 = jax.vmap(jax.random.fold_in)(rng_a2, pids_a)
   with program_lib.precision(spec):
-    state = program_lib.program(spec.method).admit(model, spec, state, ids_ap, lens_a, rows_a,
+    state = program_lib.program_of(spec).admit(model, spec, state, ids_ap, lens_a, rows_a,
                                                    keys_a2, knobs)
   return placed(state, place)
 
@@ -212,7 +212,7 @@ def run(graphdef, params, state, knobs, stop_on_done, spec, max_passes=None,
   """The loop; with a (traced) `max_passes` it also returns after that many passes."""
   model = merge(graphdef, params)
   limit = None if max_passes is None else state.passes + max_passes
-  prog = program_lib.program(spec.method)
+  prog = program_lib.program_of(spec)
   return placed(loop(model, prog, spec, state, knobs, stop_on_done, limit), place)
 
 
@@ -225,7 +225,7 @@ def run_rows(graphdef, params, state, knobs, stop_on_done, idx_n, spec, max_pass
   tokens and passes are those of a run over every row."""
   model = merge(graphdef, params)
   sub = program_lib.take_rows(state, idx_n)
-  sub = loop(model, program_lib.program(spec.method), spec, sub, knobs, stop_on_done,
+  sub = loop(model, program_lib.program_of(spec), spec, sub, knobs, stop_on_done,
              sub.passes + max_passes)
   return placed(program_lib.put_rows(state, sub, idx_n), place)
 
@@ -257,7 +257,7 @@ def unpack32(words: np.ndarray, like):
 
 
 def output_tree(state, knobs, spec):
-  out = program_lib.program(spec.method).output(spec, state, knobs)
+  out = program_lib.program_of(spec).output(spec, state, knobs)
   return out, state.rows.phase_b, state.passes
 
 
@@ -343,7 +343,7 @@ def lower_program(decoder, name: str, rows: int, width: int) -> jax.stages.Lower
 
 
 def read_tree(state, knobs, spec):
-  out = program_lib.program(spec.method).output(spec, state, knobs)
+  out = program_lib.program_of(spec).output(spec, state, knobs)
   return (out.tokens_bg, out.commit_step_bg, out.length_b, out.counters.nfe_b(),
           state.rows.phase_b, state.passes)
 

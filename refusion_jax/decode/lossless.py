@@ -63,6 +63,7 @@ import jax.numpy as jnp
 
 from refusion_jax.decode import common, heads, passes
 from refusion_jax.decode import program as program_lib
+from refusion_jax.decode import refusion
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.program import DONE, FIRST_PHASE, FREE
 from refusion_jax.kv_cache import KVCache
@@ -286,3 +287,10 @@ def output(spec, st: State, knobs) -> DecodeOutput:
   return DecodeOutput(tokens_bg=jnp.where(within, r.tokens_bg, knobs.pad_id),
                       length_b=r.final_b, counters=r.counters.replace(tokens_b=r.final_b),
                       commit_step_bg=jnp.where(within, r.commit_step_bg, -1), trace=trace)
+
+
+# ReFusion's options choose this program for decode.verify='lossless' (their
+# `program_module`); it shares ReFusion's Spec and Knobs.
+PROGRAM = program_lib.register(program_lib.Program(
+    name="refusion-lossless", init=init, admit=admit, step=step, output=output,
+    spec_type=refusion.Spec, knobs_type=refusion.Knobs, pass_widths=widths), __name__)

@@ -452,7 +452,8 @@ def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
 
 PROGRAM = program_lib.register(program_lib.Program(
     name="mdm", init=init, admit=admit, step=step, output=output, spec_type=Spec,
-    knobs_type=Knobs, pass_widths=widths, canvas_spec=canvas_spec, needs_rng_to_sample=False))
+    knobs_type=Knobs, pass_widths=widths, canvas_spec=canvas_spec, needs_rng_to_sample=False),
+    __name__)
 
 
 def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,

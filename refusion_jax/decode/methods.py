@@ -292,12 +292,15 @@ class ReFusionOptions(MethodOptions):
     return (PLAN_INIT_SCALE,) + (0.0,) * (len(PLAN_FEATURES) - 1) + (
         -PLAN_INIT_SCALE * float(self.slot_threshold),)
 
+  def program_module(self, dc) -> str:
+    # Lossless decoding is a program of its own over the same Spec and Knobs.
+    return "refusion_jax.decode.lossless" if self.verify == "lossless" else self.module
+
   def static(self, dc) -> dict:
     # Left to right, blocks play no part (one program for every block size).
     return dict(slot_size=self.slot_size,
                 block_size=dc.gen_length if self.left_to_right else self.block_size,
                 left_to_right=self.left_to_right, verify=self.verify in ("correct", "exact"),
-                lossless=self.verify == "lossless",
                 remask=self.remask and not self.left_to_right,
                 record=self.record and not self.left_to_right,
                 plan_policy=self.planner.name == "policy" and not self.left_to_right)

@@ -125,6 +125,11 @@ class MethodOptions:
   module: ClassVar[str] = ""
   host_decoder: ClassVar[str] = ""  # "module:Class" of a host-side decoder ("": compiled)
 
+  def program_module(self, dc) -> str:
+    """The module of the program that runs these options (`module`, or a variant's that
+    registers a program of its own: `decode.program.program_of`)."""
+    return self.module
+
   def __post_init__(self):
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)

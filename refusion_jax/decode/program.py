@@ -59,6 +59,9 @@ class Spec:
   vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK
   kv_chunk: int = 0  # DecodeConfig.kv_chunk as resolved for the platform (KVCache.chunk)
   matmul_precision: str | None = None  # DecodeConfig.matmul_precision as resolved (None: JAX's)
+  # The module of the program that runs it ("": the method's own, its options' `module`);
+  # a method's options may pick another (`MethodOptions.program_module`).
+  program: str = ""
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -111,24 +114,39 @@ class Program:
   needs_rng_to_sample: bool = True
 
 
-_PROGRAMS: dict[str, Program] = {}
+_PROGRAMS: dict[str, Program] = {}  # by the module that registers it
 
 
-def register(prog: Program) -> Program:
-  _PROGRAMS[prog.name] = prog
+def register(prog: Program, module: str) -> Program:
+  """Makes `prog` the program of `module` (the module calling this: `__name__`)."""
+  _PROGRAMS[module] = prog
   return prog
 
 
+def _method_module(method: str) -> str:
+  cls = options_lib.registry().get(method)
+  if cls is None or not cls.module:
+    raise ValueError(f"decode.method={method!r}: known decoders are "
+                     f"{sorted(n for n, c in options_lib.registry().items() if c.module)}")
+  return cls.module
+
+
+def _loaded(module: str) -> Program:
+  if module not in _PROGRAMS:
+    importlib.import_module(module)  # registers it
+  return _PROGRAMS[module]
+
+
 def program(method: str) -> Program:
-  """The program of `method`, its module loaded on first use (the method's options name
-  it: decode/methods.py)."""
-  if method not in _PROGRAMS:
-    cls = options_lib.registry().get(method)
-    if cls is None or not cls.module:
-      raise ValueError(f"decode.method={method!r}: known decoders are "
-                       f"{sorted(n for n, c in options_lib.registry().items() if c.module)}")
-    importlib.import_module(cls.module)  # registers it
-  return _PROGRAMS[method]
+  """The program of `method` (its options' `module`), loaded on first use: its Spec and
+  Knobs types, which every program of the method shares."""
+  return _loaded(_method_module(method))
+
+
+def program_of(spec: Spec) -> Program:
+  """The program that runs `spec`: the one its method's options chose (`Spec.program`:
+  ReFusion's lossless mode is a program of its own), else the method's."""
+  return _loaded(spec.program or _method_module(spec.method))
 
 
 def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_CHUNK,
@@ -140,6 +158,9 @@ def spec_of(decode_config: DecodeConfig, vocab_chunk: int = heads.DEFAULT_VOCAB_
                 kv_chunk=dc.kv_chunk_on(platform),
                 matmul_precision=dc.matmul_precision_on(platform))
   fields.update(dc.options.static(dc))
+  module = dc.options.program_module(dc)
+  if module != dc.options.module:
+    fields["program"] = module
   return program(dc.method).spec_type(**fields)
 
 

@@ -77,7 +77,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from refusion_jax.decode import common, compiled, engine, heads, lossless, passes
+from refusion_jax.decode import common, compiled, engine, heads, passes
 from refusion_jax.decode import program as program_lib
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
 from refusion_jax.decode.methods import PLAN_FEATURES
@@ -104,7 +104,6 @@ class Spec(program_lib.Spec):
   remask: bool = False  # decode.remask
   record: bool = False  # decode.record: DecodeOutput.trace
   plan_policy: bool = False  # decode.planner == "policy"
-  lossless: bool = False  # decode.verify == "lossless": the program of decode/lossless.py
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -832,10 +831,7 @@ def ltr_ar(spec: Spec, r: Rows, out: passes.PassOut, knobs: Knobs) -> Rows:
 
 
 def widths(spec: Spec) -> tuple[int, ...]:
-  """Static pass widths: slot, 2 slots, 4 slots, ... and the block (left to right: 1, k+1;
-  lossless: its window)."""
-  if spec.lossless:
-    return lossless.widths(spec)
+  """Static pass widths: slot, 2 slots, 4 slots, ... and the block (left to right: 1, k+1)."""
   if spec.left_to_right:
     return (1, spec.slot_size + 1)
   out, w = [], spec.slot_size
@@ -890,8 +886,6 @@ def cache_length(spec: Spec, width: int) -> int:
 
 
 def init(model, spec: Spec, rows: int, width: int) -> State:
-  if spec.lossless:
-    return lossless.init(model, spec, rows, width)
   cache = KVCache.init(model.config, rows, cache_length(spec, width), chunk=spec.kv_chunk)
   pad = 0 if model.config.pad_token_id is None else model.config.pad_token_id
   r = _empty_rows(spec, rows, pad)
@@ -899,8 +893,6 @@ def init(model, spec: Spec, rows: int, width: int) -> State:
 
 
 def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: Knobs) -> State:
-  if spec.lossless:
-    return lossless.admit(model, spec, st, ids_ap, lens_a, rows_a, keys_a2, knobs)
   cache, last_ad = common.prefill_rows(model, st.cache, ids_ap, lens_a, rows_a)
   a = ids_ap.shape[0]
   fresh = _empty_rows(spec, a, knobs.pad_id).replace(
@@ -918,8 +910,6 @@ def admit(model, spec: Spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs: 
 
 def step(model, spec: Spec, st: State, knobs: Knobs) -> State:
   """One forward pass; every active row advances by its own phase."""
-  if spec.lossless:
-    return lossless.step(model, spec, st, knobs)
   r = st.rows
   b = r.phase_b.shape[0]
   active = r.phase_b >= FIRST_PHASE
@@ -973,8 +963,6 @@ def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
   """The text is the committed tokens by position, ending at the first EOS. Every
   position before it is committed (earlier slots are always decoded); tokens
   committed past it (an EOS later found in an earlier slot) are not counted."""
-  if spec.lossless:
-    return lossless.output(spec, st, knobs)
   r = st.rows
   g = spec.gen_length
   committed = r.commit_step_bg >= 0
@@ -997,7 +985,7 @@ def output(spec: Spec, st: State, knobs: Knobs) -> DecodeOutput:
 
 PROGRAM = program_lib.register(program_lib.Program(
     name="refusion", init=init, admit=admit, step=step, output=output, spec_type=Spec,
-    knobs_type=Knobs, pass_widths=widths))
+    knobs_type=Knobs, pass_widths=widths), __name__)
 
 
 def generate(model, prompt_ids_bp, prompt_len_b, decode_config: DecodeConfig,
