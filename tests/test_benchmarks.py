@@ -18,6 +18,17 @@ def test_forward_cost_reports_each_width(capsys):
   assert "| 1 |" in out and "| 4 |" in out and "1.00x" in out
 
 
+def test_lossless_speed_decodes_ars_tokens_and_gives_each_windows_ceiling(capsys):
+  from benchmarks import lossless_speed  # pylint: disable=import-outside-toplevel
+  rows = lossless_speed.main(["--windows=4", "--per_task=1", "--gen_length=8", "--repeats=1"])
+  ar, ll = rows
+  assert ll["tokens"] == ar["tokens"] and ll["passes"] < ar["passes"]  # AR's answers
+  assert ll["ceiling"] == pytest.approx(ll["tpf"] * ar["bare_ms"] / ll["bare_ms"])
+  assert "| lossless, window 4 |" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    lossless_speed.parse_args(["--windows=0"])
+
+
 def test_forward_cost_runs_a_preset_shape(capsys):
   forward_cost.main(["--preset=release_tiny", "--widths=2", "--batch=2", "--passes=1",
                      "--repeats=1", "--context=4"])
