@@ -192,7 +192,13 @@ def _settings_lines(config, chosen: Mapping[str, Mapping] | None) -> list[str]:
   lines = []
   for row, tasks in chosen.items():
     users = [n for n in config.eval.rows if settings.ROWS[n].settings_of == row]
-    lines.append(f"- {' / '.join(users)} settings per task (k, b, tau_s, tau_t), {how}: "
+    # A row that sets one of these itself says so (its own value holds for every task).
+    own = {n: [(f, v) for f, v in settings.ROWS[n].options
+               if f in ("slot_size", "block_size", "slot_threshold", "token_threshold")]
+           for n in users}
+    named = [n + (f" ({', '.join(f'{f} {v:g}' for f, v in own[n])} in every task)"
+                  if own[n] else "") for n in users]
+    lines.append(f"- {' / '.join(named)} settings per task (k, b, tau_s, tau_t), {how}: "
                  + per_task(tasks))
     how = "its own search"
   return lines
