@@ -13,6 +13,13 @@ accuracy and tokens per forward, and the reward curve (mean reward of the rollou
 
   python benchmarks/rl_miniature.py --model_dir W/models/refusion/final_model \\
       --workdir /tmp/rl_mini --steps 150 --learning_rate 2e-5
+
+`--lossless`: rollouts from the lossless sampler (configs/rl_lossless.py: the model's AR
+samples, window `--block_size`, every slot drafted at `--slot_threshold 0`), and both
+models evaluated by greedy lossless decoding (the AR answer) at the same settings.
+
+  python benchmarks/rl_miniature.py --lossless --block_size 8 --slot_threshold 0 \\
+      --model_dir W/models/refusion_bl/final_model --workdir /tmp/rl_lossless
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ def parse_args(argv=None):
   p.add_argument("--curve_every", type=int, default=10)
   p.add_argument("--splits", default="valid,test")
   p.add_argument("--train_policy", default="model", choices=["model", "selector", "both"])
+  p.add_argument("--lossless", action="store_true", help="rollouts and evaluation by "
+                 "lossless decoding (decode.verify='lossless')")
   p.add_argument("--headroom_per_task", type=int, default=30,
                  help="training problems per task whose rollouts measure the headroom (0: skip)")
   args = p.parse_args(argv)
@@ -115,6 +124,8 @@ def main(argv=None):
   c.micro_batch = min(16, a.group_size * a.prompts_per_step)
   c.save_every = max(1, a.steps // 3)
   c.train_policy = a.train_policy
+  if a.lossless:
+    c.decode.verify = "lossless"
   room = headroom(a, c) if a.headroom_per_task else None
   result = trainer.run(c)
   lines = [json.loads(x) for x in open(os.path.join(a.workdir, "metrics.jsonl"),
@@ -133,11 +144,12 @@ def main(argv=None):
   base = dict(gen_length=c.decode.gen_length, slot_size=c.decode.slot_size,
               block_size=c.decode.block_size, slot_threshold=a.slot_threshold,
               token_threshold=a.token_threshold)
-  parallel = DecodeConfig(**base)
+  parallel = DecodeConfig(**base, verify="lossless" if a.lossless else "off")
   if a.eval_decode_from:
     with open(a.eval_decode_from, encoding="utf-8") as f:
       parallel = {t: DecodeConfig(**v) for t, v in json.load(f)["decode"].items()}
-  rows = {"parallel": parallel, "left_to_right": DecodeConfig(**base, left_to_right=True)}
+  rows = ({"lossless": parallel} if a.lossless else
+          {"parallel": parallel, "left_to_right": DecodeConfig(**base, left_to_right=True)})
   learnt = {}
   if "plan_weights" in result:
     w = tuple(result["plan_weights"])

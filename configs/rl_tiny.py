@@ -57,6 +57,7 @@ def get_config():
   c.decode.token_threshold = 0.4
   c.decode.temperature = 1.0
   c.decode.recompute_kv = False
+  c.decode.verify = "off"  # "lossless": the model's AR samples (configs/rl_lossless.py)
   c.decode.plan_weights = ()  # the selection policy's start ((): a soft slot_threshold)
   # aot --program=rl: the training recipe whose model, mesh and dtypes the policy step
   # shares, and the size of a rollout's training layout (entries, scored tokens).

@@ -91,3 +91,38 @@ def test_bad_input():
     replay.layout([1, 2, 3], run.results[0].trace, K, BLOCK, MASK)
   with pytest.raises(ValueError, match="the batch holds"):
     replay.pack(lays, width=8)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_lossless_rollout_scores_as_its_ar_likelihood_in_one_causal_forward(temperature):
+  """Lossless rollouts are the model's AR samples: one causal forward over prompt and
+  answer gives each token's log-probability, equal to the decoder's recorded one and to
+  a plain float64 log-softmax of the model's own causal logits over the whole vocabulary
+  (the mask token included: here it carries real mass, so leaving it out would show)."""
+  model = _model()
+  model.lm_head[...] = model.lm_head[...].at[:, MASK].set(model.lm_head[...][:, 5])
+  dc = DecodeConfig(gen_length=GEN, slot_size=K, block_size=8, slot_threshold=0.0,
+                    temperature=temperature, verify="lossless", record=True)
+  run = engine.Decoder(model, dc, method="refusion").engine(rows=2).run(
+      PROMPTS, rng=jax.random.PRNGKey(5))
+  lays = [replay.causal_layout(p, r.tokens, r.trace["p"]) for p, r in zip(PROMPTS, run.results)]
+  batch = replay.pack(lays, causal=True)
+  lp = np.asarray(replay.logprobs(model, batch, temperature))
+  parallel = np.asarray(replay.logprobs(model, dict(batch, scored_mask=np.bool_(False)),
+                                        temperature))
+  valid = batch["valid"]
+  # Leaving the mask token out (the parallel decode's rule) would show: 10x the tolerance.
+  assert np.abs(parallel[valid] - lp[valid]).max() > 1e-4
+  for i, (p, res) in enumerate(zip(PROMPTS, run.results)):
+    got = lp[i][valid[i]]
+    assert len(got) == len(res.tokens) > 0
+    np.testing.assert_allclose(got, np.log(res.trace["p"][:len(res.tokens)]), atol=1e-5)
+    ids = np.asarray(p + res.tokens, np.int32)
+    logits = np.asarray(model(jax.numpy.asarray(ids)[None], jax.numpy.arange(len(ids))[None])[0],
+                        np.float64) / temperature
+    logits = logits[len(p) - 1:len(ids) - 1]
+    ref = logits[np.arange(len(res.tokens)), res.tokens] - np.log(
+        np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) - logits.max(-1)
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+  with pytest.raises(ValueError, match="the answer is empty"):
+    replay.causal_layout([1, 2], [], [])

@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from configs import rl_tiny
+from configs import rl_lossless, rl_tiny
 from configs.common import ASSETS_DIR, TINY_TRAIN
 from refusion_jax import loading
 from refusion_jax.rl import rewards, trainer
@@ -57,6 +57,25 @@ def test_a_run_learns(tmp_path):
   assert any(not np.array_equal(x, y) for x, y in zip(base, after))  # it learned something
   # The reference's KL is measured against the starting weights: zero at the first update.
   assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6) and lines[1]["kl"] > 0
+
+
+def test_a_run_on_the_lossless_sampler_learns(tmp_path):
+  """configs/rl_lossless.py: the rollouts are the model's AR samples (fused passes, more
+  than one token each), scored by one causal forward."""
+  data = _train_file(tmp_path)
+  c = _config(tmp_path / "l", data)
+  c.decode = rl_lossless.get_config().decode
+  c.decode.gen_length = 16
+  result = trainer.run(c, progress=False)
+  lines = [json.loads(x) for x in open(tmp_path / "l" / "metrics.jsonl", encoding="utf-8")]
+  assert [x["step"] for x in lines] == [1, 2] and result["final_model"]
+  assert all(np.isfinite(x["loss"]) and x["tokens_per_forward"] > 1.0 for x in lines)
+  assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6) and lines[1]["kl"] > 0
+  assert any(not np.array_equal(x, y)
+             for x, y in zip(_params(MODEL), _params(result["final_model"])))
+  c.train_policy = "selector"
+  with pytest.raises(ValueError, match="the slot choice changes no answer"):
+    trainer.check_config(c)
 
 
 def test_bad_settings_are_one_line(tmp_path):

@@ -23,6 +23,12 @@ group that drafted it, under `log_softmax(logits / T)` with the mask token left 
 model's parameters). `logprobs_stepwise` is the oracle: each deciding pass run alone,
 on exactly what it saw, in float64 log-softmax. The decoder's own probabilities
 (`trace["p"]`, at temperature 1) are the third check.
+
+A rollout of lossless decoding (`decode.verify='lossless'`) is distributed as the
+model's AR sampling, each token drawn from its causal softmax over the whole vocabulary
+(the mask token included): its layout is `causal_layout`, prompt and answer in one causal
+run, each token scored at the entry before it (one causal forward: the AR likelihood),
+packed with `pack(..., causal=True)` so that `logprobs` keeps the mask token in the softmax.
 """
 
 from __future__ import annotations
@@ -142,14 +148,36 @@ def layout(prompt, trace: dict, slot_size: int, block_size: int, mask_id: int) -
                 p_recorded=np.asarray([trace["p"][g] for g in order], np.float32))
 
 
+def causal_layout(prompt, tokens, p_recorded) -> Layout:
+  """A lossless rollout's layout: `[prompt | answer]` under a causal mask at true positions,
+  answer token i scored at the entry before it (the AR likelihood of the answer);
+  `p_recorded` is the decoder's probability of each token (`trace["p"]`)."""
+  p, t = len(prompt), len(tokens)
+  if p == 0:
+    raise ValueError("replay: the prompt is empty")
+  if t == 0:
+    raise ValueError("replay: the answer is empty")
+  if len(p_recorded) < t:
+    raise ValueError(f"replay: {len(p_recorded)} recorded probabilities for {t} tokens")
+  ids = np.asarray(list(prompt) + list(tokens[:-1]), np.int32)  # the last token feeds nothing
+  n = len(ids)
+  return Layout(ids=ids, positions=np.arange(n, dtype=np.int32),
+                attention=np.tril(np.ones((n, n), bool)),
+                score_at=np.arange(p - 1, p - 1 + t, dtype=np.int32),
+                targets=np.asarray(tokens, np.int32), index=np.arange(t, dtype=np.int32),
+                p_recorded=np.asarray(p_recorded[:t], np.float32))
+
+
 def bucket(n: int, step: int) -> int:
   return max(step, -(-n // step) * step)
 
 
 def pack(layouts, width: int | None = None, tokens: int | None = None,
-         width_step: int = 32, tokens_step: int = 16) -> dict:
+         width_step: int = 32, tokens_step: int = 16, causal: bool = False) -> dict:
   """A batch of layouts padded to `width` entries and `tokens` scored tokens (default:
-  the longest, rounded up to the steps, so that similar batches share one program)."""
+  the longest, rounded up to the steps, so that similar batches share one program);
+  `causal`: lossless rollouts (`causal_layout`), scored with the mask token in the
+  softmax (`scored_mask`)."""
   b = len(layouts)
   need_w = max(len(x.ids) for x in layouts)
   need_t = max(len(x.targets) for x in layouts)
@@ -161,7 +189,7 @@ def pack(layouts, width: int | None = None, tokens: int | None = None,
   out = dict(ids=np.zeros((b, width), np.int32), positions=np.zeros((b, width), np.int32),
              attention=np.broadcast_to(np.eye(width, dtype=bool), (b, width, width)).copy(),
              score_at=np.zeros((b, tokens), np.int32), targets=np.zeros((b, tokens), np.int32),
-             valid=np.zeros((b, tokens), bool))
+             valid=np.zeros((b, tokens), bool), scored_mask=np.bool_(causal))
   for i, x in enumerate(layouts):
     n, t = len(x.ids), len(x.targets)
     out["ids"][i, :n], out["positions"][i, :n] = x.ids, x.positions
@@ -182,7 +210,12 @@ def logprobs(model, batch: dict, temperature: float = 1.0, entropy: bool = False
                    attention_mask_btt=jnp.asarray(batch["attention"]))
   # Only the scored entries are projected onto the vocabulary.
   h = jnp.take_along_axis(h, jnp.asarray(batch["score_at"])[:, :, None], axis=1)
-  read = model.unembed().logits(h).at[:, :, mask_id].set(-jnp.inf) / temperature
+  logits = model.unembed().logits(h)
+  # The parallel decoder never draws the mask token (left out of the softmax); a causal
+  # pick may (a lossless rollout's batch: `scored_mask`).
+  leave_out = (jnp.arange(logits.shape[-1]) == mask_id) & ~jnp.asarray(
+      batch.get("scored_mask", False))
+  read = jnp.where(leave_out, -jnp.inf, logits) / temperature
   lp = jax.nn.log_softmax(read, axis=-1)
   out = jnp.take_along_axis(lp, jnp.asarray(batch["targets"])[:, :, None], axis=-1)[..., 0]
   valid = jnp.asarray(batch["valid"])

@@ -3,7 +3,8 @@
 `micro_batches` lays a step's rollouts out for the forward (`rl.replay`: one
 training layout per rollout, every pass that decided a token in one sequence, packed
 `micro_batch` rollouts at a time; with the selection policy trained, each plan step's
-features and choice too). `trajectory_logprobs` scores a micro-batch under the trained
+features and choice too; a lossless rollout's layout is prompt and answer in one causal
+run, its AR likelihood). `trajectory_logprobs` scores a micro-batch under the trained
 parts of a parameter dict; `make_score` is what the trainer jits to score the rollouts
 under the reference's weights and, with several updates per batch, the current ones
 (GRPO's old log-probabilities), as tunix's RL cluster scores them for its learner.
@@ -26,13 +27,19 @@ def micro_batches(rollouts: Rollouts, decode_config, mask_id: int, size: int,
   """The rollouts' training layouts, packed `size` at a time at one bucketed width (one
   compiled program for every micro-batch of the step)."""
   dc = decode_config
-  layouts = [replay.layout(p, r.trace, dc.slot_size, dc.block_size, mask_id)
-             for p, r in zip(rollouts.prompts, rollouts.results)]
+  causal = dc.verify == "lossless"
+  if causal:  # the answer's AR likelihood: one causal run
+    layouts = [replay.causal_layout(p, r.tokens, r.trace["p"])
+               for p, r in zip(rollouts.prompts, rollouts.results)]
+  else:
+    layouts = [replay.layout(p, r.trace, dc.slot_size, dc.block_size, mask_id)
+               for p, r in zip(rollouts.prompts, rollouts.results)]
   width = replay.bucket(max(len(x.ids) for x in layouts), 32)
   tokens = replay.bucket(max(len(x.targets) for x in layouts), 16)
   batches = []
   for start in range(0, len(layouts), size):
-    batch = replay.pack(layouts[start:start + size], width=width, tokens=tokens)
+    batch = replay.pack(layouts[start:start + size], width=width, tokens=tokens,
+                        causal=causal)
     if with_plan:
       part = rollouts.results[start:start + size]
       for key in PLAN_KEYS:

@@ -9,15 +9,18 @@ and `learner` (the loss and the update). One step:
 
 1. **Rollouts** (`rollout.Rollout`, the engine: continuous batching, the compiled
    ReFusion program): `prompts_per_step` prompts drawn from the training file,
-   `group_size` samples each, at `decode.temperature` with the infill's drafts sampled
-   too (`decode.sample_drafts`) and every committed token's deciding pass recorded
-   (`decode.record`). The prompts and the rollout key are drawn from (seed, step), so a
-   step redone after a restart draws the same samples.
+   `group_size` samples each, at `decode.temperature`, recorded (`decode.record`). With
+   `decode.verify='lossless'` (configs/rl_lossless.py) they are the model's AR samples,
+   decoded in ReFusion's fused passes, each token's probability kept; otherwise the
+   release's parallel decode with the infill's drafts sampled too
+   (`decode.sample_drafts`) and every committed token's deciding pass recorded. The
+   prompts and the rollout key are drawn from (seed, step), so a step redone after a
+   restart draws the same samples.
 2. **Rewards** (`rl.rewards`): the completion's text (up to its stop token) against its
    row; optional speed term `reward * (1 + speed_weight * tokens / forwards)`.
 3. **Advantages**, group-relative (`rl.grpo.group_advantages`).
-4. **Scoring** (`scoring`): each rollout's training layout, `micro_batch` rollouts per
-   forward; the reference's log-probabilities (the starting weights) when beta > 0, the
+4. **Scoring** (`scoring`): each rollout's training layout (lossless: prompt and answer
+   in one causal run, the answer's AR likelihood), `micro_batch` rollouts per forward; the reference's log-probabilities (the starting weights) when beta > 0, the
    current ones as GRPO's old log-probabilities when `num_iterations` > 1.
 5. **Update** (`learner`): GRPO's clipped ratio and a k3 KL to the reference
    (`rl.grpo.policy_loss`); `num_iterations` optimizer steps on one batch of
@@ -104,6 +107,11 @@ def check_config(c, need_model: bool = True) -> None:
   if c.train_policy not in TRAIN_POLICIES:
     raise ValueError(f"--config.train_policy must be one of {TRAIN_POLICIES}, got "
                      f"{c.train_policy!r}")
+  if lossless(c) and c.train_policy != "model":
+    raise ValueError(f"--config.train_policy={c.train_policy!r} with decode.verify='lossless': "
+                     "under lossless decoding the slot choice changes no answer, only the "
+                     "passes, so a reward has nothing to teach the selection policy "
+                     "(train_policy='model' trains the causal head)")
   try:
     decode_config_of(c)
   except (TypeError, ValueError) as e:
@@ -117,12 +125,19 @@ TRAIN_POLICIES = ("model", "selector", "both")
 
 
 def decode_config_of(c):
-  """The rollouts' decode: sampled drafts, recorded; with the selection policy trained,
-  `planner='policy'` with its slots drawn."""
-  fields = dict(c.decode.to_dict(), method="refusion", sample_drafts=True, record=True)
+  """The rollouts' decode, recorded: lossless (`decode.verify='lossless'`: the model's AR
+  samples, each token's probability kept), else the parallel decode with its drafts
+  sampled; with the selection policy trained, `planner='policy'` with its slots drawn."""
+  fields = dict(c.decode.to_dict(), method="refusion", record=True)
+  if fields.get("verify") != "lossless":
+    fields["sample_drafts"] = True
   if c.train_policy in ("selector", "both"):
     fields.update(planner="policy", plan_sample=True)
   return DecodeConfig(**fields)
+
+
+def lossless(c) -> bool:
+  return c.decode.get("verify", "off") == "lossless"
 
 
 def read_rows(path: str, kind: str, tokenizer, model_config, gen_length: int):
