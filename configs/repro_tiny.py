@@ -52,8 +52,10 @@ def get_config():
   c.train.bd3lm_block_size = 8  # BD3-LM's blocks (the paper's Table 2); its decoder's too
   # Models to train (repro.settings.MODELS): the four objectives, and ReFusion trained with
   # the boundary label (ALGORITHM.md "Past the paper"); then made from them
-  # (repro.settings.DISTILLED): "d2f", a D2F adapter distilled from the MDM.
-  c.models = ("arm", "mdm", "bd3lm", "refusion", "refusion_bl", "d2f")
+  # (repro.settings.DISTILLED): "d2f", a D2F adapter distilled from the MDM; and
+  # (repro.settings.REINFORCED) "refusion_bl_rl", the boundary-label ReFusion after GRPO on
+  # the lossless sampler.
+  c.models = ("arm", "mdm", "bd3lm", "refusion", "refusion_bl", "d2f", "refusion_bl_rl")
   # D2F's distillation of the MDM (refusion_jax.distill; configs/d2f_tiny.py's fields,
   # these on top; its samples are train.data.train_files).
   c.distill = ml_collections.ConfigDict()
@@ -64,6 +66,12 @@ def get_config():
   c.distill.lora_rank = 16
   c.distill.lora_alpha = 16.0
   c.distill.learning_rate = 1e-3
+  # RL of refusion_bl on the lossless sampler (refusion_jax.rl; configs/rl_lossless.py's
+  # fields, these on top, `rl.decode.*` included; its prompts are its train_file, the
+  # training split; the rollouts answer at decode.gen_length).
+  c.rl = ml_collections.ConfigDict()
+  c.rl.steps = 400
+  c.rl.learning_rate = 5e-5
 
   # The base every model starts from (the paper fine-tunes from a pretrained AR model,
   # Qwen3-8B): the shipped pretrained causal ARM (configs/base_tiny.py, trained once by
@@ -96,7 +104,8 @@ def get_config():
                  "ReFusion-recompute-KV", "ReFusion-verify", "ReFusion-BL",
                  "ReFusion-BL-verify", "ReFusion-BL-L2R",
                  "ReFusion-BL-remask", "ReFusion-BL-AR",
-                 "ReFusion-BL-lossless")  # decoders in the table (repro.settings.ROWS)
+                 "ReFusion-BL-lossless", "ReFusion-BL-RL")  # decoders in the table
+  #                                                             (repro.settings.ROWS)
 
   # Decoding.
   c.decode = ml_collections.ConfigDict()

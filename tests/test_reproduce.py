@@ -303,6 +303,13 @@ def test_bad_settings_fail_before_training(tmp_path):
     _run(tmp_path, models=("arm", "bd3lm", "refusion", "refusion_bl", "d2f"))
   with pytest.raises(ValueError, match="config.distill: --config.steps must be a positive int"):
     _run(tmp_path, **{"distill.steps": 0})
+  with pytest.raises(ValueError, match="'refusion_bl_rl' is made from the 'refusion_bl' model"):
+    _run(tmp_path, models=("arm", "mdm", "bd3lm", "refusion", "d2f", "refusion_bl_rl"))
+  with pytest.raises(ValueError, match="config.rl: --config.steps must be a positive int"):
+    _run(tmp_path, **{"rl.steps": 0})
+  with pytest.raises(ValueError, match="config.rl: --config.train_policy='selector' with "
+                                       "decode.verify='lossless'"):
+    _run(tmp_path, **{"rl.train_policy": "selector"})
   with pytest.raises(ValueError, match=r"config.models=\('arm', 'gpt'\): each must be one of"):
     _run(tmp_path, models=("arm", "gpt"))
   with pytest.raises(ValueError, match=r"config.decode.tasks.sort\): decode.block_size=16 must be "
@@ -528,7 +535,28 @@ def test_refusion_settings_are_chosen_on_the_validation_split(smoke_run):
     decode = json.load(f)["decode"]
   for t in TASKS:
     assert {k: decode[t][k] for k in bl[t]} == bl[t] and decode[t]["verify"] == "correct"
-  assert "ReFusion-BL-verify settings per task (k, b, tau_s, tau_t), its own search" in (
+  assert ("ReFusion-BL-verify / ReFusion-BL-RL (block_size 8, slot_size 4, slot_threshold 0 "
+          "in every task) settings per task (k, b, tau_s, tau_t), its own search") in (
+      first["table"])
+
+
+def test_the_rl_stage_trains_from_its_source_and_its_row_decodes_losslessly(smoke_run):
+  """Stage 3's RL: refusion_bl_rl is refusion_bl after GRPO on the lossless sampler; its row
+  is keyed on its marker, decodes losslessly, and the report says how it was trained."""
+  workdir, first, _ = smoke_run
+  marker = first["distilled"]["refusion_bl_rl"]
+  assert marker["step"] == 2 and marker["budget"]["from"]["model"] == "refusion_bl"
+  assert marker["budget"]["rl"]["decode"]["verify"] == "lossless"
+  assert marker["budget"]["rl"]["decode"]["gen_length"] == 16  # the rows' gen_length
+  with open(os.path.join(workdir, scoring.RESULTS_DIR, "ReFusion-BL-RL.json")) as f:
+    result = json.load(f)
+  assert result["key"]["model"] == marker
+  assert all(d["verify"] == "lossless" and d["block_size"] == 8
+             for d in result["decode"].values())
+  start = _flat(checkpoint.load_model(stages.final_model_dir(workdir, "refusion_bl"))[1])
+  after = _flat(checkpoint.load_model(stages.final_model_dir(workdir, "refusion_bl_rl"))[1])
+  assert any(not np.array_equal(start[k], after[k]) for k in start)
+  assert "- Trained by RL (refusion_bl_rl, from refusion_bl; GRPO on the lossless sampler" in (
       first["table"])
 
 

@@ -50,6 +50,8 @@ def run(config, workdir: str, log=print) -> dict:
   base, new_base = stages.train_base(config, workdir, log)
   trained = stages.train_models(config, workdir, log, restart=new_base)
   distilled = stages.distill_models(config, workdir, trained, log)
+  # Models made from trained ones (D2F's distillation, RL): what the report lists apart.
+  distilled.update(stages.reinforce_models(config, workdir, trained, log))
   train_seconds = time.perf_counter() - t0
   markers = {**trained, **distilled}  # what each row's results are keyed on
   tokenizer = train_settings.load_tokenizer(config.train)

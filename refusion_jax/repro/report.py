@@ -207,6 +207,15 @@ def _settings_lines(config, chosen: Mapping[str, Mapping] | None) -> list[str]:
 def _distilled_lines(distilled: Mapping[str, dict] | None) -> list[str]:
   out = []
   for name, m in (distilled or {}).items():
+    if "rl" in m["budget"]:
+      r = m["budget"]["rl"]
+      out.append(f"- Trained by RL ({name}, from {m['budget']['from']['model']}; GRPO on the "
+                 f"lossless sampler, refusion_jax.rl): {m['step']} steps x "
+                 f"{r['prompts_per_step']} prompts x {r['group_size']} rollouts at "
+                 f"temperature {r['decode']['temperature']:g}, lr {r['learning_rate']:g}, KL "
+                 f"weight {r['beta']:g}; last step's reward {m['last_reward']:.3f}; wall "
+                 f"{m['seconds']:.0f}s")
+      continue
     d = m["budget"]["distill"]
     out.append(f"- Distilled ({name}, from {m['budget']['from']['model']}; D2F's asymmetric "
                f"distillation, refusion_jax.distill): {m['step']} steps x {d['batch_size']} "
@@ -301,6 +310,7 @@ LEVERS = (
     ("ReFusion-BL-remask", "ReFusion-BL-verify", "sub-slot re-masking"),
     ("ReFusion-BL-lossless", "ReFusion-BL-verify", "lossless decoding (the AR answer)"),
     ("ReFusion-BL-lossless", "ReFusion-BL-AR", "lossless decoding against its own AR decode"),
+    ("ReFusion-BL-RL", "ReFusion-BL-lossless", "RL on the lossless sampler (the causal head)"),
 )
 # Each parallel ReFusion row and its own model's left-to-right row.
 OWN_L2R = {"ReFusion": "ReFusion-L2R", "ReFusion-recompute-KV": "ReFusion-L2R",

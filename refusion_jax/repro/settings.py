@@ -29,6 +29,7 @@ from refusion_jax import distill, runtime
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.checks import is_int, is_real, require
 from refusion_jax.decode.settings import DecodeConfig
+from refusion_jax.rl import trainer as rl_trainer
 
 # ReFusion's per-task knobs (config.decode.tasks.<task>), the paper's Table 5 columns.
 TASK_SETTINGS = ("slot_size", "block_size", "slot_threshold", "token_threshold")
@@ -55,6 +56,10 @@ MODELS = {
 # are made from. "d2f": a D2F adapter distilled from the MDM (refusion_jax.distill with
 # config.distill), merged into its weights.
 DISTILLED = {"d2f": "mdm"}
+# Models trained further by RL (refusion_jax.rl, configs/rl_lossless.py with config.rl):
+# name -> the model they start from. "refusion_bl_rl": GRPO on the lossless sampler from
+# the boundary-label ReFusion, whose rollouts are its own AR samples.
+REINFORCED = {"refusion_bl_rl": "refusion_bl"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +163,10 @@ ROWS: dict[str, Row] = {row.name: row for row in (
     _refusion_row("ReFusion-BL-lossless", "refusion_bl", "ReFusion trained with the boundary "
                   "label, lossless decoding (the AR answer; slots drafted and checked in one "
                   "fused pass; window 8, slot 4, tau_s 0)", settings_of="ReFusion-BL-verify",
+                  verify="lossless", block_size=8, slot_size=4, slot_threshold=0.0),
+    _refusion_row("ReFusion-BL-RL", "refusion_bl_rl", "ReFusion-BL-lossless's model after GRPO "
+                  "on the lossless sampler (its rollouts its own AR samples; config.rl), "
+                  "decoded as ReFusion-BL-lossless", settings_of="ReFusion-BL-verify",
                   verify="lossless", block_size=8, slot_size=4, slot_threshold=0.0),
 )}
 
@@ -263,6 +272,18 @@ def check_pretrained_base(folder: str) -> str:
   return actual
 
 
+def rl_config(config, model_dir: str, output_dir: str) -> ml_collections.ConfigDict:
+  """refusion_jax.rl's config for a REINFORCED model: configs/rl_lossless.py's fields with
+  config.rl's on top (its decode nested: `rl.decode.<field>`)."""
+  from configs import rl_lossless  # not at the top: as distill_config's
+  c = rl_lossless.get_config()
+  c.decode.gen_length = config.decode.gen_length  # the rollouts answer as the rows decode
+  c.update(config.get("rl", ml_collections.ConfigDict()).to_dict())
+  c.model_dir, c.output_dir = model_dir, output_dir
+  c.compile_cache_dir = config.get("compile_cache_dir", runtime.AUTO)
+  return c
+
+
 def distill_config(config, base_dir: str, output_dir: str) -> ml_collections.ConfigDict:
   """refusion_jax.distill's config for a DISTILLED model: configs/d2f_tiny.py's fields
   with config.distill's on top."""
@@ -283,14 +304,21 @@ def distill_config(config, base_dir: str, output_dir: str) -> ml_collections.Con
 def validate(config) -> dict[str, dict[str, DecodeConfig]]:
   """Checks the reproduction fields; returns {row: {task: DecodeConfig}}."""
   models = tuple(config.models)
-  unknown = [m for m in models if m not in MODELS and m not in DISTILLED]
+  made = {**DISTILLED, **REINFORCED}
+  unknown = [m for m in models if m not in MODELS and m not in made]
   if not models or unknown:
     raise ValueError(f"config.models={models!r}: each must be one of "
-                     f"{sorted(MODELS) + sorted(DISTILLED)}")
+                     f"{sorted(MODELS) + sorted(made)}")
   for name in models:
-    if name in DISTILLED and DISTILLED[name] not in models:
-      raise ValueError(f"config.models: {name!r} is made from the {DISTILLED[name]!r} model, "
+    if name in made and made[name] not in models:
+      raise ValueError(f"config.models: {name!r} is made from the {made[name]!r} model, "
                        f"which config.models={models!r} does not train")
+  if any(m in REINFORCED for m in models):
+    probe = rl_config(config, "", "")
+    try:
+      rl_trainer.check_config(probe, need_model=False)
+    except ValueError as e:
+      raise ValueError(f"config.rl: {e}") from None
   if any(m in DISTILLED for m in models):
     probe = distill_config(config, "", "")
     probe.base_dir, probe.output_dir = config.eval.data, "-"  # the fields it fills itself

@@ -5,7 +5,9 @@ Stage 1 (`config.base.num_train_steps` > 0) trains one causal ARM "base" in
 base (`config.base.pretrained`) takes its place. Stage 2 trains each of
 `config.models` in `W/models/<name>` on the same data for the same number of
 tokens (`config.train`; only the objective and the attention it needs
-differ), fine-tuned from the base when there is one.
+differ), fine-tuned from the base when there is one. Stage 3 makes models from
+trained ones: D2F's adapter distilled from the MDM, and RL from a ReFusion model
+(`settings.DISTILLED`, `settings.REINFORCED`).
 
 Each stage writes a marker (`reproduce_train.json`: its budget, steps and
 seconds) beside the trainer's checkpoints: a finished stage of the same budget
@@ -29,6 +31,7 @@ import ml_collections
 from refusion_jax import checkpoint, distill, fileio, lora, objective
 from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.repro import settings
+from refusion_jax.rl import trainer as rl_trainer
 from refusion_jax.training import outputs, supervised
 
 MODELS_DIR = "models"
@@ -241,6 +244,48 @@ def distill_models(config, workdir: str, trained: dict[str, dict], log=print
               "seconds": time.perf_counter() - t0, "final_loss": result["final_loss"],
               "samples_per_step": float(dc.batch_size),
               "num_params": model_config.num_params(),
+              "finished": datetime.datetime.now().isoformat(timespec="seconds")}
+    fileio.write_json_atomic(marker_path, marker)
+    out[name] = marker
+  return out
+
+
+def reinforce_models(config, workdir: str, trained: dict[str, dict], log=print
+                     ) -> dict[str, dict]:
+  """Stage 4: each REINFORCED model of config.models, trained further from its source by
+  GRPO on the lossless sampler (refusion_jax.rl with `settings.rl_config`; its folder holds
+  the run's checkpoints and metrics and `final_model/`); skipped when its marker's budget
+  (the RL settings and the source's marker) holds. {name: marker}."""
+  out = {}
+  for name in config.models:
+    if name not in settings.REINFORCED:
+      continue
+    source = settings.REINFORCED[name]
+    here = model_dir(workdir, name)
+    rc = settings.rl_config(config, final_model_dir(workdir, source), here)
+    budget = {"rl": {k: v for k, v in rc.to_dict().items()
+                     if k not in ("model_dir", "output_dir", "compile_cache_dir")},
+              "from": {"model": source, "budget": trained[source]["budget"],
+                       "step": trained[source]["step"]}}
+    budget = json.loads(json.dumps(budget))  # tuples as lists, as the marker reads back
+    marker_path = os.path.join(here, TRAIN_MARKER)
+    marker = fileio.read_json_or_none(marker_path)
+    final = os.path.join(here, outputs.FINAL_MODEL_DIR)
+    if marker and marker.get("budget") == budget and checkpoint.is_model_dir(final):
+      log(f"[reproduce] {name}: already trained by RL ({marker['step']} steps), skipped")
+      out[name] = marker
+      continue
+    if os.path.isdir(here):
+      shutil.rmtree(here)
+    log(f"[reproduce] RL for {name} from {source}: {rc.steps} steps x {rc.prompts_per_step} "
+        f"prompts x {rc.group_size} lossless rollouts, lr {rc.learning_rate:g}")
+    t0 = time.perf_counter()
+    result = rl_trainer.run(rc, progress=bool(config.get("progress_bar", True)))
+    marker = {"budget": budget, "step": int(result["steps"]),
+              "seconds": time.perf_counter() - t0,
+              "last_reward": float(result["last"].get("reward_mean", float("nan"))),
+              "samples_per_step": float(rc.prompts_per_step * rc.group_size),
+              "num_params": trained[source].get("num_params"),
               "finished": datetime.datetime.now().isoformat(timespec="seconds")}
     fileio.write_json_atomic(marker_path, marker)
     out[name] = marker
