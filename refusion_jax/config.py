@@ -130,6 +130,12 @@ class ModelConfig:
   # unknown, as in a folder from elsewhere): a decoder that needs its own (BD3-LM's blocks)
   # refuses a model trained otherwise by name. HF config.json: "refusion_jax_objective".
   objective: str = ""
+  # Rank of the draft adapters (0: none): a low-rank update of every layer's MLP output,
+  # applied at the entries whose input is the mask token and at no other
+  # (model.MLP's `draft_a` / `draft_b`). A token entry never attends to a mask entry in a
+  # decoding pass, so the adapters change the drafts and never a causal pick: lossless
+  # answers stay the model's own (refusion_jax.drafter trains them for acceptance).
+  draft_rank: int = 0
 
   def __post_init__(self):
     if isinstance(self.stop_token_ids, list):  # read back from model_config.json
@@ -162,6 +168,13 @@ class ModelConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, got "
                        f"{self.attention_impl!r}")
+    if not isinstance(self.draft_rank, int) or isinstance(self.draft_rank, bool) or (
+        self.draft_rank < 0):
+      raise ValueError(f"ModelConfig.draft_rank must be an int >= 0 (0: none), got "
+                       f"{self.draft_rank!r}")
+    if self.draft_rank and self.mask_token_id is None:
+      raise ValueError("ModelConfig.draft_rank adapts the mask token's entries: the model "
+                       "needs a mask_token_id")
     positive = ("vocab_size", "hidden_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "mlp_dim",
                 "max_position_embeddings")

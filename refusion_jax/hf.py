@@ -596,6 +596,10 @@ def save(config: ModelConfig, model: nnx.Module, directory: str, *,
   """
   if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
     raise ValueError(f"hf.save: max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+  if config.draft_rank:
+    raise ValueError(f"hf.save: the model has draft adapters (ModelConfig.draft_rank="
+                     f"{config.draft_rank}), which no HF family has; keep it as a refusion_jax "
+                     "folder (checkpoint.save_model)")
   directory = os.path.abspath(os.fspath(directory))
   if os.path.exists(directory) and not overwrite:
     raise FileExistsError(f"{directory} already exists (pass overwrite=True to replace it)")

@@ -316,13 +316,23 @@ class MLP(nnx.Module):
     self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), config)
     self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), config)
     self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), config)
+    if config.draft_rank:  # ModelConfig.draft_rank; B = 0 at the start (no change)
+      self.draft_a = _param(rngs, (d, config.draft_rank), ("embed", None), config)
+      self.draft_b = _param(rngs, (config.draft_rank, d), (None, "embed"), config, std=None,
+                            fill=0.0)
 
-  def __call__(self, x_btd):
+  def __call__(self, x_btd, draft_bt=None):
     dtype = self.config.compute_dtype
     gate = jnp.einsum("btd,df->btf", x_btd, self.gate_proj[...].astype(dtype))
     up = jnp.einsum("btd,df->btf", x_btd, self.up_proj[...].astype(dtype))
     hidden = sharding.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    return jnp.einsum("btf,fd->btd", hidden, self.down_proj[...].astype(dtype))
+    out = jnp.einsum("btf,fd->btd", hidden, self.down_proj[...].astype(dtype))
+    if draft_bt is None:
+      return out
+    # The draft adapter, at the mask token's entries only (every other entry: exactly `out`).
+    low = jnp.einsum("btd,dr->btr", x_btd, self.draft_a[...].astype(dtype))
+    delta = jnp.einsum("btr,rd->btd", low, self.draft_b[...].astype(dtype))
+    return jnp.where(draft_bt[..., None], out + delta, out)
 
 
 class DecoderLayer(nnx.Module):
@@ -334,11 +344,11 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(config, rngs=rngs)
 
   def __call__(self, x_btd, positions_bt, chunk_mask_btt, cache_k_bksh=None, cache_v_bksh=None,
-               cache_len_b=None, kv_chunk: int = 0):
+               cache_len_b=None, kv_chunk: int = 0, draft_bt=None):
     y, k, v = self.attn(self.input_norm(x_btd), positions_bt, chunk_mask_btt, cache_k_bksh,
                         cache_v_bksh, cache_len_b, kv_chunk)
     x_btd = x_btd + y
-    x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
+    x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd), draft_bt)
     return sharding.constrain(x_btd, ("batch", "seq", "act_embed")), k, v
 
 
@@ -361,9 +371,9 @@ def remat_layer(fn, name: str):
 
 
 def _call_layer(layer, x_btd, positions_bt, chunk_mask_btt, cache_k_bksh, cache_v_bksh,
-                cache_len_b, kv_chunk: int = 0):
+                cache_len_b, draft_bt=None, kv_chunk: int = 0):
   return layer(x_btd, positions_bt, chunk_mask_btt, cache_k_bksh, cache_v_bksh, cache_len_b,
-               kv_chunk)
+               kv_chunk, draft_bt)
 
 
 def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
@@ -412,6 +422,13 @@ class Transformer(nnx.Module):
     logits = self.unembed().project(self.final_norm(x_btd))
     return sharding.constrain(logits, ("batch", "seq", "vocab"))
 
+  def _draft_gate(self, input_ids_bt):
+    """Where the draft adapters act (ModelConfig.draft_rank): the mask token's entries;
+    None without adapters."""
+    if not self.config.draft_rank:
+      return None
+    return input_ids_bt == self.config.mask_token_id
+
   def unembed(self) -> Unembed:
     """The output projection in the compute dtype and its stored layout (no transpose).
 
@@ -437,7 +454,8 @@ class Transformer(nnx.Module):
     """
     if write_bt is not None and cache is not None and self.config.scan_layers:
       x, cache = self._scan_layers(self._embed(input_ids_bt, positions_bt), positions_bt,
-                                   chunk_mask_btt, cache, True, write_bt)
+                                   chunk_mask_btt, cache, True, write_bt,
+                                   draft_bt=self._draft_gate(input_ids_bt))
       return self.final_norm(x), cache
     x, k, v = self._run_layers(input_ids_bt, positions_bt, chunk_mask_btt, cache)
     if write_bt is not None:
@@ -451,15 +469,18 @@ class Transformer(nnx.Module):
   def _run_layers(self, input_ids_bt, positions_bt, chunk_mask_btt, cache: KVCache | None,
                   return_kv: bool = True):
     x = self._embed(input_ids_bt, positions_bt)
+    draft_bt = self._draft_gate(input_ids_bt)
     if self.config.scan_layers:
-      return self._scan_layers(x, positions_bt, chunk_mask_btt, cache, return_kv)
+      return self._scan_layers(x, positions_bt, chunk_mask_btt, cache, return_kv,
+                               draft_bt=draft_bt)
     ks, vs = [], []
     length_b = None if cache is None else cache.length_b
     call = _call_layer if cache is None else functools.partial(_call_layer, kv_chunk=cache.chunk)
     run_layer = remat_layer(call, self.config.remat)
     for i, layer in enumerate(self.layers):
       layer_k, layer_v = (None, None) if cache is None else cache.layer(i)
-      x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, layer_k, layer_v, length_b)
+      x, k, v = run_layer(layer, x, positions_bt, chunk_mask_btt, layer_k, layer_v, length_b,
+                          draft_bt)
       ks.append(k)
       vs.append(v)
     if not return_kv:
@@ -471,7 +492,8 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(self.config.compute_dtype)
     return sharding.constrain(x, ("batch", "seq", "act_embed"))
 
-  def _scan_layers(self, x_btd, positions_bt, chunk_mask_btt, cache, return_kv, write_bt=None):
+  def _scan_layers(self, x_btd, positions_bt, chunk_mask_btt, cache, return_kv, write_bt=None,
+                   draft_bt=None):
     # One layer body in a lax.scan over the stacked parameters (and the stacked cache):
     # the program holds one layer however deep the model is.
     graphdef, layer_state = nnx.split(self.layers)
@@ -485,7 +507,8 @@ class Transformer(nnx.Module):
         x, k_buf, v_buf = carry
         state, i = xs
         layer = nnx.merge(graphdef, state)
-        x, k, v = layer(x, positions_bt, chunk_mask_btt, k_buf[i], v_buf[i], length_b, kv_chunk)
+        x, k, v = layer(x, positions_bt, chunk_mask_btt, k_buf[i], v_buf[i], length_b, kv_chunk,
+                        draft_bt)
         # The chunk's K/V pass through a barrier (an identity) before the write: without
         # it libtpu 0.0.42 aborts compiling AR decode's loop around this scan (grouped-
         # query heads on a tensor-parallel mesh) in a loop analysis that finds a cycle
@@ -506,7 +529,8 @@ class Transformer(nnx.Module):
     def body(x, xs):
       state, layer_k, layer_v = xs
       layer = nnx.merge(graphdef, state)
-      x, k, v = layer(x, positions_bt, chunk_mask_btt, layer_k, layer_v, length_b, kv_chunk)
+      x, k, v = layer(x, positions_bt, chunk_mask_btt, layer_k, layer_v, length_b, kv_chunk,
+                      draft_bt)
       return x, ((k, v) if return_kv else None)
 
     if self.config.remat != "none":

@@ -1,6 +1,7 @@
 """The loop every trainer shares (refusion_jax.training.loop).
 
-One test stops each trainer (supervised, D2F distillation, RL) with real signals and
+One test stops each trainer (supervised, D2F distillation, RL, the drafter) with real
+signals and
 a crash, resumes it, and compares with an uninterrupted run bit for bit, every step
 logged once; then the stop notice (a second Ctrl-C stops at once) and the entry
 points' one-line stops.
@@ -15,9 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import d2f_tiny, rl_tiny, tiny_refusion
+from configs import d2f_tiny, drafter_tiny, rl_tiny, tiny_refusion
 from configs.common import ASSETS_DIR, TINY_TRAIN
-from refusion_jax import checkpoint, distill, loading, lora
+from refusion_jax import checkpoint, distill, drafter, loading, lora
 from refusion_jax import config as config_lib
 from refusion_jax.model import Transformer
 from refusion_jax.rl import trainer as rl_trainer
@@ -142,7 +143,27 @@ class _RL:
     return _leaves(nnx.state(loading.load_model(final)[1], nnx.Param))
 
 
-TRAINERS = {"supervised": _Supervised, "distill": _Distill, "rl": _RL}
+class _Drafter:
+  """6 steps of the shipped miniature's draft head on its answers to 16 prompts."""
+
+  stops = ((("before", 1, signal.SIGINT), (2, loop.EXIT_INTERRUPTED)),
+           (("after", 4, "crash"), None))
+  starts = (0, 2, 3)
+
+  def __init__(self, tmp_path):
+    c = drafter_tiny.get_config()
+    c.model_dir = os.path.join(ASSETS_DIR, "refusion_tiny")
+    c.num_prompts, c.gen_length, c.engine_rows, c.draft_rank = 16, 16, 8, 4
+    c.steps, c.batch_size, c.save_every = 6, 4, 3
+    self.config = c
+
+  def run(self, workdir):
+    self.config.output_dir = str(workdir)
+    final = drafter.run(self.config, progress=False)["final_model"]
+    return _leaves(nnx.state(loading.load_model(final)[1], nnx.Param))
+
+
+TRAINERS = {"supervised": _Supervised, "distill": _Distill, "rl": _RL, "drafter": _Drafter}
 
 
 def _metrics(workdir):
