@@ -82,7 +82,7 @@ def test_the_drafter_trains_the_adapters_alone_on_the_models_answers(tmp_path):
   c = drafter_tiny.get_config()
   c.model_dir, c.output_dir = MODEL, str(tmp_path / "d")
   c.num_prompts, c.gen_length, c.steps, c.batch_size, c.draft_rank = 32, 24, 4, 8, 4
-  c.save_every = 4
+  c.save_every, c.engine_rows = 4, 8
   result = drafter.run(c, progress=False)
   assert result["steps"] == 4 and result["samples"] == 32
   # Its data: the model's own greedy answers (the AR decoder's, token for token).
@@ -101,11 +101,24 @@ def test_the_drafter_trains_the_adapters_alone_on_the_models_answers(tmp_path):
   assert added and all(k[-1] in drafter.ADAPTER_PARAMS for k in added)
   assert all(np.array_equal(s[k], t[k]) for k in s)
   assert any(np.abs(t[k]).max() > 0 for k in added if k[-1] == "draft_b")
-  # The benchmark compares the two at identical answers.
-  report = drafter_acceptance.main([f"--models={MODEL},{result['final_model']}",
-                                    f"--problems={TINY_VALID}", "--per_task=2"])
-  assert report[result["final_model"]]["differ"] == 0
-  assert 0 < report[MODEL]["all"]["acceptance"] <= 1
+
+
+def test_the_acceptance_benchmark_compares_drafts_at_identical_answers(tmp_path):
+  _, model = loading.load_model(MODEL)
+  adapted = drafter.with_adapters(model, 4, seed=0)
+  for i, layer in enumerate(adapted.layers):
+    layer.mlp.draft_b[...] = 0.5 * jax.random.normal(jax.random.key(i),
+                                                     layer.mlp.draft_b[...].shape)
+  other = str(tmp_path / "adapted")
+  checkpoint.save_model(other, adapted.config, adapted)
+  report = drafter_acceptance.main([f"--models={MODEL},{other}", f"--problems={TINY_VALID}",
+                                    "--per_task=1", "--rows=8"])
+  a, b = report[MODEL], report[other]
+  assert b["differ"] == 0 and a["all"] != b["all"]  # the same answers, other drafts
+  for r in (a, b):
+    assert 0 < r["all"]["acceptance"] <= 1
+    assert r["all"]["tpf"] == pytest.approx(1 + r["all"]["accepted_per_pass"])
+  assert set(a["per_task"]) == {"arith", "copy", "fib", "lookup", "reverse", "sort", "template"}
 
 
 def test_bad_settings_are_one_line(tmp_path):
