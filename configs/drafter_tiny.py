@@ -26,7 +26,7 @@ def get_config():
   c.gen_length = 24  # the longest answer decoded
   c.engine_rows = 32  # rows of the engine that decodes them
   c.draft_rank = 32  # rank of each layer's MLP adapter (ModelConfig.draft_rank)
-  c.window = 8  # masks after the head in a training row: the lossless window decoded with
+  c.window = 8  # a training row's head and the masks after it: the lossless window
   c.steps = 1000
   c.batch_size = 32
   c.learning_rate = 1e-3

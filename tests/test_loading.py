@@ -93,6 +93,8 @@ _ENTRY_POINTS = {
                 f"--config.base_dir={_MISSING}", "--config.output_dir={out}"],
     "rl": ["-m", "refusion_jax.rl", "--config=configs/rl_tiny.py",
            f"--config.model_dir={_MISSING}", "--config.output_dir={out}"],
+    "drafter": ["-m", "refusion_jax.drafter", "--config=configs/drafter_tiny.py",
+                f"--config.model_dir={_MISSING}", "--config.output_dir={out}"],
     "convert": ["-m", "refusion_jax.convert", f"--hf_dir={_MISSING}", "--out_dir={out}"],
     "benchmark": ["benchmarks/decode_options.py", f"--model_dir={_MISSING}"],
 }
@@ -119,9 +121,9 @@ def test_every_entry_point_takes_a_shipped_models_name(tmp_path):
   behind them are `loading`'s (sample and evaluate run on `refusion_tiny` in
   test_runtime.py and below; serve in test_serve.py)."""
   # pylint: disable=import-outside-toplevel
-  from configs import d2f_tiny, rl_tiny, serve as serve_config, tiny_refusion
+  from configs import d2f_tiny, drafter_tiny, rl_tiny, serve as serve_config, tiny_refusion
   from configs.eval import gsm8k
-  from refusion_jax import convert, distill, serve
+  from refusion_jax import convert, distill, drafter, serve
   from refusion_jax.lmeval import model as lm_model, run as lmeval_run
   from refusion_jax.rl import trainer as rl_trainer
   from refusion_jax.training import settings
@@ -135,6 +137,9 @@ def test_every_entry_point_takes_a_shipped_models_name(tmp_path):
   c = d2f_tiny.get_config()
   c.base_dir, c.output_dir = "base_tiny", str(tmp_path / "d2f")
   distill.check_config(c)
+  c = drafter_tiny.get_config()
+  c.model_dir, c.output_dir = "refusion_tiny", str(tmp_path / "drafter")
+  drafter.check_config(c)
   c = gsm8k.get_config()
   c.model_dir, c.output_dir = "refusion_tiny", str(tmp_path / "lmeval")
   lmeval_run.check_config(c)
