@@ -9,6 +9,10 @@ per step as the RL step has rollouts, per row; the median over `--steps` steps, 
 before and after the RL steps. The issue's target: RL at most ~3x supervised.
 
   python benchmarks/rl_step.py --model_dir W/models/refusion/final_model --steps 12
+  python benchmarks/rl_step.py --model_dir W/models/refusion_bl/final_model --lossless
+
+`--lossless`: the rollouts of configs/rl_lossless.py (the model's AR samples, scored by one
+causal forward) instead of the release decoder's replayed record.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from configs import rl_tiny  # noqa: E402
+from configs import rl_lossless, rl_tiny  # noqa: E402
 from configs.common import TINY_TRAIN  # noqa: E402
 from refusion_jax import data, distill, loading, objective, runtime  # noqa: E402
 from refusion_jax.rl import trainer  # noqa: E402
@@ -45,6 +49,8 @@ def parse_args(argv=None):
   p.add_argument("--group_size", type=int, default=8)
   p.add_argument("--seq_len", type=int, default=64, help="supervised rows' length")
   p.add_argument("--beta", type=float, default=0.04, help="KL weight (0: no reference forward)")
+  p.add_argument("--lossless", action="store_true", help="lossless rollouts "
+                 "(configs/rl_lossless.py)")
   args = p.parse_args(argv)
   args.model_dir = loading.model_arg(p, args.model_dir)  # a shipped model's name, or a folder
   return args
@@ -92,7 +98,7 @@ def main(argv=None):
   n = a.prompts_per_step * a.group_size
   sup = supervised_times(a.model_dir, n, a.seq_len, a.steps)
   with tempfile.TemporaryDirectory() as out:
-    c = rl_tiny.get_config()
+    c = (rl_lossless if a.lossless else rl_tiny).get_config()
     c.model_dir, c.output_dir = a.model_dir, out
     c.steps, c.save_every = a.warmup + a.steps, 10 ** 6
     c.prompts_per_step, c.group_size = a.prompts_per_step, a.group_size
@@ -110,8 +116,10 @@ def main(argv=None):
         f"steps; jax {jax.__version__}, {jax.devices()[0].platform}")
   print("| step | ms per sample |")
   print("|---|---|")
-  print(f"| RL rollout (engine, sampled + recorded) | {1e3 * roll:.2f} |")
-  print(f"| RL policy step (replay fwd+bwd, reference fwd, update) | {1e3 * upd:.2f} |")
+  what = ("lossless, sampled + recorded", "causal fwd+bwd") if a.lossless else (
+      "sampled + recorded", "replay fwd+bwd")
+  print(f"| RL rollout (engine, {what[0]}) | {1e3 * roll:.2f} |")
+  print(f"| RL policy step ({what[1]}, reference fwd, update) | {1e3 * upd:.2f} |")
   print(f"| RL total | {1e3 * total:.2f} |")
   print(f"| supervised ReFusion step (seq {a.seq_len}) | {1e3 * per_row:.2f} |")
   print(f"| ratio RL / supervised | {total / per_row:.2f}x |")
