@@ -205,6 +205,25 @@ def train_models(config, workdir: str, log=print, restart: bool = False) -> dict
 DISTILL_DIR = "distill"  # W/models/<name>/distill: refusion_jax.distill's output folder
 
 
+def _made_model_state(workdir: str, name: str, source: str, trained: dict[str, dict],
+                      stage: str, fields: dict, done: str, log) -> tuple[dict, dict | None]:
+  """`(budget, marker)` of model `name`, made from the trained `source` by `stage` with
+  its settings `fields`: the marker when it holds this budget and the model is there (the
+  stage is skipped, `done` logged), else None, the model's folder cleared to start over."""
+  here = model_dir(workdir, name)
+  budget = {stage: fields, "from": {"model": source, "budget": trained[source]["budget"],
+                                    "step": trained[source]["step"]}}
+  budget = json.loads(json.dumps(budget))  # tuples as lists, as the marker reads back
+  marker = fileio.read_json_or_none(os.path.join(here, TRAIN_MARKER))
+  if (marker and marker.get("budget") == budget
+      and checkpoint.is_model_dir(os.path.join(here, outputs.FINAL_MODEL_DIR))):
+    log(f"[reproduce] {name}: already {done} ({marker['step']} steps), skipped")
+    return budget, marker
+  if os.path.isdir(here):
+    shutil.rmtree(here)
+  return budget, None
+
+
 def distill_models(config, workdir: str, trained: dict[str, dict], log=print
                    ) -> dict[str, dict]:
   """Stage 3: each DISTILLED model of config.models, made from its trained model (a D2F
@@ -219,33 +238,26 @@ def distill_models(config, workdir: str, trained: dict[str, dict], log=print
     here = model_dir(workdir, name)
     dc = settings.distill_config(config, final_model_dir(workdir, source),
                                  os.path.join(here, DISTILL_DIR))
-    budget = {"distill": {k: v for k, v in dc.to_dict().items()
-                          if k not in ("base_dir", "output_dir")},
-              "from": {"model": source, "budget": trained[source]["budget"],
-                       "step": trained[source]["step"]}}
-    budget = json.loads(json.dumps(budget))  # tuples as lists, as the marker reads back
-    marker_path = os.path.join(here, TRAIN_MARKER)
-    marker = fileio.read_json_or_none(marker_path)
-    final = os.path.join(here, outputs.FINAL_MODEL_DIR)
-    if marker and marker.get("budget") == budget and checkpoint.is_model_dir(final):
-      log(f"[reproduce] {name}: already distilled ({marker['step']} steps), skipped")
+    budget, marker = _made_model_state(
+        workdir, name, source, trained, "distill",
+        {k: v for k, v in dc.to_dict().items() if k not in ("base_dir", "output_dir")},
+        "distilled", log)
+    if marker is not None:
       out[name] = marker
       continue
-    if os.path.isdir(here):
-      shutil.rmtree(here)
     log(f"[reproduce] distilling {name} from {source}: {dc.steps} steps x {dc.batch_size} "
         f"rows x {dc.seq_len} tokens, LoRA rank {dc.lora_rank}")
     t0 = time.perf_counter()
     result = distill.run(dc, progress=bool(config.get("progress_bar", True)))
     model_config, model = checkpoint.load_model(final_model_dir(workdir, source))
     lora.merge(model, lora.read_adapter(result["adapter_dir"], model_config))
-    checkpoint.save_model(final, model_config, model)
+    checkpoint.save_model(os.path.join(here, outputs.FINAL_MODEL_DIR), model_config, model)
     marker = {"budget": budget, "step": int(result["steps"]),
               "seconds": time.perf_counter() - t0, "final_loss": result["final_loss"],
               "samples_per_step": float(dc.batch_size),
               "num_params": model_config.num_params(),
               "finished": datetime.datetime.now().isoformat(timespec="seconds")}
-    fileio.write_json_atomic(marker_path, marker)
+    fileio.write_json_atomic(os.path.join(here, TRAIN_MARKER), marker)
     out[name] = marker
   return out
 
@@ -263,20 +275,14 @@ def reinforce_models(config, workdir: str, trained: dict[str, dict], log=print
     source = settings.REINFORCED[name]
     here = model_dir(workdir, name)
     rc = settings.rl_config(config, final_model_dir(workdir, source), here)
-    budget = {"rl": {k: v for k, v in rc.to_dict().items()
-                     if k not in ("model_dir", "output_dir", "compile_cache_dir")},
-              "from": {"model": source, "budget": trained[source]["budget"],
-                       "step": trained[source]["step"]}}
-    budget = json.loads(json.dumps(budget))  # tuples as lists, as the marker reads back
-    marker_path = os.path.join(here, TRAIN_MARKER)
-    marker = fileio.read_json_or_none(marker_path)
-    final = os.path.join(here, outputs.FINAL_MODEL_DIR)
-    if marker and marker.get("budget") == budget and checkpoint.is_model_dir(final):
-      log(f"[reproduce] {name}: already trained by RL ({marker['step']} steps), skipped")
+    budget, marker = _made_model_state(
+        workdir, name, source, trained, "rl",
+        {k: v for k, v in rc.to_dict().items()
+         if k not in ("model_dir", "output_dir", "compile_cache_dir")},
+        "trained by RL", log)
+    if marker is not None:
       out[name] = marker
       continue
-    if os.path.isdir(here):
-      shutil.rmtree(here)
     log(f"[reproduce] RL for {name} from {source}: {rc.steps} steps x {rc.prompts_per_step} "
         f"prompts x {rc.group_size} lossless rollouts, lr {rc.learning_rate:g}")
     t0 = time.perf_counter()
@@ -287,6 +293,6 @@ def reinforce_models(config, workdir: str, trained: dict[str, dict], log=print
               "samples_per_step": float(rc.prompts_per_step * rc.group_size),
               "num_params": trained[source].get("num_params"),
               "finished": datetime.datetime.now().isoformat(timespec="seconds")}
-    fileio.write_json_atomic(marker_path, marker)
+    fileio.write_json_atomic(os.path.join(here, TRAIN_MARKER), marker)
     out[name] = marker
   return out
