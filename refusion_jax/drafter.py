@@ -48,7 +48,7 @@ from absl import app
 from flax import nnx
 from ml_collections import config_flags
 
-from refusion_jax import checkpoint, entry_flags, fileio, loading, runtime
+from refusion_jax import checkpoint, distill, entry_flags, fileio, loading, runtime
 from refusion_jax.decode import engine
 from refusion_jax.decode.settings import DecodeConfig
 from refusion_jax.model import Transformer
@@ -196,12 +196,9 @@ class DrafterTask(loop.Task):
     return self._initial
 
   def step(self, state, step, stop):
-    tokens, plens, rlens = self.rows
-    n = len(tokens)
-    pick = np.random.default_rng([int(self.c.seed), step]).choice(
-        n, size=int(self.c.batch_size), replace=n < int(self.c.batch_size))
-    batch = {"tokens": jnp.asarray(tokens[pick]), "prompt_len": jnp.asarray(plens[pick]),
-             "response_len": jnp.asarray(rlens[pick])}
+    # Step `step`'s rows, drawn from (seed, step) as the distillation draws its own.
+    tokens, plens, rlens = self.rows.batch(int(self.c.seed), step, int(self.c.batch_size))
+    batch = {"tokens": tokens, "prompt_len": plens, "response_len": rlens}
     params, opt_state, metrics = self._train_step(state["params"], self._rest,
                                                   state["opt_state"], batch, jnp.int32(step))
     return ({"params": params, "opt_state": opt_state},
@@ -241,7 +238,7 @@ def run(c, progress: bool = True) -> dict[str, Any]:
   t0 = time.perf_counter()
   answers = _answers(c, model, prompts)
   pad = 0 if model_config.pad_token_id is None else model_config.pad_token_id
-  rows = encode_rows(prompts, answers, pad)
+  rows = distill.Rows(*encode_rows(prompts, answers, pad))
   student = with_adapters(model, int(c.draft_rank), int(c.seed))
   task = DrafterTask(c, student, rows)
   result = loop.run_loop(task, loop.LoopOptions(workdir=c.output_dir, save_every=c.save_every,
@@ -252,7 +249,7 @@ def run(c, progress: bool = True) -> dict[str, Any]:
   tok_src = os.path.join(loading.resolve(c.model_dir), "tokenizer.json")
   if os.path.isfile(tok_src):
     shutil.copy(tok_src, os.path.join(final, "tokenizer.json"))
-  return {"final_model": final, "steps": result.step, "samples": len(rows[0]),
+  return {"final_model": final, "steps": result.step, "samples": len(rows.tokens),
           "final_loss": result.metrics.get("loss", math.nan),
           "seconds": time.perf_counter() - t0}
 
