@@ -77,8 +77,10 @@ class Oracle:
     """The distribution a pick is drawn from: softmax(logits / T) (T 0: the plain one)."""
     return _probs(logits / self.dc.temperature if self.dc.temperature > 0 else logits)
 
-  def _chosen(self, masks, probs):
-    """Mask indices kept as drafts: every mask of a chosen slot."""
+  def _chosen(self, masks, probs, final, step):
+    """Mask indices kept as drafts: every mask of a chosen slot (`final` tokens are
+    final, at the row's pass `step`: the selection policy's inputs)."""
+    del final, step
     k = self.dc.slot_size
     first = {}
     for i in masks:
@@ -96,7 +98,7 @@ class Oracle:
     final = [_pick(logits[plen - 1], 0, dc, self.key)]
     picks = {i: _pick(logits[plen + i], i, dc, self.key) for i in range(1, w)}
     probs = {i: self._p(logits[plen + i])[picks[i]] for i in range(1, w)}
-    drafts = {i: picks[i] for i in self._chosen(list(range(1, w)), probs)}
+    drafts = {i: picks[i] for i in self._chosen(list(range(1, w)), probs, 1, 0)}
     passes, corrected, fresh = 1, 0, False
     done = final[0] in self.stops or g <= 1
     while not done:
@@ -136,7 +138,7 @@ class Oracle:
       done = done or len(final) >= g
       if done:
         break
-      chosen = self._chosen(masks, mprob)
+      chosen = self._chosen(masks, mprob, f, passes - 1)
       new = {}
       for j in range(i + 1, min(f - 1 + w + 1, g)):
         if j - 1 in nxt and not (fixed and fresh):
@@ -148,6 +150,48 @@ class Oracle:
       drafts = new
       fresh = fixed and not fresh
     return final, passes, corrected
+
+
+class PolicyOracle(Oracle):
+  """The selection policy's plan (decode.planner='policy'): the window's slots, counted
+  from the head's, each with its features (lossless.plan_features), chosen when drawn
+  (plan_sample: uniform 1 + s of the row's pass) or above one half, the most likely when
+  none is; every plan kept in `self.plans` as (features {slot: [...]}, chosen slots)."""
+
+  def __init__(self, model, dc, key):
+    super().__init__(model, dc, key)
+    weights = [float(x) for x in dc.plan_weights_on]
+    self.w, self.b = weights[:-1], weights[-1]
+    self.plans = []
+
+  def _chosen(self, masks, probs, final, step):
+    k, g = self.dc.slot_size, self.dc.gen_length
+    w = min(self.dc.block_size, g)
+    n = (w + k - 2) // k + 1
+    head = final - 1
+    by_slot = {}
+    for i in sorted(masks):
+      by_slot.setdefault(i // k - head // k, []).append(i)
+    if not by_slot:
+      self.plans.append(({}, set()))
+      return set()
+    leftmost = min(by_slot)
+    feats, logit = {}, {}
+    for s, idx in by_slot.items():
+      feats[s] = [probs[idx[0]], float(np.mean([probs[i] for i in idx])), (s - leftmost) / n,
+                  float(idx[0] - 1 not in masks), final / g]
+      logit[s] = sum(a * b for a, b in zip(self.w, feats[s])) + self.b
+    raw = jax.random.key_data(self.key)
+    if self.dc.plan_sample:
+      u = {s: float(jax.random.uniform(jax.random.fold_in(jax.random.fold_in(raw, step),
+                                                          1 + s))) for s in by_slot}
+      chosen = {s for s in by_slot if u[s] < 1 / (1 + np.exp(-logit[s]))}
+    else:
+      chosen = {s for s in by_slot if logit[s] > 0}
+    if not chosen:
+      chosen = {max(sorted(by_slot), key=lambda s: logit[s])}
+    self.plans.append((feats, chosen))
+    return {i for s in chosen for i in by_slot[s]}
 
 
 def _grid():
@@ -187,6 +231,48 @@ def test_matches_the_plain_python_oracle(model, temperature):
       assert int(out.counters.corrected_b[row]) == corrected, where
       ended_early += n < 16
   assert ended_early > 0  # EOS came inside some window
+
+
+@pytest.mark.parametrize("temperature,plan_sample", [(0.0, True), (0.9, False)])
+def test_the_policy_planner_matches_the_plain_python_oracle_and_answers_as_ar(
+    model, temperature, plan_sample):
+  """decode.planner='policy' under lossless decoding: the window's slots chosen by the
+  selection policy (random weights: every kind of choice), recorded as the decoder made
+  them; the tokens are AR's whatever it chooses, the passes the oracle's."""
+  prompts = _prompts(6, 6, seed=1)
+  ids, lens = _pad(prompts, 6)
+  key = jax.random.key(7)
+  ar = engine.Decoder(model, DecodeConfig(method="ar", gen_length=16, temperature=temperature)
+                      ).generate(ids, lens, key)
+  rs = np.random.RandomState(0)
+  passes_seen = set()
+  for k, weights in ((2, tuple(rs.normal(0, 3, 6))), (4, tuple(rs.normal(0, 3, 6))),
+                     (4, (0.0,) * 5 + (-1.0,))):
+    dc = DecodeConfig(gen_length=16, slot_size=k, block_size=8, verify="lossless",
+                      temperature=temperature, planner="policy", plan_weights=weights,
+                      plan_sample=plan_sample, record=True)
+    out = engine.Decoder(model, dc).generate(ids, lens, key)
+    for row, prompt in enumerate(prompts):
+      oracle = PolicyOracle(model, dc, jax.random.fold_in(key, row))
+      tokens, passes, _ = oracle.decode(prompt)
+      where = f"k={k} weights={weights} prompt={prompt}"
+      n = int(out.length_b[row])
+      assert [int(x) for x in out.tokens_bg[row, :n]] == tokens, where
+      assert tokens == [int(x) for x in ar.tokens_bg[row, :int(ar.length_b[row])]], where
+      assert int(out.counters.nfe_b()[row]) == passes, where
+      passes_seen.add((k, weights[0], row, passes))
+      fed, chosen = out.trace["plan_fed"][row], out.trace["plan_chosen"][row]
+      feats = out.trace["plan_feats"][row]
+      for t, (want_feats, want_chosen) in enumerate(oracle.plans):
+        assert {int(s) for s in np.flatnonzero(fed[t])} == set(want_feats), (where, t)
+        assert {int(s) for s in np.flatnonzero(chosen[t])} == want_chosen, (where, t)
+        for s_, f in want_feats.items():
+          np.testing.assert_allclose(feats[t, s_], f, atol=1e-5, err_msg=f"{where} {t}")
+  # Different plans took different numbers of passes somewhere (the choice matters).
+  by_row = {}
+  for k, _, row, passes in passes_seen:
+    by_row.setdefault((k, row), set()).add(passes)
+  assert any(len(v) > 1 for v in by_row.values())
 
 
 def _decode(model, prompts, dc, key=None, width=None):

@@ -307,8 +307,10 @@ def test_bad_settings_fail_before_training(tmp_path):
     _run(tmp_path, models=("arm", "mdm", "bd3lm", "refusion", "d2f", "refusion_bl_rl"))
   with pytest.raises(ValueError, match="config.rl: --config.steps must be a positive int"):
     _run(tmp_path, **{"rl.steps": 0})
-  with pytest.raises(ValueError, match="config.rl: --config.train_policy='selector' with "
+  with pytest.raises(ValueError, match="config.rl: --config.train_policy='both' with "
                                        "decode.verify='lossless'"):
+    _run(tmp_path, **{"rl.train_policy": "both"})
+  with pytest.raises(ValueError, match="config.rl.train_policy='selector': the RL stage makes"):
     _run(tmp_path, **{"rl.train_policy": "selector"})
   with pytest.raises(ValueError, match=r"config.models=\('arm', 'gpt'\): each must be one of"):
     _run(tmp_path, models=("arm", "gpt"))

@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from configs import rl_lossless, rl_tiny
+from configs import planner_lossless, rl_lossless, rl_tiny
 from configs.common import ASSETS_DIR, TINY_TRAIN
 from refusion_jax import loading
 from refusion_jax.rl import rewards, trainer
@@ -73,9 +73,27 @@ def test_a_run_on_the_lossless_sampler_learns(tmp_path):
   assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6) and lines[1]["kl"] > 0
   assert any(not np.array_equal(x, y)
              for x, y in zip(_params(MODEL), _params(result["final_model"])))
-  c.train_policy = "selector"
-  with pytest.raises(ValueError, match="the slot choice changes no answer"):
+  c.train_policy = "both"
+  with pytest.raises(ValueError, match="the slot choice changes no answer there"):
     trainer.check_config(c)
+
+
+def test_the_planner_trains_for_speed_on_the_lossless_sampler(tmp_path):
+  """configs/planner_lossless.py: the selection policy alone, greedy lossless rollouts (a
+  group's answers are one answer; its plans differ), the reward each rollout's tokens per
+  forward."""
+  data = _train_file(tmp_path)
+  out = tmp_path / "p"
+  c = _config(out, data, train_policy="selector", learning_rate=0.05, beta=0.0)
+  c.decode = planner_lossless.get_config().decode
+  c.decode.gen_length = 16
+  c.decode.plan_weights = (0.0,) * 6  # every slot drawn with probability one half
+  r = trainer.run(c, progress=False)
+  assert r["final_model"] is None and r["plan_weights"] != [0.0] * 6
+  lines = [json.loads(x) for x in open(out / "metrics.jsonl", encoding="utf-8")]
+  for x in lines:
+    assert x["reward_mean"] == pytest.approx(x["tokens_per_forward"]) and x["plan_entropy"] > 0
+  assert any(x["reward_std"] > 0 for x in lines)  # the plans of one answer differ in passes
 
 
 def test_bad_settings_are_one_line(tmp_path):

@@ -62,6 +62,9 @@ def check_rl(config, tpu_slice: tpu.Slice) -> dict:
               for k, (shp, _) in shapes.items()}
   batch = {k: jax.ShapeDtypeStruct(shp, dt, sharding=batch_sh[k])
            for k, (shp, dt) in shapes.items()}
+  if rl_trainer.lossless(config):  # the causal layout scores with the mask token kept
+    batch_sh["scored_mask"] = trainer.replicated
+    batch["scored_mask"] = jax.ShapeDtypeStruct((), jnp.bool_, sharding=trainer.replicated)
   adv_sh = sharding.data_sharding(mesh, trainer.rules, 1)
   adv = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=adv_sh)
   ref_sh = param_sh if reference else None

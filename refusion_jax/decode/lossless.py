@@ -65,6 +65,7 @@ from refusion_jax.decode import common, heads, passes
 from refusion_jax.decode import program as program_lib
 from refusion_jax.decode import refusion
 from refusion_jax.decode.counters import DecodeCounters, DecodeOutput
+from refusion_jax.decode.methods import PLAN_FEATURES
 from refusion_jax.decode.program import DONE, FIRST_PHASE, FREE
 from refusion_jax.kv_cache import KVCache
 
@@ -85,6 +86,11 @@ class Rows:
   p_bg: jax.Array  # each final token's probability under its causal softmax(logits / T)
   fresh_b: jax.Array  # the last pass corrected a draft: this one plans afresh beside them
   counters: DecodeCounters
+  # With the selection policy recorded (decode.planner='policy', decode.record): each
+  # pass's slots of the window (`plan_slots`), their features and the ones it chose.
+  plan_feats_tsf: jax.Array | None = None
+  plan_fed_ts: jax.Array | None = None
+  plan_chosen_ts: jax.Array | None = None
 
 
 State = program_lib.State
@@ -100,15 +106,26 @@ def widths(spec) -> tuple[int, ...]:
 _CONTEXT = 2  # run_pass's context group: the head, seen by every entry of the pass
 
 
+def plan_slots(spec) -> int:
+  """The slots a window of `block_size` indices can touch (it starts at any index)."""
+  w, k = widths(spec)[0], spec.slot_size
+  return (w + k - 2) // k + 1
+
+
 def _empty_rows(spec, b: int, pad) -> Rows:
   zi = jnp.zeros((b,), jnp.int32)
   g = spec.gen_length
+  extra = {}
+  if spec.plan_policy and spec.record:
+    t, n = g + 1, plan_slots(spec)  # a plan per pass: the prefill's and <= g more
+    extra = dict(plan_feats_tsf=jnp.zeros((b, t, n, len(PLAN_FEATURES)), jnp.float32),
+                 plan_fed_ts=jnp.zeros((b, t, n), bool), plan_chosen_ts=jnp.zeros((b, t, n), bool))
   return Rows(phase_b=zi + FREE, length_b=zi, prompt_len_b=zi,
               key_b2=jnp.zeros((b, 2), jnp.uint32), tokens_bg=jnp.full((b, g), pad, jnp.int32),
               commit_step_bg=jnp.full((b, g), -1, jnp.int32), final_b=zi,
               draft_bg=jnp.zeros((b, g), jnp.int32), has_bg=jnp.zeros((b, g), bool),
               p_bg=jnp.zeros((b, g), jnp.float32), fresh_b=jnp.zeros((b,), bool),
-              counters=DecodeCounters.zeros(b))
+              counters=DecodeCounters.zeros(b), **extra)
 
 
 def init(model, spec, rows: int, width: int) -> State:
@@ -128,10 +145,12 @@ def index_keys(key_b2, index_bn, temperature) -> jax.Array:
   return keys.reshape(b, n, 2)
 
 
-def admit(model, spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs) -> State:
+def admit(model, spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs,
+          plan=None) -> State:
   """Prefills each prompt with the first window's masks behind it, in one pass: the first
   token is the pick at the prompt's last token, as the AR decoder's (final at once: its
   context is the whole prompt), and the masks give the first drafts."""
+  plan = plan or plan_slots_chosen
   a = ids_ap.shape[0]
   w = widths(spec)[0]
   cache, last_ad, tail_amd = common.prefill_rows(
@@ -146,10 +165,13 @@ def admit(model, spec, st: State, ids_ap, lens_a, rows_a, keys_a2, knobs) -> Sta
                             keys_bt2=keys, vocab_chunk=spec.vocab_chunk, at_temperature=True)
   first = stats.pick_bt[:, 0]
   done = knobs.is_stop(first) | (spec.gen_length <= 1)
-  chosen = _chosen_masks(spec, idx_aw > 0, idx_aw, stats.p_pick_bt, knobs)
+  zero = jnp.zeros((a,), jnp.int32)
+  chosen, record = plan(spec, idx_aw > 0, idx_aw, stats.p_pick_bt, stats.pick_bt, zero + 1,
+                        keys_a2, zero, knobs)
   fresh = _empty_rows(spec, a, knobs.pad_id)
   fresh = fresh.replace(draft_bg=fresh.draft_bg.at[:, :w].set(stats.pick_bt),
-                        has_bg=fresh.has_bg.at[:, :w].set(chosen))
+                        has_bg=fresh.has_bg.at[:, :w].set(chosen),
+                        **_recorded(fresh, record, zero))
   counters = fresh.counters.add(ones, prefill_b=1, fused_b=1, steps_b=1).add_step_tpf(
       ones, ones, ones)
   fresh = fresh.replace(
@@ -166,7 +188,8 @@ def _take(x_bg, idx_bw):
 
 
 def _chosen_masks(spec, mask_w, idx_w, p_w, knobs):
-  """The masks whose draft is kept: every mask of a chosen slot (module docstring)."""
+  """The masks whose draft is kept (the threshold rule): every mask of a chosen slot
+  (module docstring)."""
   slot_w = idx_w // spec.slot_size
   same = slot_w[:, :, None] == slot_w[:, None, :]  # [B, e, e']
   w = mask_w.shape[1]
@@ -179,8 +202,77 @@ def _chosen_masks(spec, mask_w, idx_w, p_w, knobs):
   return mask_w & chosen
 
 
-def step(model, spec, st: State, knobs) -> State:
-  """One fused pass: check the chain, make final, draft (module docstring)."""
+def plan_features(spec, mask_w, idx_w, p_w, final_b):
+  """`(feats [B, S, F], fed [B, S], in [B, w, S])`: the window's slots (S =
+  `plan_slots`, counted from the head's slot) that hold a mask, and each one's
+  PLAN_FEATURES, as ReFusion's plan has them: its first mask's probability, the mean of
+  its masks', its distance from the leftmost such slot (over S), whether the entry left
+  of its first mask is a token (final or a draft), and the share of the answer final."""
+  k, n = spec.slot_size, plan_slots(spec)
+  g = spec.gen_length
+  rel_w = idx_w // k - (idx_w[:, :1] // k)
+  in_ws = (rel_w[..., None] == jnp.arange(n)) & mask_w[..., None]
+  before = jnp.cumsum(in_ws, axis=1) - in_ws  # masks of the slot at earlier offsets
+  first_ws = in_ws & (before == 0)
+  fed = in_ws.any(1)
+  count = in_ws.sum(1)
+  p_first = (first_ws * p_w[..., None]).sum(1)
+  p_slot = (in_ws * p_w[..., None]).sum(1) / jnp.maximum(count, 1)
+  slot = jnp.arange(n)[None]
+  leftmost = jnp.where(fed, slot, n).min(-1, keepdims=True)
+  left_mask_w = jnp.concatenate([jnp.zeros_like(mask_w[:, :1]), mask_w[:, :-1]], 1)
+  left_token = (first_ws & ~left_mask_w[..., None]).any(1)
+  progress = jnp.broadcast_to((final_b / g)[:, None], fed.shape)
+  feats = jnp.stack([p_first, p_slot, (slot - leftmost) / n, left_token.astype(jnp.float32),
+                     progress], -1)
+  return jnp.where(fed[..., None], feats, 0.0).astype(jnp.float32), fed, in_ws
+
+
+def plan_slots_chosen(spec, mask_w, idx_w, p_w, pick_w, final_b, key_b2, step_b, knobs):
+  """`(chosen masks [B, w], record or None)`. The threshold rule (`_chosen_masks`); with
+  the selection policy (decode.planner='policy'), slot s of the window is chosen with
+  probability sigmoid(w . f_s + b) over its `plan_features` (drawn with `plan_sample`,
+  else above one half), the most likely one when none is: ReFusion's policy and
+  `rl.selector`'s likelihood of it. No choice changes an answer, only the passes.
+  (`pick_w`, the masks' picks, is what `answer_plan` reads; this rule does not.)"""
+  del pick_w
+  if not spec.plan_policy:
+    return _chosen_masks(spec, mask_w, idx_w, p_w, knobs), None
+  feats, fed, in_ws = plan_features(spec, mask_w, idx_w, p_w, final_b)
+  logit = jnp.where(fed, refusion.policy_logits(feats, knobs.plan_w, knobs.plan_b), -jnp.inf)
+  # Slot s draws uniform 1 + s of the pass (the token picks use key 0 of their index).
+  u = program_lib.pass_uniforms(key_b2, step_b, 1, fed.shape[1])
+  over = fed & jnp.where(knobs.plan_sample, u < jax.nn.sigmoid(logit), logit > 0)
+  best = jax.nn.one_hot(jnp.argmax(logit, axis=-1), fed.shape[1], dtype=bool) & fed
+  chosen = jnp.where(over.any(-1, keepdims=True), over, best)
+  return mask_w & (in_ws & chosen[:, None, :]).any(-1), (feats, fed, chosen)
+
+
+def answer_plan(answers_bg):
+  """A planner that knows the answer (`benchmarks/planner_speed.py`): it keeps exactly
+  the masks whose pick is the answer's token at its index, so no pass checks a wrong
+  masked draft. A `plan` for `admit` and `step`; rows are the answers' rows."""
+  def plan(spec, mask_w, idx_w, p_w, pick_w, final_b, key_b2, step_b, knobs):
+    del spec, p_w, final_b, key_b2, step_b, knobs
+    return mask_w & (pick_w == _take(answers_bg, idx_w)), None
+  return plan
+
+
+def _recorded(r: Rows, record, at_b) -> dict:
+  """The rows' plan record with this pass's (`plan_slots_chosen`) at step `at_b`."""
+  if record is None or r.plan_feats_tsf is None:
+    return {}
+  feats, fed, chosen = record
+  at = (jnp.arange(r.plan_fed_ts.shape[1])[None] == at_b[:, None])
+  return dict(plan_feats_tsf=jnp.where(at[..., None, None], feats[:, None], r.plan_feats_tsf),
+              plan_fed_ts=jnp.where(at[..., None], fed[:, None], r.plan_fed_ts),
+              plan_chosen_ts=jnp.where(at[..., None], chosen[:, None], r.plan_chosen_ts))
+
+
+def step(model, spec, st: State, knobs, plan=None) -> State:
+  """One fused pass: check the chain, make final, draft (module docstring); `plan`
+  chooses the masks whose draft is kept (`plan_slots_chosen`)."""
+  plan = plan or plan_slots_chosen
   r = st.rows
   b, g = r.tokens_bg.shape
   w = widths(spec)[0]
@@ -250,7 +342,8 @@ def step(model, spec, st: State, knobs) -> State:
 
   # Draft the indices after the new head: offsets a+2..w (offset w: past the window,
   # from the last entry when it was a token).
-  chosen_w = _chosen_masks(spec, mask_w, idx_bw, mp_w, knobs)
+  chosen_w, record = plan(spec, mask_w, idx_bw, mp_w, mpick_w, r.final_b, r.key_b2,
+                          r.counters.steps_b, knobs)
   shift = lambda x, fill: jnp.concatenate([x[:, 1:], jnp.full((b, 1), fill, x.dtype)], 1)
   mask_x, mp_x, has_x = shift(chosen_w, False), shift(mpick_w, 0), shift(has_w, False)
   # A causal pick after a token (its slot's next token); after a correction on a fresh
@@ -272,7 +365,8 @@ def step(model, spec, st: State, knobs) -> State:
   length = r.length_b + jnp.where(active, a_b + 1, 0)
   new = r.replace(phase_b=jnp.where(done, DONE, r.phase_b), length_b=length, tokens_bg=tokens,
                   p_bg=p_bg, commit_step_bg=commit, final_b=final, draft_bg=draft_bg,
-                  has_bg=has_bg, fresh_b=fresh_b, counters=counters)
+                  has_bg=has_bg, fresh_b=fresh_b, counters=counters,
+                  **_recorded(r, record, jnp.where(active, step_b, -1)))
   return State(passes=st.passes + 1, cache=cache.replace(length_b=length), rows=new)
 
 
@@ -284,6 +378,9 @@ def output(spec, st: State, knobs) -> DecodeOutput:
   g = r.tokens_bg.shape[1]
   within = jnp.arange(g)[None] < r.final_b[:, None]
   trace = dict(p=jnp.where(within, r.p_bg, 1.0)) if spec.record else None
+  if trace is not None and r.plan_feats_tsf is not None:
+    trace.update(plan_feats=r.plan_feats_tsf, plan_fed=r.plan_fed_ts,
+                 plan_chosen=r.plan_chosen_ts)
   return DecodeOutput(tokens_bg=jnp.where(within, r.tokens_bg, knobs.pad_id),
                       length_b=r.final_b, counters=r.counters.replace(tokens_b=r.final_b),
                       commit_step_bg=jnp.where(within, r.commit_step_bg, -1), trace=trace)

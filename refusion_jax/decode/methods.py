@@ -144,11 +144,13 @@ class PolicyPlanner(MethodOptions):
 
   def check(self, dc) -> None:
     r = dc.options
-    on = _verify_or_remask(r)
+    # Lossless decoding drafts the chosen slots' masks (decode/lossless.py `_plan`): the
+    # choice changes the passes, never the answer.
+    on = [x for x in _verify_or_remask(r) if x != "verify='lossless'"]
     if r.left_to_right or on:
       raise ValueError(
           "decode.planner='policy' chooses ReFusion's slots at each plan step (method="
-          f"'refusion', left_to_right=False, verify='off', remask=False); got method="
+          f"'refusion', left_to_right=False, verify='off' or 'lossless', remask=False); got method="
           f"{dc.method!r}, left_to_right={r.left_to_right}, verify={r.verify!r}, "
           f"remask={r.remask}")
 

@@ -319,6 +319,9 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
       rl_trainer.check_config(probe, need_model=False)
     except ValueError as e:
       raise ValueError(f"config.rl: {e}") from None
+    if probe.train_policy != "model":
+      raise ValueError(f"config.rl.train_policy={probe.train_policy!r}: the RL stage makes "
+                       f"the model {sorted(REINFORCED)} (train_policy='model')")
   if any(m in DISTILLED for m in models):
     probe = distill_config(config, "", "")
     probe.base_dir, probe.output_dir = config.eval.data, "-"  # the fields it fills itself

@@ -17,7 +17,10 @@ and `learner` (the loss and the update). One step:
    prompts and the rollout key are drawn from (seed, step), so a step redone after a
    restart draws the same samples.
 2. **Rewards** (`rl.rewards`): the completion's text (up to its stop token) against its
-   row; optional speed term `reward * (1 + speed_weight * tokens / forwards)`.
+   row; optional speed term `reward * (1 + speed_weight * tokens / forwards)`. The
+   selection policy on lossless rollouts (configs/planner_lossless.py) is trained for
+   speed alone: its choices change no answer, so its reward is the rollout's tokens per
+   forward (the answers' accuracy is still logged).
 3. **Advantages**, group-relative (`rl.grpo.group_advantages`).
 4. **Scoring** (`scoring`): each rollout's training layout (lossless: prompt and answer
    in one causal run, the answer's AR likelihood), `micro_batch` rollouts per forward; the reference's log-probabilities (the starting weights) when beta > 0, the
@@ -107,16 +110,16 @@ def check_config(c, need_model: bool = True) -> None:
   if c.train_policy not in TRAIN_POLICIES:
     raise ValueError(f"--config.train_policy must be one of {TRAIN_POLICIES}, got "
                      f"{c.train_policy!r}")
-  if lossless(c) and c.train_policy != "model":
-    raise ValueError(f"--config.train_policy={c.train_policy!r} with decode.verify='lossless': "
-                     "under lossless decoding the slot choice changes no answer, only the "
-                     "passes, so a reward has nothing to teach the selection policy "
-                     "(train_policy='model' trains the causal head)")
+  if lossless(c) and c.train_policy == "both":
+    raise ValueError("--config.train_policy='both' with decode.verify='lossless': the slot "
+                     "choice changes no answer there, only the passes, so the two learn "
+                     "different things: 'model' trains the causal head for the reward, "
+                     "'selector' the planner for speed (tokens per forward), in two runs")
   try:
     decode_config_of(c)
   except (TypeError, ValueError) as e:
     raise ValueError(f"--config.decode: {e}") from None
-  if not c.decode.temperature > 0:
+  if not c.decode.temperature > 0 and not planner_for_speed(c):
     raise ValueError(f"--config.decode.temperature must be > 0 for RL rollouts (a greedy "
                      f"policy has no probabilities to learn from), got {c.decode.temperature!r}")
 
@@ -138,6 +141,13 @@ def decode_config_of(c):
 
 def lossless(c) -> bool:
   return c.decode.get("verify", "off") == "lossless"
+
+
+def planner_for_speed(c) -> bool:
+  """The selection policy trained on lossless rollouts: its choices change no answer, so
+  its reward is the rollout's tokens per forward (greedy rollouts allowed: the plan's
+  draws are the policy's probabilities)."""
+  return lossless(c) and c.train_policy == "selector"
 
 
 def read_rows(path: str, kind: str, tokenizer, model_config, gen_length: int):
@@ -257,6 +267,8 @@ class RLTask(loop.Task):
         f.write("\n".join(lines) + "\n")
     tpf = np.asarray([r.counters["tokens_b"] / max(r.counters["nfe_b"], 1.0)
                       for r in rollouts.results], np.float32)
+    if planner_for_speed(c):
+      return raw, tpf, tpf, failed
     return raw, raw * (1.0 + c.speed_weight * tpf), tpf, failed
 
   def _update(self, state, rollouts: rollout_lib.Rollouts, reward):
@@ -361,8 +373,12 @@ def main(argv, config_flag) -> None:
                  f"{runtime.sample_command(result['final_model'])})")
   if "plan_weights" in result:
     weights = ",".join(f"{w:.6g}" for w in result["plan_weights"])
+    # The rollouts' decode settings the weights were trained under.
+    same = [f"--config.decode.{k}={c.decode[k]}" for k in ("verify", "block_size",
+                                                          "slot_size", "slot_threshold")
+            if k in c.decode and planner_for_speed(c)]
     runtime.note("rl", f"wrote {os.path.join(c.output_dir, 'plan_weights.json')} (decode "
                  "with it: " + runtime.sample_command(
                      result["final_model"] or c.model_dir, "--config.decode.planner=policy",
-                     f"--config.decode.plan_weights='({weights})'") + ")")
+                     f"--config.decode.plan_weights='({weights})'", *same) + ")")
   print(json.dumps(result))
