@@ -15,6 +15,11 @@ and how many answers differ from the first row's (none may):
   knowledge of which drafts fail is worth. It is not a bound: a wrong draft, fed, still
   drafts the indices after it by its slot's causal picks, which may pass after the
   correction, so withholding it can cost passes.
+* with `--search`, a planner that searches: at each pass it tries every choice of the
+  window's slots and keeps the one whose exact continuation (every later pass drafting
+  every slot) takes the fewest passes, the threshold rule's where none beats it. What
+  a search whose value is the verifier's acceptance (MCTS's) can find one pass deep;
+  never worse than the threshold rule at tau_s 0, at 2^S decodes per pass.
 
   python benchmarks/planner_speed.py --model runs/repro_tiny/models/refusion_bl/final_model \\
       --plan_weights OUT/plan_weights.json
@@ -53,6 +58,7 @@ def parse_args(argv=None):
   p.add_argument("--thresholds", default="0,0.5,0.9,1", help="tau_s of the threshold rows")
   p.add_argument("--plan_weights", default="", help="comma-separated plan_weights.json files")
   p.add_argument("--rows", type=int, default=16, help="rows decoded at once")
+  p.add_argument("--search", action="store_true", help="add the searching planner's row")
   a = p.parse_args(argv)
   a.model = loading.model_arg(p, a.model, "--model")
   a.thresholds = [float(x) for x in a.thresholds.split(",") if x]
@@ -115,6 +121,72 @@ def answer_planned(decoder: engine.Decoder, prompts, answers, rows: int):
   return out
 
 
+def _forced_plan(forced_bs):
+  """A `plan` choosing the slots `forced_bs` [B, S] of the window (`lossless.plan_slots`)."""
+  def plan(spec, mask_w, idx_w, p_w, pick_w, final_b, key_b2, step_b, knobs):
+    del pick_w, key_b2, step_b, knobs
+    _, _, in_ws = lossless.plan_features(spec, mask_w, idx_w, p_w, final_b)
+    return mask_w & (in_ws & forced_bs[:, None, :]).any(-1), None
+  return plan
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec"))
+def _admit(graphdef, params, ids_bp, lens_b, knobs, spec):
+  model = compiled.merge(graphdef, params)
+  b, p = ids_bp.shape
+  rows = jnp.arange(b)
+  with program_lib.precision(spec):
+    st = lossless.init(model, spec, b, p)
+    keys = program_lib.prompt_keys(jnp.zeros((2,), jnp.uint32), rows)
+    return lossless.admit(model, spec, st, ids_bp, lens_b, rows, keys, knobs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "spec", "finish"))
+def _step(graphdef, params, st, forced_bs, knobs, spec, finish: bool):
+  """One pass with the slots `forced_bs`; `finish`: then every pass to the end with every
+  slot drafted, returning each row's passes."""
+  model = compiled.merge(graphdef, params)
+  with program_lib.precision(spec):
+    st = lossless.step(model, spec, st, knobs, plan=_forced_plan(forced_bs))
+    if not finish:
+      return st
+    st = jax.lax.while_loop(lambda s: (s.rows.phase_b >= program_lib.FIRST_PHASE).any(),
+                            lambda s: lossless.step(model, spec, s, knobs), st)
+  return st.rows.counters.nfe_b()
+
+
+def searched(decoder: engine.Decoder, prompts, rows: int):
+  """`[(tokens, passes)]` of each prompt under the searching planner (module docstring)."""
+  spec, knobs = decoder.spec_for(rows), decoder.knobs
+  n_slots = lossless.plan_slots(spec)
+  choices = np.array([[(c >> s) & 1 for s in range(n_slots)] for c in range(2 ** n_slots)],
+                     bool)
+  every = len(choices) - 1
+  out = []
+  for start in range(0, len(prompts), rows):
+    part = prompts[start:start + rows]
+    width = max(len(x) for x in part)
+    ids = np.full((rows, width), decoder.knobs.pad_id, np.int32)
+    lens = np.ones((rows,), np.int32)
+    for i, x in enumerate(part):
+      ids[i, :len(x)], lens[i] = x, len(x)
+    ids[len(part):], lens[len(part):] = ids[0], lens[0]
+    st = _admit(decoder.static, decoder.flat, jnp.asarray(ids), jnp.asarray(lens), knobs,
+                spec=spec)
+    while (np.asarray(st.rows.phase_b) >= program_lib.FIRST_PHASE).any():
+      passes = np.stack([np.asarray(_step(decoder.static, decoder.flat, st, jnp.asarray(
+          np.broadcast_to(c, (rows, n_slots))), knobs, spec=spec, finish=True))
+                         for c in choices])  # [choices, rows]
+      best = np.where(passes.min(0) < passes[every], passes.argmin(0), every)
+      st = _step(decoder.static, decoder.flat, st, jnp.asarray(choices[best]), knobs,
+                 spec=spec, finish=False)
+    res = lossless.output(spec, st, knobs)
+    toks, length = np.asarray(res.tokens_bg), np.asarray(res.length_b)
+    nfe = np.asarray(res.counters.nfe_b())
+    out += [(list(toks[i, :length[i]]), float(nfe[i])) for i in range(len(part))]
+  return out
+
+
 def main(argv=None) -> dict:
   runtime.start_up()
   a = parse_args(argv)
@@ -135,8 +207,10 @@ def main(argv=None) -> dict:
     runs[f"policy {path}"] = [(list(r.tokens), r.counters["nfe_b"]) for r in res]
   first = next(iter(runs.values()))
   dc = DecodeConfig(**base, slot_threshold=0.0)
-  runs["knows the answer"] = answer_planned(engine.Decoder(model, dc), prompts,
-                                            [t for t, _ in first], a.rows)
+  decoder = engine.Decoder(model, dc)
+  runs["knows the answer"] = answer_planned(decoder, prompts, [t for t, _ in first], a.rows)
+  if a.search:
+    runs["search, one pass deep"] = searched(decoder, prompts, a.rows)
   tasks = sorted({p.task for p in problems})
 
   def tpf(res, idx):

@@ -19,8 +19,11 @@ def get_config():
   c = rl_lossless.get_config()
   c.train_policy = "selector"
   c.decode.temperature = 0.0  # greedy answers: a group differs in its plans alone
+  # The start: every slot drawn with probability one half (the soft threshold at tau_s 0
+  # chooses every slot almost surely: no plan of a group would differ).
+  c.decode.plan_weights = (0.0,) * 6
   c.beta = 0.0  # no reference: the plan cannot move an answer away from the model's
   c.learning_rate = 0.05
-  c.steps = 40
-  c.save_every = 10
+  c.steps = 200
+  c.save_every = 50
   return c

@@ -38,10 +38,16 @@ def get_config():
   c.sweep_grid.per_task = 1  # problems per task per sweep point
   # The paper's rows and one "Past the paper" row (its own model and validation search).
   c.eval.rows = ("ARM-AR", "MDM-LLaDA", "MDM-FastdLLM", "D2F", "BD3LM", "ReFusion",
-                 "ReFusion-L2R", "ReFusion-recompute-KV", "ReFusion-BL-verify", "ReFusion-BL-RL")
+                 "ReFusion-L2R", "ReFusion-recompute-KV", "ReFusion-BL-verify", "ReFusion-BL-RL",
+                 "ReFusion-BL-drafter", "ReFusion-BL-planner")
   c.distill.steps, c.distill.batch_size, c.distill.seq_len = 2, 4, 48  # D2F: a few steps
   # RL: two steps of 2 prompts x 2 lossless rollouts.
   c.rl.steps, c.rl.prompts_per_step, c.rl.group_size = 2, 2, 2
   c.rl.micro_batch, c.rl.engine_rows = 4, 4
+  # The drafter: two steps of 4 rows on 8 own answers; the planner: two steps as RL's.
+  c.drafter.steps, c.drafter.batch_size, c.drafter.num_prompts = 2, 4, 8
+  c.drafter.engine_rows, c.drafter.draft_rank = 4, 4
+  c.planner.steps, c.planner.prompts_per_step, c.planner.group_size = 2, 2, 2
+  c.planner.micro_batch, c.planner.engine_rows = 4, 4
   c.progress_bar = False  # quiet test output
   return c

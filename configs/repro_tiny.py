@@ -54,8 +54,10 @@ def get_config():
   # the boundary label (ALGORITHM.md "Past the paper"); then made from them
   # (repro.settings.DISTILLED): "d2f", a D2F adapter distilled from the MDM; and
   # (repro.settings.REINFORCED) "refusion_bl_rl", the boundary-label ReFusion after GRPO on
-  # the lossless sampler.
-  c.models = ("arm", "mdm", "bd3lm", "refusion", "refusion_bl", "d2f", "refusion_bl_rl")
+  # the lossless sampler; (DRAFTED) "refusion_bl_drafter", it with draft adapters trained
+  # for acceptance; (PLANNED) "refusion_bl_planner", a slot planner trained for its speed.
+  c.models = ("arm", "mdm", "bd3lm", "refusion", "refusion_bl", "d2f", "refusion_bl_rl",
+              "refusion_bl_drafter", "refusion_bl_planner")
   # D2F's distillation of the MDM (refusion_jax.distill; configs/d2f_tiny.py's fields,
   # these on top; its samples are train.data.train_files).
   c.distill = ml_collections.ConfigDict()
@@ -72,6 +74,14 @@ def get_config():
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 400
   c.rl.learning_rate = 5e-5
+  # Draft adapters for refusion_bl (refusion_jax.drafter; configs/drafter_tiny.py's fields,
+  # these on top; its answers: the model's own to the training split's first prompts).
+  c.drafter = ml_collections.ConfigDict()
+  c.drafter.steps = 600
+  # refusion_bl's slot planner (refusion_jax.rl; configs/planner_lossless.py's fields, these
+  # on top: the selection policy on greedy lossless rollouts, reward tokens per forward).
+  c.planner = ml_collections.ConfigDict()
+  c.planner.steps = 200
 
   # The base every model starts from (the paper fine-tunes from a pretrained AR model,
   # Qwen3-8B): the shipped pretrained causal ARM (configs/base_tiny.py, trained once by
@@ -104,7 +114,8 @@ def get_config():
                  "ReFusion-recompute-KV", "ReFusion-verify", "ReFusion-BL",
                  "ReFusion-BL-verify", "ReFusion-BL-L2R",
                  "ReFusion-BL-remask", "ReFusion-BL-AR",
-                 "ReFusion-BL-lossless", "ReFusion-BL-RL")  # decoders in the table
+                 "ReFusion-BL-lossless", "ReFusion-BL-RL", "ReFusion-BL-drafter",
+                 "ReFusion-BL-planner")  # decoders in the table
   #                                                             (repro.settings.ROWS)
 
   # Decoding.

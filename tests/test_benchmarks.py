@@ -30,17 +30,18 @@ def test_lossless_speed_decodes_ars_tokens_and_gives_each_windows_ceiling(capsys
 
 
 def test_planner_speed_keeps_every_answer_under_every_planner(tmp_path, capsys):
-  """Every planner row (thresholds, the planner that knows the answer) decodes the first
-  row's answers; drafting every slot beats the leftmost alone."""
+  """Every planner row (thresholds, the planner that knows the answer, the search)
+  decodes the first row's answers; drafting every slot beats the leftmost alone."""
   from benchmarks import planner_speed  # pylint: disable=import-outside-toplevel
   weights = tmp_path / "plan_weights.json"
   weights.write_text(json.dumps({"features": [], "plan_weights": [0, 0, 0, 0, 0, -1.0]}))
   assert planner_speed.read_weights(str(weights)) == (0, 0, 0, 0, 0, -1.0)
   # (A policy row decodes through the engine as a threshold row does: tests/test_rl.py.)
-  rep = planner_speed.main(["--per_task=1", "--thresholds=0,1", "--rows=8"])
-  assert len(rep) == 3 and all(r["differ"] == 0 for r in rep.values())
+  rep = planner_speed.main(["--per_task=1", "--thresholds=0,1", "--rows=8", "--search"])
+  assert len(rep) == 4 and all(r["differ"] == 0 for r in rep.values())
   tpf = {name.split(" ")[0] + name.split(" ")[-1]: r["tpf"] for name, r in rep.items()}
   assert tpf["threshold0"] > tpf["threshold1"] and tpf["knowsanswer"] > 1
+  assert tpf["search,deep"] >= tpf["threshold0"]  # never worse than the rule it rolls out
   assert "| knows the answer | 0 |" in capsys.readouterr().out
   weights.write_text("[1, 2]")
   with pytest.raises(ValueError, match="expected refusion_jax.rl's plan_weights.json"):

@@ -537,9 +537,10 @@ def test_refusion_settings_are_chosen_on_the_validation_split(smoke_run):
     decode = json.load(f)["decode"]
   for t in TASKS:
     assert {k: decode[t][k] for k in bl[t]} == bl[t] and decode[t]["verify"] == "correct"
-  assert ("ReFusion-BL-verify / ReFusion-BL-RL (block_size 8, slot_size 4, slot_threshold 0 "
-          "in every task) settings per task (k, b, tau_s, tau_t), its own search") in (
-      first["table"])
+  own = "(block_size 8, slot_size 4, slot_threshold 0 in every task)"
+  assert (f"ReFusion-BL-verify / ReFusion-BL-RL {own} / ReFusion-BL-drafter {own} / "
+          f"ReFusion-BL-planner {own} settings per task (k, b, tau_s, tau_t), its own "
+          "search") in first["table"]
 
 
 def test_the_rl_stage_trains_from_its_source_and_its_row_decodes_losslessly(smoke_run):
@@ -560,6 +561,34 @@ def test_the_rl_stage_trains_from_its_source_and_its_row_decodes_losslessly(smok
   assert any(not np.array_equal(start[k], after[k]) for k in start)
   assert "- Trained by RL (refusion_bl_rl, from refusion_bl; GRPO on the lossless sampler" in (
       first["table"])
+
+
+def test_the_drafter_and_planner_stages_make_their_rows(smoke_run):
+  """Stage 4's drafter (refusion_bl with draft adapters) and planner (the selection policy
+  trained for speed on refusion_bl's lossless sampler): each row is keyed on its marker,
+  decodes losslessly, the planner's with the trained weights; the report says both."""
+  workdir, first, _ = smoke_run
+  drafter_marker = first["distilled"]["refusion_bl_drafter"]
+  planner_marker = first["distilled"]["refusion_bl_planner"]
+  assert drafter_marker["step"] == 2 and planner_marker["step"] == 2
+  assert drafter_marker["budget"]["from"]["model"] == "refusion_bl"
+  assert planner_marker["budget"]["planner"]["train_policy"] == "selector"
+  weights = json.loads(open(os.path.join(stages.model_dir(workdir, "refusion_bl_planner"),
+                                         stages.PLAN_WEIGHTS_FILE), encoding="utf-8").read())
+  assert weights["plan_weights"] == planner_marker["plan_weights"]
+  with open(os.path.join(workdir, scoring.RESULTS_DIR, "ReFusion-BL-planner.json")) as f:
+    planned = json.load(f)
+  assert planned["key"]["model"] == first["trained"]["refusion_bl"]
+  assert all(d["verify"] == "lossless" and d["planner"] == "policy"
+             and list(d["plan_weights"]) == pytest.approx(planner_marker["plan_weights"])
+             for d in planned["decode"].values())
+  with open(os.path.join(workdir, scoring.RESULTS_DIR, "ReFusion-BL-drafter.json")) as f:
+    drafted = json.load(f)
+  assert drafted["key"]["model"] == drafter_marker
+  config, _ = checkpoint.load_model(stages.final_model_dir(workdir, "refusion_bl_drafter"))
+  assert config.draft_rank == 4
+  assert "- Draft adapters (refusion_bl_drafter, from refusion_bl;" in first["table"]
+  assert "- Slot planner (refusion_bl_planner, for refusion_bl;" in first["table"]
 
 
 def test_select_refuses_the_test_split():

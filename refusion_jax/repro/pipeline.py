@@ -9,7 +9,8 @@
    bidirectional attention differ) in `W/models/<name>`: with a base, each is
    fine-tuned from it (`init_from_hf`); without, each starts from scratch. An
    interrupted run resumes from the trainer's checkpoints; a finished stage
-   (the base included) is skipped (`stages`).
+   (the base included) is skipped (`stages`). Then the models and planners made
+   from trained ones (D2F's distillation, RL, draft adapters, the slot planner).
 2. With `config.select.enabled`, chooses ReFusion's decode settings per task
    on the validation split (`scoring.select_settings`), once for each searched
    row (`settings.searched_rows`: the plain decoder, and each "Past the paper"
@@ -52,6 +53,11 @@ def run(config, workdir: str, log=print) -> dict:
   distilled = stages.distill_models(config, workdir, trained, log)
   # Models made from trained ones (D2F's distillation, RL): what the report lists apart.
   distilled.update(stages.reinforce_models(config, workdir, trained, log))
+  distilled.update(stages.draft_models(config, workdir, trained, log))
+  planners = stages.plan_models(config, workdir, trained, log)
+  distilled.update(planners)
+  plan_weights = {name: m["plan_weights"] for name, m in planners.items()}
+  row_configs = settings.with_planners(row_configs, plan_weights)
   train_seconds = time.perf_counter() - t0
   markers = {**trained, **distilled}  # what each row's results are keyed on
   tokenizer = train_settings.load_tokenizer(config.train)
@@ -61,7 +67,8 @@ def run(config, workdir: str, log=print) -> dict:
     chosen = {row: scoring.select_settings(config, workdir, markers, models, tokenizer, log,
                                            row=row)
               for row in settings.searched_rows(config)}
-    row_configs = settings.row_decode_configs(config, chosen)
+    row_configs = settings.with_planners(settings.row_decode_configs(config, chosen),
+                                         plan_weights)
     if "ReFusion" in chosen:  # what the sweep and the report's settings line start from
       config = settings.with_task_settings(config, chosen["ReFusion"])
   results = scoring.evaluate_rows(config, workdir, row_configs, markers, models, tokenizer, log)

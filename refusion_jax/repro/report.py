@@ -216,6 +216,23 @@ def _distilled_lines(distilled: Mapping[str, dict] | None) -> list[str]:
                  f"weight {r['beta']:g}; last step's reward {m['last_reward']:.3f}; wall "
                  f"{m['seconds']:.0f}s")
       continue
+    if "drafter" in m["budget"]:
+      r = m["budget"]["drafter"]
+      out.append(f"- Draft adapters ({name}, from {m['budget']['from']['model']}; trained for "
+                 f"acceptance on its {r['num_prompts']} own greedy answers, "
+                 f"refusion_jax.drafter): rank {r['draft_rank']}, {m['step']} steps x "
+                 f"{r['batch_size']} rows, window {r['window']}, lr {r['learning_rate']:g}; "
+                 f"wall {m['seconds']:.0f}s")
+      continue
+    if "planner" in m["budget"]:
+      r = m["budget"]["planner"]
+      weights = ", ".join(f"{w:.2f}" for w in m["plan_weights"])
+      out.append(f"- Slot planner ({name}, for {m['budget']['from']['model']}; the selection "
+                 f"policy trained for speed, GRPO on tokens per forward, refusion_jax.rl): "
+                 f"{m['step']} steps x {r['prompts_per_step']} prompts x {r['group_size']} "
+                 f"greedy lossless plans, lr {r['learning_rate']:g}; weights ({weights}); "
+                 f"wall {m['seconds']:.0f}s")
+      continue
     d = m["budget"]["distill"]
     out.append(f"- Distilled ({name}, from {m['budget']['from']['model']}; D2F's asymmetric "
                f"distillation, refusion_jax.distill): {m['step']} steps x {d['batch_size']} "
@@ -311,6 +328,8 @@ LEVERS = (
     ("ReFusion-BL-lossless", "ReFusion-BL-verify", "lossless decoding (the AR answer)"),
     ("ReFusion-BL-lossless", "ReFusion-BL-AR", "lossless decoding against its own AR decode"),
     ("ReFusion-BL-RL", "ReFusion-BL-lossless", "RL on the lossless sampler (the causal head)"),
+    ("ReFusion-BL-drafter", "ReFusion-BL-lossless", "draft adapters trained for acceptance"),
+    ("ReFusion-BL-planner", "ReFusion-BL-lossless", "the slot planner trained for speed"),
 )
 # Each parallel ReFusion row and its own model's left-to-right row.
 OWN_L2R = {"ReFusion": "ReFusion-L2R", "ReFusion-recompute-KV": "ReFusion-L2R",

@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 
 import ml_collections
 
-from refusion_jax import distill, runtime
+from refusion_jax import distill, drafter, runtime
 from refusion_jax import tasks as tasks_lib
 from refusion_jax.checks import is_int, is_real, require
 from refusion_jax.decode.settings import DecodeConfig
@@ -60,6 +60,15 @@ DISTILLED = {"d2f": "mdm"}
 # name -> the model they start from. "refusion_bl_rl": GRPO on the lossless sampler from
 # the boundary-label ReFusion, whose rollouts are its own AR samples.
 REINFORCED = {"refusion_bl_rl": "refusion_bl"}
+# Models with draft adapters trained for acceptance (refusion_jax.drafter,
+# configs/drafter_tiny.py with config.drafter): name -> the model they adapt. Its answers
+# are its source's; only the passes can change.
+DRAFTED = {"refusion_bl_drafter": "refusion_bl"}
+# Slot planners trained for speed on a model's lossless sampler (refusion_jax.rl,
+# configs/planner_lossless.py with config.planner): name -> the model whose plans they
+# choose. A planner is weights (W/models/<name>/plan_weights.json), not a model: a row
+# with `planner` decodes its own model with them.
+PLANNED = {"refusion_bl_planner": "refusion_bl"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +81,7 @@ class Row:
   # own name: it is searched, with `options`); None: not a ReFusion row.
   settings_of: str | None = None
   options: tuple = ()  # (field, value) DecodeConfig changes on top of the task settings
+  plan_by: str | None = None  # a PLANNED name: decoded with its trained plan_weights
 
 
 def refusion_decode_config(config, task: str, **changes) -> DecodeConfig:
@@ -111,10 +121,11 @@ def _ar_decode_config(config) -> DecodeConfig:
 
 
 def _refusion_row(name: str, model: str, description: str, settings_of: str | None = None,
-                  **options) -> Row:
+                  plan_by: str | None = None, **options) -> Row:
   return Row(name, model, description,
              lambda c, t: refusion_decode_config(c, t, **options),
-             settings_of=settings_of or name, options=tuple(sorted(options.items())))
+             settings_of=settings_of or name, options=tuple(sorted(options.items())),
+             plan_by=plan_by)
 
 
 # What each "Past the paper" row switches on (the report names the lever each moves).
@@ -168,7 +179,28 @@ ROWS: dict[str, Row] = {row.name: row for row in (
                   "on the lossless sampler (its rollouts its own AR samples; config.rl), "
                   "decoded as ReFusion-BL-lossless", settings_of="ReFusion-BL-verify",
                   verify="lossless", block_size=8, slot_size=4, slot_threshold=0.0),
+    _refusion_row("ReFusion-BL-drafter", "refusion_bl_drafter", "ReFusion-BL-lossless with "
+                  "draft adapters trained for acceptance on the model's own answers "
+                  "(config.drafter; the same answers)", settings_of="ReFusion-BL-verify",
+                  verify="lossless", block_size=8, slot_size=4, slot_threshold=0.0),
+    _refusion_row("ReFusion-BL-planner", "refusion_bl", "ReFusion-BL-lossless with the slot "
+                  "planner trained for speed (the selection policy, GRPO on tokens per "
+                  "forward; config.planner; the same answers)", settings_of="ReFusion-BL-verify",
+                  plan_by="refusion_bl_planner", verify="lossless", block_size=8, slot_size=4,
+                  slot_threshold=0.0, planner="policy"),
 )}
+
+
+def with_planners(row_configs: Mapping[str, Mapping[str, DecodeConfig]],
+                  plan_weights: Mapping[str, tuple]) -> dict[str, dict[str, DecodeConfig]]:
+  """Each row with a `plan_by` planner decoded with its trained weights
+  (`plan_weights` {PLANNED name: weights}, the planner stage's)."""
+  out = {}
+  for name, configs in row_configs.items():
+    by = ROWS[name].plan_by
+    out[name] = ({t: dc.replace(plan_weights=tuple(plan_weights[by])) for t, dc in configs.items()}
+                 if by else dict(configs))
+  return out
 
 
 def row_decode_configs(config, chosen: Mapping[str, Mapping] | None = None
@@ -284,6 +316,30 @@ def rl_config(config, model_dir: str, output_dir: str) -> ml_collections.ConfigD
   return c
 
 
+def planner_config(config, model_dir: str, output_dir: str) -> ml_collections.ConfigDict:
+  """refusion_jax.rl's config for a PLANNED planner: configs/planner_lossless.py's fields
+  with config.planner's on top (`planner.decode.<field>` too)."""
+  from configs import planner_lossless  # not at the top: as distill_config's
+  c = planner_lossless.get_config()
+  c.decode.gen_length = config.decode.gen_length
+  c.update(config.get("planner", ml_collections.ConfigDict()).to_dict())
+  c.model_dir, c.output_dir = model_dir, output_dir
+  c.compile_cache_dir = config.get("compile_cache_dir", runtime.AUTO)
+  return c
+
+
+def drafter_config(config, model_dir: str, output_dir: str) -> ml_collections.ConfigDict:
+  """refusion_jax.drafter's config for a DRAFTED model: configs/drafter_tiny.py's fields
+  with config.drafter's on top."""
+  from configs import drafter_tiny  # not at the top: as distill_config's
+  c = drafter_tiny.get_config()
+  c.gen_length = config.decode.gen_length
+  c.update(config.get("drafter", ml_collections.ConfigDict()).to_dict())
+  c.model_dir, c.output_dir = model_dir, output_dir
+  c.compile_cache_dir = config.get("compile_cache_dir", runtime.AUTO)
+  return c
+
+
 def distill_config(config, base_dir: str, output_dir: str) -> ml_collections.ConfigDict:
   """refusion_jax.distill's config for a DISTILLED model: configs/d2f_tiny.py's fields
   with config.distill's on top."""
@@ -304,7 +360,7 @@ def distill_config(config, base_dir: str, output_dir: str) -> ml_collections.Con
 def validate(config) -> dict[str, dict[str, DecodeConfig]]:
   """Checks the reproduction fields; returns {row: {task: DecodeConfig}}."""
   models = tuple(config.models)
-  made = {**DISTILLED, **REINFORCED}
+  made = {**DISTILLED, **REINFORCED, **DRAFTED, **PLANNED}
   unknown = [m for m in models if m not in MODELS and m not in made]
   if not models or unknown:
     raise ValueError(f"config.models={models!r}: each must be one of "
@@ -322,6 +378,22 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
     if probe.train_policy != "model":
       raise ValueError(f"config.rl.train_policy={probe.train_policy!r}: the RL stage makes "
                        f"the model {sorted(REINFORCED)} (train_policy='model')")
+  if any(m in PLANNED for m in models):
+    probe = planner_config(config, "", "")
+    try:
+      rl_trainer.check_config(probe, need_model=False)
+    except ValueError as e:
+      raise ValueError(f"config.planner: {e}") from None
+    if not rl_trainer.planner_for_speed(probe):
+      raise ValueError(f"config.planner: the planner stage trains the selection policy on "
+                       f"lossless rollouts (train_policy='selector', decode.verify='lossless'); "
+                       f"got train_policy={probe.train_policy!r}, decode.verify="
+                       f"{probe.decode.get('verify', 'off')!r}")
+  if any(m in DRAFTED for m in models):
+    try:
+      drafter.check_config(drafter_config(config, "", ""), need_model=False)
+    except ValueError as e:
+      raise ValueError(f"config.drafter: {e}") from None
   if any(m in DISTILLED for m in models):
     probe = distill_config(config, "", "")
     probe.base_dir, probe.output_dir = config.eval.data, "-"  # the fields it fills itself
@@ -352,7 +424,7 @@ def validate(config) -> dict[str, dict[str, DecodeConfig]]:
     if name not in ROWS:
       raise ValueError(f"config.eval.rows: unknown row {name!r}; known: {list(ROWS)}")
     for needed in (ROWS[name].model, ROWS[ROWS[name].settings_of].model
-                   if ROWS[name].settings_of else None):
+                   if ROWS[name].settings_of else None, ROWS[name].plan_by):
       if needed is not None and needed not in models:
         raise ValueError(f"config.eval.rows: row {name!r} needs the {needed!r} model, "
                          f"which config.models={models!r} does not train")

@@ -6,8 +6,9 @@ base (`config.base.pretrained`) takes its place. Stage 2 trains each of
 `config.models` in `W/models/<name>` on the same data for the same number of
 tokens (`config.train`; only the objective and the attention it needs
 differ), fine-tuned from the base when there is one. Stage 3 makes models from
-trained ones: D2F's adapter distilled from the MDM, and RL from a ReFusion model
-(`settings.DISTILLED`, `settings.REINFORCED`).
+trained ones: D2F's adapter distilled from the MDM; from a ReFusion model, RL (the
+causal head), draft adapters (the drafts) and a slot planner trained for speed
+(`settings.DISTILLED`, `settings.REINFORCED`, `settings.DRAFTED`, `settings.PLANNED`).
 
 Each stage writes a marker (`reproduce_train.json`: its budget, steps and
 seconds) beside the trainer's checkpoints: a finished stage of the same budget
@@ -28,7 +29,7 @@ from typing import Callable
 
 import ml_collections
 
-from refusion_jax import checkpoint, distill, fileio, lora, objective
+from refusion_jax import checkpoint, distill, drafter, fileio, lora, objective
 from refusion_jax import tokenizer as tokenizer_lib
 from refusion_jax.repro import settings
 from refusion_jax.rl import trainer as rl_trainer
@@ -38,6 +39,7 @@ MODELS_DIR = "models"
 TRAIN_MARKER = "reproduce_train.json"
 BASE_MODEL = "base"  # W/models/base: the stage-1 causal ARM every model starts from
 BASE_HF_DIR = "hf"  # its HF export, inside W/models/base
+PLAN_WEIGHTS_FILE = "plan_weights.json"  # a planner's product (refusion_jax.rl's name)
 
 
 def model_dir(workdir: str, name: str) -> str:
@@ -206,17 +208,21 @@ DISTILL_DIR = "distill"  # W/models/<name>/distill: refusion_jax.distill's outpu
 
 
 def _made_model_state(workdir: str, name: str, source: str, trained: dict[str, dict],
-                      stage: str, fields: dict, done: str, log) -> tuple[dict, dict | None]:
+                      stage: str, fields: dict, done: str, log,
+                      product: str = outputs.FINAL_MODEL_DIR) -> tuple[dict, dict | None]:
   """`(budget, marker)` of model `name`, made from the trained `source` by `stage` with
-  its settings `fields`: the marker when it holds this budget and the model is there (the
-  stage is skipped, `done` logged), else None, the model's folder cleared to start over."""
+  its settings `fields`: the marker when it holds this budget and its `product` (the
+  model folder, or a file) is there (the stage is skipped, `done` logged), else None, the
+  model's folder cleared to start over."""
   here = model_dir(workdir, name)
   budget = {stage: fields, "from": {"model": source, "budget": trained[source]["budget"],
                                     "step": trained[source]["step"]}}
   budget = json.loads(json.dumps(budget))  # tuples as lists, as the marker reads back
   marker = fileio.read_json_or_none(os.path.join(here, TRAIN_MARKER))
+  made = os.path.join(here, product)
   if (marker and marker.get("budget") == budget
-      and checkpoint.is_model_dir(os.path.join(here, outputs.FINAL_MODEL_DIR))):
+      and (checkpoint.is_model_dir(made) if product == outputs.FINAL_MODEL_DIR
+           else os.path.isfile(made))):
     log(f"[reproduce] {name}: already {done} ({marker['step']} steps), skipped")
     return budget, marker
   if os.path.isdir(here):
@@ -262,37 +268,82 @@ def distill_models(config, workdir: str, trained: dict[str, dict], log=print
   return out
 
 
+def _trained_from(config, workdir: str, trained: dict[str, dict], log, made: dict[str, str],
+                  stage: str, config_of, done: str, announce, train,
+                  product: str = outputs.FINAL_MODEL_DIR) -> dict[str, dict]:
+  """Each of config.models in `made` {name: source}, trained from its source's final model
+  by `train(c) -> result` on `config_of(config, source_dir, W/models/<name>)` (a run whose
+  output folder is W/models/<name>: checkpoints, metrics, `product`); skipped when its
+  marker's budget (those settings and the source's marker) holds. {name: marker}."""
+  out = {}
+  for name in config.models:
+    if name not in made:
+      continue
+    source = made[name]
+    here = model_dir(workdir, name)
+    c = config_of(config, final_model_dir(workdir, source), here)
+    budget, marker = _made_model_state(
+        workdir, name, source, trained, stage,
+        {k: v for k, v in c.to_dict().items()
+         if k not in ("model_dir", "output_dir", "compile_cache_dir")}, done, log,
+        product=product)
+    if marker is not None:
+      out[name] = marker
+      continue
+    log(f"[reproduce] {announce(c)} for {name} from {source}")
+    t0 = time.perf_counter()
+    result = train(c)
+    marker = {"budget": budget, "step": int(result["steps"]),
+              "seconds": time.perf_counter() - t0,
+              "samples_per_step": float(c.prompts_per_step * c.group_size
+                                        if "group_size" in c else c.batch_size),
+              "num_params": trained[source].get("num_params"),
+              "finished": datetime.datetime.now().isoformat(timespec="seconds")}
+    if "last" in result:
+      marker["last_reward"] = float(result["last"].get("reward_mean", float("nan")))
+    if "plan_weights" in result:
+      marker["plan_weights"] = list(result["plan_weights"])
+    fileio.write_json_atomic(os.path.join(here, TRAIN_MARKER), marker)
+    out[name] = marker
+  return out
+
+
 def reinforce_models(config, workdir: str, trained: dict[str, dict], log=print
                      ) -> dict[str, dict]:
   """Stage 4: each REINFORCED model of config.models, trained further from its source by
   GRPO on the lossless sampler (refusion_jax.rl with `settings.rl_config`; its folder holds
-  the run's checkpoints and metrics and `final_model/`); skipped when its marker's budget
-  (the RL settings and the source's marker) holds. {name: marker}."""
-  out = {}
-  for name in config.models:
-    if name not in settings.REINFORCED:
-      continue
-    source = settings.REINFORCED[name]
-    here = model_dir(workdir, name)
-    rc = settings.rl_config(config, final_model_dir(workdir, source), here)
-    budget, marker = _made_model_state(
-        workdir, name, source, trained, "rl",
-        {k: v for k, v in rc.to_dict().items()
-         if k not in ("model_dir", "output_dir", "compile_cache_dir")},
-        "trained by RL", log)
-    if marker is not None:
-      out[name] = marker
-      continue
-    log(f"[reproduce] RL for {name} from {source}: {rc.steps} steps x {rc.prompts_per_step} "
-        f"prompts x {rc.group_size} lossless rollouts, lr {rc.learning_rate:g}")
-    t0 = time.perf_counter()
-    result = rl_trainer.run(rc, progress=bool(config.get("progress_bar", True)))
-    marker = {"budget": budget, "step": int(result["steps"]),
-              "seconds": time.perf_counter() - t0,
-              "last_reward": float(result["last"].get("reward_mean", float("nan"))),
-              "samples_per_step": float(rc.prompts_per_step * rc.group_size),
-              "num_params": trained[source].get("num_params"),
-              "finished": datetime.datetime.now().isoformat(timespec="seconds")}
-    fileio.write_json_atomic(os.path.join(here, TRAIN_MARKER), marker)
-    out[name] = marker
-  return out
+  the run's checkpoints and metrics and `final_model/`). {name: marker}."""
+  progress = bool(config.get("progress_bar", True))
+  return _trained_from(
+      config, workdir, trained, log, settings.REINFORCED, "rl", settings.rl_config,
+      "trained by RL", lambda c: (f"RL: {c.steps} steps x {c.prompts_per_step} prompts x "
+                                  f"{c.group_size} lossless rollouts, lr {c.learning_rate:g}"),
+      lambda c: rl_trainer.run(c, progress=progress))
+
+
+def draft_models(config, workdir: str, trained: dict[str, dict], log=print
+                 ) -> dict[str, dict]:
+  """Stage 4: each DRAFTED model of config.models: its source with draft adapters trained
+  for acceptance on its own greedy answers (refusion_jax.drafter with
+  `settings.drafter_config`; `final_model/` answers as its source does). {name: marker}."""
+  progress = bool(config.get("progress_bar", True))
+  return _trained_from(
+      config, workdir, trained, log, settings.DRAFTED, "drafter", settings.drafter_config,
+      "given draft adapters", lambda c: (f"draft adapters: rank {c.draft_rank}, {c.steps} "
+                                         f"steps x {c.batch_size} of {c.num_prompts} own "
+                                         "answers"),
+      lambda c: drafter.run(c, progress=progress))
+
+
+def plan_models(config, workdir: str, trained: dict[str, dict], log=print
+                ) -> dict[str, dict]:
+  """Stage 4: each PLANNED planner of config.models: the selection policy trained for
+  speed on its model's lossless sampler (refusion_jax.rl with `settings.planner_config`;
+  `plan_weights.json`, also in its marker's "plan_weights"). {name: marker}."""
+  progress = bool(config.get("progress_bar", True))
+  return _trained_from(
+      config, workdir, trained, log, settings.PLANNED, "planner", settings.planner_config,
+      "trained for speed", lambda c: (f"the slot planner: {c.steps} steps x "
+                                      f"{c.prompts_per_step} prompts x {c.group_size} greedy "
+                                      "lossless plans, reward tokens per forward"),
+      lambda c: rl_trainer.run(c, progress=progress), product=PLAN_WEIGHTS_FILE)
