@@ -1,9 +1,9 @@
 """Draft adapters (ModelConfig.draft_rank) and their trainer (refusion_jax.drafter):
-adapters change the drafts and no answer; the trainer trains them alone, on the model's
-own answers; the acceptance benchmark compares drafts at identical answers."""
+adapters change the drafts and no answer; the acceptance benchmark compares drafts at
+identical answers. (The trainer trains them alone, on the model's own answers: the main
+job's drafter stage, tests/test_reproduce.py; its resume: tests/test_loop.py.)"""
 
 import dataclasses
-import json
 import os
 
 import jax
@@ -76,31 +76,6 @@ def test_a_model_with_adapters_saves_and_loads(tmp_path):
                                 np.asarray(adapted.layers[1].mlp.draft_b[...]))
   with pytest.raises(ValueError, match="draft_rank must be an int >= 0"):
     dataclasses.replace(config, draft_rank=-1)
-
-
-def test_the_drafter_trains_the_adapters_alone_on_the_models_answers(tmp_path):
-  c = drafter_tiny.get_config()
-  c.model_dir, c.output_dir = MODEL, str(tmp_path / "d")
-  c.num_prompts, c.gen_length, c.steps, c.batch_size, c.draft_rank = 32, 24, 4, 8, 4
-  c.save_every, c.engine_rows = 4, 8
-  result = drafter.run(c, progress=False)
-  assert result["steps"] == 4 and result["samples"] == 32
-  # Its data: the model's own greedy answers (the AR decoder's, token for token).
-  rows = [json.loads(x) for x in open(tmp_path / "d" / drafter.ANSWERS_FILE)]
-  _, start = loading.load_model(MODEL)
-  ar = engine.Decoder(start, DecodeConfig(method="ar", gen_length=24)).engine(8).run(
-      [r["prompt"] for r in rows])
-  assert [r["answer"] for r in rows] == [list(x.tokens) for x in ar.results]
-  lines = [json.loads(x) for x in open(tmp_path / "d" / "metrics.jsonl")]
-  assert all(0 <= x["draft_accuracy"] <= 1 and x["masked"] > 0 for x in lines)
-  # Every weight but the adapters' is the model's; the adapters moved.
-  _, after = loading.load_model(result["final_model"])
-  flat = lambda m: {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}  # noqa: E731
-  s, t = flat(start), flat(after)
-  added = set(t) - set(s)
-  assert added and all(k[-1] in drafter.ADAPTER_PARAMS for k in added)
-  assert all(np.array_equal(s[k], t[k]) for k in s)
-  assert any(np.abs(t[k]).max() > 0 for k in added if k[-1] == "draft_b")
 
 
 def test_the_acceptance_benchmark_compares_drafts_at_identical_answers(tmp_path):

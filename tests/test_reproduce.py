@@ -585,8 +585,24 @@ def test_the_drafter_and_planner_stages_make_their_rows(smoke_run):
   with open(os.path.join(workdir, scoring.RESULTS_DIR, "ReFusion-BL-drafter.json")) as f:
     drafted = json.load(f)
   assert drafted["key"]["model"] == drafter_marker
-  config, _ = checkpoint.load_model(stages.final_model_dir(workdir, "refusion_bl_drafter"))
+  config, after = checkpoint.load_model(stages.final_model_dir(workdir, "refusion_bl_drafter"))
   assert config.draft_rank == 4
+  # Its data: the model's own greedy answers (the AR decoder's, token for token).
+  from refusion_jax import drafter  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode import engine  # pylint: disable=import-outside-toplevel
+  from refusion_jax.decode.settings import DecodeConfig  # pylint: disable=import-outside-toplevel
+  rows = [json.loads(x) for x in open(os.path.join(
+      stages.model_dir(workdir, "refusion_bl_drafter"), drafter.ANSWERS_FILE), encoding="utf-8")]
+  _, start = checkpoint.load_model(stages.final_model_dir(workdir, "refusion_bl"))
+  ar = engine.Decoder(start, DecodeConfig(method="ar", gen_length=16)).engine(4).run(
+      [r["prompt"] for r in rows])
+  assert len(rows) == 8 and [r["answer"] for r in rows] == [list(x.tokens) for x in ar.results]
+  # Every weight but the adapters' is the model's; the adapters moved.
+  s, t = _flat(start), _flat(after)
+  added = set(t) - set(s)
+  assert added and all(k.split("'")[-2] in drafter.ADAPTER_PARAMS for k in added)
+  assert all(np.array_equal(s[k], t[k]) for k in s)
+  assert any(np.abs(t[k]).max() > 0 for k in added if "draft_b" in k)
   assert "- Draft adapters (refusion_bl_drafter, from refusion_bl;" in first["table"]
   assert "- Slot planner (refusion_bl_planner, for refusion_bl;" in first["table"]
 
