@@ -187,21 +187,6 @@ def _take(x_bg, idx_bw):
   return jnp.take_along_axis(x_bg, jnp.clip(idx_bw, 0, x_bg.shape[1] - 1), axis=1)
 
 
-def _chosen_masks(spec, mask_w, idx_w, p_w, knobs):
-  """The masks whose draft is kept (the threshold rule): every mask of a chosen slot
-  (module docstring)."""
-  slot_w = idx_w // spec.slot_size
-  same = slot_w[:, :, None] == slot_w[:, None, :]  # [B, e, e']
-  w = mask_w.shape[1]
-  earlier = jnp.tril(jnp.ones((w, w), bool), -1)[None]  # e' < e
-  first_w = mask_w & ~(same & earlier & mask_w[:, None, :]).any(-1)
-  p_first_w = (same & first_w[:, None, :]).astype(p_w.dtype) @ p_w[..., None]
-  big = jnp.iinfo(jnp.int32).max
-  leftmost_b = jnp.where(mask_w, slot_w, big).min(-1)
-  chosen = (p_first_w[..., 0] > knobs.slot_threshold) | (slot_w == leftmost_b[:, None])
-  return mask_w & chosen
-
-
 def plan_features(spec, mask_w, idx_w, p_w, final_b):
   """`(feats [B, S, F], fed [B, S], in [B, w, S])`: the window's slots (S =
   `plan_slots`, counted from the head's slot) that hold a mask, and each one's
@@ -229,16 +214,19 @@ def plan_features(spec, mask_w, idx_w, p_w, final_b):
 
 
 def plan_slots_chosen(spec, mask_w, idx_w, p_w, pick_w, final_b, key_b2, step_b, knobs):
-  """`(chosen masks [B, w], record or None)`. The threshold rule (`_chosen_masks`); with
+  """`(chosen masks [B, w], record or None)`. The threshold rule (below); with
   the selection policy (decode.planner='policy'), slot s of the window is chosen with
   probability sigmoid(w . f_s + b) over its `plan_features` (drawn with `plan_sample`,
   else above one half), the most likely one when none is: ReFusion's policy and
   `rl.selector`'s likelihood of it. No choice changes an answer, only the passes.
   (`pick_w`, the masks' picks, is what `answer_plan` reads; this rule does not.)"""
   del pick_w
-  if not spec.plan_policy:
-    return _chosen_masks(spec, mask_w, idx_w, p_w, knobs), None
   feats, fed, in_ws = plan_features(spec, mask_w, idx_w, p_w, final_b)
+  if not spec.plan_policy:
+    # The threshold rule: a slot whose first mask's probability exceeds tau_s, and the
+    # leftmost slot holding a mask (distance 0).
+    chosen = fed & ((feats[..., 0] > knobs.slot_threshold) | (feats[..., 2] == 0))
+    return mask_w & (in_ws & chosen[:, None, :]).any(-1), None
   logit = jnp.where(fed, refusion.policy_logits(feats, knobs.plan_w, knobs.plan_b), -jnp.inf)
   # Slot s draws uniform 1 + s of the pass (the token picks use key 0 of their index).
   u = program_lib.pass_uniforms(key_b2, step_b, 1, fed.shape[1])

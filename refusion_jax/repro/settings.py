@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import importlib
 import os
 from typing import Callable, Mapping
 
@@ -304,40 +305,38 @@ def check_pretrained_base(folder: str) -> str:
   return actual
 
 
-def rl_config(config, model_dir: str, output_dir: str) -> ml_collections.ConfigDict:
-  """refusion_jax.rl's config for a REINFORCED model: configs/rl_lossless.py's fields with
-  config.rl's on top (its decode nested: `rl.decode.<field>`)."""
-  from configs import rl_lossless  # not at the top: as distill_config's
-  c = rl_lossless.get_config()
-  c.decode.gen_length = config.decode.gen_length  # the rollouts answer as the rows decode
-  c.update(config.get("rl", ml_collections.ConfigDict()).to_dict())
+def _trained_from_config(config, recipe: str, section: str, model_dir: str, output_dir: str,
+                         decode_nested: bool) -> ml_collections.ConfigDict:
+  """configs/<recipe>.py's fields with config.<section>'s on top, run on `model_dir` into
+  `output_dir`: the config of a stage that trains something from a trained model. Its
+  answers are as long as the rows' (`decode.gen_length`, or `gen_length` unless
+  `decode_nested`)."""
+  # Not at the top: as distill_config's `configs` import.
+  c = importlib.import_module(f"configs.{recipe}").get_config()
+  (c.decode if decode_nested else c).gen_length = config.decode.gen_length
+  c.update(config.get(section, ml_collections.ConfigDict()).to_dict())
   c.model_dir, c.output_dir = model_dir, output_dir
   c.compile_cache_dir = config.get("compile_cache_dir", runtime.AUTO)
   return c
+
+
+def rl_config(config, model_dir: str, output_dir: str) -> ml_collections.ConfigDict:
+  """refusion_jax.rl's config for a REINFORCED model: configs/rl_lossless.py's fields with
+  config.rl's on top (its decode nested: `rl.decode.<field>`)."""
+  return _trained_from_config(config, "rl_lossless", "rl", model_dir, output_dir, True)
 
 
 def planner_config(config, model_dir: str, output_dir: str) -> ml_collections.ConfigDict:
   """refusion_jax.rl's config for a PLANNED planner: configs/planner_lossless.py's fields
   with config.planner's on top (`planner.decode.<field>` too)."""
-  from configs import planner_lossless  # not at the top: as distill_config's
-  c = planner_lossless.get_config()
-  c.decode.gen_length = config.decode.gen_length
-  c.update(config.get("planner", ml_collections.ConfigDict()).to_dict())
-  c.model_dir, c.output_dir = model_dir, output_dir
-  c.compile_cache_dir = config.get("compile_cache_dir", runtime.AUTO)
-  return c
+  return _trained_from_config(config, "planner_lossless", "planner", model_dir, output_dir,
+                              True)
 
 
 def drafter_config(config, model_dir: str, output_dir: str) -> ml_collections.ConfigDict:
   """refusion_jax.drafter's config for a DRAFTED model: configs/drafter_tiny.py's fields
   with config.drafter's on top."""
-  from configs import drafter_tiny  # not at the top: as distill_config's
-  c = drafter_tiny.get_config()
-  c.gen_length = config.decode.gen_length
-  c.update(config.get("drafter", ml_collections.ConfigDict()).to_dict())
-  c.model_dir, c.output_dir = model_dir, output_dir
-  c.compile_cache_dir = config.get("compile_cache_dir", runtime.AUTO)
-  return c
+  return _trained_from_config(config, "drafter_tiny", "drafter", model_dir, output_dir, False)
 
 
 def distill_config(config, base_dir: str, output_dir: str) -> ml_collections.ConfigDict:

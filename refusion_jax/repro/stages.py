@@ -272,9 +272,10 @@ def _trained_from(config, workdir: str, trained: dict[str, dict], log, made: dic
                   stage: str, config_of, done: str, announce, train,
                   product: str = outputs.FINAL_MODEL_DIR) -> dict[str, dict]:
   """Each of config.models in `made` {name: source}, trained from its source's final model
-  by `train(c) -> result` on `config_of(config, source_dir, W/models/<name>)` (a run whose
-  output folder is W/models/<name>: checkpoints, metrics, `product`); skipped when its
-  marker's budget (those settings and the source's marker) holds. {name: marker}."""
+  by `train(c, progress=...) -> result` (a trainer's `run`) on `config_of(config,
+  source_dir, W/models/<name>)`, a run whose output folder is W/models/<name>
+  (checkpoints, metrics, `product`); skipped when its marker's budget (those settings and
+  the source's marker) holds. {name: marker}."""
   out = {}
   for name in config.models:
     if name not in made:
@@ -292,7 +293,7 @@ def _trained_from(config, workdir: str, trained: dict[str, dict], log, made: dic
       continue
     log(f"[reproduce] {announce(c)} for {name} from {source}")
     t0 = time.perf_counter()
-    result = train(c)
+    result = train(c, progress=bool(config.get("progress_bar", True)))
     marker = {"budget": budget, "step": int(result["steps"]),
               "seconds": time.perf_counter() - t0,
               "samples_per_step": float(c.prompts_per_step * c.group_size
@@ -313,12 +314,11 @@ def reinforce_models(config, workdir: str, trained: dict[str, dict], log=print
   """Stage 4: each REINFORCED model of config.models, trained further from its source by
   GRPO on the lossless sampler (refusion_jax.rl with `settings.rl_config`; its folder holds
   the run's checkpoints and metrics and `final_model/`). {name: marker}."""
-  progress = bool(config.get("progress_bar", True))
   return _trained_from(
       config, workdir, trained, log, settings.REINFORCED, "rl", settings.rl_config,
       "trained by RL", lambda c: (f"RL: {c.steps} steps x {c.prompts_per_step} prompts x "
                                   f"{c.group_size} lossless rollouts, lr {c.learning_rate:g}"),
-      lambda c: rl_trainer.run(c, progress=progress))
+      rl_trainer.run)
 
 
 def draft_models(config, workdir: str, trained: dict[str, dict], log=print
@@ -326,13 +326,12 @@ def draft_models(config, workdir: str, trained: dict[str, dict], log=print
   """Stage 4: each DRAFTED model of config.models: its source with draft adapters trained
   for acceptance on its own greedy answers (refusion_jax.drafter with
   `settings.drafter_config`; `final_model/` answers as its source does). {name: marker}."""
-  progress = bool(config.get("progress_bar", True))
   return _trained_from(
       config, workdir, trained, log, settings.DRAFTED, "drafter", settings.drafter_config,
       "given draft adapters", lambda c: (f"draft adapters: rank {c.draft_rank}, {c.steps} "
                                          f"steps x {c.batch_size} of {c.num_prompts} own "
                                          "answers"),
-      lambda c: drafter.run(c, progress=progress))
+      drafter.run)
 
 
 def plan_models(config, workdir: str, trained: dict[str, dict], log=print
@@ -340,10 +339,9 @@ def plan_models(config, workdir: str, trained: dict[str, dict], log=print
   """Stage 4: each PLANNED planner of config.models: the selection policy trained for
   speed on its model's lossless sampler (refusion_jax.rl with `settings.planner_config`;
   `plan_weights.json`, also in its marker's "plan_weights"). {name: marker}."""
-  progress = bool(config.get("progress_bar", True))
   return _trained_from(
       config, workdir, trained, log, settings.PLANNED, "planner", settings.planner_config,
       "trained for speed", lambda c: (f"the slot planner: {c.steps} steps x "
                                       f"{c.prompts_per_step} prompts x {c.group_size} greedy "
                                       "lossless plans, reward tokens per forward"),
-      lambda c: rl_trainer.run(c, progress=progress), product=PLAN_WEIGHTS_FILE)
+      rl_trainer.run, product=PLAN_WEIGHTS_FILE)
